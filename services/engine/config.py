@@ -1,0 +1,94 @@
+"""Typed configuration of the engine: what the model is (ModelConfig) and how it is served (EngineConfig).
+
+Both are plain dataclasses with defaults that work on a laptop; the CLI and the Helm values use the same names.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass, field
+from typing import Any
+
+SUPPORTED_ARCHITECTURES = ("llama",)  # Llama 2/3, SmolLM and Qwen2-style layouts map onto this
+SUPPORTED_DTYPES = ("float32", "bfloat16")
+SUPPORTED_QUANT = ("none", "nvfp4")
+
+
+class ModelLoadError(ValueError):
+    """A model could not be loaded; the message names the file and what is wrong with it."""
+
+
+@dataclass(frozen=True)
+class RopeScaling:
+    """Llama-3 style frequency scaling (rope_type "llama3"); None on the model means plain RoPE."""
+
+    factor: float
+    low_freq_factor: float
+    high_freq_factor: float
+    original_max_position_embeddings: int
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    architecture: str
+    num_layers: int
+    hidden_size: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    intermediate_size: int
+    vocab_size: int
+    rope_theta: float
+    rms_norm_eps: float
+    max_context: int
+    tie_embeddings: bool
+    attention_bias: bool = False
+    rope_scaling: RopeScaling | None = None
+    bos_token_id: int | None = None
+    eos_token_id: int | None = None
+    name: str = ""
+
+    def __post_init__(self) -> None:
+        if self.architecture not in SUPPORTED_ARCHITECTURES:
+            raise ModelLoadError(
+                f"unsupported architecture {self.architecture!r}; supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
+            )
+        if self.num_heads % self.num_kv_heads:
+            raise ModelLoadError(
+                f"num_heads={self.num_heads} is not a multiple of num_kv_heads={self.num_kv_heads}"
+            )
+
+    def canonical_json(self) -> str:
+        """The config as it enters the model fingerprint: sorted keys, no display-only fields."""
+        d = dataclasses.asdict(self)
+        d.pop("name")
+        return json.dumps(d, sort_keys=True, separators=(",", ":"))
+
+
+@dataclass
+class EngineConfig:
+    """How one engine instance serves a model."""
+
+    dtype: str = "bfloat16"
+    quant: str = "none"  # none | nvfp4
+    block_size: int = 16  # tokens per KV block
+    num_kv_blocks: int = 0  # 0: size from kv_cache_bytes
+    kv_cache_bytes: int = 1 << 30
+    max_num_seqs: int = 64  # admission limit: sequences in one batch
+    max_num_batched_tokens: int = 512  # token budget of one step (chunked prefill)
+    max_model_len: int = 0  # 0: the model's context length
+    enable_prefix_caching: bool = True
+    num_threads: int = 0  # 0: leave torch's default
+    nvfp4_cache_dequantized: bool = False
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if self.dtype not in SUPPORTED_DTYPES:
+            raise ValueError(f"dtype must be one of {SUPPORTED_DTYPES}, got {self.dtype!r}")
+        if self.quant not in SUPPORTED_QUANT:
+            raise ValueError(f"quant must be one of {SUPPORTED_QUANT}, got {self.quant!r}")
+        if self.block_size <= 0 or self.block_size & (self.block_size - 1):
+            raise ValueError(f"block_size must be a positive power of two, got {self.block_size}")
+        if self.max_num_batched_tokens < self.block_size:
+            raise ValueError("max_num_batched_tokens must be at least block_size")

@@ -1,0 +1,406 @@
+"""The engine every prefill and decode worker runs: requests in, tokens out, one step at a time.
+
+`LLMEngine.step()` asks the scheduler for a decision, turns it into one batched forward pass (the runner part of
+this file builds the token, position and attention metadata tensors), samples where a sequence reached its end,
+applies stop conditions and returns what changed. KV blocks can be exported to bytes and imported into another
+engine (`export_kv` / `import_kv`); the `KvLayout` they carry is checked field by field, so a cache from a
+different model, dtype or block size is refused, never reinterpreted.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from services.engine.config import EngineConfig, ModelConfig
+from services.engine.kv_cache import BlockManager, KvEvent, NoFreeBlocksError
+from services.engine.loader import LoadedModel, load_model, model_fingerprint
+from services.engine.model import AttnMetadata, PagedKvCache, PrefillSegment, Transformer
+from services.engine.sampling import Sampled, SamplingParams, sample_batch
+from services.engine.scheduler import Request, RequestStatus, Scheduler, SchedulerOutput
+
+log = logging.getLogger("rackserve.engine")
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+class PromptTooLongError(ValueError):
+    """A prompt (plus what it may generate) does not fit the context."""
+
+
+class KvMismatchError(ValueError):
+    """A KV payload was produced for another model, dtype or layout; it must be refused, not reinterpreted."""
+
+
+@dataclass(frozen=True)
+class KvLayout:
+    model_fingerprint: str
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    block_size: int
+    dtype: str
+    layout: str = PagedKvCache.LAYOUT
+
+    def check_compatible(self, other: KvLayout) -> None:
+        for name in self.__dataclass_fields__:
+            mine, theirs = getattr(self, name), getattr(other, name)
+            if mine != theirs:
+                raise KvMismatchError(f"KV {name} mismatch: this engine has {mine!r}, the payload has {theirs!r}")
+
+
+@dataclass
+class KvExport:
+    """The KV of a sequence's first `len(token_ids)` tokens: whole blocks in order, block-major bytes."""
+
+    layout: KvLayout
+    token_ids: list[int]
+    data: bytes
+
+    @property
+    def num_blocks(self) -> int:
+        return -(-len(self.token_ids) // self.layout.block_size)
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    new_token_ids: list[int]
+    finished: bool
+    finish_reason: str | None = None
+    stop_reason: str | int | None = None
+    logprobs: list[Sampled] = field(default_factory=list)
+    num_prompt_tokens: int = 0
+    num_cached_tokens: int = 0
+
+
+@dataclass
+class EngineStats:
+    waiting: int
+    running: int
+    free_blocks: int
+    total_blocks: int
+    cached_blocks: int
+    kv_usage: float
+    prefix_hits_tokens: int
+    prefix_query_tokens: int
+    preemptions: int
+    step_s: float  # exponential average of recent step times
+    batch_size: int
+
+
+class LLMEngine:
+    def __init__(
+        self,
+        model: str | os.PathLike[str] | LoadedModel,
+        config: EngineConfig | None = None,
+        tokenizer: object | None = None,
+    ) -> None:
+        self.config = cfg = config or EngineConfig()
+        if cfg.num_threads:
+            torch.set_num_threads(cfg.num_threads)
+        loaded = model if isinstance(model, LoadedModel) else load_model(model)
+        self.model_config: ModelConfig = loaded.config
+        self.model_path = loaded.source
+        self.dtype = _DTYPES[cfg.dtype]
+        quant_id = "none"
+        kw = {}
+        if cfg.quant == "nvfp4":
+            from services.engine.nvfp4 import QUANT_RECIPE_ID
+
+            quant_id = QUANT_RECIPE_ID
+            kw = {"cache_dequantized": cfg.nvfp4_cache_dequantized}
+        self.fingerprint = model_fingerprint(loaded.config, loaded.weights, quant_id)
+        self.model = Transformer(loaded.config, loaded.weights, self.dtype, cfg.quant, **kw)
+        self.tokenizer = tokenizer if tokenizer is not None else _load_tokenizer(loaded)
+        self.max_model_len = min(cfg.max_model_len or loaded.config.max_context, loaded.config.max_context)
+
+        per_block = PagedKvCache.bytes_per_block(loaded.config, cfg.block_size, self.dtype)
+        num_blocks = cfg.num_kv_blocks or max(1, cfg.kv_cache_bytes // per_block)
+        self.kv = PagedKvCache(loaded.config, num_blocks, cfg.block_size, self.dtype)
+        self.blocks = BlockManager(num_blocks, cfg.block_size, cfg.enable_prefix_caching)
+        self.scheduler = Scheduler(self.blocks, cfg.max_num_seqs, cfg.max_num_batched_tokens, self.max_model_len)
+        self.requests: dict[str, Request] = {}
+        self.kv_layout = KvLayout(
+            model_fingerprint=self.fingerprint,
+            num_layers=loaded.config.num_layers,
+            num_kv_heads=loaded.config.num_kv_heads,
+            head_dim=loaded.config.head_dim,
+            block_size=cfg.block_size,
+            dtype=cfg.dtype,
+        )
+        self._eos_ids = set(getattr(self.tokenizer, "stop_token_ids", ()) or ())
+        if loaded.config.eos_token_id is not None:
+            self._eos_ids.add(loaded.config.eos_token_id)
+        self._prefix_hits = self._prefix_queries = self._preemptions = 0
+        self._step_s = 0.0
+        self._last_batch = 0
+
+    # ------------------------------------------------------------------------------------------ requests
+    def add_request(
+        self,
+        request_id: str,
+        prompt_ids: Sequence[int],
+        params: SamplingParams,
+        output_ids: Sequence[int] = (),
+        kv: KvExport | None = None,
+        hold_kv: bool = False,
+    ) -> Request:
+        """Queue a request. output_ids are tokens already emitted (a resumed request continues after them);
+        kv, if given, is imported so the tokens it covers need no recompute."""
+        if request_id in self.requests:
+            raise ValueError(f"duplicate request id {request_id!r}")
+        prompt = list(prompt_ids)
+        if not prompt:
+            raise ValueError("the prompt is empty")
+        bad = [t for t in prompt + list(output_ids) if not 0 <= t < self.model_config.vocab_size]
+        if bad:
+            raise ValueError(f"token id {bad[0]} is outside the vocabulary (size {self.model_config.vocab_size})")
+        total = len(prompt) + len(output_ids)
+        if total >= self.max_model_len:
+            raise PromptTooLongError(
+                f"prompt of {total} tokens does not fit the context length of {self.max_model_len} tokens"
+            )
+        req = Request(request_id, prompt, params.with_seed(), list(output_ids), hold_kv=hold_kv)
+        if len(req.output_ids) >= params.max_tokens:
+            raise ValueError(f"already {len(req.output_ids)} tokens emitted, max_tokens is {params.max_tokens}")
+        if kv is not None:
+            self._import_into(req, kv)
+        self.requests[request_id] = req
+        self.scheduler.add(req)
+        return req
+
+    def abort(self, request_id: str) -> None:
+        req = self.requests.pop(request_id, None)
+        if req is not None and not req.finished:
+            self.scheduler.finish(req, "abort")
+        elif req is not None:
+            self.scheduler.release_kv(req)
+
+    def release_kv(self, request_id: str) -> None:
+        """Let go of a finished request's held KV blocks (they stay in the prefix cache until evicted)."""
+        req = self.requests.pop(request_id, None)
+        if req is not None:
+            self.scheduler.release_kv(req)
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.num_unfinished > 0
+
+    # ------------------------------------------------------------------------------------------ stepping
+    def step(self) -> list[RequestOutput]:
+        t0 = time.perf_counter()
+        decision = self.scheduler.schedule()
+        self._preemptions += len(decision.preempted)
+        if decision.empty:
+            return []
+        sampled = self._execute(decision)
+        outputs = []
+        for chunk in decision.chunks:
+            req = self.requests[chunk.request_id]
+            self.scheduler.on_computed(req, chunk.num_tokens)
+            if not chunk.samples:
+                continue
+            s = sampled[chunk.request_id]
+            outputs.append(self._append_token(req, s))
+        dt = time.perf_counter() - t0
+        self._step_s = dt if self._step_s == 0 else 0.8 * self._step_s + 0.2 * dt
+        self._last_batch = len(decision.chunks)
+        return outputs
+
+    def _append_token(self, req: Request, s: Sampled) -> RequestOutput:
+        if req.first_token_s is None:
+            req.first_token_s = time.monotonic()
+            self._prefix_queries += len(req.prompt_ids)
+            self._prefix_hits += req.num_cached_tokens
+        req.output_ids.append(s.token_id)
+        p = req.params
+        n_out = len(req.output_ids)
+        reason: str | None = None
+        stop_reason: str | int | None = None
+        if n_out >= p.min_tokens:
+            if s.token_id in p.stop_token_ids:
+                reason, stop_reason = "stop", s.token_id
+            elif not p.ignore_eos and s.token_id in self._eos_ids:
+                reason, stop_reason = "stop", s.token_id
+            elif p.stop and self.tokenizer is not None:
+                text = self.tokenizer.decode(req.output_ids, skip_special_tokens=True)  # type: ignore[attr-defined]
+                hit = next((x for x in p.stop if x in text), None)
+                if hit is not None:
+                    reason, stop_reason = "stop", hit
+        if reason is None and (n_out >= p.max_tokens or req.num_tokens >= self.max_model_len):
+            reason = "length"
+        out = RequestOutput(
+            req.request_id,
+            [s.token_id],
+            finished=reason is not None,
+            finish_reason=reason,
+            stop_reason=stop_reason,
+            logprobs=[s] if p.logprobs is not None else [],
+            num_prompt_tokens=len(req.prompt_ids),
+            num_cached_tokens=req.num_cached_tokens,
+        )
+        if reason is not None:
+            self.scheduler.finish(req, reason, stop_reason)
+            if not req.hold_kv:
+                del self.requests[req.request_id]
+        return out
+
+    def _execute(self, decision: SchedulerOutput) -> dict[str, Sampled]:
+        """The runner: one forward pass over every chunk of the step, then sampling where chunks end a sequence."""
+        bs = self.kv.block_size
+        tokens: list[int] = []
+        positions: list[int] = []
+        slot_block: list[int] = []
+        slot_off: list[int] = []
+        decode_rows: list[int] = []
+        decode_tables: list[list[int]] = []
+        decode_lens: list[int] = []
+        prefills: list[PrefillSegment] = []
+        sample_rows: list[int] = []
+        sample_reqs: list[Request] = []
+        for chunk in decision.chunks:
+            req = self.requests[chunk.request_id]
+            row = len(tokens)
+            a, b = chunk.start, chunk.start + chunk.num_tokens
+            ids = req.all_ids
+            tokens += ids[a:b]
+            pos = list(range(a, b))
+            positions += pos
+            slot_block += [req.block_ids[p // bs] for p in pos]
+            slot_off += [p % bs for p in pos]
+            if chunk.num_tokens == 1 and a > 0:
+                decode_rows.append(row)
+                decode_tables.append(req.block_ids[: -(-b // bs)])
+                decode_lens.append(b)
+            elif a == 0:
+                prefills.append(PrefillSegment(row, row + chunk.num_tokens))
+            else:
+                prefills.append(
+                    PrefillSegment(
+                        row,
+                        row + chunk.num_tokens,
+                        ctx_blocks=torch.tensor(req.block_ids[: -(-b // bs)]),
+                        positions=torch.tensor(pos),
+                    )
+                )
+            if chunk.samples:
+                sample_rows.append(row + chunk.num_tokens - 1)
+                sample_reqs.append(req)
+        meta = AttnMetadata(slot_block=torch.tensor(slot_block), slot_offset=torch.tensor(slot_off))
+        meta.prefills = prefills
+        if decode_rows:
+            nb = max(len(t) for t in decode_tables)
+            meta.decode_rows = torch.tensor(decode_rows)
+            meta.decode_blocks = torch.tensor([t + [0] * (nb - len(t)) for t in decode_tables])
+            keypos = torch.arange(nb * bs)
+            valid = keypos[None, :] < torch.tensor(decode_lens)[:, None]
+            meta.decode_mask = torch.zeros(valid.shape).masked_fill(~valid, float("-inf"))[:, None, None, :]
+        hidden = self.model(torch.tensor(tokens), torch.tensor(positions), meta, self.kv)
+        if not sample_rows:
+            return {}
+        logits = self.model.logits(hidden[torch.tensor(sample_rows)])
+        for i, req in enumerate(sample_reqs):  # hold back end-of-sequence until min_tokens is reached
+            if len(req.output_ids) < req.params.min_tokens:
+                suppress = list(self._eos_ids | set(req.params.stop_token_ids))
+                if suppress:
+                    logits[i, suppress] = float("-inf")
+        picks = sample_batch(logits, [r.params for r in sample_reqs], [len(r.output_ids) for r in sample_reqs])
+        return {r.request_id: s for r, s in zip(sample_reqs, picks, strict=True)}
+
+    # ------------------------------------------------------------------------------------------ helpers
+    def generate(
+        self, prompts: Iterable[Sequence[int]], params: SamplingParams | Sequence[SamplingParams]
+    ) -> list[list[int]]:
+        """Run prompts to completion with continuous batching; returns the generated token ids per prompt."""
+        prompts = list(prompts)
+        plist = list(params) if isinstance(params, Sequence) else [params] * len(prompts)
+        ids = [f"gen-{time.monotonic_ns()}-{i}" for i in range(len(prompts))]
+        results: dict[str, list[int]] = {i: [] for i in ids}
+        for rid, prompt, p in zip(ids, prompts, plist, strict=True):
+            self.add_request(rid, prompt, p)
+        while any(rid in self.requests for rid in ids):
+            for out in self.step():
+                if out.request_id in results:
+                    results[out.request_id] += out.new_token_ids
+        return [results[i] for i in ids]
+
+    def drain_kv_events(self) -> list[KvEvent]:
+        return self.blocks.drain_events()
+
+    def stats(self) -> EngineStats:
+        return EngineStats(
+            waiting=len(self.scheduler.waiting),
+            running=len(self.scheduler.running),
+            free_blocks=self.blocks.num_free,
+            total_blocks=self.blocks.num_blocks,
+            cached_blocks=self.blocks.num_cached,
+            kv_usage=self.blocks.usage,
+            prefix_hits_tokens=self._prefix_hits,
+            prefix_query_tokens=self._prefix_queries,
+            preemptions=self._preemptions,
+            step_s=self._step_s,
+            batch_size=self._last_batch,
+        )
+
+    # ------------------------------------------------------------------------------------------ KV export/import
+    def export_kv(self, request_id: str, num_tokens: int | None = None) -> KvExport:
+        """The KV of a live or held request's first num_tokens computed tokens (default: all computed)."""
+        req = self.requests.get(request_id)
+        if req is None:
+            raise KeyError(f"no live or held request {request_id!r}")
+        n = req.num_computed_tokens if num_tokens is None else num_tokens
+        if n > req.num_computed_tokens or n <= 0:
+            raise ValueError(f"request {request_id!r} has {req.num_computed_tokens} computed tokens, asked for {n}")
+        nblocks = -(-n // self.kv.block_size)
+        data = self.kv.data[torch.tensor(req.block_ids[:nblocks])].contiguous()
+        return KvExport(self.kv_layout, req.all_ids[:n], data.view(torch.uint8).numpy().tobytes())
+
+    def _import_into(self, req: Request, kv: KvExport) -> None:
+        self.kv_layout.check_compatible(kv.layout)
+        n = len(kv.token_ids)
+        if req.all_ids[:n] != kv.token_ids:
+            raise KvMismatchError("KV payload covers different tokens than the request's prompt and output")
+        if n >= req.num_tokens + 1 or n == 0:
+            raise KvMismatchError(f"KV payload covers {n} tokens; the request has {req.num_tokens}")
+        nblocks = kv.num_blocks
+        if len(kv.data) != nblocks * self.kv.block_bytes:
+            raise KvMismatchError(
+                f"KV payload has {len(kv.data)} bytes, {nblocks} blocks need {nblocks * self.kv.block_bytes}"
+            )
+        if n == req.num_tokens:
+            # a step must compute at least the last token to produce logits: keep all but that token
+            n -= 1
+        try:
+            ids = self.blocks.allocate(nblocks)
+        except NoFreeBlocksError as e:
+            raise NoFreeBlocksError(f"cannot import KV for {req.request_id!r}: {e}") from e
+        src = torch.frombuffer(bytearray(kv.data), dtype=self.kv.dtype).view(nblocks, *self.kv.data.shape[1:])
+        self.kv.data[torch.tensor(ids)] = src
+        req.block_ids = ids
+        req.num_computed_tokens = n
+
+
+def _load_tokenizer(loaded: LoadedModel) -> object | None:
+    from services.engine.tokenizer import Tokenizer
+
+    if loaded.source_format == "gguf":
+        return Tokenizer.from_gguf(loaded.source)
+    return Tokenizer.from_hf_dir(loaded.source)
+
+
+__all__ = [
+    "EngineConfig",
+    "KvExport",
+    "KvLayout",
+    "KvMismatchError",
+    "LLMEngine",
+    "PromptTooLongError",
+    "RequestOutput",
+    "RequestStatus",
+    "SamplingParams",
+]

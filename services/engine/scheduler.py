@@ -1,0 +1,190 @@
+"""Continuous batching: which sequences run in the next step, and with how many tokens.
+
+Each step has a token budget. Running sequences go first (a decode needs one token; a sequence still in its
+prompt gets a chunk), then waiting ones are admitted in arrival order while the budget, the sequence limit and
+the free KV blocks allow (prompts longer than the budget are prefilled in chunks across steps). When a running
+sequence needs a block and none is free, the most recently admitted sequence is preempted: its blocks are
+released and it is recomputed later from its tokens (prefix caching usually makes that cheap).
+
+The scheduler's decision is a `SchedulerOutput`: plain data the runner executes and a log or test can read.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from enum import Enum
+
+from services.engine.block_hash import ROOT_HASH, block_hashes
+from services.engine.kv_cache import BlockManager
+from services.engine.sampling import SamplingParams
+
+
+class RequestStatus(Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass
+class Request:
+    request_id: str
+    prompt_ids: list[int]
+    params: SamplingParams
+    output_ids: list[int] = field(default_factory=list)
+    arrival_s: float = field(default_factory=time.monotonic)
+    status: RequestStatus = RequestStatus.WAITING
+    num_computed_tokens: int = 0
+    num_cached_tokens: int = 0  # prompt tokens served from the prefix cache at admission
+    block_ids: list[int] = field(default_factory=list)
+    hashes: list[int] = field(default_factory=list)  # chained hashes of the full blocks committed so far
+    finish_reason: str | None = None  # stop | length | abort
+    stop_reason: str | int | None = None  # the stop string or token that ended it
+    hold_kv: bool = False  # keep blocks after finishing until released (prefill workers, for transfer)
+    num_preemptions: int = 0
+    first_token_s: float | None = None
+
+    @property
+    def all_ids(self) -> list[int]:
+        return self.prompt_ids + self.output_ids
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_ids) + len(self.output_ids)
+
+    @property
+    def finished(self) -> bool:
+        return self.status is RequestStatus.FINISHED
+
+
+@dataclass(frozen=True)
+class ScheduledChunk:
+    request_id: str
+    start: int  # tokens before this chunk that are already in the cache
+    num_tokens: int  # tokens computed in this step
+    samples: bool  # this chunk reaches the end of the sequence, so a token is sampled after it
+
+
+@dataclass
+class SchedulerOutput:
+    chunks: list[ScheduledChunk]
+    preempted: list[str]
+    num_batched_tokens: int
+
+    @property
+    def empty(self) -> bool:
+        return not self.chunks
+
+
+class Scheduler:
+    def __init__(
+        self, blocks: BlockManager, max_num_seqs: int, max_num_batched_tokens: int, max_model_len: int
+    ) -> None:
+        self.blocks = blocks
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.max_model_len = max_model_len
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+
+    def add(self, req: Request) -> None:
+        self.waiting.append(req)
+
+    @property
+    def num_unfinished(self) -> int:
+        return len(self.waiting) + len(self.running)
+
+    def schedule(self) -> SchedulerOutput:
+        budget = self.max_num_batched_tokens
+        chunks: list[ScheduledChunk] = []
+        preempted: list[str] = []
+        bs = self.blocks.block_size
+
+        i = 0
+        while i < len(self.running) and budget > 0:
+            req = self.running[i]
+            n = min(req.num_tokens - req.num_computed_tokens, budget)
+            if n <= 0:
+                i += 1
+                continue
+            need = self.blocks.blocks_for(req.num_computed_tokens + n) - len(req.block_ids)
+            while need > self.blocks.num_free:
+                victim = self.running[-1]
+                self._preempt(victim)
+                preempted.append(victim.request_id)
+                if victim is req:
+                    break
+            if req.status is not RequestStatus.RUNNING:
+                break
+            if need > 0:
+                req.block_ids += self.blocks.allocate(need)
+            start = req.num_computed_tokens
+            chunks.append(ScheduledChunk(req.request_id, start, n, start + n == req.num_tokens))
+            budget -= n
+            i += 1
+
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs and not preempted:
+            req = self.waiting[0]
+            cached: list[int] = []
+            hashes: list[int] = []
+            if not req.block_ids:  # fresh or preempted: look for its prefix in the cache
+                # leave at least one token to compute, so the step yields logits to sample from
+                hashes = block_hashes(req.all_ids[: req.num_tokens - 1], bs)
+                cached = self.blocks.lookup_prefix(hashes)
+            start = max(req.num_computed_tokens, len(cached) * bs)
+            n = min(req.num_tokens - start, budget)
+            need = self.blocks.blocks_for(start + n) - len(req.block_ids) - len(cached)
+            if need > self.blocks.free_after_acquiring(cached):
+                break
+            self.waiting.popleft()
+            if cached:
+                self.blocks.acquire(cached)
+                req.block_ids = list(cached)
+                req.hashes = hashes[: len(cached)]
+                req.num_computed_tokens = start
+                if not req.output_ids:
+                    req.num_cached_tokens = start
+            req.block_ids += self.blocks.allocate(need)
+            req.status = RequestStatus.RUNNING
+            self.running.append(req)
+            chunks.append(ScheduledChunk(req.request_id, start, n, start + n == req.num_tokens))
+            budget -= n
+        return SchedulerOutput(chunks, preempted, self.max_num_batched_tokens - budget)
+
+    def _preempt(self, req: Request) -> None:
+        self.running.remove(req)
+        self.blocks.release(req.block_ids)
+        req.block_ids, req.hashes = [], []
+        req.num_computed_tokens = 0
+        req.num_preemptions += 1
+        req.status = RequestStatus.WAITING
+        self.waiting.appendleft(req)
+
+    def on_computed(self, req: Request, n: int) -> None:
+        """After a step: advance the sequence and commit the blocks it filled to the prefix cache."""
+        req.num_computed_tokens += n
+        bs = self.blocks.block_size
+        full = req.num_computed_tokens // bs
+        ids = req.all_ids
+        while len(req.hashes) < full:
+            k = len(req.hashes)
+            parent = req.hashes[-1] if req.hashes else ROOT_HASH
+            h = block_hashes(ids[k * bs : (k + 1) * bs], bs, parent)[0]
+            self.blocks.commit(req.block_ids[k], h, parent)
+            req.hashes.append(h)
+
+    def finish(self, req: Request, reason: str, stop_reason: str | int | None = None) -> None:
+        req.status = RequestStatus.FINISHED
+        req.finish_reason, req.stop_reason = reason, stop_reason
+        if req in self.running:
+            self.running.remove(req)
+        elif req in self.waiting:
+            self.waiting.remove(req)
+        if not req.hold_kv:
+            self.release_kv(req)
+
+    def release_kv(self, req: Request) -> None:
+        if req.block_ids:
+            self.blocks.release(req.block_ids)
+            req.block_ids = []
