@@ -1,0 +1,37 @@
+"""NVFP4 for rackserve: the recipe of /shared/NVFP4.md, its kernels, and the pieces the engine plugs in.
+
+Rooms:
+- recipe.py        the reference quantize/dequantize in plain torch — the definition every path must match
+- layouts.py       linear and 128x4-swizzled block-scale layouts
+- triton_kernels   Triton quantize (bit-exact) and W4A16 dequant-GEMM (imports triton; load lazily)
+- cuda_kernels     loader for the CUDA quantize kernel in cuda/ (built on first use, GPU machines only)
+- blackwell.py     W4A4 through torch._scaled_mm on FP4 tensor cores (compute capability >= 10.0)
+- linear.py        NVFP4Linear, the engine's drop-in Linear
+- checkpoint.py    ModelOpt and compressed-tensors checkpoint layouts
+- kv.py            NVFP4 wire format for KV transfers
+
+Importing this package never imports Triton or compiles anything.
+"""
+
+from .checkpoint import detect_layout, from_compressed_tensors, from_modelopt, load_nvfp4_weight
+from .kv import dequantize_kv_from_wire, quantize_kv_for_wire
+from .layouts import swizzle_scales, unswizzle_scales
+from .linear import NVFP4Linear, weight_memory_bytes
+from .recipe import QUANT_RECIPE_ID, NVFP4Tensor, dequantize, quantize
+
+__all__ = [
+    "QUANT_RECIPE_ID",
+    "NVFP4Linear",
+    "NVFP4Tensor",
+    "dequantize",
+    "dequantize_kv_from_wire",
+    "detect_layout",
+    "from_compressed_tensors",
+    "from_modelopt",
+    "load_nvfp4_weight",
+    "quantize",
+    "quantize_kv_for_wire",
+    "swizzle_scales",
+    "unswizzle_scales",
+    "weight_memory_bytes",
+]
