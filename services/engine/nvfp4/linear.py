@@ -1,0 +1,194 @@
+"""NVFP4Linear: a torch.nn.Linear replacement that keeps its weight packed in NVFP4.
+
+forward(x) computes x @ W_hat^T (+ bias) in x's dtype, where W_hat = dequantize(weight) exactly as recipe.py
+defines it, with the best kernel the machine offers:
+
+- CUDA + Triton:  the fused W4A16 dequant-GEMM (weights stay packed, fp32 accumulation);
+- otherwise:      dequantize to x's dtype + torch matmul (optionally caching the dequantized weight);
+- opt-in W4A4:    on Blackwell, activations quantized to NVFP4 and multiplied on FP4 tensor cores — different
+                  numerics, so only when the caller passes w4a4=True.
+
+The kernel chosen is logged once per (kernel, device type, dtype), so a change of numerics is never silent.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+import torch.nn.functional as F
+
+from .blackwell import BlackwellWeight, blackwell_unavailable_reason, prepare_weight, w4a4_matmul
+from .recipe import NVFP4Tensor, dequantize, quantize
+
+logger = logging.getLogger(__name__)
+
+_announced: set[tuple[str, str, torch.dtype]] = set()
+
+
+def _announce(kernel: str, x: torch.Tensor, detail: str) -> None:
+    key = (kernel, x.device.type, x.dtype)
+    if key not in _announced:
+        _announced.add(key)
+        logger.info("NVFP4Linear: %s for %s %s activations (%s)", kernel, x.device.type, x.dtype, detail)
+
+
+def _quantize_on_device(weight: torch.Tensor) -> NVFP4Tensor:
+    """Quantize where the weight lives: Triton on CUDA when available, else the torch recipe (same bytes)."""
+    if weight.is_cuda:
+        try:
+            from .triton_kernels import quantize_triton
+        except ImportError:
+            return quantize(weight)
+        return quantize_triton(weight)
+    return quantize(weight)
+
+
+class NVFP4Linear(torch.nn.Module):
+    """Linear layer with an NVFP4 weight [out_features, in_features]; see the module docstring."""
+
+    packed: torch.Tensor
+    scales: torch.Tensor
+    global_scale: torch.Tensor
+    bias: torch.Tensor | None
+
+    def __init__(
+        self,
+        weight: NVFP4Tensor,
+        bias: torch.Tensor | None = None,
+        *,
+        cache_dequantized: bool = False,
+        w4a4: bool = False,
+    ) -> None:
+        super().__init__()
+        if len(weight.shape) != 2:
+            raise ValueError(
+                f"NVFP4Linear: weight must be 2-D [out_features, in_features], got {weight.shape}"
+            )
+        self.out_features, self.in_features = weight.shape
+        if bias is not None and tuple(bias.shape) != (self.out_features,):
+            raise ValueError(
+                f"NVFP4Linear: bias must have shape ({self.out_features},), got {tuple(bias.shape)}"
+            )
+        self.register_buffer("packed", weight.packed.contiguous())
+        self.register_buffer("scales", weight.scales.contiguous())
+        self.register_buffer("global_scale", weight.global_scale.reshape(()).to(torch.float32))
+        self.register_buffer("bias", None if bias is None else bias.detach().clone())
+        self.cache_dequantized = cache_dequantized
+        self.w4a4 = w4a4
+        self._dequantized: torch.Tensor | None = None  # x-dtype W_hat, CPU path with cache_dequantized only
+        self._blackwell_weight: BlackwellWeight | None = None  # swizzled scales, built on first W4A4 call
+
+    @classmethod
+    def from_weight(
+        cls,
+        weight: torch.Tensor,
+        bias: torch.Tensor | None = None,
+        cache_dequantized: bool = False,
+        *,
+        w4a4: bool = False,
+    ) -> NVFP4Linear:
+        """Quantize a dense [out, in] weight with the NVFP4 recipe (on its own device) and wrap it."""
+        with torch.no_grad():
+            q = _quantize_on_device(weight.detach())
+        return cls(q, bias, cache_dequantized=cache_dequantized, w4a4=w4a4)
+
+    @property
+    def weight_nvfp4(self) -> NVFP4Tensor:
+        return NVFP4Tensor(
+            packed=self.packed,
+            scales=self.scales,
+            global_scale=self.global_scale,
+            shape=(self.out_features, self.in_features),
+        )
+
+    def weight_bytes(self) -> int:
+        """Bytes this layer holds for its weight: packed codes, scales, tensor scale, and any cached copy."""
+        held = self.packed.numel() + self.scales.numel() + self.global_scale.numel() * 4
+        if self._dequantized is not None:
+            held += self._dequantized.numel() * self._dequantized.element_size()
+        if self._blackwell_weight is not None:
+            held += self._blackwell_weight.scales_swizzled.numel()  # packed codes are shared, not copied
+        return held
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.shape[-1] != self.in_features:
+            raise ValueError(f"NVFP4Linear: expected input [..., {self.in_features}], got {tuple(x.shape)}")
+        if x.is_cuda:
+            if self.w4a4:
+                out = self._forward_w4a4(x)
+                if out is not None:
+                    return out if self.bias is None else out + self.bias.to(out.dtype)
+            out = self._forward_triton(x)
+            if out is not None:
+                return out if self.bias is None else out + self.bias.to(out.dtype)
+        return self._forward_dequantized(x)
+
+    def _forward_w4a4(self, x: torch.Tensor) -> torch.Tensor | None:
+        reason = blackwell_unavailable_reason(x.device)
+        if reason is None and self.in_features % 32 != 0:
+            reason = f"in_features={self.in_features} is not a multiple of 32"
+        if reason is not None:
+            _announce("W4A4 unavailable, falling back to W4A16", x, reason)
+            return None
+        if self._blackwell_weight is None or self._blackwell_weight.packed.device != x.device:
+            self._blackwell_weight = prepare_weight(self.weight_nvfp4)
+        _announce("blackwell-w4a4 (torch._scaled_mm)", x, "activations quantized to NVFP4 per call")
+        return w4a4_matmul(x, self._blackwell_weight)
+
+    def _forward_triton(self, x: torch.Tensor) -> torch.Tensor | None:
+        try:
+            from .triton_kernels import w4a16_matmul
+        except ImportError as exc:
+            _announce("cpu-style dequantize + matmul", x, f"Triton unavailable: {exc}")
+            return None
+        _announce("triton-w4a16", x, "NVFP4 weights decoded in-kernel, fp32 accumulation")
+        return w4a16_matmul(x, self.weight_nvfp4)
+
+    def _forward_dequantized(self, x: torch.Tensor) -> torch.Tensor:
+        w_hat = self._dequantized
+        if w_hat is None or w_hat.dtype != x.dtype or w_hat.device != x.device:
+            w_hat = dequantize(self.weight_nvfp4).to(device=x.device, dtype=x.dtype)
+            if self.cache_dequantized:
+                self._dequantized = w_hat
+        _announce(
+            "dequantize + torch matmul",
+            x,
+            f"W_hat rounded to {x.dtype}, "
+            + ("cached after first call" if self.cache_dequantized else "per call"),
+        )
+        bias = None if self.bias is None else self.bias.to(x.dtype)
+        return F.linear(x, w_hat, bias)
+
+    def _apply(self, fn, recurse=True):  # type: ignore[no-untyped-def]
+        # module.to(torch.bfloat16) casts every floating buffer; g_e must stay the exact fp32 it was, so it
+        # follows the device move but keeps its dtype and bits.
+        g = self.global_scale
+        super()._apply(fn, recurse)
+        if self.global_scale.dtype != torch.float32:
+            self.global_scale = g.to(self.global_scale.device)
+        self._dequantized = None
+        self._blackwell_weight = None
+        return self
+
+    def extra_repr(self) -> str:
+        return (
+            f"in_features={self.in_features}, out_features={self.out_features}, "
+            f"bias={self.bias is not None}, nvfp4, cache_dequantized={self.cache_dequantized}, "
+            f"w4a4={self.w4a4}"
+        )
+
+
+def weight_memory_bytes(module: torch.nn.Module) -> int:
+    """Bytes of weights a model holds: NVFP4 layers count their packed form (plus caches), others their
+    parameters and buffers. For the engine's memory table next to perplexity."""
+    total = 0
+    for sub in module.modules():
+        if isinstance(sub, NVFP4Linear):
+            total += sub.weight_bytes()
+            if sub.bias is not None:
+                total += sub.bias.numel() * sub.bias.element_size()
+            continue
+        for t in list(sub.parameters(recurse=False)) + list(sub.buffers(recurse=False)):
+            total += t.numel() * t.element_size()
+    return total
