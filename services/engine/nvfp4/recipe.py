@@ -26,20 +26,18 @@ GLOBAL_SCALE_NUMERATOR = E4M3_MAX * E2M1_MAX  # 2688: maps the tensor amax onto 
 # Magnitudes of the 8 non-negative E2M1 codes; code | 8 is the negative twin.
 E2M1_MAGNITUDES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
 
-# Decision points between neighbouring E2M1 magnitudes. A magnitude `a` gets code = #{t : t < a}, so a tie
-# at a threshold stays on the lower code. Ties must go to the even code: for the thresholds whose lower
-# neighbour is odd (0.75, 1.75, 3.5) the threshold is moved one fp32 ulp down, which turns `t < a` into
-# `0.75 <= a` for every fp32 `a`.
-_TIE_LOW_THRESHOLDS = (0.25, 1.25, 2.5, 5.0)
-_TIE_HIGH_THRESHOLDS = (0.75, 1.75, 3.5)
-
-
-def _e2m1_thresholds(device: torch.device) -> torch.Tensor:
-    low = torch.tensor(_TIE_LOW_THRESHOLDS, dtype=torch.float32)
-    high = torch.tensor(_TIE_HIGH_THRESHOLDS, dtype=torch.float32)
-    high = torch.nextafter(high, torch.zeros_like(high))
-    merged = torch.cat([low, high]).sort().values
-    return merged.to(device)
+# The decision points between neighbouring E2M1 magnitudes, with the comparison that sends a tie to the even
+# code: 0.25 -> 0 (code 0), 0.75 -> 1 (code 2), 1.25 -> 1, 1.75 -> 2, 2.5 -> 2, 3.5 -> 4, 5 -> 4.
+# code(|y|) is the number of decision points |y| has passed.
+_E2M1_DECISIONS = (
+    (0.25, torch.gt),
+    (0.75, torch.ge),
+    (1.25, torch.gt),
+    (1.75, torch.ge),
+    (2.5, torch.gt),
+    (3.5, torch.ge),
+    (5.0, torch.gt),
+)
 
 
 @dataclass(frozen=True)
@@ -148,8 +146,11 @@ def e2m1_codes(y: torch.Tensor) -> torch.Tensor:
 
     Identical to PTX `cvt.rn.satfinite.e2m1x2.f32` on finite inputs.
     """
-    magnitude = torch.bucketize(y.abs(), _e2m1_thresholds(y.device), right=False).to(torch.uint8)
-    return magnitude | (torch.signbit(y).to(torch.uint8) << 3)
+    a = y.abs()
+    code = torch.zeros(y.shape, dtype=torch.uint8, device=y.device)
+    for threshold, passed in _E2M1_DECISIONS:
+        code += passed(a, threshold).view(torch.uint8)  # 7 compares beat bucketize ~2x on CPU
+    return code | (torch.signbit(y).view(torch.uint8) << 3)
 
 
 def pack_codes(codes: torch.Tensor) -> torch.Tensor:
@@ -182,6 +183,14 @@ def _as_float32_rows(x: torch.Tensor) -> torch.Tensor:
     return x.to(torch.float32)
 
 
+def _abs_max(x: torch.Tensor, dim: int | None = None) -> torch.Tensor:
+    """max |x| (over `dim`, or all of x) without materializing |x|; NaN propagates."""
+    if x.numel() == 0:
+        return torch.zeros((), dtype=x.dtype, device=x.device)
+    lo, hi = torch.aminmax(x) if dim is None else torch.aminmax(x, dim=dim)
+    return torch.maximum(hi, -lo).abs()  # abs: an all -0.0 block must give +0.0, i.e. scale byte 0x00
+
+
 def quantize(x: torch.Tensor, *, global_scale: torch.Tensor | float | None = None) -> NVFP4Tensor:
     """Quantize along the last dim with the NVFP4 recipe.
 
@@ -189,7 +198,6 @@ def quantize(x: torch.Tensor, *, global_scale: torch.Tensor | float | None = Non
     column (g_e = 1) and for callers that share one scale across tensors. Leave it None for the recipe.
     """
     xf = _as_float32_rows(x)
-    check_finite(xf)
     shape = tuple(xf.shape)
     k = shape[-1]
     kp = padded_size(k)
@@ -197,15 +205,18 @@ def quantize(x: torch.Tensor, *, global_scale: torch.Tensor | float | None = Non
         xf = F.pad(xf, (0, kp - k))  # zero padding changes no amax and quantizes to code 0
     blocks = xf.reshape(*shape[:-1], kp // BLOCK_SIZE, BLOCK_SIZE)
 
+    amax = _abs_max(xf)
+    if not bool(torch.isfinite(amax)):  # NaN and Inf both surface in the max; count them only on failure
+        check_finite(xf)
     if global_scale is None:
-        g = global_scale_for_amax(xf.abs().amax() if xf.numel() else torch.zeros((), device=xf.device))
+        g = global_scale_for_amax(amax)
     else:
         g = torch.as_tensor(global_scale, dtype=torch.float32, device=xf.device).reshape(())
         if not (bool(torch.isfinite(g)) and float(g) > 0):
             raise ValueError(f"NVFP4 quantize: global_scale must be finite and positive, got {float(g)}")
 
     one_sixth = torch.tensor(1.0 / 6.0, dtype=torch.float32, device=xf.device)
-    block_amax = blocks.abs().amax(dim=-1)
+    block_amax = _abs_max(blocks, dim=-1)
     # s_b = e4m3(g_e * (a_b * (1/6))): two fp32 roundings in exactly this order.
     scale_fp8 = e4m3_rne_satfinite(g * (block_amax * one_sixth))
     s = scale_fp8.to(torch.float32)
