@@ -8,6 +8,7 @@ import ctypes
 import os
 import shutil
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -131,3 +132,11 @@ def test_without_cuda_the_loader_raises_a_clear_error():
         load_extension()
     with pytest.raises(CudaKernelUnavailable, match="must be a CUDA tensor"):
         quantize_cuda(torch.randn(4, 16))
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-CUDA path")
+def test_gpu_check_script_without_cuda_says_so_and_exits_zero():
+    script = Path(__file__).resolve().parents[1] / "scripts" / "gpu_check.py"
+    proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert "no CUDA device" in proc.stdout

@@ -52,10 +52,12 @@ def cuda_unavailable_reason() -> str | None:
         return "this torch build has no CUDA support"
     if not torch.cuda.is_available():
         return "no CUDA device is visible"
-    from torch.utils.cpp_extension import CUDA_HOME
+    from torch.utils.cpp_extension import CUDA_HOME, is_ninja_available
 
     if CUDA_HOME is None and shutil.which("nvcc") is None:
         return "nvcc was not found (set CUDA_HOME) to build the extension"
+    if not is_ninja_available():
+        return "ninja is not installed; torch.utils.cpp_extension.load needs it (pip install ninja)"
     return None
 
 
