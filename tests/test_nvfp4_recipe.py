@@ -228,3 +228,9 @@ def test_gaussian_round_trip_error_matches_nvfp4_md():
     x_hat = dequantize(quantize(x))
     rel = float(torch.linalg.norm(x_hat - x) / torch.linalg.norm(x))
     assert 0.090 <= rel <= 0.100, rel
+
+
+def test_empty_tensors_quantize_to_empty_buffers():
+    q = quantize(torch.empty(0, 32))
+    assert q.packed.shape == (0, 16) and q.scales.shape == (0, 2) and float(q.global_scale) == 1.0
+    assert dequantize(q).shape == (0, 32)

@@ -185,7 +185,7 @@ def _as_float32_rows(x: torch.Tensor) -> torch.Tensor:
 
 def _abs_max(x: torch.Tensor, dim: int | None = None) -> torch.Tensor:
     """max |x| (over `dim`, or all of x) without materializing |x|; NaN propagates."""
-    if x.numel() == 0:
+    if dim is None and x.numel() == 0:
         return torch.zeros((), dtype=x.dtype, device=x.device)
     lo, hi = torch.aminmax(x) if dim is None else torch.aminmax(x, dim=dim)
     return torch.maximum(hi, -lo).abs()  # abs: an all -0.0 block must give +0.0, i.e. scale byte 0x00
