@@ -13,7 +13,7 @@ from pathlib import Path
 
 import torch
 
-from .recipe import BLOCK_SIZE, NVFP4Tensor, check_finite, global_scale_for_amax, padded_size
+from .recipe import BLOCK_SIZE, NVFP4Tensor, abs_max, check_finite, global_scale_for_amax, padded_size
 
 CUDA_DIR = Path(__file__).resolve().parent / "cuda"
 KERNEL_SOURCE = CUDA_DIR / "nvfp4_quant.cu"
@@ -99,7 +99,7 @@ def quantize_cuda(x: torch.Tensor) -> NVFP4Tensor:
     x2 = x.reshape(-1, k)
     if k > 1 and x2.stride(-1) != 1:
         x2 = x2.contiguous()
-    amax = x2.abs().amax().to(torch.float32) if x2.numel() else torch.zeros((), device=x.device)
+    amax = abs_max(x2).to(torch.float32)  # one read of x, no |x| temporary
     if not bool(torch.isfinite(amax)):
         check_finite(x2)
     g = global_scale_for_amax(amax).reshape(1)

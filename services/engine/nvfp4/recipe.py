@@ -183,7 +183,7 @@ def _as_float32_rows(x: torch.Tensor) -> torch.Tensor:
     return x.to(torch.float32)
 
 
-def _abs_max(x: torch.Tensor, dim: int | None = None) -> torch.Tensor:
+def abs_max(x: torch.Tensor, dim: int | None = None) -> torch.Tensor:
     """max |x| (over `dim`, or all of x) without materializing |x|; NaN propagates."""
     if dim is None and x.numel() == 0:
         return torch.zeros((), dtype=x.dtype, device=x.device)
@@ -205,7 +205,7 @@ def quantize(x: torch.Tensor, *, global_scale: torch.Tensor | float | None = Non
         xf = F.pad(xf, (0, kp - k))  # zero padding changes no amax and quantizes to code 0
     blocks = xf.reshape(*shape[:-1], kp // BLOCK_SIZE, BLOCK_SIZE)
 
-    amax = _abs_max(xf)
+    amax = abs_max(xf)
     if not bool(torch.isfinite(amax)):  # NaN and Inf both surface in the max; count them only on failure
         check_finite(xf)
     if global_scale is None:
@@ -216,7 +216,7 @@ def quantize(x: torch.Tensor, *, global_scale: torch.Tensor | float | None = Non
             raise ValueError(f"NVFP4 quantize: global_scale must be finite and positive, got {float(g)}")
 
     one_sixth = torch.tensor(1.0 / 6.0, dtype=torch.float32, device=xf.device)
-    block_amax = _abs_max(blocks, dim=-1)
+    block_amax = abs_max(blocks, dim=-1)
     # s_b = e4m3(g_e * (a_b * (1/6))): two fp32 roundings in exactly this order.
     scale_fp8 = e4m3_rne_satfinite(g * (block_amax * one_sixth))
     s = scale_fp8.to(torch.float32)

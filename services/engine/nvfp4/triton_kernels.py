@@ -19,7 +19,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .recipe import BLOCK_SIZE, NVFP4Tensor, check_finite, global_scale_for_amax, padded_size
+from .recipe import BLOCK_SIZE, NVFP4Tensor, abs_max, check_finite, global_scale_for_amax, padded_size
 
 # ---------------------------------------------------------------------------------------------------------
 # Scalar helpers (elementwise on tiles)
@@ -160,7 +160,7 @@ def quantize_triton(x: torch.Tensor, *, block_rows: int = 32, block_blocks: int 
         x2 = x2.contiguous()
     m = x2.shape[0]
 
-    amax = x2.abs().amax().to(torch.float32) if x2.numel() else torch.zeros((), device=x.device)
+    amax = abs_max(x2).to(torch.float32)  # one read of x, no |x| temporary
     if not bool(torch.isfinite(amax)):
         check_finite(x2)  # raises with the count of bad values
     g = global_scale_for_amax(amax).reshape(1)
