@@ -51,7 +51,9 @@ class KvLayout:
         for name in self.__dataclass_fields__:
             mine, theirs = getattr(self, name), getattr(other, name)
             if mine != theirs:
-                raise KvMismatchError(f"KV {name} mismatch: this engine has {mine!r}, the payload has {theirs!r}")
+                raise KvMismatchError(
+                    f"KV {name} mismatch: this engine has {mine!r}, the payload has {theirs!r}"
+                )
 
 
 @dataclass
@@ -124,7 +126,9 @@ class LLMEngine:
         num_blocks = cfg.num_kv_blocks or max(1, cfg.kv_cache_bytes // per_block)
         self.kv = PagedKvCache(loaded.config, num_blocks, cfg.block_size, self.dtype)
         self.blocks = BlockManager(num_blocks, cfg.block_size, cfg.enable_prefix_caching)
-        self.scheduler = Scheduler(self.blocks, cfg.max_num_seqs, cfg.max_num_batched_tokens, self.max_model_len)
+        self.scheduler = Scheduler(
+            self.blocks, cfg.max_num_seqs, cfg.max_num_batched_tokens, self.max_model_len
+        )
         self.requests: dict[str, Request] = {}
         self.kv_layout = KvLayout(
             model_fingerprint=self.fingerprint,
@@ -160,7 +164,9 @@ class LLMEngine:
             raise ValueError("the prompt is empty")
         bad = [t for t in prompt + list(output_ids) if not 0 <= t < self.model_config.vocab_size]
         if bad:
-            raise ValueError(f"token id {bad[0]} is outside the vocabulary (size {self.model_config.vocab_size})")
+            raise ValueError(
+                f"token id {bad[0]} is outside the vocabulary (size {self.model_config.vocab_size})"
+            )
         total = len(prompt) + len(output_ids)
         if total >= self.max_model_len:
             raise PromptTooLongError(
@@ -168,7 +174,9 @@ class LLMEngine:
             )
         req = Request(request_id, prompt, params.with_seed(), list(output_ids), hold_kv=hold_kv)
         if len(req.output_ids) >= params.max_tokens:
-            raise ValueError(f"already {len(req.output_ids)} tokens emitted, max_tokens is {params.max_tokens}")
+            raise ValueError(
+                f"already {len(req.output_ids)} tokens emitted, max_tokens is {params.max_tokens}"
+            )
         if kv is not None:
             self._import_into(req, kv)
         self.requests[request_id] = req
@@ -250,13 +258,13 @@ class LLMEngine:
                 del self.requests[req.request_id]
         return out
 
+    @torch.inference_mode()
     def _execute(self, decision: SchedulerOutput) -> dict[str, Sampled]:
         """The runner: one forward pass over every chunk of the step, then sampling where chunks end a sequence."""
         bs = self.kv.block_size
         tokens: list[int] = []
         positions: list[int] = []
-        slot_block: list[int] = []
-        slot_off: list[int] = []
+        slots: list[int] = []
         decode_rows: list[int] = []
         decode_tables: list[list[int]] = []
         decode_lens: list[int] = []
@@ -267,39 +275,31 @@ class LLMEngine:
             req = self.requests[chunk.request_id]
             row = len(tokens)
             a, b = chunk.start, chunk.start + chunk.num_tokens
-            ids = req.all_ids
-            tokens += ids[a:b]
-            pos = list(range(a, b))
-            positions += pos
-            slot_block += [req.block_ids[p // bs] for p in pos]
-            slot_off += [p % bs for p in pos]
+            tokens += req.all_ids[a:b]
+            positions += range(a, b)
+            slots += [req.block_ids[p // bs] * bs + p % bs for p in range(a, b)]
+            table = req.block_ids[: -(-b // bs)]
             if chunk.num_tokens == 1 and a > 0:
                 decode_rows.append(row)
-                decode_tables.append(req.block_ids[: -(-b // bs)])
+                decode_tables.append(table)
                 decode_lens.append(b)
             elif a == 0:
                 prefills.append(PrefillSegment(row, row + chunk.num_tokens))
             else:
-                prefills.append(
-                    PrefillSegment(
-                        row,
-                        row + chunk.num_tokens,
-                        ctx_blocks=torch.tensor(req.block_ids[: -(-b // bs)]),
-                        positions=torch.tensor(pos),
-                    )
-                )
+                rows = self.kv.gather_index(torch.tensor(table))
+                prefills.append(PrefillSegment(row, row + chunk.num_tokens, rows, torch.arange(a, b)))
             if chunk.samples:
                 sample_rows.append(row + chunk.num_tokens - 1)
                 sample_reqs.append(req)
-        meta = AttnMetadata(slot_block=torch.tensor(slot_block), slot_offset=torch.tensor(slot_off))
-        meta.prefills = prefills
+        meta = AttnMetadata(slot_mapping=torch.tensor(slots), prefills=prefills)
         if decode_rows:
             nb = max(len(t) for t in decode_tables)
             meta.decode_rows = torch.tensor(decode_rows)
-            meta.decode_blocks = torch.tensor([t + [0] * (nb - len(t)) for t in decode_tables])
-            keypos = torch.arange(nb * bs)
-            valid = keypos[None, :] < torch.tensor(decode_lens)[:, None]
-            meta.decode_mask = torch.zeros(valid.shape).masked_fill(~valid, float("-inf"))[:, None, None, :]
+            meta.decode_ctx_rows = self.kv.gather_index(
+                torch.tensor([t + [0] * (nb - len(t)) for t in decode_tables])
+            )
+            valid = torch.arange(nb * bs)[None, :] < torch.tensor(decode_lens)[:, None]
+            meta.decode_mask = torch.zeros(valid.shape).masked_fill(~valid, float("-inf"))[None, :, None, :]
         hidden = self.model(torch.tensor(tokens), torch.tensor(positions), meta, self.kv)
         if not sample_rows:
             return {}
@@ -309,7 +309,9 @@ class LLMEngine:
                 suppress = list(self._eos_ids | set(req.params.stop_token_ids))
                 if suppress:
                     logits[i, suppress] = float("-inf")
-        picks = sample_batch(logits, [r.params for r in sample_reqs], [len(r.output_ids) for r in sample_reqs])
+        picks = sample_batch(
+            logits, [r.params for r in sample_reqs], [len(r.output_ids) for r in sample_reqs]
+        )
         return {r.request_id: s for r, s in zip(sample_reqs, picks, strict=True)}
 
     # ------------------------------------------------------------------------------------------ helpers
@@ -355,9 +357,11 @@ class LLMEngine:
             raise KeyError(f"no live or held request {request_id!r}")
         n = req.num_computed_tokens if num_tokens is None else num_tokens
         if n > req.num_computed_tokens or n <= 0:
-            raise ValueError(f"request {request_id!r} has {req.num_computed_tokens} computed tokens, asked for {n}")
+            raise ValueError(
+                f"request {request_id!r} has {req.num_computed_tokens} computed tokens, asked for {n}"
+            )
         nblocks = -(-n // self.kv.block_size)
-        data = self.kv.data[torch.tensor(req.block_ids[:nblocks])].contiguous()
+        data = self.kv.read_blocks(torch.tensor(req.block_ids[:nblocks]))
         return KvExport(self.kv_layout, req.all_ids[:n], data.view(torch.uint8).numpy().tobytes())
 
     def _import_into(self, req: Request, kv: KvExport) -> None:
@@ -379,8 +383,9 @@ class LLMEngine:
             ids = self.blocks.allocate(nblocks)
         except NoFreeBlocksError as e:
             raise NoFreeBlocksError(f"cannot import KV for {req.request_id!r}: {e}") from e
-        src = torch.frombuffer(bytearray(kv.data), dtype=self.kv.dtype).view(nblocks, *self.kv.data.shape[1:])
-        self.kv.data[torch.tensor(ids)] = src
+        shape = (nblocks, *self.kv.data.shape[:3], self.kv.block_size, self.kv.data.shape[-1])
+        src = torch.frombuffer(bytearray(kv.data), dtype=torch.uint8).view(self.kv.dtype).view(shape)
+        self.kv.write_blocks(torch.tensor(ids), src)
         req.block_ids = ids
         req.num_computed_tokens = n
 
@@ -388,6 +393,8 @@ class LLMEngine:
 def _load_tokenizer(loaded: LoadedModel) -> object | None:
     from services.engine.tokenizer import Tokenizer
 
+    if loaded.source_format == "memory":  # built in code (tests, tools): no tokenizer files exist
+        return None
     if loaded.source_format == "gguf":
         return Tokenizer.from_gguf(loaded.source)
     return Tokenizer.from_hf_dir(loaded.source)

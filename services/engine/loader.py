@@ -186,7 +186,12 @@ def _gguf_to_canonical(name: str) -> str | None:
     if kind not in ("weight", "bias"):
         return None
     suffix = ".bias" if kind == "bias" else ""
-    fixed = {"token_embd": "embed_tokens", "output_norm": "norm", "output": "lm_head", "rope_freqs": "rope_freqs"}
+    fixed = {
+        "token_embd": "embed_tokens",
+        "output_norm": "norm",
+        "output": "lm_head",
+        "rope_freqs": "rope_freqs",
+    }
     if base in fixed:
         return fixed[base] + suffix
     parts = base.split(".")
@@ -304,7 +309,9 @@ def load_hf_dir(path: str | os.PathLike[str]) -> LoadedModel:
         template = json.loads(tc.read_text()).get("chat_template")
     if template is None and (p / "chat_template.jinja").exists():
         template = (p / "chat_template.jinja").read_text()
-    return LoadedModel(config=config, weights=weights, source=str(p), chat_template=template, source_format="hf")
+    return LoadedModel(
+        config=config, weights=weights, source=str(p), chat_template=template, source_format="hf"
+    )
 
 
 # ------------------------------------------------------------------------------------------- fingerprint

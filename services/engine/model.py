@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from typing import cast
 
 import torch
 import torch.nn.functional as F
@@ -55,28 +56,43 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 
 
 class PagedKvCache:
-    """K and V of all layers in fixed-size blocks: one tensor [blocks, layers, 2, block_size, kv_heads, head_dim].
+    """K and V of all layers in fixed-size blocks: one tensor [layers, 2, kv_heads, blocks, block_size, head_dim].
 
-    Block-major, so one block — every layer's K and V for block_size tokens — is one contiguous range of bytes:
-    a transfer moves a block with one descriptor, and export/import is a copy per block.
-    Layer i's K is the strided view data[:, i, 0] of shape [blocks, block_size, kv_heads, head_dim].
+    Head-major inside each layer, so gathering a batch's blocks for one layer is a single index_select over
+    contiguous [block_size, head_dim] chunks that lands directly in the [kv_heads x batch, tokens, head_dim]
+    shape batched matmuls want — no transposing copies on the decode path. A block's bytes are therefore
+    spread over layers x 2 x kv_heads chunks; export/import gather and scatter them (LAYOUT names the order).
     """
 
-    LAYOUT = "block,layer,kv,token,kv_head,head_dim"
+    LAYOUT = "layer,kv,kv_head,token,head_dim"  # order of one exported block
 
     def __init__(self, config: ModelConfig, num_blocks: int, block_size: int, dtype: torch.dtype):
         self.num_blocks = num_blocks
         self.block_size = block_size
+        self.num_kv_heads = config.num_kv_heads
         self.dtype = dtype
         self.data = torch.zeros(
-            num_blocks, config.num_layers, 2, block_size, config.num_kv_heads, config.head_dim, dtype=dtype
+            config.num_layers, 2, config.num_kv_heads, num_blocks, block_size, config.head_dim, dtype=dtype
         )
-        self.k = [self.data[:, i, 0] for i in range(config.num_layers)]
-        self.v = [self.data[:, i, 1] for i in range(config.num_layers)]
+        # per layer: [kv_heads * blocks, block_size, head_dim]; row h * num_blocks + b is head h of block b
+        self.k = [self.data[i, 0].view(-1, block_size, config.head_dim) for i in range(config.num_layers)]
+        self.v = [self.data[i, 1].view(-1, block_size, config.head_dim) for i in range(config.num_layers)]
+
+    def gather_index(self, block_ids: torch.Tensor) -> torch.Tensor:
+        """Rows of a layer's K/V view holding these blocks, head-major: [kv_heads * len(block_ids)]."""
+        heads = torch.arange(self.num_kv_heads)[:, None] * self.num_blocks
+        return (heads + block_ids.reshape(1, -1)).reshape(-1)
+
+    def read_blocks(self, block_ids: torch.Tensor) -> torch.Tensor:
+        """Copy out whole blocks: [n, layers, 2, kv_heads, block_size, head_dim] (the export order)."""
+        return self.data.index_select(3, block_ids).permute(3, 0, 1, 2, 4, 5).contiguous()
+
+    def write_blocks(self, block_ids: torch.Tensor, blocks: torch.Tensor) -> None:
+        self.data.index_copy_(3, block_ids, blocks.permute(1, 2, 3, 0, 4, 5))
 
     @property
     def block_bytes(self) -> int:
-        return self.data[0].numel() * self.data.element_size()
+        return self.data[:, :, :, 0].numel() * self.data.element_size()
 
     @staticmethod
     def bytes_per_block(config: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
@@ -88,23 +104,23 @@ class PagedKvCache:
 class PrefillSegment:
     """Tokens [start, end) of the step belong to one sequence.
 
-    ctx_blocks is None when the sequence has no earlier context: attention then runs on the fresh K/V directly.
-    Otherwise it lists the sequence's blocks (new tokens included) and positions the queries' positions.
+    ctx_rows is None when the sequence has no earlier context: attention then runs on the fresh K/V directly.
+    Otherwise it is the gather index (PagedKvCache.gather_index) of the sequence's blocks, new tokens included,
+    and positions are the queries' positions.
     """
 
     start: int
     end: int
-    ctx_blocks: torch.Tensor | None = None
+    ctx_rows: torch.Tensor | None = None
     positions: torch.Tensor | None = None
 
 
 @dataclass
 class AttnMetadata:
-    slot_block: torch.Tensor  # [T] block of each new token's K/V
-    slot_offset: torch.Tensor  # [T] offset inside that block
+    slot_mapping: torch.Tensor  # [T] block * block_size + offset of each new token
     decode_rows: torch.Tensor | None = None  # [B] rows of the step that are single-token decodes
-    decode_blocks: torch.Tensor | None = None  # [B, nb] block tables, padded with block 0
-    decode_mask: torch.Tensor | None = None  # [B, 1, 1, nb * block_size] additive (0 / -inf), float32
+    decode_ctx_rows: torch.Tensor | None = None  # [kv_heads * B * nb] gather index of their block tables
+    decode_mask: torch.Tensor | None = None  # [1, B, 1, nb * block_size] additive (0 / -inf), float32
     prefills: list[PrefillSegment] = field(default_factory=list)
 
 
@@ -123,7 +139,9 @@ class RMSNorm(nn.Module):
         return (xf * self.weight.float()).to(x.dtype)
 
 
-def make_linear(weight: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype, quant: str, **kw) -> nn.Module:
+def make_linear(
+    weight: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype, quant: str, **kw
+) -> nn.Module:
     """A projection in the serving form: a dense nn.Linear, or NVFP4 packed weights."""
     if quant == "nvfp4":
         from services.engine.nvfp4 import NVFP4Linear
@@ -163,34 +181,45 @@ class Attention(nn.Module):
         q = apply_rope(q.view(T, self.n_heads, self.hd), cos, sin)
         k = apply_rope(k.view(T, self.n_kv, self.hd), cos, sin)
         v = v.reshape(T, self.n_kv, self.hd)
-        k_cache[meta.slot_block, meta.slot_offset] = k
-        v_cache[meta.slot_block, meta.slot_offset] = v
+        bs = k_cache.shape[1]
+        # write the step's K/V: the layer view as [kv_heads, slots, head_dim], indexed by flat slot
+        k_cache.view(self.n_kv, -1, self.hd).index_copy_(1, meta.slot_mapping, k.transpose(0, 1))
+        v_cache.view(self.n_kv, -1, self.hd).index_copy_(1, meta.slot_mapping, v.transpose(0, 1))
 
         out = torch.empty(T, self.n_heads, self.hd, dtype=x.dtype)
         g = self.n_heads // self.n_kv
         if meta.decode_rows is not None:
-            assert meta.decode_blocks is not None and meta.decode_mask is not None
+            assert meta.decode_ctx_rows is not None and meta.decode_mask is not None
             B, L = meta.decode_rows.shape[0], meta.decode_mask.shape[-1]
-            qd = q[meta.decode_rows].view(B, self.n_kv, g, self.hd)
-            kd = k_cache[meta.decode_blocks].view(B, L, self.n_kv, self.hd).permute(0, 2, 3, 1)  # [B, kv, hd, L]
-            vd = v_cache[meta.decode_blocks].view(B, L, self.n_kv, self.hd).transpose(1, 2)  # [B, kv, L, hd]
-            scores = torch.matmul(qd, kd).float() * self.scale + meta.decode_mask
-            probs = torch.softmax(scores, dim=-1).to(x.dtype)
-            out[meta.decode_rows] = torch.matmul(probs, vd).view(B, self.n_heads, self.hd)
+            qd = q[meta.decode_rows].view(B, self.n_kv, g, self.hd).transpose(0, 1).reshape(-1, g, self.hd)
+            kd = k_cache.index_select(0, meta.decode_ctx_rows).view(self.n_kv * B, L, self.hd)
+            vd = v_cache.index_select(0, meta.decode_ctx_rows).view(self.n_kv * B, L, self.hd)
+            scores = torch.bmm(qd, kd.transpose(1, 2)).view(self.n_kv, B, g, L).float()
+            scores = scores * self.scale + meta.decode_mask
+            probs = torch.softmax(scores, dim=-1).to(x.dtype).view(-1, g, L)
+            od = torch.bmm(probs, vd).view(self.n_kv, B, g, self.hd).transpose(0, 1)
+            out[meta.decode_rows] = od.reshape(B, self.n_heads, self.hd)
         for seg in meta.prefills:
-            qs = q[seg.start : seg.end].transpose(0, 1)  # [heads, n, hd]
-            if seg.ctx_blocks is None:
-                ks, vs = k[seg.start : seg.end].transpose(0, 1), v[seg.start : seg.end].transpose(0, 1)
-                o = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, enable_gqa=True, scale=self.scale)
+            # SDPA takes its fast (and transformers-identical) CPU path only for 4-D inputs: [1, heads, n, hd]
+            qs = q[seg.start : seg.end].transpose(0, 1)[None]
+            if seg.ctx_rows is None:
+                ks, vs = (
+                    k[seg.start : seg.end].transpose(0, 1)[None],
+                    v[seg.start : seg.end].transpose(0, 1)[None],
+                )
+                o = F.scaled_dot_product_attention(
+                    qs, ks, vs, is_causal=True, enable_gqa=True, scale=self.scale
+                )
             else:
                 assert seg.positions is not None
-                L = seg.ctx_blocks.shape[0] * k_cache.shape[1]
-                ks = k_cache[seg.ctx_blocks].view(L, self.n_kv, self.hd).transpose(0, 1)
-                vs = v_cache[seg.ctx_blocks].view(L, self.n_kv, self.hd).transpose(0, 1)
-                keypos = torch.arange(L)
-                mask = keypos[None, :] <= seg.positions[:, None]
-                o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask, enable_gqa=True, scale=self.scale)
-            out[seg.start : seg.end] = o.transpose(0, 1)
+                L = seg.ctx_rows.shape[0] // self.n_kv * bs
+                ks = k_cache.index_select(0, seg.ctx_rows).view(1, self.n_kv, L, self.hd)
+                vs = v_cache.index_select(0, seg.ctx_rows).view(1, self.n_kv, L, self.hd)
+                mask = torch.arange(L)[None, :] <= seg.positions[:, None]
+                o = F.scaled_dot_product_attention(
+                    qs, ks, vs, attn_mask=mask, enable_gqa=True, scale=self.scale
+                )
+            out[seg.start : seg.end] = o[0].transpose(0, 1)
         return self.wo(out.view(T, self.n_heads * self.hd))
 
 
@@ -220,7 +249,12 @@ class Block(nn.Module):
 class Transformer(nn.Module):
     """Decoder-only Llama: embed → blocks → norm → LM head (tied to the embedding when the model says so)."""
 
-    def __init__(self, cfg: ModelConfig, w: Weights, dtype: torch.dtype = torch.float32, quant: str = "none", **kw):
+    rope_cos: torch.Tensor
+    rope_sin: torch.Tensor
+
+    def __init__(
+        self, cfg: ModelConfig, w: Weights, dtype: torch.dtype = torch.float32, quant: str = "none", **kw
+    ):
         super().__init__()
         self.config, self.dtype, self.quant = cfg, dtype, quant
         self.embed = nn.Embedding(cfg.vocab_size, cfg.hidden_size, _weight=w["embed_tokens"].to(dtype))
@@ -243,7 +277,7 @@ class Transformer(nn.Module):
         x = self.embed(tokens)
         cos = self.rope_cos[positions].unsqueeze(1)
         sin = self.rope_sin[positions].unsqueeze(1)
-        for i, blk in enumerate(self.blocks):
+        for i, blk in enumerate(cast(list[Block], self.blocks)):
             x = x + blk.attn(blk.attn_norm(x), cos, sin, meta, kv.k[i], kv.v[i])
             x = x + blk.ffn(blk.ffn_norm(x))
         return self.norm(x)

@@ -1,0 +1,77 @@
+"""Shared fixtures: the real SmolLM2 model (loaded once per session) and a tiny random Llama for fast mechanics."""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+from services.engine.config import ModelConfig  # noqa: E402
+from services.engine.loader import LoadedModel, load_gguf  # noqa: E402
+from services.engine.model_files import smollm2_gguf_path  # noqa: E402
+
+FRANCE = [{"role": "user", "content": "What is the capital of France?"}]
+
+
+@pytest.fixture(scope="session")
+def gguf_path() -> str:
+    return smollm2_gguf_path()
+
+
+@pytest.fixture(scope="session")
+def smollm2(gguf_path: str) -> LoadedModel:
+    return load_gguf(gguf_path)
+
+
+@pytest.fixture(scope="session")
+def hf_model(gguf_path: str):
+    """Hugging Face transformers' own reading of the same GGUF, float32 — the correctness reference."""
+    from transformers import AutoModelForCausalLM
+
+    d, name = os.path.split(gguf_path)
+    return AutoModelForCausalLM.from_pretrained(d, gguf_file=name, dtype=torch.float32).eval()
+
+
+def tiny_llama(seed: int = 0, vocab: int = 256, layers: int = 2, tie: bool = True) -> LoadedModel:
+    """A random 2-layer Llama small enough that scheduling tests run in milliseconds per step."""
+    cfg = ModelConfig(
+        architecture="llama",
+        num_layers=layers,
+        hidden_size=64,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=16,
+        intermediate_size=128,
+        vocab_size=vocab,
+        rope_theta=10000.0,
+        rms_norm_eps=1e-5,
+        max_context=512,
+        tie_embeddings=tie,
+        eos_token_id=None,
+    )
+    g = torch.Generator().manual_seed(seed)
+
+    def r(*shape: int, scale: float = 0.2) -> torch.Tensor:
+        return torch.randn(*shape, generator=g) * scale
+
+    w = {"embed_tokens": r(vocab, 64, scale=1.0), "norm": 1 + r(64, scale=0.05)}
+    for i in range(layers):
+        p = f"layers.{i}"
+        w |= {
+            f"{p}.q_proj": r(64, 64),
+            f"{p}.k_proj": r(32, 64),
+            f"{p}.v_proj": r(32, 64),
+            f"{p}.o_proj": r(64, 64),
+            f"{p}.gate_proj": r(128, 64),
+            f"{p}.up_proj": r(128, 64),
+            f"{p}.down_proj": r(64, 128),
+            f"{p}.input_layernorm": 1 + r(64, scale=0.05),
+            f"{p}.post_attention_layernorm": 1 + r(64, scale=0.05),
+        }
+    if not tie:
+        w["lm_head"] = r(vocab, 64)
+    return LoadedModel(config=cfg, weights=w, source="tiny-llama", source_format="memory")
