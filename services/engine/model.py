@@ -11,6 +11,7 @@ This room knows nothing about requests, scheduling or where the weights came fro
 
 from __future__ import annotations
 
+import logging
 import math
 from dataclasses import dataclass, field
 from typing import cast
@@ -21,6 +22,8 @@ from torch import nn
 
 from services.engine.config import ModelConfig
 from services.engine.loader import Weights
+
+log = logging.getLogger("rackserve.engine")
 
 # ------------------------------------------------------------------------------------------------ rotary
 
@@ -139,14 +142,55 @@ class RMSNorm(nn.Module):
         return (xf * self.weight.float()).to(x.dtype)
 
 
+class PackedLinear(nn.Module):
+    """A bf16 projection with its weight pre-packed once into oneDNN's blocked layout (AMX/AVX-512 on x86).
+
+    Plain F.linear re-lays the weight on every call; packing at load time makes the small-batch GEMMs of decode
+    roughly 1.3-2x faster on CPU. Same math (bf16 inputs, fp32 accumulation), so only rounding-level differences.
+    """
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None):
+        super().__init__()
+        self.out_features = weight.shape[0]
+        self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.contiguous())
+        self.bias = bias
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
+
+    @staticmethod
+    def available() -> bool:
+        """oneDNN with bf16 support on this CPU, and the packing ops in this torch build."""
+        if not (torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()):
+            return False
+        try:
+            w = torch.ones(32, 32, dtype=torch.bfloat16)
+            y = PackedLinear(w, None)(torch.ones(2, 32, dtype=torch.bfloat16))
+            return bool(torch.all(y == 32))
+        except (RuntimeError, AttributeError):
+            return False
+
+
+_PACKED_OK: bool | None = None
+
+
 def make_linear(
     weight: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype, quant: str, **kw
 ) -> nn.Module:
-    """A projection in the serving form: a dense nn.Linear, or NVFP4 packed weights."""
+    """A projection in the serving form: NVFP4 packed weights, a oneDNN-packed bf16 weight, or a dense nn.Linear."""
+    global _PACKED_OK
     if quant == "nvfp4":
         from services.engine.nvfp4 import NVFP4Linear
 
         return NVFP4Linear.from_weight(weight, bias, **kw)
+    if dtype == torch.bfloat16 and weight.device.type == "cpu":
+        if _PACKED_OK is None:
+            _PACKED_OK = PackedLinear.available()
+            log.info(
+                "bf16 projections: %s", "oneDNN pre-packed" if _PACKED_OK else "plain torch (no oneDNN bf16)"
+            )
+        if _PACKED_OK:
+            return PackedLinear(weight.to(dtype), None if bias is None else bias.to(dtype))
     lin = nn.Linear(weight.shape[1], weight.shape[0], bias=bias is not None, dtype=dtype, device="meta")
     lin.weight = nn.Parameter(weight.to(dtype).contiguous(), requires_grad=False)
     if bias is not None:
@@ -262,8 +306,8 @@ class Transformer(nn.Module):
         self.blocks = nn.ModuleList(Block(cfg, w, i, dtype, quant, **kw) for i in range(cfg.num_layers))
         self.norm = RMSNorm(w["norm"].to(dtype), cfg.rms_norm_eps)
         # embeddings, norms and the LM head stay in high precision under nvfp4 (NVFP4.md: weights of the blocks)
-        head = self.embed.weight if cfg.tie_embeddings else w["lm_head"].to(dtype)
-        self.lm_head = nn.Parameter(head, requires_grad=False)
+        head = self.embed.weight if cfg.tie_embeddings else w["lm_head"]
+        self.lm_head = make_linear(head, None, dtype, "none")
         inv = rope_inv_freq(cfg, w.get("rope_freqs"))
         angles = torch.outer(torch.arange(cfg.max_context, dtype=torch.float32), inv)
         self.register_buffer("rope_cos", angles.cos(), persistent=False)
@@ -284,4 +328,4 @@ class Transformer(nn.Module):
 
     @torch.inference_mode()
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return F.linear(hidden, self.lm_head).float()
+        return self.lm_head(hidden).float()
