@@ -102,3 +102,36 @@ def test_engine_batched_decode_matches_single_sequence_reference(smollm2, dtype)
         assert [t[0] for t in together] == [a[0] for a in alone]
         agree = sum(x == y for t, a in zip(together, alone, strict=True) for x, y in zip(t, a, strict=True))
         assert agree >= 0.6 * sum(len(t) for t in together)
+
+
+def test_llama3_rope_scaling_matches_transformers():
+    from transformers import LlamaConfig
+    from transformers.modeling_rope_utils import _compute_llama3_parameters
+
+    from services.engine.config import ModelConfig, RopeScaling
+    from services.engine.model import rope_inv_freq
+
+    scaling = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0}
+    scaling |= {"original_max_position_embeddings": 8192, "rope_theta": 500000.0}
+    hf_cfg = LlamaConfig(hidden_size=4096, num_attention_heads=32, rope_parameters=scaling)
+    ref, _ = _compute_llama3_parameters(hf_cfg)
+    ours = rope_inv_freq(
+        ModelConfig(
+            architecture="llama",
+            num_layers=1,
+            hidden_size=4096,
+            num_heads=32,
+            num_kv_heads=8,
+            head_dim=128,
+            intermediate_size=14336,
+            vocab_size=128256,
+            rope_theta=500000.0,
+            rms_norm_eps=1e-5,
+            max_context=131072,
+            tie_embeddings=False,
+            rope_scaling=RopeScaling(8.0, 1.0, 4.0, 8192),
+        )
+    )
+    assert torch.allclose(ours, ref.float(), rtol=1e-6, atol=0)
+    plain = 1.0 / (500000.0 ** (torch.arange(0, 128, 2).float() / 128))
+    assert ours[0] == plain[0] and torch.isclose(ours[-1], plain[-1] / 8)  # high kept, low scaled by factor
