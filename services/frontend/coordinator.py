@@ -1,0 +1,396 @@
+"""The request coordinator (DESIGN.md §2): owns each request's state and drives it through its phases.
+
+A `RequestState` holds everything that must outlive a worker: the prompt tokens, the sampling params (always
+with a concrete seed, so a replay on another worker draws the same tokens), the tokens emitted so far with the
+client's cursor into them, and the phase, with a timestamp per transition — the request's trace:
+
+    QUEUED → ROUTED → PREFILLING → TRANSFERRING → DECODING → DONE
+                          └────────────┴─────────────┴──→ MIGRATING → ROUTED …   (any of the three → FAILED)
+
+`Coordinator.generate` runs the aggregated path today: Route → Decode(prompt) on the chosen decode worker,
+which prefills locally (PREFILLING lasts until its first token; TRANSFERRING is skipped). A broken decode
+stream is reported to the router and ends the request as FAILED; `_worker_lost` is where a later change
+resumes it on another worker from `emitted` instead.
+
+This room deals in token ids only: text, stop strings and the HTTP shape belong to output.py and app.py.
+Every call it makes carries `x-request-id`, `traceparent` and a deadline.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import enum
+import itertools
+import logging
+import re
+import secrets
+import time
+from collections.abc import AsyncGenerator, Sequence
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import grpc
+
+from services.frontend import metrics
+from services.frontend.errors import SERVER_ERROR, ApiError, from_grpc, timed_out, unavailable
+from services.rpc import pb, pb_grpc
+
+log = logging.getLogger("rackserve.frontend")
+
+ROUTE_TIMEOUT_S = 5.0  # one Route call; routing is an in-memory decision, so seconds mean the router is stuck
+REPORT_FAILURE_TIMEOUT_S = 2.0
+
+# Status codes after which the worker, not the request, is at fault: the router hears about it.
+WORKER_FAULTS = frozenset(
+    {
+        grpc.StatusCode.UNAVAILABLE,
+        grpc.StatusCode.INTERNAL,
+        grpc.StatusCode.UNKNOWN,
+        grpc.StatusCode.DATA_LOSS,
+        grpc.StatusCode.ABORTED,
+    }
+)
+
+
+class WorkerView(Protocol):
+    """What the coordinator needs from discovery (services.discovery.WorkerDirectory provides it)."""
+
+    def workers(self, role: str) -> list[pb.WorkerInfo]: ...
+
+    def suppress(self, worker_id: str, seconds: float) -> None: ...
+
+
+class Phase(enum.Enum):
+    QUEUED = "queued"
+    ROUTED = "routed"
+    PREFILLING = "prefilling"
+    TRANSFERRING = "transferring"
+    DECODING = "decoding"
+    MIGRATING = "migrating"
+    DONE = "done"
+    FAILED = "failed"
+
+
+_MIDDLE = {Phase.MIGRATING, Phase.FAILED}
+ALLOWED_TRANSITIONS: dict[Phase, frozenset[Phase]] = {
+    Phase.QUEUED: frozenset({Phase.ROUTED, Phase.FAILED}),
+    Phase.ROUTED: frozenset({Phase.PREFILLING, Phase.DECODING, Phase.FAILED}),
+    # The first token may already end the request (DONE straight from prefill).
+    Phase.PREFILLING: frozenset({Phase.TRANSFERRING, Phase.DECODING, Phase.DONE} | _MIDDLE),
+    Phase.TRANSFERRING: frozenset({Phase.DECODING} | _MIDDLE),
+    Phase.DECODING: frozenset({Phase.DONE} | _MIDDLE),
+    Phase.MIGRATING: frozenset({Phase.ROUTED, Phase.FAILED}),
+    Phase.DONE: frozenset(),
+    Phase.FAILED: frozenset(),
+}
+
+
+@dataclass
+class EmittedToken:
+    token_id: int
+    logprob: float | None = None
+    top_logprobs: list[tuple[int, float]] = field(default_factory=list)
+
+
+@dataclass
+class TokenBatch:
+    """Tokens that arrived together; `finish_reason` is set on the last batch of a finished request."""
+
+    tokens: list[EmittedToken]
+    finish_reason: str | None = None
+    stop_reason: str | None = None
+
+
+@dataclass
+class RequestState:
+    request_id: str
+    prompt_token_ids: list[int]
+    params: pb.SamplingParams  # `seed` is always concrete
+    traceparent: str
+    deadline_s: float  # time.monotonic() past which the request has timed out
+    emitted: list[EmittedToken] = field(default_factory=list)
+    client_cursor: int = 0  # emitted[:client_cursor] has been handed to the client
+    phase: Phase = Phase.QUEUED
+    timeline: list[tuple[Phase, float]] = field(default_factory=list)  # (phase, unix time s) per transition
+    plan: pb.RoutePlan | None = None
+    failed_worker_ids: list[str] = field(default_factory=list)
+    migrations: int = 0
+    cached_tokens: int = 0
+    finish_reason: str | None = None
+    stop_reason: str | None = None
+    error: str | None = None
+
+    def __post_init__(self) -> None:
+        if not self.timeline:
+            self.timeline.append((self.phase, time.time()))
+
+    def advance(self, phase: Phase) -> None:
+        if phase not in ALLOWED_TRANSITIONS[self.phase]:
+            raise RuntimeError(f"request {self.request_id}: no transition {self.phase.name} → {phase.name}")
+        self.phase = phase
+        self.timeline.append((phase, time.time()))
+
+    def finish(self, finish_reason: str, stop_reason: str | None = None) -> None:
+        self.finish_reason, self.stop_reason = finish_reason, stop_reason
+        self.advance(Phase.DONE)
+
+    def fail(self, error: str) -> None:
+        if self.phase not in (Phase.DONE, Phase.FAILED):
+            self.error = error
+            self.advance(Phase.FAILED)
+
+    @property
+    def finished(self) -> bool:
+        return self.phase in (Phase.DONE, Phase.FAILED)
+
+    def take_unseen(self) -> list[EmittedToken]:
+        """Tokens the client has not been given yet; moves the cursor past them."""
+        new = self.emitted[self.client_cursor :]
+        self.client_cursor = len(self.emitted)
+        return new
+
+    def remaining_s(self) -> float:
+        """Seconds left before the deadline; raises the 504 once there are none."""
+        left = self.deadline_s - time.monotonic()
+        if left <= 0:
+            raise timed_out(f"request {self.request_id} ran past its deadline")
+        return left
+
+    def metadata(self) -> tuple[tuple[str, str], ...]:
+        return (("x-request-id", self.request_id), ("traceparent", self.traceparent))
+
+    def time_of(self, phase: Phase) -> float | None:
+        return next((t for p, t in self.timeline if p is phase), None)
+
+    @property
+    def ttft_s(self) -> float | None:
+        first = self.time_of(Phase.DECODING)
+        return None if first is None else first - self.timeline[0][1]
+
+    def summary(self) -> dict[str, object]:
+        """The one log line per finished request (DESIGN.md §7)."""
+        start = self.timeline[0][1]
+        return {
+            "request_id": self.request_id,
+            "traceparent": self.traceparent,
+            "phase": self.phase.value,
+            "finish_reason": self.finish_reason,
+            "error": self.error,
+            "prompt_tokens": len(self.prompt_token_ids),
+            "completion_tokens": len(self.emitted),
+            "cached_tokens": self.cached_tokens,
+            "decode_worker": self.plan.decode.worker_id if self.plan is not None else None,
+            "route_reason": self.plan.reason if self.plan is not None else None,
+            "migrations": self.migrations,
+            "timeline_s": [[p.value, round(t - start, 6)] for p, t in self.timeline],
+            "start_unix_s": round(start, 6),
+        }
+
+
+# ---- trace context ----------------------------------------------------------------------------------------------
+
+_TRACEPARENT = re.compile(r"^00-([0-9a-f]{32})-([0-9a-f]{16})-([0-9a-f]{2})$")
+
+
+def new_traceparent(parent: str | None = None) -> str:
+    """A W3C traceparent for this request's span: continues the client's trace when it sent a valid one."""
+    match = _TRACEPARENT.match(parent.strip().lower()) if parent else None
+    if match and match.group(1) != "0" * 32:
+        trace_id, flags = match.group(1), match.group(3)
+    else:
+        trace_id, flags = secrets.token_hex(16), "01"
+    return f"00-{trace_id}-{secrets.token_hex(8)}-{flags}"
+
+
+# ---- channels ---------------------------------------------------------------------------------------------------
+
+
+class ChannelPool:
+    """One gRPC channel per endpoint, reused by every request to it."""
+
+    def __init__(self) -> None:
+        self._channels: dict[str, grpc.aio.Channel] = {}
+
+    def get(self, endpoint: str) -> grpc.aio.Channel:
+        channel = self._channels.get(endpoint)
+        if channel is None:
+            channel = self._channels[endpoint] = grpc.aio.insecure_channel(endpoint)
+        return channel
+
+    async def close(self) -> None:
+        channels, self._channels = list(self._channels.values()), {}
+        await asyncio.gather(*(c.close(grace=None) for c in channels), return_exceptions=True)
+
+
+# ---- the coordinator ----------------------------------------------------------------------------------------------
+
+
+class DecodeStreamBroken(Exception):
+    """A decode stream ended without its finished chunk, or failed with a worker fault."""
+
+
+class Coordinator:
+    def __init__(
+        self, directory: WorkerView, channels: ChannelPool, route_timeout_s: float = ROUTE_TIMEOUT_S
+    ) -> None:
+        self.directory = directory
+        self.channels = channels
+        self.route_timeout_s = route_timeout_s
+        self._router_turn = itertools.count()
+        self._background: set[asyncio.Task[None]] = set()
+
+    def new_request(
+        self,
+        request_id: str,
+        prompt_token_ids: Sequence[int],
+        params: pb.SamplingParams,
+        timeout_s: float,
+        traceparent: str | None = None,
+    ) -> RequestState:
+        return RequestState(
+            request_id=request_id,
+            prompt_token_ids=list(prompt_token_ids),
+            params=params,
+            traceparent=new_traceparent(traceparent),
+            deadline_s=time.monotonic() + timeout_s,
+        )
+
+    async def generate(self, state: RequestState) -> AsyncGenerator[TokenBatch, None]:
+        """Drive `state` to DONE, yielding each batch of new tokens as it arrives.
+
+        Raises ApiError (state FAILED) when it cannot; a consumer that stops early (a stop string) finishes
+        the state first and then closes this generator, which cancels the worker's call."""
+        try:
+            state.plan = await self._route(state)
+            state.advance(Phase.ROUTED)
+            # Aggregated path: a prefill worker in the plan is not used yet; the decode worker prefills.
+            async with contextlib.aclosing(self._decode(state, state.plan.decode)) as batches:
+                async for batch in batches:
+                    yield batch
+        except ApiError as e:
+            state.fail(e.message)
+            raise
+        except (asyncio.CancelledError, GeneratorExit):
+            state.fail("cancelled: the client went away")
+            raise
+
+    async def _route(self, state: RequestState) -> pb.RoutePlan:
+        routers = self.directory.workers("router")
+        if not routers:
+            raise unavailable("no router is available (none registered in discovery)", code="no_routers")
+        first = next(self._router_turn) % len(routers)
+        request = pb.RouteRequest(
+            request_id=state.request_id,
+            token_ids=state.prompt_token_ids,
+            exclude_worker_ids=state.failed_worker_ids,
+            need_prefill=True,
+        )
+        last: ApiError | None = None
+        for router in routers[first:] + routers[:first]:
+            stub = pb_grpc.RouterStub(self.channels.get(router.endpoint))
+            try:
+                return await stub.Route(
+                    request,
+                    metadata=state.metadata(),
+                    timeout=min(self.route_timeout_s, state.remaining_s()),
+                )
+            except grpc.aio.AioRpcError as e:
+                metrics.WORKER_FAILURES.labels("router", e.code().name).inc()
+                last = from_grpc(e, f"router {router.worker_id}")
+                # Unreachable, or it knows no decode worker: another router may see the cluster differently.
+                if e.code() != grpc.StatusCode.UNAVAILABLE:
+                    raise last from e
+        assert last is not None
+        raise last
+
+    async def _decode(self, state: RequestState, worker: pb.WorkerRef) -> AsyncGenerator[TokenBatch, None]:
+        state.advance(Phase.PREFILLING)  # the decode worker runs the prompt itself
+        request = pb.DecodeRequest(
+            request_id=state.request_id,
+            prompt_token_ids=state.prompt_token_ids,
+            emitted_token_ids=[t.token_id for t in state.emitted],
+            params=state.params,
+        )
+        stub = pb_grpc.DecodeWorkerStub(self.channels.get(worker.endpoint))
+        call = stub.Decode(request, metadata=state.metadata(), timeout=state.remaining_s())
+        peer = f"decode worker {worker.worker_id}"
+        last_arrival = time.monotonic()
+        try:
+            async for chunk in call:
+                now = time.monotonic()
+                if state.phase is Phase.PREFILLING:
+                    state.advance(Phase.DECODING)
+                    state.cached_tokens = chunk.cached_tokens
+                    if (ttft := state.ttft_s) is not None:
+                        metrics.TTFT_S.observe(ttft)
+                elif chunk.tokens:
+                    gap = (now - last_arrival) / len(chunk.tokens)
+                    for _ in chunk.tokens:
+                        metrics.INTER_TOKEN_S.observe(gap)
+                last_arrival = now
+                tokens = [_emitted(t) for t in chunk.tokens]
+                state.emitted.extend(tokens)
+                metrics.GENERATION_TOKENS.inc(len(tokens))
+                if chunk.finished:
+                    stop_reason = chunk.stop_reason or None
+                    state.finish(chunk.finish_reason or "stop", stop_reason)
+                    yield TokenBatch(tokens, state.finish_reason, stop_reason)
+                    return
+                yield TokenBatch(tokens)
+            raise DecodeStreamBroken(f"{peer} ended the stream before the request finished")
+        except grpc.aio.AioRpcError as e:
+            metrics.WORKER_FAILURES.labels("decode", e.code().name).inc()
+            if e.code() not in WORKER_FAULTS:
+                raise from_grpc(e, peer) from e
+            raise self._worker_lost(
+                state, worker, f"{e.code().name}: {e.details()}", from_grpc(e, peer)
+            ) from e
+        except DecodeStreamBroken as e:
+            metrics.WORKER_FAILURES.labels("decode", "STREAM_ENDED").inc()
+            raise self._worker_lost(
+                state, worker, str(e), ApiError(502, str(e), SERVER_ERROR, code="worker_error")
+            ) from e
+        finally:
+            if not call.done():
+                call.cancel()  # the client went away or a stop string ended it: the worker drops the request
+
+    def _worker_lost(
+        self, state: RequestState, worker: pb.WorkerRef, cause: str, error: ApiError
+    ) -> ApiError:
+        """The decode worker failed mid-request: tell the router at once (in the background, the client's
+        error does not wait for it) and return the client's error. Migration — resuming on another worker
+        from `state.emitted` — belongs here and is a later change; until then the request fails."""
+        state.failed_worker_ids.append(worker.worker_id)
+        log.warning("request %s: decode worker %s failed: %s", state.request_id, worker.worker_id, cause)
+        task = asyncio.get_running_loop().create_task(self._report_failure(state, worker.worker_id, cause))
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+        if state.emitted:
+            error.message += f" (after {len(state.emitted)} tokens; the request was not resumed elsewhere)"
+        return error
+
+    async def _report_failure(self, state: RequestState, worker_id: str, cause: str) -> None:
+        report = pb.FailureReport(worker_id=worker_id, request_id=state.request_id, cause=cause)
+
+        async def tell(router: pb.WorkerInfo) -> None:
+            stub = pb_grpc.RouterStub(self.channels.get(router.endpoint))
+            try:
+                await stub.ReportFailure(report, metadata=state.metadata(), timeout=REPORT_FAILURE_TIMEOUT_S)
+            except grpc.aio.AioRpcError as e:
+                log.warning("router %s did not take the failure report: %s", router.worker_id, e.code().name)
+
+        # Every router keeps its own view of the workers, so every router hears about it.
+        await asyncio.gather(*(tell(r) for r in self.directory.workers("router")))
+
+    async def close(self) -> None:
+        """Let pending failure reports finish (each has its own deadline)."""
+        if self._background:
+            await asyncio.gather(*self._background, return_exceptions=True)
+
+
+def _emitted(token: pb.Token) -> EmittedToken:
+    if not token.has_logprob:
+        return EmittedToken(token.token_id)
+    top = [(t.token_id, t.logprob) for t in token.top_logprobs]
+    return EmittedToken(token.token_id, token.logprob, top)

@@ -1,0 +1,191 @@
+"""Errors the client can act on, in OpenAI's shape: `{"error": {"message", "type", "param", "code"}}`.
+
+Handlers and the coordinator raise `ApiError`; the handlers installed by `install_error_handlers` turn it (and
+FastAPI's own validation and routing errors) into a JSON body with the right status. gRPC failures from the
+router and the workers are mapped here, in one table, so every path answers the same way for the same cause.
+Nothing here may answer 500 for a cause the client or the cluster state explains.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import grpc
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+log = logging.getLogger("rackserve.frontend")
+
+INVALID_REQUEST = "invalid_request_error"
+NOT_FOUND = "not_found_error"
+SERVICE_UNAVAILABLE = "service_unavailable_error"
+TIMEOUT = "timeout_error"
+SERVER_ERROR = "server_error"
+
+# Seconds a client should wait before retrying when the cluster has no router or worker to serve it.
+RETRY_AFTER_S = 1
+
+# Status for a request whose client went away before the answer (nginx's convention; never sent).
+CLIENT_CLOSED_REQUEST = 499
+
+
+class ApiError(Exception):
+    """A failure with the HTTP status and the OpenAI error fields the client sees."""
+
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        type: str = INVALID_REQUEST,
+        param: str | None = None,
+        code: str | None = None,
+        headers: Mapping[str, str] | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.type = type
+        self.param = param
+        self.code = code
+        self.headers = dict(headers or {})
+
+    def body(self) -> dict[str, Any]:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+    def response(self) -> JSONResponse:
+        return JSONResponse(self.body(), status_code=self.status, headers=self.headers)
+
+
+def bad_request(message: str, param: str | None = None, code: str | None = None) -> ApiError:
+    return ApiError(400, message, INVALID_REQUEST, param, code)
+
+
+def model_not_found(model: str, served: str) -> ApiError:
+    return ApiError(
+        404,
+        f"The model {model!r} does not exist; this server serves {served!r}",
+        INVALID_REQUEST,
+        "model",
+        "model_not_found",
+    )
+
+
+def unavailable(message: str, code: str = "no_workers") -> ApiError:
+    return ApiError(503, message, SERVICE_UNAVAILABLE, None, code, {"Retry-After": str(RETRY_AFTER_S)})
+
+
+def timed_out(message: str) -> ApiError:
+    return ApiError(504, message, TIMEOUT, None, "timeout")
+
+
+def from_grpc(err: grpc.aio.AioRpcError, peer: str) -> ApiError:
+    """The client-facing error for a failed call to `peer` (e.g. "router r1", "decode worker d2")."""
+    code = err.code()
+    details = err.details() or code.name
+    if code == grpc.StatusCode.INVALID_ARGUMENT:
+        return bad_request(f"{peer} rejected the request: {details}")
+    if code == grpc.StatusCode.OUT_OF_RANGE:
+        return bad_request(f"{peer} rejected the request: {details}", code="context_length_exceeded")
+    if code == grpc.StatusCode.DEADLINE_EXCEEDED:
+        return timed_out(f"{peer} did not answer before the request's deadline")
+    if code == grpc.StatusCode.RESOURCE_EXHAUSTED:
+        return ApiError(
+            503, f"{peer} is overloaded: {details}", SERVICE_UNAVAILABLE, None, "overloaded",
+            {"Retry-After": str(RETRY_AFTER_S)},
+        )  # fmt: skip
+    if code == grpc.StatusCode.UNAVAILABLE:
+        return unavailable(f"{peer} is unavailable: {details}")
+    if code == grpc.StatusCode.CANCELLED:
+        return ApiError(
+            503, f"{peer} cancelled the request: {details}", SERVICE_UNAVAILABLE, code="cancelled"
+        )
+    return ApiError(502, f"{peer} failed: {code.name}: {details}", SERVER_ERROR, None, "worker_error")
+
+
+# ---- FastAPI's own errors, reshaped ---------------------------------------------------------------------------
+
+
+def validation_error(errors: Sequence[Any], what: str = "request body") -> ApiError:
+    """One 400 naming the first offending field, from pydantic's error list."""
+    if not errors:
+        return bad_request(f"invalid {what}")
+    first = errors[0]
+    if first.get("type") == "json_invalid":
+        detail = (first.get("ctx") or {}).get("error") or first.get("msg", "")
+        return bad_request(f"the {what} is not valid JSON: {detail}", code="invalid_json")
+    param = field_path(first.get("loc", ()))
+    # A union reports one error per member it tried; together they say what was expected.
+    messages = [_message(e) for e in errors if field_path(e.get("loc", ())) == param]
+    unique = list(dict.fromkeys(messages))
+    where = param or what
+    got = _shown(first.get("input"))
+    return bad_request(f"{where}: {' or '.join(unique)}{got}", param=param or None, code="invalid_value")
+
+
+def field_path(loc: Sequence[Any]) -> str:
+    """pydantic's loc as the client wrote it: ('messages', 0, 'content') → 'messages[0].content'.
+
+    Stops at a union's member tag ('str', 'list[str]', 'function-after[...]'), which names no field."""
+    path = ""
+    for part in loc:
+        if part == "body" and not path:
+            continue  # FastAPI's own prefix
+        if isinstance(part, int):
+            path += f"[{part}]"
+        elif isinstance(part, str) and part.isidentifier() and part not in _TYPE_TAGS:
+            path += f".{part}" if path else part
+        else:
+            break
+    return path
+
+
+_TYPE_TAGS = frozenset({"str", "int", "float", "bool", "list", "dict", "none", "literal", "tagged-union"})
+
+
+def _message(error: Mapping[str, Any]) -> str:
+    if error.get("type") == "value_error":
+        return str((error.get("ctx") or {}).get("error", error.get("msg", "")))
+    if error.get("type") == "missing":
+        return "field required"
+    return str(error.get("msg", "invalid value"))
+
+
+def _shown(value: Any) -> str:
+    if value is None or isinstance(value, dict | list):
+        return ""
+    text = repr(value)
+    return f" (got {text[:60]}{'…' if len(text) > 60 else ''})"
+
+
+async def _api_error(request: Request, exc: Exception) -> JSONResponse:
+    assert isinstance(exc, ApiError)
+    return exc.response()
+
+
+async def _request_validation(request: Request, exc: Exception) -> JSONResponse:
+    assert isinstance(exc, RequestValidationError)
+    return validation_error(exc.errors()).response()
+
+
+async def _http_exception(request: Request, exc: Exception) -> JSONResponse:
+    assert isinstance(exc, StarletteHTTPException)
+    kind = NOT_FOUND if exc.status_code == 404 else INVALID_REQUEST
+    message = f"{request.method} {request.url.path}: {exc.detail}"
+    return ApiError(exc.status_code, message, kind, headers=exc.headers).response()
+
+
+async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
+    log.exception("unhandled error on %s %s", request.method, request.url.path, exc_info=exc)
+    message = f"internal error: {type(exc).__name__}: {exc}"
+    return ApiError(500, message, SERVER_ERROR, code="internal_error").response()
+
+
+def install_error_handlers(app: FastAPI) -> None:
+    app.add_exception_handler(ApiError, _api_error)
+    app.add_exception_handler(RequestValidationError, _request_validation)
+    app.add_exception_handler(StarletteHTTPException, _http_exception)
+    app.add_exception_handler(Exception, _unexpected)

@@ -1,0 +1,134 @@
+"""From generated token ids to what the client sees: text (never half a UTF-8 character, never past a stop
+string) and OpenAI's two logprob shapes.
+
+Stop strings: the worker also watches for them and reports the one that ended the request, but the frontend is
+the one that must not show them, so it finds them itself in the text it decodes. While streaming, it holds back
+any tail of the text that could still grow into a stop string, so no chunk ever carries text that a later
+token reveals to be part of one.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from functools import lru_cache
+
+from services.engine.tokenizer import IncrementalDetokenizer, Tokenizer
+from services.frontend.coordinator import EmittedToken
+from services.frontend.protocol import ChatLogprobs, CompletionLogprobs, TokenLogprob, TopLogprob
+
+
+class TextAssembler:
+    """Releases generated text incrementally, truncated at the first stop string."""
+
+    def __init__(self, tokenizer: Tokenizer, prompt_token_ids: Sequence[int], stop: Sequence[str]) -> None:
+        self._detokenizer = IncrementalDetokenizer(tokenizer, prompt_ids=prompt_token_ids)
+        self._stop = tuple(stop)
+        self._held = ""  # decoded, not yet released: it may be the start of a stop string
+        self.stop_hit: str | None = None  # the stop string that ended the text, once found
+
+    def push(self, token_ids: Sequence[int]) -> str:
+        """The text these tokens release now. Once a stop string appears, the text before it, then nothing."""
+        if self.stop_hit is not None:
+            return ""
+        for token_id in token_ids:
+            self._held += self._detokenizer.push(token_id)
+        return self._release(final=False)
+
+    def finish(self) -> str:
+        """Everything still held back, when generation has ended."""
+        if self.stop_hit is not None:
+            return ""
+        self._held += self._detokenizer.flush()
+        return self._release(final=True)
+
+    def _release(self, final: bool) -> str:
+        hits = [(self._held.find(s), -len(s), s) for s in self._stop if s in self._held]
+        if hits:
+            index, _, self.stop_hit = min(hits)  # the earliest; at a tie, the longest
+            released, self._held = self._held[:index], ""
+            return released
+        keep = 0 if final else _stop_prefix_len(self._held, self._stop)
+        cut = len(self._held) - keep
+        released, self._held = self._held[:cut], self._held[cut:]
+        return released
+
+
+def _stop_prefix_len(text: str, stop: Sequence[str]) -> int:
+    """Length of the longest tail of `text` that is a proper prefix of some stop string."""
+    longest = 0
+    for s in stop:
+        for k in range(min(len(s) - 1, len(text)), longest, -1):
+            if text.endswith(s[:k]):
+                longest = k
+                break
+    return longest
+
+
+# ---- logprobs -----------------------------------------------------------------------------------------------
+
+
+@lru_cache(maxsize=1)
+def _byte_level_alphabet() -> dict[str, int]:
+    """Byte-level BPE writes each byte as a printable character: printable Latin-1 bytes stand for
+    themselves, the rest (controls, space, …) are shifted to U+0100 onward in byte order. Inverted here."""
+    printable = [*range(0x21, 0x7F), *range(0xA1, 0xAD), *range(0xAE, 0x100)]
+    alphabet = {chr(b): b for b in printable}
+    shifted = (b for b in range(256) if b not in alphabet.values())
+    for n, b in enumerate(shifted):
+        alphabet[chr(0x100 + n)] = b
+    return alphabet
+
+
+class TokenTexts:
+    """Each token's text and exact bytes, as OpenAI's logprobs show them."""
+
+    def __init__(self, tokenizer: Tokenizer) -> None:
+        self._tokenizer = tokenizer
+        self._cache: dict[int, tuple[str, list[int]]] = {}
+
+    def __call__(self, token_id: int) -> tuple[str, list[int]]:
+        hit = self._cache.get(token_id)
+        if hit is None:
+            hit = self._cache[token_id] = self._lookup(token_id)
+        return hit
+
+    def _lookup(self, token_id: int) -> tuple[str, list[int]]:
+        try:
+            piece = self._tokenizer.id_to_token(token_id)
+        except ValueError:
+            return f"<token {token_id}>", []
+        if token_id in self._tokenizer.special_token_ids:
+            raw = piece.encode()
+        else:
+            alphabet = _byte_level_alphabet()
+            raw = b"".join(bytes([alphabet[c]]) if c in alphabet else c.encode() for c in piece)
+        # A token holding part of a character shows U+FFFD, as OpenAI's do; `bytes` stays exact.
+        return raw.decode("utf-8", errors="replace"), list(raw)
+
+
+def chat_logprobs(tokens: Sequence[EmittedToken], texts: TokenTexts) -> ChatLogprobs:
+    content = []
+    for t in tokens:
+        if t.logprob is None:
+            continue
+        text, raw = texts(t.token_id)
+        top = [TopLogprob(token=texts(i)[0], logprob=lp, bytes=texts(i)[1]) for i, lp in t.top_logprobs]
+        content.append(TokenLogprob(token=text, logprob=t.logprob, bytes=raw, top_logprobs=top))
+    return ChatLogprobs(content=content)
+
+
+def completion_logprobs(
+    tokens: Sequence[EmittedToken], texts: TokenTexts, text_offset: int
+) -> CompletionLogprobs:
+    """The legacy shape; `text_offset` is where the first of `tokens` starts in the completion text."""
+    out = CompletionLogprobs()
+    for t in tokens:
+        if t.logprob is None:
+            continue
+        text = texts(t.token_id)[0]
+        out.tokens.append(text)
+        out.token_logprobs.append(t.logprob)
+        out.top_logprobs.append({texts(i)[0]: lp for i, lp in t.top_logprobs})
+        out.text_offset.append(text_offset)
+        text_offset += len(text)
+    return out

@@ -1,0 +1,134 @@
+"""The frontend process: flags, discovery, the HTTP server, and its own registration in etcd.
+
+    python -m services.frontend.server --etcd http://127.0.0.1:2379 --port 8000
+
+Every flag also reads `RACKSERVE_<FLAG>` (e.g. `RACKSERVE_REQUEST_TIMEOUT_S`). The frontend follows routers
+and workers in etcd and registers itself with role `frontend` once it is listening, so a launcher can wait for
+it there. It reads only the tokenizer from the model file, never the weights.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+import socket
+import sys
+import time
+
+import uvicorn
+
+from services.discovery import Registration, WorkerDirectory
+from services.engine.tokenizer import Tokenizer
+from services.frontend.app import DEFAULT_MAX_MODEL_LEN, FrontendConfig, create_app
+from services.frontend.coordinator import ChannelPool, Coordinator
+from services.rpc import pb
+from services.runtime.args import add_flag
+
+log = logging.getLogger("rackserve.frontend")
+
+ROLE = "frontend"
+DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"  # the served name of the default model (the wheel's GGUF)
+STARTUP_TIMEOUT_S = 30.0
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    g = parser.add_argument_group("frontend")
+    add_flag(g, "--etcd", "http://127.0.0.1:2379", "etcd endpoint for discovery")
+    add_flag(g, "--host", "127.0.0.1", "address to listen on")
+    add_flag(g, "--port", 8000, "HTTP port (0: an ephemeral port; the bound one is registered)", int)
+    add_flag(g, "--model", "", "the model's .gguf file or Hugging Face directory; only its tokenizer is read "
+             "(default: SmolLM2-135M-Instruct)")  # fmt: skip
+    add_flag(
+        g, "--served-model-name", "", "model id clients send and /v1/models lists (default: from --model)"
+    )
+    add_flag(g, "--max-model-len", 0, f"context length in tokens (0: the decode workers', else "
+             f"{DEFAULT_MAX_MODEL_LEN})", int)  # fmt: skip
+    add_flag(
+        g, "--request-timeout-s", 600.0, "deadline of one request, from arrival to its last token", float
+    )
+    add_flag(g, "--max-body-bytes", 4 << 20, "largest request body accepted (413 above)", int)
+    add_flag(g, "--worker-id", "", "id in discovery (default: frontend-HOSTNAME-PID)")
+    add_flag(g, "--lease-ttl-s", 3.0, "etcd lease TTL of the frontend's registration", float)
+    add_flag(g, "--log-level", "info", "log level", choices=("debug", "info", "warning", "error"))
+
+
+def load_tokenizer(model: str) -> tuple[Tokenizer, str]:
+    """The tokenizer of `model` (a GGUF file or an HF directory; "" = the default model) and its served name."""
+    if not model:
+        from services.engine.model_files import smollm2_gguf_path
+
+        return Tokenizer.from_gguf(smollm2_gguf_path()), DEFAULT_MODEL_NAME
+    path = os.path.abspath(model)
+    name = os.path.basename(path.rstrip(os.sep))
+    if os.path.isdir(path):
+        return Tokenizer.from_hf_dir(path), name
+    return Tokenizer.from_gguf(path), os.path.splitext(name)[0]
+
+
+async def serve(args: argparse.Namespace) -> None:
+    tokenizer, default_name = load_tokenizer(args.model)
+    config = FrontendConfig(
+        served_model_name=args.served_model_name or default_name,
+        max_model_len=args.max_model_len,
+        request_timeout_s=args.request_timeout_s,
+        max_body_bytes=args.max_body_bytes,
+    )
+    directory = WorkerDirectory(args.etcd, roles=("router", "decode", "prefill"))
+    await directory.start()
+    coordinator = Coordinator(directory, ChannelPool())
+    app = create_app(config, tokenizer, directory, coordinator)
+    server = uvicorn.Server(
+        uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level, access_log=False)
+    )
+    registration: Registration | None = None
+    serving = asyncio.get_running_loop().create_task(server.serve(), name="uvicorn")
+    try:
+        await _until_started(server, serving)
+        port = server.servers[0].sockets[0].getsockname()[1]
+        host = socket.gethostname() if args.host in ("0.0.0.0", "::", "") else args.host
+        log.info("frontend serving %r on http://%s:%d", config.served_model_name, args.host, port)
+        info = pb.WorkerInfo(
+            worker_id=args.worker_id or f"{ROLE}-{socket.gethostname()}-{os.getpid()}",
+            role=ROLE,
+            endpoint=f"{host}:{port}",
+            model_name=config.served_model_name,
+            max_model_len=config.max_model_len,
+            epoch=int(time.time() * 1000),
+        )
+        registration = await Registration.start(args.etcd, info, ttl_s=args.lease_ttl_s)
+        await serving  # until SIGINT/SIGTERM, which uvicorn handles by finishing in-flight requests
+    finally:
+        if registration is not None:
+            await registration.close()
+        if not serving.done():
+            server.should_exit = True
+            await serving
+        await directory.close()
+
+
+async def _until_started(server: uvicorn.Server, serving: asyncio.Task[None]) -> None:
+    deadline = time.monotonic() + STARTUP_TIMEOUT_S
+    while not server.started:
+        if serving.done():
+            serving.result()  # raises what stopped it
+            raise RuntimeError("the HTTP server exited before it started (is the port in use?)")
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"the HTTP server did not start within {STARTUP_TIMEOUT_S:g}s")
+        await asyncio.sleep(0.05)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="rackserve frontend", description=__doc__.splitlines()[0])
+    add_arguments(parser)
+    args = parser.parse_args(argv)
+    logging.basicConfig(
+        level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    asyncio.run(serve(args))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
