@@ -1,0 +1,47 @@
+"""Where a worker lives in etcd and how its WorkerInfo is written there: the one definition of the key layout.
+
+Key: `/rackserve/v1/workers/{role}/{worker_id}`; value: the `pb.WorkerInfo` as proto3 JSON with the .proto
+field names. Readers ignore fields they do not know, so a newer worker can register with an older router.
+"""
+
+from __future__ import annotations
+
+from google.protobuf import json_format
+
+from services.rpc import pb
+
+WORKERS_PREFIX = "/rackserve/v1/workers/"
+ROLES = ("prefill", "decode", "router", "frontend")  # the roles WorkerInfo.role may name (see the proto)
+
+
+def worker_key(role: str, worker_id: str) -> str:
+    if role not in ROLES:
+        raise ValueError(f"role must be one of {', '.join(ROLES)}, got {role!r}")
+    if not worker_id or "/" in worker_id:
+        raise ValueError(f"worker_id must be non-empty and contain no '/', got {worker_id!r}")
+    return f"{WORKERS_PREFIX}{role}/{worker_id}"
+
+
+def role_prefix(role: str) -> str:
+    return f"{WORKERS_PREFIX}{role}/"
+
+
+def split_worker_key(key: str) -> tuple[str, str] | None:
+    """(role, worker_id) for a key under WORKERS_PREFIX, None for anything else found there."""
+    if not key.startswith(WORKERS_PREFIX):
+        return None
+    parts = key[len(WORKERS_PREFIX) :].split("/")
+    if len(parts) != 2 or not parts[0] or not parts[1]:
+        return None
+    return parts[0], parts[1]
+
+
+def encode_worker_info(info: pb.WorkerInfo) -> bytes:
+    return json_format.MessageToJson(
+        info, preserving_proto_field_name=True, indent=None, sort_keys=True
+    ).encode()
+
+
+def decode_worker_info(value: bytes) -> pb.WorkerInfo:
+    """Raises json_format.ParseError (a ValueError) on a value that is not a WorkerInfo."""
+    return json_format.Parse(value.decode(), pb.WorkerInfo(), ignore_unknown_fields=True)
