@@ -80,6 +80,30 @@ def cmd_generate(a: argparse.Namespace) -> int:
     return 0
 
 
+_SERVICES = {
+    "frontend": "the OpenAI-compatible HTTP frontend and request coordinator",
+    "router": "the router (placement by estimated time to first token)",
+    "prefill": "a prefill worker",
+    "decode": "a decode worker",
+}
+
+
+def _run_service(name: str, argv: list[str]) -> int:
+    """Each service owns its flags: `rackserve decode --help` shows the decode worker's."""
+    import asyncio
+    import importlib
+
+    module = importlib.import_module(f"services.{name}.server")
+    parser = argparse.ArgumentParser(prog=f"rackserve {name}", description=_SERVICES[name])
+    module.add_arguments(parser)
+    args = parser.parse_args(argv)
+    try:
+        asyncio.run(module.serve(args))
+    except KeyboardInterrupt:
+        pass
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     parser = argparse.ArgumentParser(prog="rackserve", description="Disaggregated LLM inference cluster")
@@ -95,6 +119,19 @@ def main(argv: list[str] | None = None) -> int:
     gen.add_argument("--seed", type=int, default=None)
     gen.set_defaults(func=cmd_generate)
 
+    up = sub.add_parser("up", help="run a whole cluster on this machine")
+    from services import launcher
+
+    launcher.add_arguments(up)
+    up.set_defaults(func=launcher.run)
+
+    for name, help_text in _SERVICES.items():
+        sp = sub.add_parser(name, help=help_text)
+        sp.set_defaults(service=name)
+
+    args_list = sys.argv[1:] if argv is None else argv
+    if args_list and args_list[0] in _SERVICES:
+        return _run_service(args_list[0], args_list[1:])
     a = parser.parse_args(argv)
     try:
         return int(a.func(a))

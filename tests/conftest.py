@@ -14,6 +14,8 @@ from services.engine.config import ModelConfig  # noqa: E402
 from services.engine.loader import LoadedModel, load_gguf  # noqa: E402
 from services.engine.model_files import smollm2_gguf_path  # noqa: E402
 
+pytest_plugins = ["tests.support.etcd"]  # the real-etcd fixture (etcd_server) for every test module
+
 FRANCE = [{"role": "user", "content": "What is the capital of France?"}]
 
 

