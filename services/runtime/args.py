@@ -1,0 +1,111 @@
+"""Command-line flags every worker shares, each also readable from an environment variable.
+
+A flag `--kv-cache-bytes` reads `RACKSERVE_KV_CACHE_BYTES` when it is not given on the command line, so the same
+names work in a shell, in a container's env and in the Helm values. `--help` shows each flag's variable.
+
+This room only declares flags and turns them into typed config; it must never start anything.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import socket
+from collections.abc import Callable
+from typing import Any
+
+from services.engine.config import SUPPORTED_DTYPES, SUPPORTED_QUANT, EngineConfig
+
+ENV_PREFIX = "RACKSERVE_"
+TOPOLOGY_LABELS = ("node", "rack", "zone")
+
+
+def env_name(flag: str) -> str:
+    return ENV_PREFIX + flag.lstrip("-").replace("-", "_").upper()
+
+
+def add_flag(
+    group: argparse._ArgumentGroup,
+    flag: str,
+    default: Any,
+    help: str,
+    type: Callable[[str], Any] = str,
+    choices: tuple[str, ...] | None = None,
+) -> None:
+    """Add `flag` to group, its default read from RACKSERVE_<FLAG> when that variable is set."""
+    env = env_name(flag)
+    raw = os.environ.get(env)
+    value = type(raw) if raw is not None else default
+    group.add_argument(flag, type=type, default=value, choices=choices, help=f"{help} [env {env}]")
+
+
+def _switch(group: argparse._ArgumentGroup, flag: str, help: str) -> None:
+    env = env_name(flag)
+    on = os.environ.get(env, "").strip().lower() in ("1", "true", "yes", "on")
+    group.add_argument(flag, action="store_true", default=on, help=f"{help} [env {env}=1]")
+
+
+def add_service_arguments(parser: argparse.ArgumentParser) -> None:
+    """Flags of any rackserve gRPC service: where etcd is, where to listen, who it is, where it stands."""
+    g = parser.add_argument_group("service")
+    add_flag(g, "--etcd", "http://127.0.0.1:2379", "etcd endpoint for discovery")
+    add_flag(g, "--host", "127.0.0.1", "address to listen on and to register")
+    add_flag(g, "--port", 0, "gRPC port (0: an ephemeral port; the bound one is registered)", int)
+    add_flag(g, "--worker-id", "", "id in discovery (default: ROLE-HOSTNAME-PID)")
+    add_flag(
+        g, "--lease-ttl-s", 3.0, "etcd lease TTL: a dead process vanishes from discovery after this", float
+    )
+    add_flag(
+        g,
+        "--drain-grace-s",
+        20.0,
+        "on SIGTERM, how long in-flight requests may run before being aborted",
+        float,
+    )
+    for label in TOPOLOGY_LABELS:
+        add_flag(g, f"--{label}", "", f"topology label {label!r}")
+
+
+def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
+    """Flags of a worker that runs an engine (prefill and decode)."""
+    g = parser.add_argument_group("engine")
+    add_flag(g, "--model", "", "a .gguf file or a Hugging Face directory (default: SmolLM2-135M)")
+    add_flag(g, "--dtype", "bfloat16", "weights and KV dtype", choices=SUPPORTED_DTYPES)
+    add_flag(g, "--quant", "none", "weight quantization", choices=SUPPORTED_QUANT)
+    add_flag(g, "--block-size", 16, "tokens per KV block", int)
+    add_flag(g, "--kv-cache-bytes", 1 << 30, "memory for the paged KV cache", int)
+    add_flag(g, "--max-num-seqs", 64, "sequences in one batch", int)
+    add_flag(g, "--max-num-batched-tokens", 512, "token budget of one step (longer prompts are chunked)", int)
+    add_flag(g, "--max-model-len", 0, "context length (0: the model's)", int)
+    _switch(g, "--no-prefix-caching", "turn the prefix cache off")
+    add_flag(g, "--threads", 1, "torch CPU threads for this worker (0: torch's default)", int)
+
+
+def worker_id(args: argparse.Namespace, role: str) -> str:
+    return args.worker_id or f"{role}-{socket.gethostname()}-{os.getpid()}"
+
+
+def topology(args: argparse.Namespace) -> dict[str, str]:
+    return {label: getattr(args, label) for label in TOPOLOGY_LABELS if getattr(args, label)}
+
+
+def engine_config(args: argparse.Namespace) -> EngineConfig:
+    return EngineConfig(
+        dtype=args.dtype,
+        quant=args.quant,
+        block_size=args.block_size,
+        kv_cache_bytes=args.kv_cache_bytes,
+        max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        max_model_len=args.max_model_len,
+        enable_prefix_caching=not args.no_prefix_caching,
+        num_threads=args.threads,
+    )
+
+
+def model_path(args: argparse.Namespace) -> str:
+    if args.model:
+        return str(args.model)
+    from services.engine.model_files import smollm2_gguf_path
+
+    return smollm2_gguf_path()

@@ -1,0 +1,121 @@
+"""One rackserve gRPC service process, start to exit: server, health, registration, and the drain on SIGTERM.
+
+    host = ServiceHost(args, role="decode", services=[SERVICE_NAME], gated_methods=[...])
+    add_XServicer_to_server(servicer, host.server)
+    await host.start()                   # bound and listening; health NOT_SERVING, requests turned away
+    await host.serve(info)               # health SERVING, admitted, registered in etcd
+    await host.wait_for_signal()         # SIGTERM or SIGINT
+    await host.drain(abort_rest)         # see below; then return from serve() and the process exits 0
+
+The drain: stop admitting new requests → health NOT_SERVING → delete the etcd key (gone for every router at
+once) → let in-flight requests finish for up to `--drain-grace-s` → `abort_rest()` → stop the server.
+
+This room must never know what the service does; the servicer and its state belong to the service.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import signal
+import time
+from collections.abc import Awaitable, Callable, Collection
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+
+from services.discovery.registration import Registration
+from services.rpc import pb
+from services.runtime.args import topology, worker_id
+from services.runtime.rpc import AdmissionGate, RpcInterceptor
+
+log = logging.getLogger("rackserve.runtime.host")
+
+_SERVING = health_pb2.HealthCheckResponse.SERVING
+_NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
+# After abort_rest(), how long the aborted requests get to send their final status before the server stops.
+_ABORT_SETTLE_S = 2.0
+_SERVER_STOP_GRACE_S = 1.0
+
+
+class ServiceHost:
+    def __init__(
+        self,
+        args: argparse.Namespace,
+        role: str,
+        services: Collection[str],
+        gated_methods: Collection[str],
+    ) -> None:
+        self.args = args
+        self.role = role
+        self.worker_id = worker_id(args, role)
+        self.epoch_ms = int(time.time() * 1000)
+        self.gate = AdmissionGate()
+        self.health = health.aio.HealthServicer()
+        self.services = ["", *services]  # "" is the whole server, as health checkers ask by default
+        self.server = grpc.aio.server(interceptors=[RpcInterceptor(self.gate, gated_methods)])
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
+        self.port = self.server.add_insecure_port(f"{args.host}:{args.port}")
+        self.endpoint = f"{args.host}:{self.port}"
+        self.registration: Registration | None = None
+        self._signalled = asyncio.Event()
+
+    def worker_info(self, **fields: object) -> pb.WorkerInfo:
+        """This process's WorkerInfo: identity, endpoint and topology, plus what the service adds."""
+        return pb.WorkerInfo(
+            worker_id=self.worker_id,
+            role=self.role,
+            endpoint=self.endpoint,
+            topology=topology(self.args),
+            epoch=self.epoch_ms,
+            **fields,  # type: ignore[arg-type]
+        )
+
+    async def start(self) -> None:
+        for name in self.services:
+            await self.health.set(name, _NOT_SERVING)
+        await self.server.start()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, self._signalled.set)
+        log.info("%s %s listening on %s", self.role, self.worker_id, self.endpoint)
+
+    async def serve(self, info: pb.WorkerInfo) -> None:
+        """Open for requests, then tell the cluster: health SERVING, and the key in etcd."""
+        self.gate.open()
+        for name in self.services:
+            await self.health.set(name, _SERVING)
+        self.registration = await Registration.start(self.args.etcd, info, ttl_s=self.args.lease_ttl_s)
+        log.info("%s %s serving on %s", self.role, self.worker_id, self.endpoint)
+
+    async def wait_for_signal(self) -> None:
+        await self._signalled.wait()
+
+    async def drain(self, abort_rest: Callable[[], Awaitable[None]] | None = None) -> None:
+        grace_s = self.args.drain_grace_s
+        log.info(
+            "%s %s draining: %d in flight, grace %.1fs",
+            self.role,
+            self.worker_id,
+            self.gate.in_flight,
+            grace_s,
+        )
+        self.gate.close()
+        await self.health.enter_graceful_shutdown()
+        if self.registration is not None:
+            await self.registration.close()
+        if not await self.gate.wait_idle(grace_s):
+            log.warning("%s %s: %d requests still running after %.1fs; aborting them",
+                        self.role, self.worker_id, self.gate.in_flight, grace_s)  # fmt: skip
+            if abort_rest is not None:
+                await abort_rest()
+            await self.gate.wait_idle(_ABORT_SETTLE_S)
+        await self.server.stop(_SERVER_STOP_GRACE_S)
+        log.info("%s %s stopped", self.role, self.worker_id)
+
+    async def close(self) -> None:
+        """Stop at once, whatever the state (idempotent; the normal path is drain())."""
+        if self.registration is not None:
+            await self.registration.close()
+        await self.server.stop(0)

@@ -1,0 +1,124 @@
+"""What prefill and decode workers share: an engine behind a ServiceHost, their WorkerInfo, and Subscribe.
+
+`EngineWorker` is the base of both servicers. Its `Subscribe` is the stream a router opens to every worker it
+discovers: first (on request) every cached block hash, then a `LoadSnapshot` and every KV block stored or
+evicted, as they happen — load at most every `LOAD_MIN_INTERVAL_S`, and at least every `LOAD_HEARTBEAT_S`.
+
+`run_engine_worker` is the life of such a process: load the model, start the server, register, wait for
+SIGTERM, drain. This room must never hold a service's own logic (prefilling, decoding).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable, Collection
+from typing import Any
+
+import grpc
+
+from services.engine.engine import LLMEngine
+from services.rpc import pb
+from services.runtime import wire
+from services.runtime.args import engine_config, model_path
+from services.runtime.async_engine import AsyncEngine, LoadStats
+from services.runtime.host import ServiceHost
+from services.runtime.rpc import request_meta
+
+log = logging.getLogger("rackserve.runtime.worker")
+
+LOAD_MIN_INTERVAL_S = 0.05  # a busy engine steps every few tens of ms; coalesce its load updates
+LOAD_HEARTBEAT_S = 1.0  # an idle worker still says it is alive and how loaded it is
+
+
+class EngineWorker:
+    def __init__(self, host: ServiceHost, engine: AsyncEngine) -> None:
+        self.host = host
+        self.engine = engine
+        assert engine.engine is not None
+        self.facts = engine.engine  # read-only here: fingerprint, kv_layout, max_model_len, model_config
+
+    def request_id(self, given: str, context: grpc.aio.ServicerContext) -> str:
+        """The message's request id, else the caller's x-request-id, else a fresh one."""
+        return given or request_meta(context).request_id or f"{self.host.role}-{uuid.uuid4().hex}"
+
+    def worker_info(self) -> pb.WorkerInfo:
+        e = self.facts
+        return self.host.worker_info(
+            model_fingerprint=e.fingerprint,
+            model_name=e.model_config.name,
+            kv_capacity_blocks=self.engine.stats().total_blocks,
+            block_size=e.kv_layout.block_size,
+            max_model_len=e.max_model_len,
+            kv_dtype=wire.KV_DTYPE_NAMES[e.kv_layout.dtype],
+        )
+
+    async def Subscribe(  # noqa: N802 - gRPC method name
+        self, request: pb.SubscribeRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[pb.WorkerEvent]:
+        def event(**kw: Any) -> pb.WorkerEvent:
+            return pb.WorkerEvent(worker_id=self.host.worker_id, epoch=self.host.epoch_ms, **kw)
+
+        log.info("subscriber %r connected (snapshot=%s)", request.subscriber_id, request.snapshot)
+        async with self.engine.events(snapshot=request.snapshot) as (cached, updates):
+            if cached:  # the snapshot: every cached hash in one message (not one chain, so parent_hash is 0)
+                yield event(kv=pb.KvBlockEvent(kind=pb.KvBlockEvent.STORED, block_hashes=cached))
+            last_load = wire.load_snapshot(self.engine.stats())
+            yield event(load=last_load)
+            last_sent_s = time.monotonic()
+            while True:
+                batch = []
+                try:
+                    batch.append(await asyncio.wait_for(updates.get(), LOAD_HEARTBEAT_S))
+                except TimeoutError:
+                    pass
+                while not updates.empty():
+                    batch.append(updates.get_nowait())
+                newest: LoadStats | None = None
+                for update in batch:
+                    if isinstance(update, LoadStats):
+                        newest = update
+                    else:
+                        for kv in wire.kv_block_events(update):
+                            yield event(kv=kv)
+                load = wire.load_snapshot(newest) if newest is not None else last_load
+                if load != last_load or time.monotonic() - last_sent_s >= LOAD_HEARTBEAT_S:
+                    yield event(load=load)
+                    last_load, last_sent_s = load, time.monotonic()
+                await asyncio.sleep(LOAD_MIN_INTERVAL_S)
+
+    async def abort_all(self) -> None:
+        for rid in self.engine.live_request_ids():
+            await self.engine.abort(rid)
+
+
+def configure_logging() -> None:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+
+
+async def run_engine_worker(
+    args: argparse.Namespace,
+    role: str,
+    service_name: str,
+    gated_methods: Collection[str],
+    make_servicer: Callable[[ServiceHost, AsyncEngine], EngineWorker],
+    add_to_server: Callable[[Any, grpc.aio.Server], None],
+) -> None:
+    """Load, serve, register, and on SIGTERM drain; returns when the process may exit 0."""
+    configure_logging()
+    host = ServiceHost(args, role, [service_name], gated_methods)
+    config, path = engine_config(args), model_path(args)
+    engine = await AsyncEngine.start(lambda: LLMEngine(path, config))
+    try:
+        servicer = make_servicer(host, engine)
+        add_to_server(servicer, host.server)
+        await host.start()
+        await host.serve(servicer.worker_info())
+        await host.wait_for_signal()
+        await host.drain(servicer.abort_all)
+    finally:
+        await host.close()
+        await engine.close()
