@@ -1,0 +1,1 @@
+"""The decode service: see server.py."""

@@ -1,0 +1,1 @@
+"""The prefill service: see server.py."""

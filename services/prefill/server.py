@@ -1,0 +1,142 @@
+"""The prefill worker: runs a prompt, keeps its KV blocks for a decode worker to pull, returns a KvHandle.
+
+`Prefill` computes the prompt and samples the first token with the request's own parameters and seed, so the
+decode side continues exactly as if it had run the prompt itself. The blocks stay held until `Release` (the
+decode side's acknowledgement) or until the handle's `expires_unix_ms` (`--kv-ttl-s`) passes; released blocks
+stay in the prefix cache until evicted.
+
+This room must never decode past the first token, and never hold blocks without a deadline.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import dataclasses
+import logging
+import sys
+import time
+
+import grpc
+
+from services.rpc import pb, pb_grpc
+from services.runtime import wire
+from services.runtime.args import add_engine_arguments, add_flag, add_service_arguments
+from services.runtime.async_engine import AsyncEngine
+from services.runtime.host import ServiceHost
+from services.runtime.rpc import WorkerUnavailableError
+from services.runtime.worker import EngineWorker, run_engine_worker
+
+log = logging.getLogger("rackserve.prefill")
+
+ROLE = "prefill"
+SERVICE_NAME = "rackserve.v1.PrefillWorker"
+GATED_METHODS = (f"/{SERVICE_NAME}/Prefill",)
+DEFAULT_KV_TTL_S = 30.0
+
+
+class PrefillWorker(EngineWorker, pb_grpc.PrefillWorkerServicer):
+    def __init__(self, host: ServiceHost, engine: AsyncEngine, kv_ttl_s: float = DEFAULT_KV_TTL_S) -> None:
+        super().__init__(host, engine)
+        self.kv_ttl_s = kv_ttl_s
+        self._expiry: dict[str, asyncio.TimerHandle] = {}  # request id -> the timer that frees its held KV
+
+    async def Prefill(  # noqa: N802 - gRPC method name
+        self, request: pb.PrefillRequest, context: grpc.aio.ServicerContext
+    ) -> pb.PrefillResponse:
+        request_id = self.request_id(request.request_id, context)
+        params = wire.sampling_params(request.params)
+        prompt = list(request.token_ids)
+        # one token only: the first one, drawn exactly as a local decode would draw it (same seed, index 0)
+        first_only = dataclasses.replace(params, max_tokens=1)
+        async with self.engine.generate(request_id, prompt, first_only, hold_kv=True) as stream:
+            outs = [o async for o in stream]
+        out = outs[-1]
+        timing = stream.timing
+        if out.finish_reason == "abort":  # drained before it ran; nothing is held
+            raise WorkerUnavailableError(
+                f"worker {self.host.worker_id} drained before prefilling {request_id!r}"
+            )
+        finished = (
+            out.finish_reason == "stop"
+            or params.max_tokens == 1
+            or len(prompt) + 1 >= self.facts.max_model_len
+        )
+        response = pb.PrefillResponse(
+            first_token=wire.tokens(out, 0)[0],
+            cached_tokens=out.num_cached_tokens,
+            queue_s=timing.queue_s,
+            compute_s=timing.compute_s,
+            finished=finished,
+            finish_reason=(out.finish_reason or "") if finished else "",
+        )
+        if finished:  # nobody will pull this KV
+            await self.engine.release(request_id)
+            return response
+        block_ids, num_tokens = await self.engine.call(
+            lambda e: (list(e.requests[request_id].block_ids), e.requests[request_id].num_computed_tokens)
+        )
+        self._hold(request_id)
+        response.kv.CopyFrom(
+            wire.kv_handle(
+                self.facts.kv_layout,
+                request_id,
+                block_ids,
+                num_tokens,
+                self.host.worker_id,
+                self.host.epoch_ms,
+                expires_unix_ms=int((time.time() + self.kv_ttl_s) * 1000),
+            )
+        )
+        return response
+
+    async def Release(  # noqa: N802 - gRPC method name
+        self, request: pb.ReleaseRequest, context: grpc.aio.ServicerContext
+    ) -> pb.Empty:
+        """Idempotent: releasing what is not (or no longer) held is not an error. Released blocks stay in the
+        prefix cache either way (the engine has no way to drop them early), so keep_as_prefix_cache is moot."""
+        timer = self._expiry.pop(request.request_id, None)
+        if timer is not None:
+            timer.cancel()
+            await self.engine.release(request.request_id)
+        return pb.Empty()
+
+    def _hold(self, request_id: str) -> None:
+        loop = asyncio.get_running_loop()
+        self._expiry[request_id] = loop.call_later(
+            self.kv_ttl_s, lambda: loop.create_task(self._expire(request_id))
+        )
+
+    async def _expire(self, request_id: str) -> None:
+        if self._expiry.pop(request_id, None) is not None:
+            log.info(
+                "held KV of %r expired after %.1fs without a Release; freeing it", request_id, self.kv_ttl_s
+            )
+            await self.engine.release(request_id)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    add_service_arguments(parser)
+    add_engine_arguments(parser)
+    g = parser.add_argument_group("prefill")
+    add_flag(g, "--kv-ttl-s", DEFAULT_KV_TTL_S, "how long produced KV stays held without a Release", float)
+
+
+async def serve(args: argparse.Namespace) -> None:
+    def make(host: ServiceHost, engine: AsyncEngine) -> PrefillWorker:
+        return PrefillWorker(host, engine, args.kv_ttl_s)
+
+    await run_engine_worker(
+        args, ROLE, SERVICE_NAME, GATED_METHODS, make, pb_grpc.add_PrefillWorkerServicer_to_server
+    )
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="rackserve prefill", description=__doc__.splitlines()[0])
+    add_arguments(parser)
+    asyncio.run(serve(parser.parse_args(argv)))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
