@@ -1,0 +1,1 @@
+"""The router service: see server.py."""

@@ -1,0 +1,224 @@
+"""The router: answers Route(tokens) with a RoutePlan naming the workers a request should use.
+
+It follows etcd for the live prefill and decode workers (services.discovery), and opens a Subscribe stream to
+each of them to keep that worker's latest LoadSnapshot and the set of KV block hashes it has cached — the
+inputs of the TTFT-estimate policy to come (DESIGN.md §5). Today's policy is round-robin over the live decode
+workers, aggregated (the decode worker prefills); a worker reported as failed is hidden for `--suppress-s`.
+
+This room must never hold request state: any number of routers can run side by side.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import logging
+import sys
+from dataclasses import dataclass, field
+
+import grpc
+
+from services.discovery import WorkerDirectory
+from services.discovery.etcd import Backoff
+from services.rpc import pb, pb_grpc
+from services.runtime.args import add_flag, add_service_arguments
+from services.runtime.host import ServiceHost
+from services.runtime.rpc import WorkerUnavailableError
+from services.runtime.worker import configure_logging
+
+log = logging.getLogger("rackserve.router")
+
+ROLE = "router"
+SERVICE_NAME = "rackserve.v1.Router"
+GATED_METHODS = (f"/{SERVICE_NAME}/Route",)
+WATCHED_ROLES = ("prefill", "decode")
+DEFAULT_SUPPRESS_S = 10.0
+# A Subscribe stream is long-lived but still has a deadline; when it passes the router simply opens a new one
+# (with a fresh snapshot, which also heals any drift in the block index).
+SUBSCRIBE_DEADLINE_S = 300.0
+
+
+@dataclass
+class WorkerView:
+    """What this router knows about one worker beyond etcd: its load and the KV blocks it has cached."""
+
+    info: pb.WorkerInfo
+    load: pb.LoadSnapshot | None = None
+    block_hashes: set[int] = field(default_factory=set)
+    connected: bool = False
+
+
+class WorkerViews:
+    """One WorkerView and one Subscribe stream per worker the directory shows; dropped when it vanishes."""
+
+    def __init__(self, directory: WorkerDirectory, subscriber_id: str) -> None:
+        self.directory = directory
+        self.subscriber_id = subscriber_id
+        self.views: dict[str, WorkerView] = {}
+        self._tasks: dict[str, asyncio.Task[None]] = {}
+        directory.subscribe(self._on_change)
+
+    def sync(self) -> None:
+        """Start following every worker the directory shows now (those found before subscribing)."""
+        for role in WATCHED_ROLES:
+            for info in self.directory.workers(role):
+                if info.worker_id not in self._tasks:
+                    self._on_change("added", info)
+
+    def _on_change(self, kind: str, info: pb.WorkerInfo) -> None:
+        self._forget(info.worker_id)
+        if kind == "added":
+            view = self.views[info.worker_id] = WorkerView(info)
+            self._tasks[info.worker_id] = asyncio.get_running_loop().create_task(
+                self._follow(view), name=f"subscribe {info.worker_id}"
+            )
+
+    def _forget(self, worker_id: str) -> None:
+        self.views.pop(worker_id, None)
+        task = self._tasks.pop(worker_id, None)
+        if task is not None:
+            task.cancel()
+
+    async def _follow(self, view: WorkerView) -> None:
+        backoff = Backoff(first_s=0.1, max_s=1.0)
+        async with grpc.aio.insecure_channel(view.info.endpoint) as channel:
+            # Subscribe has the same shape on both worker services
+            stub_class = (
+                pb_grpc.PrefillWorkerStub if view.info.role == "prefill" else pb_grpc.DecodeWorkerStub
+            )
+            stub = stub_class(channel)
+            while True:
+                try:
+                    stream = stub.Subscribe(
+                        pb.SubscribeRequest(subscriber_id=self.subscriber_id, snapshot=True),
+                        timeout=SUBSCRIBE_DEADLINE_S,
+                    )
+                    view.block_hashes.clear()  # the snapshot that opens the stream rebuilds it
+                    async for event in stream:
+                        if not view.connected:
+                            view.connected = True
+                            backoff.reset()
+                        _apply(view, event)
+                except asyncio.CancelledError:
+                    raise
+                except grpc.aio.AioRpcError as e:
+                    # the first failure after a working stream is news; retries of a dead worker are not
+                    level = logging.INFO if view.connected else logging.DEBUG
+                    if e.code() is not grpc.StatusCode.DEADLINE_EXCEEDED:
+                        log.log(
+                            level,
+                            "subscription to %s: %s %s",
+                            view.info.worker_id,
+                            e.code().name,
+                            e.details(),
+                        )
+                view.connected = False
+                await asyncio.sleep(backoff.next_s())
+
+    async def close(self) -> None:
+        tasks = list(self._tasks.values())
+        for worker_id in list(self._tasks):
+            self._forget(worker_id)
+        for task in tasks:
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+
+
+def _apply(view: WorkerView, event: pb.WorkerEvent) -> None:
+    if event.epoch != view.info.epoch:
+        return  # another process behind the same endpoint; etcd will tell us about it
+    if event.HasField("load"):
+        view.load = event.load
+    elif event.HasField("kv"):
+        if event.kv.kind == pb.KvBlockEvent.STORED:
+            view.block_hashes.update(event.kv.block_hashes)
+        else:
+            view.block_hashes.difference_update(event.kv.block_hashes)
+
+
+class RoundRobin:
+    """Each choice is the next worker id after the previous choice, in id order, so a changing set stays fair."""
+
+    reason = "round_robin"
+
+    def __init__(self) -> None:
+        self._last_id = ""
+
+    def choose(self, candidates: list[pb.WorkerInfo]) -> pb.WorkerInfo:
+        ordered = sorted(candidates, key=lambda w: w.worker_id)
+        chosen = next((w for w in ordered if w.worker_id > self._last_id), ordered[0])
+        self._last_id = chosen.worker_id
+        return chosen
+
+
+def _ref(info: pb.WorkerInfo) -> pb.WorkerRef:
+    return pb.WorkerRef(worker_id=info.worker_id, endpoint=info.endpoint, role=info.role, epoch=info.epoch)
+
+
+class Router(pb_grpc.RouterServicer):
+    def __init__(
+        self, directory: WorkerDirectory, views: WorkerViews, suppress_s: float = DEFAULT_SUPPRESS_S
+    ):
+        self.directory = directory
+        self.views = views
+        self.suppress_s = suppress_s
+        self.policy = RoundRobin()
+
+    async def Route(  # noqa: N802 - gRPC method name
+        self, request: pb.RouteRequest, context: grpc.aio.ServicerContext
+    ) -> pb.RoutePlan:
+        excluded = set(request.exclude_worker_ids)
+        candidates = [w for w in self.directory.workers("decode") if w.worker_id not in excluded]
+        if not candidates:
+            raise WorkerUnavailableError("no decode workers")
+        decode = self.policy.choose(candidates)
+        return pb.RoutePlan(decode=_ref(decode), reason=self.policy.reason)  # prefill unset: aggregated
+
+    async def ReportFailure(  # noqa: N802 - gRPC method name
+        self, request: pb.FailureReport, context: grpc.aio.ServicerContext
+    ) -> pb.Empty:
+        if not request.worker_id:
+            raise ValueError("worker_id is required")
+        log.info("failure reported for %s (request %s): %s; hiding it for %.1fs",
+                 request.worker_id, request.request_id, request.cause, self.suppress_s)  # fmt: skip
+        self.directory.suppress(request.worker_id, self.suppress_s)
+        return pb.Empty()
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    add_service_arguments(parser)
+    g = parser.add_argument_group("router")
+    add_flag(
+        g, "--suppress-s", DEFAULT_SUPPRESS_S, "how long a worker reported as failed is not routed to", float
+    )
+
+
+async def serve(args: argparse.Namespace) -> None:
+    configure_logging()
+    host = ServiceHost(args, ROLE, [SERVICE_NAME], GATED_METHODS)
+    directory = WorkerDirectory(args.etcd, roles=WATCHED_ROLES)
+    views = WorkerViews(directory, subscriber_id=host.worker_id)
+    try:
+        await directory.start()
+        views.sync()
+        pb_grpc.add_RouterServicer_to_server(Router(directory, views, args.suppress_s), host.server)
+        await host.start()
+        await host.serve(host.worker_info())
+        await host.wait_for_signal()
+        await host.drain()
+    finally:
+        await host.close()
+        await views.close()
+        await directory.close()
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="rackserve router", description=__doc__.splitlines()[0])
+    add_arguments(parser)
+    asyncio.run(serve(parser.parse_args(argv)))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
