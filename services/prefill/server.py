@@ -40,6 +40,7 @@ class PrefillWorker(EngineWorker, pb_grpc.PrefillWorkerServicer):
         super().__init__(host, engine)
         self.kv_ttl_s = kv_ttl_s
         self._expiry: dict[str, asyncio.TimerHandle] = {}  # request id -> the timer that frees its held KV
+        self._expiring: set[asyncio.Task[None]] = set()  # referenced until done, or asyncio may drop them
 
     async def Prefill(  # noqa: N802 - gRPC method name
         self, request: pb.PrefillRequest, context: grpc.aio.ServicerContext
@@ -73,10 +74,11 @@ class PrefillWorker(EngineWorker, pb_grpc.PrefillWorkerServicer):
         if finished:  # nobody will pull this KV
             await self.engine.release(request_id)
             return response
+        # the deadline starts before any await, so the blocks are freed even if this call dies from here on
+        expires_unix_ms = self._hold(request_id)
         block_ids, num_tokens = await self.engine.call(
             lambda e: (list(e.requests[request_id].block_ids), e.requests[request_id].num_computed_tokens)
         )
-        self._hold(request_id)
         response.kv.CopyFrom(
             wire.kv_handle(
                 self.facts.kv_layout,
@@ -85,7 +87,7 @@ class PrefillWorker(EngineWorker, pb_grpc.PrefillWorkerServicer):
                 num_tokens,
                 self.host.worker_id,
                 self.host.epoch_ms,
-                expires_unix_ms=int((time.time() + self.kv_ttl_s) * 1000),
+                expires_unix_ms,
             )
         )
         return response
@@ -101,11 +103,17 @@ class PrefillWorker(EngineWorker, pb_grpc.PrefillWorkerServicer):
             await self.engine.release(request.request_id)
         return pb.Empty()
 
-    def _hold(self, request_id: str) -> None:
+    def _hold(self, request_id: str) -> int:
+        """Free the request's blocks kv_ttl_s from now unless released first; returns that time, unix ms."""
         loop = asyncio.get_running_loop()
-        self._expiry[request_id] = loop.call_later(
-            self.kv_ttl_s, lambda: loop.create_task(self._expire(request_id))
-        )
+
+        def expire() -> None:
+            task = loop.create_task(self._expire(request_id))
+            self._expiring.add(task)
+            task.add_done_callback(self._expiring.discard)
+
+        self._expiry[request_id] = loop.call_later(self.kv_ttl_s, expire)
+        return int((time.time() + self.kv_ttl_s) * 1000)
 
     async def _expire(self, request_id: str) -> None:
         if self._expiry.pop(request_id, None) is not None:

@@ -14,7 +14,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import AsyncIterator, Awaitable, Callable, Collection
+from collections.abc import AsyncIterator, Awaitable, Callable, Collection, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -89,7 +89,7 @@ class AdmissionGate:
         self.state = "draining"
 
     @contextlib.contextmanager
-    def admit(self) -> Any:
+    def admit(self) -> Iterator[None]:
         if self.state != "serving":
             what = "still loading" if self.state == "loading" else "draining"
             raise WorkerUnavailableError(f"this worker is {what} and takes no new requests; try another one")
