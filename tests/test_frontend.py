@@ -35,6 +35,7 @@ from services.discovery import WorkerDirectory
 from services.engine.tokenizer import Tokenizer
 from services.frontend.app import FrontendConfig, create_app
 from services.frontend.coordinator import ChannelPool, Coordinator
+from services.frontend.output import TextAssembler
 from services.frontend.server import DEFAULT_MODEL_NAME, load_tokenizer
 from services.rpc import pb, pb_grpc
 from tests.support.etcd import EtcdServer, free_port
@@ -49,6 +50,23 @@ STARTUP_TIMEOUT_S = 90.0
 @pytest.fixture(scope="module")
 def tokenizer() -> Tokenizer:
     return load_tokenizer("")[0]
+
+
+# ---- text assembly, without any server ------------------------------------------------------------------------
+
+
+def test_text_assembler_never_splits_a_character_and_holds_back_a_possible_stop(tokenizer: Tokenizer) -> None:
+    text = "Café 🙂 naïve — done. STOP here"
+    ids = tokenizer.encode(text)
+    plain = TextAssembler(tokenizer, prompt_token_ids=[], stop=[])
+    pieces = [plain.push([i]) for i in ids] + [plain.finish()]
+    assert "".join(pieces) == text and not any("\ufffd" in p for p in pieces)
+
+    stopping = TextAssembler(tokenizer, prompt_token_ids=[], stop=["STOP", "done!"])
+    pieces = [stopping.push([i]) for i in ids] + [stopping.finish()]
+    assert "".join(pieces) == "Café 🙂 naïve — done. " and stopping.stop_hit == "STOP"
+    # "done" could still have become "done!", so it waited for the next token.
+    assert not any(p.endswith("done") for p in pieces) and "done." in pieces
 
 
 # ---- rig 1: a scripted router and decode worker ---------------------------------------------------------------
@@ -221,7 +239,7 @@ def test_chat_sends_prompt_seed_deadline_and_trace_context_to_the_worker(scripte
     assert time_remaining is not None and 0 < time_remaining <= 2.0
 
 
-def test_client_trace_and_request_id_are_continued(scripted: ScriptedCluster) -> None:
+def test_client_trace_is_continued_and_request_ids_stay_unique(scripted: ScriptedCluster) -> None:
     trace_id = "4bf92f3577b34da6a3ce929d0e0e4736"
     headers = {"traceparent": f"00-{trace_id}-00f067aa0ba902b7-01", "x-request-id": "client-req-1"}
     r = httpx.post(
@@ -233,7 +251,10 @@ def test_client_trace_and_request_id_are_continued(scripted: ScriptedCluster) ->
         metadata["traceparent"].startswith(f"00-{trace_id}-")
         and "00f067aa0ba902b7" not in metadata["traceparent"]
     )
-    assert request.request_id == "client-req-1" and request.params.seed == 7
+    assert request.params.seed == 7
+    # The client's x-request-id goes to the log only: two requests reusing it stay two requests to the worker.
+    httpx.post(f"{scripted.url}/v1/chat/completions", json=chat("hi"), headers=headers, timeout=10)
+    assert scripted.decode.calls[-1][0].request_id != request.request_id
 
 
 def test_stop_string_truncates_and_streamed_text_never_shows_it(scripted: ScriptedCluster) -> None:

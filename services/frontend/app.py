@@ -15,7 +15,6 @@ import asyncio
 import contextlib
 import json
 import logging
-import re
 import secrets
 import time
 import uuid
@@ -34,6 +33,7 @@ from services.frontend.coordinator import Coordinator, EmittedToken, Phase, Requ
 from services.frontend.dependencies import json_body
 from services.frontend.errors import (
     CLIENT_CLOSED_REQUEST,
+    SERVER_ERROR,
     ApiError,
     bad_request,
     install_error_handlers,
@@ -68,7 +68,6 @@ DEFAULT_MAX_MODEL_LEN = 8192
 COMPLETIONS_DEFAULT_MAX_TOKENS = (
     16  # OpenAI's default for /v1/completions; chat defaults to the rest of the context
 )
-_CLIENT_REQUEST_ID = re.compile(r"^[A-Za-z0-9._:-]{1,128}$")
 
 
 @dataclass
@@ -143,15 +142,16 @@ class Frontend:
             stop=body.stop_strings(),
             logprobs=-1 if logprobs is None else logprobs,
         )
-        client_id = request.headers.get("x-request-id", "")
-        request_id = client_id if _CLIENT_REQUEST_ID.match(client_id) else uuid.uuid4().hex
         metrics.PROMPT_TOKENS.inc(n)
+        # Our own id, unique by construction (workers key requests by it); the client's only goes to the log.
+        client_request_id = request.headers.get("x-request-id", "")
         return self.coordinator.new_request(
-            request_id,
+            uuid.uuid4().hex,
             prompt_token_ids,
             params,
             timeout_s=self.config.request_timeout_s,
             traceparent=request.headers.get("traceparent"),
+            client_request_id=client_request_id[:128] if client_request_id.isprintable() else None,
         )
 
     async def respond(
@@ -176,7 +176,10 @@ class Frontend:
         except ApiError as e:
             self._finished(endpoint, state, e.status)
             raise
-        except BaseException:
+        except asyncio.CancelledError:
+            self._finished(endpoint, state, CLIENT_CLOSED_REQUEST)
+            raise
+        except Exception:
             self._finished(endpoint, state, 500)
             raise
         stream = self._sse(endpoint, state, fmt, first, pieces, body.include_usage)
@@ -205,9 +208,16 @@ class Frontend:
         except ApiError as e:
             status = e.status
             yield f"data: {json.dumps(e.body())}\n\n"
-        except BaseException:
-            status = CLIENT_CLOSED_REQUEST if state.phase is Phase.FAILED else 500
+        except (asyncio.CancelledError, GeneratorExit):  # the client went away (or the server is stopping)
+            status = CLIENT_CLOSED_REQUEST
             raise
+        except Exception as e:  # a bug: still end the stream in OpenAI's shape rather than cut it
+            log.exception("request %s: stream failed", state.request_id)
+            status = 500
+            error = ApiError(
+                500, f"internal error: {type(e).__name__}: {e}", SERVER_ERROR, code="internal_error"
+            )
+            yield f"data: {json.dumps(error.body())}\n\n"
         finally:
             self._finished(endpoint, state, status)
             await pieces.aclose()  # cancels the worker's call if the stream stopped early

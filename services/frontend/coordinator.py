@@ -40,6 +40,7 @@ log = logging.getLogger("rackserve.frontend")
 
 ROUTE_TIMEOUT_S = 5.0  # one Route call; routing is an in-memory decision, so seconds mean the router is stuck
 REPORT_FAILURE_TIMEOUT_S = 2.0
+STUCK_ROUTER_SUPPRESS_S = 5.0  # a router that let a Route call time out is not asked again for this long
 
 # Status codes after which the worker, not the request, is at fault: the router hears about it.
 WORKER_FAULTS = frozenset(
@@ -120,6 +121,7 @@ class RequestState:
     finish_reason: str | None = None
     stop_reason: str | None = None
     error: str | None = None
+    client_request_id: str | None = None  # the client's x-request-id, for finding its log line
 
     def __post_init__(self) -> None:
         if not self.timeline:
@@ -173,6 +175,7 @@ class RequestState:
         start = self.timeline[0][1]
         return {
             "request_id": self.request_id,
+            "client_request_id": self.client_request_id,
             "traceparent": self.traceparent,
             "phase": self.phase.value,
             "finish_reason": self.finish_reason,
@@ -247,6 +250,7 @@ class Coordinator:
         params: pb.SamplingParams,
         timeout_s: float,
         traceparent: str | None = None,
+        client_request_id: str | None = None,
     ) -> RequestState:
         return RequestState(
             request_id=request_id,
@@ -254,6 +258,7 @@ class Coordinator:
             params=params,
             traceparent=new_traceparent(traceparent),
             deadline_s=time.monotonic() + timeout_s,
+            client_request_id=client_request_id or None,
         )
 
     async def generate(self, state: RequestState) -> AsyncGenerator[TokenBatch, None]:
@@ -298,9 +303,12 @@ class Coordinator:
             except grpc.aio.AioRpcError as e:
                 metrics.WORKER_FAILURES.labels("router", e.code().name).inc()
                 last = from_grpc(e, f"router {router.worker_id}")
-                # Unreachable, or it knows no decode worker: another router may see the cluster differently.
-                if e.code() != grpc.StatusCode.UNAVAILABLE:
+                if e.code() == grpc.StatusCode.DEADLINE_EXCEEDED and state.deadline_s > time.monotonic():
+                    # The router is stuck, not the request out of time: skip it for a while, ask another.
+                    self.directory.suppress(router.worker_id, STUCK_ROUTER_SUPPRESS_S)
+                elif e.code() != grpc.StatusCode.UNAVAILABLE:
                     raise last from e
+                # Unreachable, or it knows no decode worker: another router may see the cluster differently.
         assert last is not None
         raise last
 

@@ -36,7 +36,7 @@ E2E_S = Histogram(
     "From the request's arrival to its last token (successful generations only)",
     buckets=LATENCY_BUCKETS_S,
 )
-PROMPT_TOKENS = Counter("rackserve_prompt_tokens", "Prompt tokens of requests sent to workers")
+PROMPT_TOKENS = Counter("rackserve_prompt_tokens", "Prompt tokens of accepted requests")
 GENERATION_TOKENS = Counter("rackserve_generation_tokens", "Tokens generated and received by the frontend")
 CACHED_PROMPT_TOKENS = Counter(
     "rackserve_cached_prompt_tokens", "Prompt tokens that a worker served from its prefix cache"
