@@ -230,7 +230,7 @@ class ChannelPool:
 
 
 class DecodeStreamBroken(Exception):
-    """A decode stream ended without its finished chunk, or failed with a worker fault."""
+    """A decode stream ended without its finished chunk."""
 
 
 class Coordinator:
