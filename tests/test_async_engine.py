@@ -16,7 +16,8 @@ from services.engine.config import EngineConfig
 from services.engine.engine import LLMEngine, PromptTooLongError, RequestOutput
 from services.engine.kv_cache import NoFreeBlocksError
 from services.engine.sampling import SamplingParams
-from services.runtime.async_engine import AsyncEngine, DuplicateRequestError, LoadStats
+from services.runtime.async_engine import AsyncEngine, LoadStats
+from services.runtime.errors import DuplicateRequestError
 from tests.conftest import tiny_llama
 
 T = TypeVar("T")

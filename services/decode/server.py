@@ -11,7 +11,6 @@ This room must never hold state past a request's stream, or talk to the router o
 from __future__ import annotations
 
 import argparse
-import asyncio
 import sys
 from collections.abc import AsyncIterator
 
@@ -21,8 +20,8 @@ from services.rpc import pb, pb_grpc
 from services.runtime import wire
 from services.runtime.args import add_engine_arguments, add_service_arguments
 from services.runtime.async_engine import AsyncEngine
-from services.runtime.host import ServiceHost
-from services.runtime.rpc import UnsupportedError, WorkerUnavailableError
+from services.runtime.errors import UnsupportedError, WorkerUnavailableError
+from services.runtime.host import ServiceHost, service_main
 from services.runtime.worker import EngineWorker, run_engine_worker
 
 ROLE = "decode"
@@ -80,12 +79,5 @@ async def serve(args: argparse.Namespace) -> None:
     )
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="rackserve decode", description=__doc__.splitlines()[0])
-    add_arguments(parser)
-    asyncio.run(serve(parser.parse_args(argv)))
-    return 0
-
-
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(service_main(ROLE, __doc__ or "", add_arguments, serve))

@@ -23,9 +23,8 @@ from services.discovery import WorkerDirectory
 from services.discovery.etcd import Backoff
 from services.rpc import pb, pb_grpc
 from services.runtime.args import add_flag, add_service_arguments
-from services.runtime.host import ServiceHost
-from services.runtime.rpc import WorkerUnavailableError
-from services.runtime.worker import configure_logging
+from services.runtime.errors import WorkerUnavailableError
+from services.runtime.host import ServiceHost, configure_logging, service_main
 
 log = logging.getLogger("rackserve.router")
 
@@ -213,12 +212,5 @@ async def serve(args: argparse.Namespace) -> None:
         await directory.close()
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="rackserve router", description=__doc__.splitlines()[0])
-    add_arguments(parser)
-    asyncio.run(serve(parser.parse_args(argv)))
-    return 0
-
-
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(service_main(ROLE, __doc__ or "", add_arguments, serve))

@@ -28,6 +28,7 @@ from services.engine.engine import EngineStats, KvExport, LLMEngine, RequestOutp
 from services.engine.kv_cache import KvEvent, NoFreeBlocksError
 from services.engine.sampling import SamplingParams
 from services.engine.scheduler import RequestStatus
+from services.runtime.errors import DuplicateRequestError, EngineClosedError
 
 log = logging.getLogger("rackserve.runtime.engine")
 
@@ -36,14 +37,6 @@ T = TypeVar("T")
 # When every queued request waits for KV blocks and nothing runs, only a command (release, abort) can unblock
 # the engine; the thread then sleeps on the command queue, waking at this period as a safety net.
 _STALLED_WAIT_S = 0.1
-
-
-class DuplicateRequestError(ValueError):
-    """A request id that is already live on this engine."""
-
-
-class EngineClosedError(RuntimeError):
-    """The engine thread has stopped; no new work is accepted."""
 
 
 @dataclass

@@ -18,9 +18,11 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import os
 import signal
 import time
-from collections.abc import Awaitable, Callable, Collection
+from collections.abc import Awaitable, Callable, Collection, Coroutine
+from typing import Any
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -119,3 +121,23 @@ class ServiceHost:
         if self.registration is not None:
             await self.registration.close()
         await self.server.stop(0)
+
+
+def configure_logging() -> None:
+    """One line per record on stderr (a no-op when the embedding program configured logging already)."""
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+
+
+def service_main(
+    role: str,
+    doc: str,
+    add_arguments: Callable[[argparse.ArgumentParser], None],
+    serve: Callable[[argparse.Namespace], Coroutine[Any, Any, None]],
+    argv: list[str] | None = None,
+) -> int:
+    """`python -m services.<role>.server ...`: the same flags and life as `rackserve <role> ...`."""
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    parser = argparse.ArgumentParser(prog=f"rackserve {role}", description=doc.strip().splitlines()[0])
+    add_arguments(parser)
+    asyncio.run(serve(parser.parse_args(argv)))
+    return 0

@@ -20,36 +20,30 @@ from typing import Any
 
 import grpc
 
-from services.engine.engine import KvMismatchError, PromptTooLongError
 from services.engine.kv_cache import NoFreeBlocksError
-from services.runtime.async_engine import DuplicateRequestError, EngineClosedError
+from services.runtime.errors import (
+    DuplicateRequestError,
+    NotFoundError,
+    UnsupportedError,
+    WorkerUnavailableError,
+)
 
 log = logging.getLogger("rackserve.runtime.rpc")
 
 
-class WorkerUnavailableError(RuntimeError):
-    """This worker is not taking requests (loading or draining): the caller should go elsewhere."""
-
-
-class UnsupportedError(RuntimeError):
-    """The request asks for something this worker does not do (yet)."""
-
-
-class NotFoundError(LookupError):
-    """The request names something (a held KV, a request id) this worker does not have."""
-
-
 def status_for(error: BaseException) -> grpc.StatusCode:
-    """The gRPC status code for an exception raised by a handler; the message is str(error)."""
-    if isinstance(error, WorkerUnavailableError | EngineClosedError):
+    """The gRPC status code for an exception raised by a handler; the message is str(error).
+
+    The engine's own errors need no import here (the router has no engine): a prompt that is too long or a KV
+    payload for another model are ValueErrors, so they are INVALID_ARGUMENT like every bad parameter.
+    """
+    if isinstance(error, WorkerUnavailableError):
         return grpc.StatusCode.UNAVAILABLE
     if isinstance(error, UnsupportedError):
         return grpc.StatusCode.UNIMPLEMENTED
     if isinstance(error, DuplicateRequestError):
         return grpc.StatusCode.ALREADY_EXISTS
-    if isinstance(error, KvMismatchError):
-        return grpc.StatusCode.FAILED_PRECONDITION
-    if isinstance(error, PromptTooLongError | ValueError):
+    if isinstance(error, ValueError):
         return grpc.StatusCode.INVALID_ARGUMENT
     if isinstance(error, NoFreeBlocksError):
         return grpc.StatusCode.RESOURCE_EXHAUSTED

@@ -25,7 +25,7 @@ from services.rpc import pb
 from services.runtime import wire
 from services.runtime.args import engine_config, model_path
 from services.runtime.async_engine import AsyncEngine, LoadStats
-from services.runtime.host import ServiceHost
+from services.runtime.host import ServiceHost, configure_logging
 from services.runtime.rpc import request_meta
 
 log = logging.getLogger("rackserve.runtime.worker")
@@ -93,10 +93,6 @@ class EngineWorker:
     async def abort_all(self) -> None:
         for rid in self.engine.live_request_ids():
             await self.engine.abort(rid)
-
-
-def configure_logging() -> None:
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
 
 
 async def run_engine_worker(
