@@ -7,6 +7,7 @@ here is what runs there. This room only starts, watches and stops processes; it 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import shutil
 import signal
@@ -123,7 +124,7 @@ class Cluster:
         self.spawn("frontend", base + ["frontend", *common, *front])
 
     def wait_ready(self) -> None:
-        """Healthy means: the frontend answers /health with 200 and lists the model (it sees routers and workers)."""
+        """Ready means: the frontend answers /health and sees the router and every worker we started."""
         deadline = time.monotonic() + self.args.ready_timeout_s
         url = f"http://{self.args.host}:{self.args.port}/health"
         while time.monotonic() < deadline:
@@ -132,31 +133,38 @@ class Cluster:
                     raise SystemExit(f"rackserve up: {p.name} exited with status {p.popen.returncode}")
             try:
                 with urllib.request.urlopen(url, timeout=2) as r:
-                    if r.status == 200:
-                        return
-            except (urllib.error.URLError, OSError):
+                    seen = json.loads(r.read()).get("workers", {})
+                want = {"router": 1, "prefill": self.args.prefill, "decode": self.args.decode}
+                if all(seen.get(role, 0) >= n for role, n in want.items()):
+                    return
+            except (urllib.error.URLError, OSError, ValueError):
                 pass
             time.sleep(0.5)
         raise SystemExit(f"rackserve up: not healthy after {self.args.ready_timeout_s:.0f}s ({url})")
 
     # ----------------------------------------------------------------------------------------- stopping
-    def stop(self) -> None:
-        """Frontend first (no new work), then workers (they drain), then router, then etcd."""
+    def stop(self, grace_s: float = 30.0) -> None:
+        """Frontend first (no new work), then workers (they drain in-flight streams), then router, then etcd.
+
+        Further Ctrl-C / SIGTERM are ignored while stopping; nothing waits past grace_s before being killed.
+        """
         if self._stopping:
             return
         self._stopping = True
-        order = sorted(
-            self.procs,
-            key=lambda p: ["frontend", "decode", "prefill", "router", "etcd"].index(p.name.split("-")[0]),
-        )
-        for p in order:
-            if p.popen.poll() is None:
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        deadline = time.monotonic() + grace_s
+        for tier in (("frontend",), ("decode", "prefill"), ("router",), ("etcd",)):
+            group = [p for p in self.procs if p.name.split("-")[0] in tier and p.popen.poll() is None]
+            for p in group:
                 p.popen.send_signal(signal.SIGTERM)
-            try:
-                p.popen.wait(timeout=25)
-            except subprocess.TimeoutExpired:
-                p.popen.kill()
-                p.popen.wait(timeout=5)
+            for p in group:
+                try:
+                    p.popen.wait(timeout=max(0.1, deadline - time.monotonic()))
+                except subprocess.TimeoutExpired:
+                    print(f"rackserve up: {p.name} did not stop in time; killing it", flush=True)
+                    p.popen.kill()
+                    p.popen.wait(timeout=5)
         if self.tmp:
             shutil.rmtree(self.tmp, ignore_errors=True)
 

@@ -1,0 +1,139 @@
+"""End to end: `rackserve up` runs the whole cluster as real processes, and the official openai client talks to it."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import httpx
+import pytest
+
+FRANCE = [{"role": "user", "content": "What is the capital of France?"}]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    port = _free_port()
+    cmd = [sys.executable, "-m", "services.cli", "up", "--port", str(port), "--dtype", "float32"]
+    cmd += ["--prefill", "1", "--decode", "1", "--quiet"]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    assert proc.stdout is not None
+    lines = []
+    deadline = time.monotonic() + 240
+    while time.monotonic() < deadline:
+        line = proc.stdout.readline()
+        if not line:
+            break
+        lines.append(line)
+        if "rackserve is ready" in line:
+            break
+    else:
+        proc.kill()
+        pytest.fail("rackserve up did not become ready:\n" + "".join(lines[-30:]))
+    if proc.poll() is not None:
+        pytest.fail("rackserve up exited:\n" + "".join(lines[-30:]))
+    yield proc, f"http://127.0.0.1:{port}"
+    if proc.poll() is None:
+        proc.kill()
+        proc.wait(timeout=10)
+
+
+def test_openai_client_streams_the_capital_of_france(cluster):
+    import openai
+
+    _, url = cluster
+    client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", timeout=120)
+    stream = client.chat.completions.create(
+        model="SmolLM2-135M-Instruct", messages=FRANCE, temperature=0, stream=True, max_tokens=32
+    )
+    text = "".join(chunk.choices[0].delta.content or "" for chunk in stream if chunk.choices)
+    assert text == "The capital of France is Paris."
+
+
+def test_sixteen_concurrent_requests_all_complete(cluster):
+    import openai
+
+    _, url = cluster
+    client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", timeout=180)
+
+    def ask(i: int) -> tuple[str, str | None]:
+        r = client.chat.completions.create(
+            model="SmolLM2-135M-Instruct",
+            messages=[{"role": "user", "content": f"Count from {i} to {i + 3}."}],
+            max_tokens=12,
+            temperature=0.7,
+            seed=i,
+        )
+        return r.choices[0].message.content or "", r.choices[0].finish_reason
+
+    with concurrent.futures.ThreadPoolExecutor(16) as pool:
+        results = list(pool.map(ask, range(16)))
+    assert len(results) == 16
+    assert all(text and reason in ("stop", "length") for text, reason in results)
+
+
+@pytest.mark.parametrize(
+    "body,status,etype",
+    [
+        ({"model": "gpt-9", "messages": FRANCE}, 404, "invalid_request_error"),
+        ({"model": "SmolLM2-135M-Instruct", "messages": "hi"}, 400, "invalid_request_error"),
+        (
+            {"model": "SmolLM2-135M-Instruct", "messages": FRANCE, "max_tokens": 0},
+            400,
+            "invalid_request_error",
+        ),
+        (
+            {"model": "SmolLM2-135M-Instruct", "messages": [{"role": "user", "content": "word " * 9000}]},
+            400,
+            "invalid_request_error",
+        ),
+    ],
+)
+def test_bad_requests_get_openai_errors(cluster, body, status, etype):
+    _, url = cluster
+    r = httpx.post(f"{url}/v1/chat/completions", json=body, timeout=30)
+    assert r.status_code == status
+    err = r.json()["error"]
+    assert err["type"] == etype and err["message"]
+
+
+def test_malformed_json_is_a_400(cluster):
+    _, url = cluster
+    r = httpx.post(
+        f"{url}/v1/chat/completions",
+        content=b"{not json",
+        headers={"content-type": "application/json"},
+        timeout=30,
+    )
+    assert r.status_code == 400 and r.json()["error"]["type"] == "invalid_request_error"
+
+
+def test_ctrl_c_stops_every_process(cluster):
+    proc, url = cluster
+    children = subprocess.run(["pgrep", "-P", str(proc.pid)], capture_output=True, text=True)
+    assert len(children.stdout.split()) == 5  # etcd, router, prefill, decode, frontend
+    proc.send_signal(signal.SIGINT)
+    assert proc.wait(timeout=60) == 0
+    with pytest.raises(httpx.HTTPError):
+        httpx.get(f"{url}/health", timeout=2)
+    for pid in children.stdout.split():
+        assert not os.path.exists(f"/proc/{pid}") or _is_zombie(pid), f"process {pid} still running"
+
+
+def _is_zombie(pid: str) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split()[2] == "Z"
+    except FileNotFoundError:
+        return True
