@@ -55,7 +55,7 @@ gpu-check: setup
 	$(BIN)/python scripts/gpu_check.py
 
 run: setup
-	$(BIN)/rackserve generate --prompt "What is the capital of France?"
+	$(BIN)/rackserve up
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache
