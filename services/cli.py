@@ -11,39 +11,11 @@ import sys
 import time
 
 
-def _engine_args(p: argparse.ArgumentParser) -> None:
-    g = p.add_argument_group("engine")
-    g.add_argument(
-        "--model", default="", help="a .gguf file or a Hugging Face directory (default: SmolLM2-135M)"
-    )
-    g.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
-    g.add_argument("--quant", default="none", choices=["none", "nvfp4"])
-    g.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
-    g.add_argument("--kv-cache-bytes", type=int, default=1 << 30)
-    g.add_argument("--max-num-seqs", type=int, default=64)
-    g.add_argument("--max-num-batched-tokens", type=int, default=512)
-    g.add_argument("--max-model-len", type=int, default=0)
-    g.add_argument("--no-prefix-caching", action="store_true")
-    g.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch's default)")
-
-
 def _build_engine(a: argparse.Namespace):  # noqa: ANN202 - imported lazily
-    from services.engine.config import EngineConfig
     from services.engine.engine import LLMEngine
-    from services.engine.model_files import smollm2_gguf_path
+    from services.runtime.args import engine_config, model_path
 
-    cfg = EngineConfig(
-        dtype=a.dtype,
-        quant=a.quant,
-        block_size=a.block_size,
-        kv_cache_bytes=a.kv_cache_bytes,
-        max_num_seqs=a.max_num_seqs,
-        max_num_batched_tokens=a.max_num_batched_tokens,
-        max_model_len=a.max_model_len,
-        enable_prefix_caching=not a.no_prefix_caching,
-        num_threads=a.threads,
-    )
-    return LLMEngine(a.model or smollm2_gguf_path(), cfg)
+    return LLMEngine(model_path(a), engine_config(a))
 
 
 def cmd_generate(a: argparse.Namespace) -> int:
@@ -110,7 +82,9 @@ def main(argv: list[str] | None = None) -> int:
     sub = parser.add_subparsers(dest="command", required=True)
 
     gen = sub.add_parser("generate", help="run one prompt on a local engine and stream the answer")
-    _engine_args(gen)
+    from services.runtime.args import add_engine_arguments
+
+    add_engine_arguments(gen)
     gen.add_argument("--prompt", required=True)
     gen.add_argument("--raw", action="store_true", help="send the prompt as is, without the chat template")
     gen.add_argument("--max-tokens", type=int, default=128)

@@ -39,6 +39,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--threads", type=int, default=1, help="torch threads per worker (pin them on small machines)"
     )
+    p.add_argument("--kv-cache-bytes", type=int, default=256 << 20, help="KV cache per worker")
     p.add_argument("--ready-timeout-s", type=float, default=180.0)
     p.add_argument("--quiet", action="store_true", help="don't stream the services' logs")
 
@@ -114,7 +115,8 @@ class Cluster:
         a = self.args
         base = [sys.executable, "-m", "services.cli"]
         common = ["--etcd", self.etcd_url]
-        engine = ["--dtype", a.dtype, "--threads", str(a.threads)] + (["--model", a.model] if a.model else [])
+        engine = ["--dtype", a.dtype, "--threads", str(a.threads), "--kv-cache-bytes", str(a.kv_cache_bytes)]
+        engine += ["--model", a.model] if a.model else []
         self.spawn("router", base + ["router", *common])
         for i in range(a.prefill):
             self.spawn(f"prefill-{i}", base + ["prefill", *common, *engine, "--worker-id", f"prefill-{i}"])
