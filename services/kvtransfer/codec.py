@@ -1,0 +1,68 @@
+"""Transfer-only KV compression: quantize the KV bytes for the wire, dequantize on arrival, same dtype back.
+
+nvfp4 uses the engine's NVFP4 wire format (services/engine/nvfp4/kv.py, the one recipe); fp8 is e4m3 with one
+fp32 scale per head_dim row. The KV cache itself is never touched; this module must never decide whether to
+compress (the caller does) and never change the element count or dtype the receiver gets back.
+
+fp8 payload (little endian), version 1:  magic b"F8KV" | u8 version | u8 dtype code | u16 0 | i64 rows |
+i64 head_dim | f32 scales[rows] | e4m3 bytes[rows * head_dim]
+"""
+
+from __future__ import annotations
+
+import struct
+
+import torch
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+_CODES = {"fp32": 0, "bf16": 1, "fp16": 2}
+_NAMES = {v: k for k, v in _CODES.items()}
+_FP8 = struct.Struct("<4sBBHqq")
+_FP8_MAX = 448.0
+
+
+def _as_tensor(payload: bytes | bytearray | memoryview, kv_dtype: str, head_dim: int) -> torch.Tensor:
+    if kv_dtype not in DTYPES:
+        raise ValueError(f"kv_dtype must be one of {sorted(DTYPES)}, got {kv_dtype!r}")
+    raw = memoryview(payload).cast("B")
+    elem = torch.tensor([], dtype=DTYPES[kv_dtype]).element_size()
+    if head_dim <= 0 or len(raw) % (elem * head_dim):
+        raise ValueError(f"{len(raw)} bytes are not whole rows of {head_dim} {kv_dtype} elements")
+    t = torch.frombuffer(bytearray(raw), dtype=DTYPES[kv_dtype])
+    return t.view(-1, head_dim)
+
+
+def encode(payload: bytes | bytearray | memoryview, method: str, kv_dtype: str, head_dim: int) -> bytes:
+    kv = _as_tensor(payload, kv_dtype, head_dim)
+    if method == "nvfp4":
+        from services.engine.nvfp4.kv import quantize_kv_for_wire
+
+        return quantize_kv_for_wire(kv)
+    if method == "fp8":
+        x = kv.float()
+        scale = (x.abs().amax(dim=1) / _FP8_MAX).clamp_min(1e-30)
+        q = (x / scale[:, None]).to(torch.float8_e4m3fn)
+        head = _FP8.pack(b"F8KV", 1, _CODES[kv_dtype], 0, kv.shape[0], head_dim)
+        return b"".join((head, scale.numpy().tobytes(), q.view(torch.uint8).numpy().tobytes()))
+    raise ValueError(f"unknown KV wire compression {method!r}; use 'nvfp4' or 'fp8'")
+
+
+def decode(payload: bytes | bytearray | memoryview, method: str) -> bytearray:
+    if method == "nvfp4":
+        from services.engine.nvfp4.kv import dequantize_kv_from_wire
+
+        t = dequantize_kv_from_wire(payload, "cpu")
+    elif method == "fp8":
+        view = memoryview(payload).cast("B")
+        magic, version, code, _, rows, head_dim = _FP8.unpack_from(view)
+        if magic != b"F8KV" or version != 1 or code not in _NAMES:
+            raise ValueError(f"not an fp8 KV payload (magic {magic!r}, version {version}, dtype code {code})")
+        if len(view) != _FP8.size + rows * 4 + rows * head_dim:
+            raise ValueError(f"fp8 KV payload of {len(view)} bytes does not hold {rows}x{head_dim}")
+        raw = torch.frombuffer(bytearray(view[_FP8.size :]), dtype=torch.uint8)
+        scale = raw[: rows * 4].view(torch.float32)
+        q = raw[rows * 4 :].view(torch.float8_e4m3fn).view(rows, head_dim)
+        t = (q.float() * scale[:, None]).to(DTYPES[_NAMES[code]])
+    else:
+        raise ValueError(f"unknown KV wire encoding {method!r}")
+    return bytearray(t.contiguous().view(torch.uint8).numpy())

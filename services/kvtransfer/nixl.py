@@ -1,0 +1,169 @@
+"""NIXL (UCX underneath) for KV transfer: the source registers payload memory, the sink READs it one-sided.
+
+One NIXL agent per process side, and every call into it runs on one dedicated thread (the agent is created
+without NIXL's thread-safety locks). NIXL's progress thread is off by default: it busy-polls most of a core.
+Instead the sink polls check_xfer_state from its event loop, and the source polls notifications while a pull is
+open (connection setup needs the source to make progress). Agents are torn down explicitly and in reverse
+order of creation, also at interpreter exit: a NIXL agent destroyed during interpreter teardown can segfault.
+
+This module must never choose what to transfer or when to free it; source.py and sink.py decide that.
+The `ucx-py` bindings are not used: they are not installable from PyPI; NIXL is UCX underneath.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import atexit
+import concurrent.futures
+import logging
+import os
+import socket
+import threading
+import uuid
+import weakref
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+from .errors import TransferNotFound, TransferPeerGone, TransferUnavailable
+
+log = logging.getLogger("rackserve.kvtransfer")
+T = TypeVar("T")
+
+_live: list[weakref.ref[NixlAgent]] = []
+_live_lock = threading.Lock()
+
+
+def load_nixl(log_level: str = "WARN") -> Any:
+    """The nixl_cu12 module, with NIXL's logging kept out of stdout; TransferUnavailable if it cannot load."""
+    os.environ.setdefault("NIXL_LOG_LEVEL", log_level)
+    try:
+        import nixl_cu12  # type: ignore[import-not-found]
+    except Exception as exc:  # ImportError, or a missing shared library
+        raise TransferUnavailable(f"NIXL is not installed or cannot load: {exc}") from exc
+    # NIXL's Python logger writes to stdout at INFO; route it through ours at the configured level.
+    nlog = logging.getLogger("nixl")
+    nlog.handlers.clear()
+    nlog.propagate = True
+    nlog.setLevel({"TRACE": 10, "DEBUG": 10, "INFO": 20, "WARN": 30, "ERROR": 40}.get(log_level.upper(), 30))
+    return nixl_cu12
+
+
+class NixlAgent:
+    """A NIXL agent with the UCX backend, owned by one thread; every method is a coroutine for the loop."""
+
+    def __init__(self, role: str, progress_thread: bool, log_level: str) -> None:
+        self.closed = False
+        self.agent: Any = None
+        self.nixl = load_nixl(log_level)
+        self.name = f"rackserve-{role}-{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+        self._thread = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="nixl")
+        conf = self.nixl.nixl_agent_config(enable_prog_thread=progress_thread, backends=["UCX"])
+        try:
+            self.agent = self._thread.submit(self.nixl.nixl_agent, self.name, conf).result()
+        except Exception as exc:
+            self._thread.shutdown(wait=False)
+            raise TransferUnavailable(f"NIXL agent could not start with UCX: {exc}") from exc
+        if "UCX" not in self.agent.backends:
+            self._close_now()
+            raise TransferUnavailable("NIXL has no UCX plugin")
+        with _live_lock:
+            _live.append(weakref.ref(self))
+        log.info("NIXL agent %s up (UCX, progress thread %s)", self.name, "on" if progress_thread else "off")
+
+    async def call(self, fn: Callable[..., T], *args: Any) -> T:
+        if self.closed:
+            raise TransferUnavailable("NIXL agent is closed")
+        return await asyncio.wrap_future(self._thread.submit(fn, *args))
+
+    def submit(self, fn: Callable[..., Any], *args: Any) -> concurrent.futures.Future[Any]:
+        """Run on the agent thread without waiting (ordered after every earlier call)."""
+        return self._thread.submit(fn, *args)
+
+    # --- source side (run on the agent thread) ---
+    def register(self, addr: int, size: int) -> tuple[Any, bytes]:
+        descs = self.agent.register_memory([(addr, size, 0, "")], "DRAM")
+        return descs, self.agent.get_partial_agent_metadata(descs, True)
+
+    def deregister(self, descs: Any) -> None:
+        self.agent.deregister_memory(descs)
+
+    def drain_notifs(self) -> dict[str, list[bytes]]:
+        return self.agent.get_new_notifs()  # also makes progress on connection setup
+
+    # --- sink side ---
+    def load_peer(self, metadata: bytes) -> str:
+        name = self.agent.add_remote_agent(metadata)
+        return name.decode() if isinstance(name, bytes) else name  # NIXL returns the name as bytes
+
+    def forget_peer(self, name: str) -> None:
+        try:
+            self.agent.remove_remote_agent(name)
+        except Exception as exc:
+            log.debug("NIXL remove_remote_agent(%s): %s", name, exc)
+
+    def start_read(self, local: tuple[int, int], remote: tuple[int, int], peer: str, notif: bytes) -> Any:
+        """Register `local`, post a READ of `remote` from `peer`; returns (handle, reg, state)."""
+        reg = self.agent.register_memory([(local[0], local[1], 0, "")], "DRAM")
+        try:
+            ldesc = self.agent.get_xfer_descs([(local[0], local[1], 0)], "DRAM")
+            rdesc = self.agent.get_xfer_descs([(remote[0], remote[1], 0)], "DRAM")
+            handle = self.agent.initialize_xfer("READ", ldesc, rdesc, peer, notif)
+            state = self.agent.transfer(handle)
+        except Exception:
+            self.agent.deregister_memory(reg)
+            raise
+        return handle, reg, state
+
+    def check(self, handle: Any) -> str:
+        return self.agent.check_xfer_state(handle)
+
+    def finish_read(self, handle: Any, reg: Any) -> None:
+        try:
+            self.agent.release_xfer_handle(handle)
+        except Exception as exc:  # an in-flight transfer that cannot be cancelled; the agent frees it later
+            log.debug("NIXL release_xfer_handle: %s", exc)
+        self.agent.deregister_memory(reg)
+
+    def classify(self, exc: BaseException) -> Exception:
+        kind = type(exc).__name__
+        if kind == "nixlRemoteDisconnectError":
+            return TransferPeerGone(f"NIXL peer disconnected: {exc}")
+        if kind == "nixlNotFoundError":
+            return TransferNotFound(f"NIXL: remote memory not registered (retracted?): {exc}")
+        return TransferPeerGone(f"NIXL transfer failed ({kind}): {exc}")
+
+    # --- teardown ---
+    def _close_now(self) -> None:
+        agent = self.agent
+        self.agent = None
+
+        def drop() -> None:
+            nonlocal agent
+            agent = None  # the last reference: the C++ agent is destroyed here, on its own thread
+
+        if agent is not None:
+            self._thread.submit(drop).result(timeout=10)
+        self._thread.shutdown(wait=True)
+
+    def close(self) -> None:
+        """Destroy the agent now (idempotent). Callers deregister their memory first."""
+        if self.closed:
+            return
+        self.closed = True
+        try:
+            self._close_now()
+        except Exception as exc:
+            log.warning("NIXL agent %s teardown: %s", self.name, exc)
+        log.info("NIXL agent %s closed", self.name)
+
+
+@atexit.register
+def _close_all_agents() -> None:
+    # Newest first: a sink created after a source in the same process goes before it.
+    with _live_lock:
+        refs = list(reversed(_live))
+        _live.clear()
+    for ref in refs:
+        agent = ref()
+        if agent is not None and not agent.closed:
+            agent.close()

@@ -1,0 +1,325 @@
+"""The producer side of KV transfer: a prefill worker publishes a request's KV bytes under a key and keeps them
+readable — over TCP, a same-host shm segment, or a NIXL registration — until it retracts them or their TTL ends.
+
+One KvSource per prefill worker process, driven from its asyncio loop (publish and retract are plain calls made
+on that loop). A consumer opening a key pins it: retract and expiry free the memory only once no reader holds
+it. This module must never interpret the bytes (block layout, dtype) beyond the optional wire encoding, and never
+block the loop for longer than a registration or one memcpy of the payload.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import contextlib
+import logging
+import os
+import socket
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from . import protocol, shm
+from .errors import TransferUnavailable
+from .nixl import NixlAgent
+from .ticket import NIXL, SHM, TCP, Published, TransferConfig, TransferTicket, checksum_of, node_id
+
+log = logging.getLogger("rackserve.kvtransfer")
+
+
+@dataclass
+class _Publication:
+    key: str
+    view: memoryview  # the bytes readers get: onto the caller's payload, or onto the shm segment
+    owner: Any  # keeps the memory alive (the caller's object or the Segment)
+    checksum: str
+    encoding: str
+    raw_size: int
+    expires_unix_ms: int
+    segment: shm.Segment | None = None
+    nixl_reg: Any = None
+    nixl_md: bytes = b""
+    addr: int = 0
+    pins: int = 0
+    retracted: bool = False
+    expiry: asyncio.TimerHandle | None = field(default=None, repr=False)
+
+
+def _address_of(view: memoryview) -> int:
+    return int(np.frombuffer(view, dtype=np.uint8).ctypes.data)
+
+
+class KvSource:
+    """Holds published payloads and serves pulls. Create with `await KvSource.start(config)`."""
+
+    def __init__(self, config: TransferConfig, listener: socket.socket, nixl: NixlAgent | None) -> None:
+        self.config = config
+        self._listener = listener
+        self._nixl = nixl
+        self._pubs: dict[str, _Publication] = {}
+        self._conns: set[asyncio.Task[None]] = set()
+        self._nixl_readers = 0
+        self._progress: asyncio.Task[None] | None = None
+        self._closed = False
+        self.node_id = node_id()
+        host, port = listener.getsockname()[:2]
+        self.endpoint = f"{config.advertise_host or host}:{port}"
+        self._accept = asyncio.get_running_loop().create_task(self._accept_loop())
+        self._test_stall_after_bytes: int | None = None
+
+    @classmethod
+    async def start(cls, config: TransferConfig | None = None) -> KvSource:
+        config = config or TransferConfig()
+        nixl = None
+        if NIXL in config.backends:
+            try:
+                nixl = NixlAgent("source", config.nixl_progress_thread, config.nixl_log_level)
+            except TransferUnavailable as exc:
+                log.warning("KV source without NIXL: %s", exc)
+        if SHM in config.backends:
+            shm.sweep_orphans(config.shm_dir)
+        listener = socket.create_server((config.host, config.port), backlog=128)
+        listener.setblocking(False)
+        source = cls(config, listener, nixl)
+        log.info("KV source listening on %s, backends %s", source.endpoint, sorted(source.advertise()))
+        return source
+
+    def advertise(self) -> dict[str, str]:
+        """Backend -> address, for etcd WorkerInfo.transfer_endpoint (JSON-encode it there)."""
+        out = {TCP: self.endpoint}
+        if SHM in self.config.backends:
+            out[SHM] = self.node_id
+        if self._nixl is not None:
+            out[NIXL] = self._nixl.name
+        return out
+
+    def live_keys(self) -> list[str]:
+        return list(self._pubs)
+
+    # --- publish / retract ---
+    def publish(
+        self,
+        key: str,
+        payload: bytes | bytearray | memoryview,
+        ttl_s: float,
+        *,
+        compress: str | None = None,
+        kv_dtype: str = "fp32",
+        head_dim: int = 0,
+    ) -> Published:
+        """Make `payload` pullable under `key` for `ttl_s` seconds. Without shm the payload is not copied: keep
+        it unchanged until retracted. compress="nvfp4"|"fp8" ships it quantized along head_dim (kv_dtype is its
+        element type) and the sink hands back the dequantized bytes in the same dtype."""
+        if self._closed:
+            raise RuntimeError("KvSource is closed")
+        if key in self._pubs:
+            raise ValueError(f"key {key!r} is already published; retract it first")
+        if ttl_s <= 0:
+            raise ValueError(f"ttl_s must be positive, got {ttl_s}")
+        raw_size = len(memoryview(payload).cast("B"))
+        encoding = "raw"
+        if compress is not None:
+            from . import codec
+
+            payload = codec.encode(payload, compress, kv_dtype, head_dim)
+            encoding = compress
+        view = memoryview(payload).cast("B")
+        owner: Any = payload
+        segment = None
+        if SHM in self.config.backends:
+            segment = shm.Segment(self.config.shm_dir, f"{shm.PREFIX}{os.getpid()}-{uuid.uuid4().hex}", view)
+            view.release()
+            view, owner = segment.view(), segment
+        expires_unix_ms = int((time.time() + ttl_s) * 1000)
+        pub = _Publication(
+            key,
+            view,
+            owner,
+            checksum_of(view, self.config.checksum),
+            encoding,
+            raw_size,
+            expires_unix_ms,
+            segment,
+        )
+        backends = {TCP: self.endpoint}
+        if segment is not None:
+            backends[SHM] = self.node_id
+        if self._nixl is not None and len(view) > 0:
+            pub.addr = _address_of(view)
+            pub.nixl_reg, pub.nixl_md = self._nixl.submit(self._nixl.register, pub.addr, len(view)).result()
+            backends[NIXL] = self._nixl.name
+        pub.expiry = asyncio.get_running_loop().call_later(ttl_s, self._expire, key, pub)
+        self._pubs[key] = pub
+        log.debug("published %s: %d bytes (%s), ttl %.1fs", key, len(view), encoding, ttl_s)
+        return TransferTicket(
+            key=key,
+            size=len(view),
+            checksum=pub.checksum,
+            endpoint=self.endpoint,
+            backends=backends,
+            encoding=encoding,
+            raw_size=raw_size,
+            expires_unix_ms=expires_unix_ms,
+            agent_metadata=pub.nixl_md,
+        )
+
+    def retract(self, key: str) -> None:
+        """Stop serving `key` (the consumer acknowledged, or the request ended); memory is freed once no reader
+        holds it. Unknown keys are ignored: expiry may have come first."""
+        pub = self._pubs.pop(key, None)
+        if pub is not None:
+            self._retire(pub, "retracted")
+
+    def _expire(self, key: str, pub: _Publication) -> None:
+        if self._pubs.get(key) is pub:
+            del self._pubs[key]
+            self._retire(pub, "expired")
+
+    def _retire(self, pub: _Publication, why: str) -> None:
+        pub.retracted = True
+        if pub.expiry is not None:
+            pub.expiry.cancel()
+        log.debug("%s %s (%d readers)", why, pub.key, pub.pins)
+        if pub.pins == 0:
+            self._free(pub)
+
+    def _free(self, pub: _Publication) -> None:
+        segment, reg = pub.segment, pub.nixl_reg
+        if segment is not None:
+            segment.unlink()  # the name goes now; the mapping after NIXL lets go of it
+        with contextlib.suppress(BufferError):  # a slice still alive in a finished send; GC frees it
+            pub.view.release()
+        pub.owner = None
+        if reg is not None and self._nixl is not None and not self._nixl.closed:
+
+            def release() -> None:
+                assert self._nixl is not None
+                self._nixl.deregister(reg)
+                if segment is not None:
+                    segment.close()
+
+            self._nixl.submit(release)
+        elif segment is not None:
+            segment.close()
+
+    def _flip_byte_for_test(self, key: str, offset: int) -> None:
+        """Test hook: corrupt one published byte in place (the published checksum stays)."""
+        pub = self._pubs[key]
+        if pub.segment is not None:
+            pub.segment.map[offset] ^= 0xFF
+        else:
+            pub.view[offset] ^= 0xFF
+
+    # --- serving ---
+    async def _accept_loop(self) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            conn, _ = await loop.sock_accept(self._listener)
+            protocol.tune(conn, self.config.socket_buffer_bytes)
+            task = loop.create_task(self._serve(conn))
+            self._conns.add(task)
+            task.add_done_callback(self._conns.discard)
+
+    async def _serve(self, conn: socket.socket) -> None:
+        pub: _Publication | None = None
+        nixl_reader = False
+        try:
+            async with asyncio.timeout(10):
+                msg = await protocol.recv_message(conn)
+            key, backend = str(msg.get("key")), str(msg.get("backend"))
+            if msg.get("op") != "open":
+                await protocol.send_message(
+                    conn, {"ok": False, "error": "bad_request", "detail": "expected open"}
+                )
+                return
+            pub = self._pubs.get(key)
+            if pub is None:
+                await protocol.send_message(conn, {"ok": False, "error": "not_found", "detail": key})
+                return
+            reply: dict[str, Any] = {
+                "ok": True,
+                "size": len(pub.view),
+                "checksum": pub.checksum,
+                "encoding": pub.encoding,
+            }
+            if backend == SHM and pub.segment is not None:
+                reply["shm"] = pub.segment.name
+            elif backend == NIXL and pub.nixl_reg is not None and self._nixl is not None:
+                reply["nixl"] = {
+                    "addr": pub.addr,
+                    "agent": self._nixl.name,
+                    "md": base64.b64encode(pub.nixl_md).decode(),
+                }
+            elif backend != TCP:
+                await protocol.send_message(conn, {"ok": False, "error": "unavailable", "detail": backend})
+                return
+            pub.pins += 1
+            await protocol.send_message(conn, reply)
+            if backend == TCP:
+                await self._send_payload(conn, pub.view)
+                return
+            if backend == NIXL:
+                nixl_reader = True
+                self._nixl_readers += 1
+                self._ensure_progress()
+            async with asyncio.timeout(self.config.max_pin_s):
+                await protocol.recv_message(conn)  # "done", or EOF when the reader goes away
+        except (OSError, ValueError, TimeoutError) as exc:
+            log.debug("KV pull connection ended: %s", exc)
+        finally:
+            if nixl_reader:
+                self._nixl_readers -= 1
+            if pub is not None and pub.pins > 0:
+                pub.pins -= 1
+                if pub.retracted and pub.pins == 0:
+                    self._free(pub)
+            conn.close()
+
+    async def _send_payload(self, conn: socket.socket, view: memoryview) -> None:
+        loop = asyncio.get_running_loop()
+        stall = self._test_stall_after_bytes
+        if stall is not None:
+            await loop.sock_sendall(conn, view[:stall])
+            await asyncio.sleep(3600)
+        # sock_sendall of a memoryview sends from the payload itself: no copy into a transport buffer.
+        chunk = self.config.tcp_chunk_bytes
+        for start in range(0, len(view), chunk):
+            await loop.sock_sendall(conn, view[start : start + chunk])
+
+    def _ensure_progress(self) -> None:
+        if self._progress is None or self._progress.done():
+            self._progress = asyncio.get_running_loop().create_task(self._progress_loop())
+
+    async def _progress_loop(self) -> None:
+        # Without NIXL's progress thread, the source must make progress for a reader's connection setup.
+        assert self._nixl is not None
+        while self._nixl_readers > 0 and not self._nixl.closed:
+            notifs = await self._nixl.call(self._nixl.drain_notifs)
+            if notifs:
+                log.debug("NIXL notifications: %s", notifs)
+            await asyncio.sleep(self.config.nixl_source_poll_s)
+
+    async def close(self) -> None:
+        """Stop serving, free every publication, tear NIXL down. Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        self._accept.cancel()
+        for task in list(self._conns):
+            task.cancel()
+        if self._progress is not None:
+            self._progress.cancel()
+        await asyncio.gather(
+            self._accept, *self._conns, *([self._progress] if self._progress else []), return_exceptions=True
+        )
+        self._listener.close()
+        for key in list(self._pubs):
+            self.retract(key)
+        if self._nixl is not None:
+            with contextlib.suppress(Exception):
+                await asyncio.wrap_future(self._nixl.submit(lambda: None))
+            await asyncio.to_thread(self._nixl.close)
+        log.info("KV source %s closed", self.endpoint)

@@ -1,0 +1,142 @@
+"""What both ends of a KV transfer agree on: configuration, the ticket that travels in a KvHandle, the result
+of a pull, the checksum, and the choice of backend for a producer/consumer pair.
+
+Plain data and pure functions only; this module must never open a socket, map memory or import NIXL or torch.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import socket
+import zlib
+from dataclasses import dataclass, field
+
+TCP, SHM, NIXL = "tcp", "shm", "nixl"
+BACKENDS = (SHM, NIXL, TCP)
+# Same node first (one copy through the page cache), then NIXL (one-sided READ; RDMA across nodes), TCP last.
+DEFAULT_PREFERENCE = (SHM, NIXL, TCP)
+CHECKSUMS = ("crc32", "none")
+ENCODINGS = ("raw", "nvfp4", "fp8")
+
+
+@dataclass
+class TransferConfig:
+    """One producer's or consumer's transfer settings. Defaults work on a laptop: TCP + shm, NIXL if installed."""
+
+    backends: tuple[str, ...] = (TCP, SHM, NIXL)  # the ones to open; NIXL is skipped if it cannot load
+    host: str = "127.0.0.1"  # the TCP control/data listener (source side)
+    port: int = 0  # 0: any free port
+    advertise_host: str | None = None  # what peers dial; default: host
+    # crc32 runs at ~1 GB/s per core; "none" checks only the size (the bench shows both).
+    checksum: str = "crc32"
+    # NIXL's own progress thread busy-polls most of a core; off by default, the asyncio loop polls instead.
+    nixl_progress_thread: bool = False
+    nixl_poll_s: float = 0.0005  # sink: pause between check_xfer_state polls
+    nixl_source_poll_s: float = 0.001  # source: pause between progress polls while a NIXL pull is open
+    nixl_log_level: str = "WARN"  # NIXL_LOG_LEVEL for the process, unless already set
+    shm_dir: str = "/dev/shm"
+    tcp_chunk_bytes: int = 4 << 20
+    socket_buffer_bytes: int = 4 << 20
+    max_pin_s: float = 60.0  # a consumer holding a key longer than this loses its pin
+
+    def __post_init__(self) -> None:
+        unknown = [b for b in self.backends if b not in BACKENDS]
+        if unknown:
+            raise ValueError(f"TransferConfig.backends: unknown {unknown}; known: {list(BACKENDS)}")
+        if self.checksum not in CHECKSUMS:
+            raise ValueError(f"TransferConfig.checksum must be one of {CHECKSUMS}, got {self.checksum!r}")
+        if TCP not in self.backends:
+            # The TCP listener is also the control channel every backend opens a pull with.
+            self.backends = (*self.backends, TCP)
+
+
+def checksum_of(data: bytes | bytearray | memoryview, kind: str) -> str:
+    """'crc32:<8 hex>' or 'none'. zlib.crc32 releases the GIL, so callers may run it in a thread."""
+    if kind == "none":
+        return "none"
+    if kind == "crc32":
+        return f"crc32:{zlib.crc32(data):08x}"
+    raise ValueError(f"unknown checksum kind {kind!r}")
+
+
+@dataclass(frozen=True)
+class TransferTicket:
+    """Everything a consumer needs to pull one published payload; serialized into KvHandle.transfer_endpoint
+    (JSON), while the NIXL agent metadata goes into KvHandle.agent_metadata."""
+
+    key: str
+    size: int  # bytes on the wire (after encoding)
+    checksum: str  # of the wire bytes
+    endpoint: str  # host:port of the producer's control listener
+    backends: dict[
+        str, str
+    ]  # backend -> producer-side address (shm: node id, nixl: agent name, tcp: host:port)
+    encoding: str = "raw"  # raw | nvfp4 | fp8
+    raw_size: int = 0  # bytes after decoding (== size when raw)
+    expires_unix_ms: int = 0
+    agent_metadata: bytes = field(default=b"", repr=False)
+
+    def to_json(self) -> str:
+        d = dataclasses.asdict(self)
+        d.pop("agent_metadata")
+        return json.dumps(d, separators=(",", ":"), sort_keys=True)
+
+    @classmethod
+    def from_json(cls, text: str, agent_metadata: bytes = b"") -> TransferTicket:
+        try:
+            d = json.loads(text)
+            return cls(**d, agent_metadata=agent_metadata)
+        except (ValueError, TypeError) as exc:
+            raise ValueError(f"transfer_endpoint is not a transfer ticket: {exc}") from exc
+
+
+# What publish returns is exactly the ticket.
+Published = TransferTicket
+
+
+@dataclass
+class Pulled:
+    """A payload that arrived, verified: its bytes (decoded if it was encoded), wire bytes and time taken."""
+
+    data: bytearray | memoryview
+    bytes: int  # on the wire
+    seconds: float
+    backend: str
+
+    @property
+    def gb_per_s(self) -> float:
+        return self.bytes / self.seconds / 1e9 if self.seconds > 0 else float("inf")
+
+
+def node_id() -> str:
+    """Identifies this host for same-node checks: hostname plus boot id (containers on one kernel share it)."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            boot = f.read().strip()
+    except OSError:
+        boot = "unknown"
+    return f"{socket.gethostname()}/{boot}"
+
+
+def choose_backend(
+    preference: list[str] | tuple[str, ...],
+    producer_advertised: dict[str, str] | list[str],
+    consumer_supported: list[str] | tuple[str, ...] | set[str],
+    same_node: bool,
+) -> str:
+    """The first backend in `preference` that both sides have; shm only when both run on the same node.
+    Raises TransferUnavailable when none fits (TCP is always available on a source, so it means TCP was left
+    out of `preference` or `consumer_supported`)."""
+    from .errors import TransferUnavailable
+
+    for backend in preference:
+        if backend not in producer_advertised or backend not in consumer_supported:
+            continue
+        if backend == SHM and not same_node:
+            continue
+        return backend
+    raise TransferUnavailable(
+        f"no common transfer backend: preference {list(preference)}, producer advertises "
+        f"{sorted(producer_advertised)}, consumer supports {sorted(consumer_supported)}, same_node={same_node}"
+    )
