@@ -142,7 +142,10 @@ class NixlAgent:
             agent = None  # the last reference: the C++ agent is destroyed here, on its own thread
 
         if agent is not None:
-            self._thread.submit(drop).result(timeout=10)
+            try:
+                self._thread.submit(drop).result(timeout=10)
+            except RuntimeError:  # interpreter exit: executors take no new work; no other thread uses it now
+                drop()
         self._thread.shutdown(wait=True)
 
     def close(self) -> None:

@@ -283,7 +283,8 @@ class KvSource:
         stall = self._test_stall_after_bytes
         if stall is not None:
             await loop.sock_sendall(conn, view[:stall])
-            await asyncio.sleep(3600)
+            await loop.sock_recv(conn, 1)  # stalls until the reader hangs up
+            raise ConnectionResetError("test stall: reader hung up")
         # sock_sendall of a memoryview sends from the payload itself: no copy into a transport buffer.
         chunk = self.config.tcp_chunk_bytes
         for start in range(0, len(view), chunk):

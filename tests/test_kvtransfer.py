@@ -1,0 +1,325 @@
+"""KV transfer (services/kvtransfer): real sockets, real /dev/shm segments, real NIXL agents, and the producer in
+its own process wherever the behaviour depends on it (pulls across processes, a producer that dies)."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import multiprocessing as mp
+import os
+import signal
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import numpy as np
+import pytest
+
+from services.kvtransfer import (
+    NIXL,
+    SHM,
+    TCP,
+    KvSink,
+    KvSource,
+    TransferConfig,
+    TransferIntegrityError,
+    TransferNotFound,
+    TransferPeerGone,
+    TransferTicket,
+    TransferTimeout,
+    choose_backend,
+)
+from services.kvtransfer import shm as shm_mod
+from services.kvtransfer.nixl import load_nixl
+
+try:
+    load_nixl()
+    HAVE_NIXL = True
+except Exception:
+    HAVE_NIXL = False
+
+BACKENDS = [TCP, SHM, pytest.param(NIXL, marks=pytest.mark.skipif(not HAVE_NIXL, reason="nixl-cu12 missing"))]
+KiB, MiB = 1 << 10, 1 << 20
+
+
+def payload(size: int, seed: int) -> bytes:
+    return np.random.default_rng(seed).bytes(size)
+
+
+# --- a producer in its own process, driven over a pipe ---
+def _producer_main(conn: Any, stall_after_bytes: int | None) -> None:
+    async def serve() -> None:
+        source = await KvSource.start(TransferConfig())
+        source._test_stall_after_bytes = stall_after_bytes
+        loop = asyncio.get_running_loop()
+        while True:
+            cmd, *args = await loop.run_in_executor(None, conn.recv)
+            if cmd == "publish":
+                key, size, seed, ttl_s = args
+                t = source.publish(key, payload(size, seed), ttl_s)
+                conn.send((t.to_json(), t.agent_metadata))
+            elif cmd == "flip":
+                source._flip_byte_for_test(*args)
+                conn.send(None)
+            elif cmd == "stop":
+                await source.close()
+                conn.send(None)
+                return
+
+    asyncio.run(serve())
+
+
+class Producer:
+    def __init__(self, stall_after_bytes: int | None = None) -> None:
+        ctx = mp.get_context("spawn")
+        self.conn, child = ctx.Pipe()
+        self.proc = ctx.Process(target=_producer_main, args=(child, stall_after_bytes), daemon=True)
+        self.proc.start()
+
+    def call(self, *cmd: Any) -> Any:
+        self.conn.send(cmd)
+        if not self.conn.poll(30):
+            raise TimeoutError(f"producer did not answer {cmd[0]}")
+        return self.conn.recv()
+
+    def publish(self, key: str, size: int, seed: int = 0, ttl_s: float = 60.0) -> TransferTicket:
+        text, md = self.call("publish", key, size, seed, ttl_s)
+        return TransferTicket.from_json(text, md)  # as the decode worker rebuilds it from a KvHandle
+
+    def kill(self) -> None:
+        if self.proc.is_alive():
+            os.kill(self.proc.pid, signal.SIGKILL)  # type: ignore[arg-type]
+        self.proc.join(10)
+
+    def stop(self) -> None:
+        if self.proc.is_alive():
+            try:
+                self.call("stop")
+            except (TimeoutError, OSError, EOFError):
+                pass
+            self.proc.join(10)
+        self.kill()
+
+
+@pytest.fixture(scope="module")
+def producer() -> Iterator[Producer]:
+    p = Producer()
+    yield p
+    p.stop()
+
+
+def pull(ticket: TransferTicket, backend: str, deadline_s: float = 20.0, **kw: Any) -> Any:
+    async def go() -> Any:
+        sink = await KvSink.start(TransferConfig())
+        try:
+            return await sink.pull(ticket, deadline_s, backend=backend, **kw)
+        finally:
+            await sink.close()
+
+    return asyncio.run(go())
+
+
+# --- round trips ---
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_pull_from_another_process_returns_identical_bytes(producer: Producer, backend: str) -> None:
+    for i, size in enumerate((1 * KiB, 1 * MiB, 16 * MiB)):
+        ticket = producer.publish(f"rt-{backend}-{size}", size, seed=i)
+        got = pull(ticket, backend)
+        assert got.backend == backend and got.bytes == size and got.seconds > 0
+        assert bytes(got.data) == payload(size, i)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_pull_into_a_reused_buffer_fills_it(producer: Producer, backend: str) -> None:
+    ticket = producer.publish(f"into-{backend}", 1 * MiB, seed=7)
+    buf = bytearray(2 * MiB)
+    got = pull(ticket, backend, into=buf)
+    assert bytes(got.data) == payload(1 * MiB, 7) and bytes(buf[: 1 * MiB]) == payload(1 * MiB, 7)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_unknown_key_is_transfer_not_found(producer: Producer, backend: str) -> None:
+    ticket = producer.publish(f"real-{backend}", 1 * KiB)
+    with pytest.raises(TransferNotFound):
+        pull(dataclasses.replace(ticket, key=f"nope-{backend}"), backend)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_flipped_byte_is_integrity_error(producer: Producer, backend: str) -> None:
+    ticket = producer.publish(f"flip-{backend}", 1 * MiB)
+    producer.call("flip", f"flip-{backend}", 12345)
+    with pytest.raises(TransferIntegrityError, match="checksum"):
+        pull(ticket, backend)
+
+
+def test_ticket_promising_more_bytes_than_published_is_integrity_error(producer: Producer) -> None:
+    ticket = producer.publish("short", 1 * KiB)
+    with pytest.raises(TransferIntegrityError):
+        pull(dataclasses.replace(ticket, size=ticket.size + 100), TCP)
+
+
+# --- a producer that dies or stalls ---
+def test_producer_killed_mid_tcp_stream_raises_peer_gone_before_deadline() -> None:
+    p = Producer(stall_after_bytes=4 * MiB)
+    try:
+        ticket = p.publish("dying", 16 * MiB)
+
+        async def go() -> float:
+            sink = await KvSink.start(TransferConfig(backends=(TCP,)))
+            task = asyncio.create_task(sink.pull(ticket, 20.0, backend=TCP))
+            await asyncio.sleep(0.5)  # the sink is now waiting for bytes that do not come
+            assert not task.done()
+            t0 = time.monotonic()
+            p.kill()
+            with pytest.raises(TransferPeerGone):
+                await task
+            await sink.close()
+            return time.monotonic() - t0
+
+        assert asyncio.run(go()) < 5.0  # the connection reset, not the 20 s deadline, ended it
+    finally:
+        p.kill()
+
+
+def test_stalled_producer_hits_the_deadline_as_transfer_timeout() -> None:
+    p = Producer(stall_after_bytes=1 * MiB)
+    try:
+        ticket = p.publish("stalled", 4 * MiB)
+        t0 = time.monotonic()
+        with pytest.raises(TransferTimeout):
+            pull(ticket, TCP, deadline_s=1.0)
+        assert time.monotonic() - t0 < 5.0
+    finally:
+        p.stop()
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_pull_after_producer_died_raises_peer_gone_quickly(backend: str) -> None:
+    p = Producer()
+    ticket = p.publish("orphan", 1 * MiB)
+    p.kill()
+    t0 = time.monotonic()
+    with pytest.raises(TransferPeerGone):
+        pull(ticket, backend, deadline_s=10.0)
+    assert time.monotonic() - t0 < 5.0
+
+
+def test_segments_of_a_killed_producer_are_swept_by_the_next_source() -> None:
+    p = Producer()
+    p.publish("left-behind", 64 * KiB)
+    pid = p.proc.pid
+    p.kill()
+    assert any(n.startswith(f"{shm_mod.PREFIX}{pid}-") for n in os.listdir("/dev/shm"))
+
+    async def restart() -> None:
+        await (await KvSource.start(TransferConfig(backends=(TCP, SHM)))).close()
+
+    asyncio.run(restart())
+    assert not any(n.startswith(f"{shm_mod.PREFIX}{pid}-") for n in os.listdir("/dev/shm"))
+
+
+# --- lifetimes, in one process ---
+def own_segments() -> list[str]:
+    return [n for n in os.listdir("/dev/shm") if n.startswith(f"{shm_mod.PREFIX}{os.getpid()}-")]
+
+
+def test_ttl_expiry_retracts_and_unlinks_the_shm_segment() -> None:
+    async def go() -> None:
+        source = await KvSource.start(TransferConfig())
+        sink = await KvSink.start(TransferConfig())
+        ticket = source.publish("short-lived", payload(256 * KiB, 1), ttl_s=0.3)
+        assert len(own_segments()) == 1
+        assert bytes((await sink.pull(ticket, 5.0, backend=SHM)).data) == payload(256 * KiB, 1)
+        await asyncio.sleep(0.6)
+        assert source.live_keys() == [] and own_segments() == []
+        for backend in sink.supported:
+            with pytest.raises(TransferNotFound):
+                await sink.pull(ticket, 5.0, backend=backend)
+        await sink.close()
+        await source.close()
+
+    asyncio.run(go())
+
+
+def test_retract_during_a_pull_frees_only_after_the_reader_is_done() -> None:
+    async def go() -> None:
+        source = await KvSource.start(TransferConfig())
+        source._test_stall_after_bytes = 1 * MiB
+        sink = await KvSink.start(TransferConfig())
+        ticket = source.publish("pinned", payload(2 * MiB, 3), ttl_s=30)
+        task = asyncio.create_task(sink.pull(ticket, 0.5, backend=TCP))
+        await asyncio.sleep(0.2)
+        source.retract("pinned")
+        assert source.live_keys() == [] and len(own_segments()) == 1  # a reader still holds it
+        with pytest.raises(TransferTimeout):
+            await task
+        await asyncio.sleep(0.2)  # the reader's connection closes; the source frees on the unpin
+        assert own_segments() == []
+        await sink.close()
+        await source.close()
+
+    asyncio.run(go())
+
+
+def test_close_frees_every_publication() -> None:
+    async def go() -> None:
+        source = await KvSource.start(TransferConfig())
+        for i in range(3):
+            source.publish(f"k{i}", payload(64 * KiB, i), ttl_s=30)
+        assert len(own_segments()) == 3
+        await source.close()
+        assert own_segments() == []
+
+    asyncio.run(go())
+
+
+# --- choosing a backend ---
+def test_choose_backend_prefers_shm_on_one_node_then_nixl_then_tcp() -> None:
+    pref = [SHM, NIXL, TCP]
+    everything = {TCP: "h:1", SHM: "node-a", NIXL: "agent"}
+    assert choose_backend(pref, everything, [TCP, SHM, NIXL], same_node=True) == SHM
+    assert choose_backend(pref, everything, [TCP, SHM, NIXL], same_node=False) == NIXL
+    assert choose_backend(pref, {TCP: "h:1", SHM: "node-a"}, [TCP, SHM, NIXL], same_node=False) == TCP
+    assert choose_backend(pref, everything, [TCP, SHM], same_node=False) == TCP
+    assert choose_backend([TCP, NIXL], everything, [TCP, SHM, NIXL], same_node=True) == TCP
+
+
+def test_sink_chooses_shm_for_a_producer_on_its_node(producer: Producer) -> None:
+    ticket = producer.publish("choose", 1 * KiB)
+
+    async def go() -> tuple[str, str]:
+        sink = await KvSink.start(TransferConfig())
+        try:
+            far = dataclasses.replace(ticket, backends={**ticket.backends, SHM: "another-node"})
+            return sink.choose(ticket), sink.choose(far)
+        finally:
+            await sink.close()
+
+    near, far = asyncio.run(go())
+    assert near == SHM and far == (NIXL if HAVE_NIXL else TCP)
+
+
+# --- wire compression ---
+@pytest.mark.parametrize(("method", "max_ratio", "max_rel_err"), [("nvfp4", 0.30, 0.20), ("fp8", 0.27, 0.06)])
+def test_compressed_pull_returns_the_dtype_back_within_the_quantization_error(
+    method: str, max_ratio: float, max_rel_err: float
+) -> None:
+    import torch
+
+    kv = torch.randn(4, 2, 16, 64, generator=torch.Generator().manual_seed(0))  # fp32, head_dim 64
+    raw = kv.numpy().tobytes()
+
+    async def go() -> Any:
+        source = await KvSource.start(TransferConfig(backends=(TCP,)))
+        sink = await KvSink.start(TransferConfig(backends=(TCP,)))
+        ticket = source.publish("q", raw, ttl_s=30, compress=method, kv_dtype="fp32", head_dim=64)
+        got = await sink.pull(ticket, 5.0)
+        await sink.close()
+        await source.close()
+        return ticket, got
+
+    ticket, got = asyncio.run(go())
+    assert ticket.raw_size == len(raw) and ticket.size / len(raw) < max_ratio
+    back = torch.frombuffer(got.data, dtype=torch.float32).view_as(kv)
+    rel = ((back - kv).norm() / kv.norm()).item()
+    assert rel < max_rel_err
