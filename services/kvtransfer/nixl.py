@@ -54,6 +54,8 @@ class NixlAgent:
     def __init__(self, role: str, progress_thread: bool, log_level: str) -> None:
         self.closed = False
         self.agent: Any = None
+        self._cached: dict[tuple[int, int], tuple[Any, object]] = {}
+        self.max_cached_regs = 4
         self.nixl = load_nixl(log_level)
         self.name = f"rackserve-{role}-{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
         self._thread = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="nixl")
@@ -101,16 +103,37 @@ class NixlAgent:
         except Exception as exc:
             log.debug("NIXL remove_remote_agent(%s): %s", name, exc)
 
+    def register_cached(self, addr: int, size: int, keepalive: object) -> None:
+        """Keep a caller's reused receive buffer registered across pulls (registering 64 MiB costs more than
+        reading it); the few most recent stay, holding their buffer alive, older ones are deregistered."""
+        key = (addr, size)
+        if key in self._cached:
+            self._cached[key] = self._cached.pop(key)  # most recent last
+            return
+        self._cached[key] = (self.agent.register_memory([(addr, size, 0, "")], "DRAM"), keepalive)
+        while len(self._cached) > self.max_cached_regs:
+            old = next(iter(self._cached))
+            reg, _ = self._cached.pop(old)
+            self.agent.deregister_memory(reg)
+
+    def drop_cached(self) -> None:
+        for reg, _ in self._cached.values():
+            self.agent.deregister_memory(reg)
+        self._cached.clear()
+
     def start_read(self, local: tuple[int, int], remote: tuple[int, int], peer: str, notif: bytes) -> Any:
-        """Register `local`, post a READ of `remote` from `peer`; returns (handle, reg, state)."""
-        reg = self.agent.register_memory([(local[0], local[1], 0, "")], "DRAM")
+        """Post a READ of `remote` from `peer` into `local` (registered here unless register_cached covers
+        it); returns (handle, reg or None, state)."""
+        cached = any(a <= local[0] and local[0] + local[1] <= a + n for a, n in self._cached)
+        reg = None if cached else self.agent.register_memory([(local[0], local[1], 0, "")], "DRAM")
         try:
             ldesc = self.agent.get_xfer_descs([(local[0], local[1], 0)], "DRAM")
             rdesc = self.agent.get_xfer_descs([(remote[0], remote[1], 0)], "DRAM")
             handle = self.agent.initialize_xfer("READ", ldesc, rdesc, peer, notif)
             state = self.agent.transfer(handle)
         except Exception:
-            self.agent.deregister_memory(reg)
+            if reg is not None:
+                self.agent.deregister_memory(reg)
             raise
         return handle, reg, state
 
@@ -122,7 +145,8 @@ class NixlAgent:
             self.agent.release_xfer_handle(handle)
         except Exception as exc:  # an in-flight transfer that cannot be cancelled; the agent frees it later
             log.debug("NIXL release_xfer_handle: %s", exc)
-        self.agent.deregister_memory(reg)
+        if reg is not None:
+            self.agent.deregister_memory(reg)
 
     def classify(self, exc: BaseException) -> Exception:
         kind = type(exc).__name__
@@ -141,6 +165,11 @@ class NixlAgent:
             nonlocal agent
             agent = None  # the last reference: the C++ agent is destroyed here, on its own thread
 
+        if agent is not None and self._cached:
+            try:
+                self._thread.submit(self.drop_cached).result(timeout=10)
+            except Exception as exc:
+                log.debug("NIXL deregistering cached buffers: %s", exc)
         if agent is not None:
             try:
                 self._thread.submit(drop).result(timeout=10)

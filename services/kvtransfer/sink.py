@@ -94,7 +94,7 @@ class KvSink:
         t0 = time.perf_counter()
         try:
             async with asyncio.timeout(deadline_s):
-                await self._fetch(ticket, backend, view)
+                await self._fetch(ticket, backend, view, into)
                 got = await asyncio.to_thread(checksum_of, view, ticket.checksum.split(":")[0])
         except TimeoutError as exc:
             raise TransferTimeout(
@@ -117,7 +117,9 @@ class KvSink:
         log.debug("pulled %s: %d bytes over %s in %.4fs", ticket.key, ticket.size, backend, seconds)
         return Pulled(data=data, bytes=ticket.size, seconds=seconds, backend=backend)
 
-    async def _fetch(self, ticket: TransferTicket, backend: str, view: memoryview) -> None:
+    async def _fetch(
+        self, ticket: TransferTicket, backend: str, view: memoryview, keepalive: object = None
+    ) -> None:
         loop = asyncio.get_running_loop()
         host, _, port = ticket.endpoint.rpartition(":")
         sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
@@ -146,7 +148,7 @@ class KvSink:
                 if backend == SHM:
                     await asyncio.to_thread(shm.copy_out, self.config.shm_dir, reply["shm"], view)
                 else:
-                    await self._nixl_read(ticket, reply["nixl"], view)
+                    await self._nixl_read(ticket, reply["nixl"], view, keepalive)
                 await protocol.send_message(sock, {"op": "done"})
             except FileNotFoundError as exc:
                 raise TransferNotFound(f"shm segment for {ticket.key!r} is gone: {exc}") from exc
@@ -157,13 +159,19 @@ class KvSink:
         finally:
             sock.close()
 
-    async def _nixl_read(self, ticket: TransferTicket, info: dict[str, Any], view: memoryview) -> None:
+    async def _nixl_read(
+        self, ticket: TransferTicket, info: dict[str, Any], view: memoryview, keepalive: object
+    ) -> None:
         nixl = self._nixl
         assert nixl is not None
         if len(view) == 0:
             return
         local = (int(np.frombuffer(view, dtype=np.uint8).ctypes.data), len(view))
         try:
+            if keepalive is not None:  # the caller's reused buffer: register all of it, once
+                whole = memoryview(keepalive).cast("B")  # type: ignore[arg-type]
+                addr = int(np.frombuffer(whole, dtype=np.uint8).ctypes.data)
+                await nixl.call(nixl.register_cached, addr, len(whole), keepalive)
             peer = await nixl.call(nixl.load_peer, base64.b64decode(info["md"]))
             self._peers.add(peer)
             handle, reg, state = await nixl.call(
