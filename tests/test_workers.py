@@ -311,7 +311,7 @@ def test_prompts_that_cannot_run_are_refused_with_the_limit_named(cluster: Clust
         assert words in (err.value.details() or "")
 
 
-def test_decode_with_a_kv_handle_is_unimplemented_until_transfer(
+def test_decode_with_an_empty_kv_handle_is_refused_naming_the_field(
     cluster: Cluster, france_prompt: list[int]
 ) -> None:
     request = pb.DecodeRequest(
@@ -319,8 +319,8 @@ def test_decode_with_a_kv_handle_is_unimplemented_until_transfer(
     )
     with pytest.raises(grpc.aio.AioRpcError) as err:
         run(lambda: decode(cluster.endpoints["decode-a"], request))
-    assert err.value.code() is grpc.StatusCode.UNIMPLEMENTED
-    assert "transfer engine" in (err.value.details() or "")
+    assert err.value.code() is grpc.StatusCode.INVALID_ARGUMENT
+    assert "KvHandle.model_fingerprint" in (err.value.details() or "")
 
 
 def test_workers_serve_grpc_health(cluster: Cluster) -> None:
@@ -447,7 +447,9 @@ def test_router_round_robins_over_decode_workers_and_honours_exclusions(cluster:
     plans, excluded, suppressed = run(body)
     chosen = [p.decode.worker_id for p in plans]
     assert sorted(chosen[:2]) == ["decode-a", "decode-b"] and chosen[2:] == chosen[:2]
-    assert all(p.reason == "round_robin" and not p.HasField("prefill") for p in plans)
+    # need_prefill unset: nothing to disaggregate, so aggregated whatever the mode
+    assert all(p.reason.startswith("agg") and "round_robin" in p.reason for p in plans)
+    assert not any(p.HasField("prefill") for p in plans)
     assert plans[0].decode.endpoint == cluster.endpoints[chosen[0]]
     assert excluded == ["decode-b"] * 3
     assert suppressed == ["decode-a"] * 3

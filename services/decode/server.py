@@ -1,28 +1,55 @@
 """The decode worker: streams a request's tokens with continuous batching over a paged KV cache.
 
-Today it runs the aggregated path: with `DecodeRequest.kv` unset it prefills the prompt (and any tokens the
-client already saw) itself, then decodes. Each engine output becomes one `DecodeChunk`; token indices count
-from the start of the whole output, so a request resumed with `emitted_token_ids` continues where it stopped.
-Pulling KV named in a `KvHandle` arrives with the transfer engine.
+Two ways in. With `DecodeRequest.kv` unset (aggregated) it prefills the prompt (and any tokens the client already
+saw) itself, then decodes. With `kv` set (disaggregated) it checks the KvHandle against its own engine's layout
+(a mismatch is INVALID_ARGUMENT naming the field, never a reinterpretation), pulls the bytes from the producer
+through services.kvtransfer within `--kv-pull-timeout-s` over the first backend of `--kv-backend-preference`
+that both sides have (shm only on the same node), imports them, acknowledges with the producer's `Release` (in
+the background, with its own deadline), and decodes after `emitted_token_ids`. A pull that fails is UNAVAILABLE
+(producer gone, key expired, deadline) or DATA_LOSS (bytes differ from what was published), within the deadline.
 
-This room must never hold state past a request's stream, or talk to the router or to other workers.
+Each engine output becomes one `DecodeChunk`; token indices count from the start of the whole output, so a
+request resumed with `emitted_token_ids` continues where it stopped. The first chunk of a pulled request reports
+the transfer's bytes, seconds and backend.
+
+This room must never hold state past a request's stream, or talk to the router; the only other worker it
+calls is a KV producer, to pull and to acknowledge.
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
+import logging
 import sys
+import time
 from collections.abc import AsyncIterator
 
 import grpc
 
+from services.engine.engine import KvExport
+from services.kvtransfer import (
+    KvSink,
+    Pulled,
+    TransferConfig,
+    TransferError,
+    TransferIntegrityError,
+    TransferTicket,
+)
 from services.rpc import pb, pb_grpc
 from services.runtime import wire
-from services.runtime.args import add_engine_arguments, add_service_arguments
+from services.runtime.args import add_engine_arguments, add_kv_transfer_arguments, add_service_arguments
 from services.runtime.async_engine import AsyncEngine
-from services.runtime.errors import UnsupportedError, WorkerUnavailableError
+from services.runtime.errors import (
+    KvDataLossError,
+    KvPreconditionError,
+    KvUnavailableError,
+    WorkerUnavailableError,
+)
 from services.runtime.host import ServiceHost, service_main
 from services.runtime.worker import EngineWorker, run_engine_worker
+
+log = logging.getLogger("rackserve.decode")
 
 ROLE = "decode"
 SERVICE_NAME = "rackserve.v1.DecodeWorker"
@@ -30,20 +57,38 @@ GATED_METHODS = (f"/{SERVICE_NAME}/Decode",)
 
 
 class DecodeWorker(EngineWorker, pb_grpc.DecodeWorkerServicer):
+    def __init__(
+        self,
+        host: ServiceHost,
+        engine: AsyncEngine,
+        sink: KvSink,
+        preference: tuple[str, ...] = ("shm", "nixl", "tcp"),
+        pull_timeout_s: float = 10.0,
+        release_timeout_s: float = 2.0,
+    ) -> None:
+        super().__init__(host, engine)
+        self.sink = sink
+        self.preference = preference
+        self.pull_timeout_s = pull_timeout_s
+        self.release_timeout_s = release_timeout_s
+        self._producers: dict[str, grpc.aio.Channel] = {}  # producer endpoint -> channel, for Release
+        self._acks: set[asyncio.Task[None]] = set()  # referenced until done
+
     async def Decode(  # noqa: N802 - gRPC method name
         self, request: pb.DecodeRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[pb.DecodeChunk]:
-        if request.HasField("kv"):
-            raise UnsupportedError(
-                "DecodeRequest.kv is not supported yet: KV pull arrives with the transfer engine; "
-                "leave kv unset to prefill on this worker"
-            )
         request_id = self.request_id(request.request_id, context)
         params = wire.sampling_params(request.params)
         index = len(request.emitted_token_ids)
+        kv: KvExport | None = None
+        pulled: Pulled | None = None
+        if request.HasField("kv"):
+            pulled = await self._pull(request_id, request.kv, len(request.prompt_token_ids))
+            n = request.kv.num_tokens
+            kv = KvExport(self.facts.kv_layout, list(request.prompt_token_ids[:n]), pulled.data)  # type: ignore[arg-type]
         first = True
         async with self.engine.generate(
-            request_id, request.prompt_token_ids, params, output_ids=request.emitted_token_ids
+            request_id, request.prompt_token_ids, params, output_ids=request.emitted_token_ids, kv=kv
         ) as stream:
             async for out in stream:
                 if out.finish_reason == "abort" and self.host.gate.draining:
@@ -59,24 +104,105 @@ class DecodeWorker(EngineWorker, pb_grpc.DecodeWorkerServicer):
                 )
                 if first:
                     chunk.prompt_tokens, chunk.cached_tokens = out.num_prompt_tokens, out.num_cached_tokens
+                    if pulled is not None:
+                        chunk.transfer_bytes, chunk.transfer_s = pulled.bytes, pulled.seconds
+                        chunk.transfer_backend = pulled.backend
                     first = False
                 index += len(out.new_token_ids)
                 yield chunk
 
+    async def _pull(self, request_id: str, handle: pb.KvHandle, num_prompt_tokens: int) -> Pulled:
+        """Validate the handle, pull its bytes within the deadline, and acknowledge them to the producer."""
+        wire.check_kv_handle(self.facts.kv_layout, handle, num_prompt_tokens)
+        if handle.expires_unix_ms and handle.expires_unix_ms < time.time() * 1000:
+            raise KvPreconditionError(
+                f"KvHandle of {handle.request_id!r} expired {time.time() - handle.expires_unix_ms / 1000:.1f}s "
+                f"ago (producer {handle.producer_worker_id}); prefill again"
+            )
+        try:
+            ticket = TransferTicket.from_json(handle.transfer_endpoint, handle.agent_metadata)
+        except ValueError as e:
+            raise ValueError(f"KvHandle.transfer_endpoint: {e}") from e
+        try:
+            backend = self.sink.choose(ticket, self.preference)
+            pulled = await self.sink.pull(ticket, self.pull_timeout_s, backend=backend)
+        except TransferIntegrityError as e:
+            raise KvDataLossError(f"KV of {request_id!r} from {handle.producer_worker_id}: {e}") from e
+        except TransferError as e:
+            raise KvUnavailableError(
+                f"KV of {request_id!r} from {handle.producer_worker_id} did not arrive "
+                f"({type(e).__name__}): {e}"
+            ) from e
+        log.info(
+            "pulled KV of %s: %d tokens, %d bytes over %s in %.4fs (%.2f GB/s)",
+            request_id, handle.num_tokens, pulled.bytes, pulled.backend, pulled.seconds, pulled.gb_per_s,
+        )  # fmt: skip
+        self._ack(handle)
+        return pulled
 
-def _make(host: ServiceHost, engine: AsyncEngine) -> DecodeWorker:
-    return DecodeWorker(host, engine)
+    def _ack(self, handle: pb.KvHandle) -> None:
+        """Tell the producer it may free the blocks (fire and forget: its TTL covers a lost ack)."""
+        if not handle.producer_endpoint:
+            return
+
+        async def release() -> None:
+            channel = self._producers.get(handle.producer_endpoint)
+            if channel is None:
+                channel = self._producers[handle.producer_endpoint] = grpc.aio.insecure_channel(
+                    handle.producer_endpoint
+                )
+            try:
+                await pb_grpc.PrefillWorkerStub(channel).Release(
+                    pb.ReleaseRequest(request_id=handle.request_id),
+                    metadata=(("x-request-id", handle.request_id),),
+                    timeout=self.release_timeout_s,
+                )
+            except grpc.aio.AioRpcError as e:
+                log.warning(
+                    "Release of %r to %s failed (%s); its TTL frees it",
+                    handle.request_id, handle.producer_worker_id, e.code().name,
+                )  # fmt: skip
+
+        task = asyncio.get_running_loop().create_task(release())
+        self._acks.add(task)
+        task.add_done_callback(self._acks.discard)
+
+    async def close(self) -> None:
+        if self._acks:
+            await asyncio.gather(*self._acks, return_exceptions=True)
+        await asyncio.gather(*(c.close(grace=None) for c in self._producers.values()), return_exceptions=True)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_service_arguments(parser)
     add_engine_arguments(parser)
+    add_kv_transfer_arguments(parser, ROLE)
 
 
 async def serve(args: argparse.Namespace) -> None:
-    await run_engine_worker(
-        args, ROLE, SERVICE_NAME, GATED_METHODS, _make, pb_grpc.add_DecodeWorkerServicer_to_server
-    )
+    sink = await KvSink.start(TransferConfig(backends=tuple(args.kv_backends), host=args.host))
+    workers: list[DecodeWorker] = []
+
+    def make(host: ServiceHost, engine: AsyncEngine) -> DecodeWorker:
+        worker = DecodeWorker(
+            host,
+            engine,
+            sink,
+            tuple(args.kv_backend_preference),
+            args.kv_pull_timeout_s,
+            args.kv_release_timeout_s,
+        )
+        workers.append(worker)
+        return worker
+
+    try:
+        await run_engine_worker(
+            args, ROLE, SERVICE_NAME, GATED_METHODS, make, pb_grpc.add_DecodeWorkerServicer_to_server
+        )
+    finally:
+        for worker in workers:
+            await worker.close()
+        await sink.close()  # after the engine: tears NIXL down in order (no segfault at exit)
 
 
 if __name__ == "__main__":

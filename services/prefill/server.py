@@ -1,9 +1,12 @@
 """The prefill worker: runs a prompt, keeps its KV blocks for a decode worker to pull, returns a KvHandle.
 
 `Prefill` computes the prompt and samples the first token with the request's own parameters and seed, so the
-decode side continues exactly as if it had run the prompt itself. The blocks stay held until `Release` (the
-decode side's acknowledgement) or until the handle's `expires_unix_ms` (`--kv-ttl-s`) passes; released blocks
-stay in the prefix cache until evicted.
+decode side continues exactly as if it had run the prompt itself. It then exports the prompt's KV blocks and
+publishes them on its KvSource (services.kvtransfer: TCP, same-host shm, NIXL — `--kv-backends`, optionally
+compressed for the wire with `--kv-compress`); the KvHandle it returns carries the transfer ticket. The blocks
+and the publication stay until `Release` (the decode side's acknowledgement) or until the handle's
+`expires_unix_ms` (`--kv-ttl-s`) passes — whichever comes first frees both; released blocks stay in the prefix
+cache until evicted.
 
 This room must never decode past the first token, and never hold blocks without a deadline.
 """
@@ -13,15 +16,22 @@ from __future__ import annotations
 import argparse
 import asyncio
 import dataclasses
+import json
 import logging
 import sys
 import time
 
 import grpc
 
+from services.kvtransfer import KvSource, TransferConfig
 from services.rpc import pb, pb_grpc
 from services.runtime import wire
-from services.runtime.args import add_engine_arguments, add_flag, add_service_arguments
+from services.runtime.args import (
+    add_engine_arguments,
+    add_flag,
+    add_kv_transfer_arguments,
+    add_service_arguments,
+)
 from services.runtime.async_engine import AsyncEngine
 from services.runtime.errors import WorkerUnavailableError
 from services.runtime.host import ServiceHost, service_main
@@ -36,9 +46,18 @@ DEFAULT_KV_TTL_S = 30.0
 
 
 class PrefillWorker(EngineWorker, pb_grpc.PrefillWorkerServicer):
-    def __init__(self, host: ServiceHost, engine: AsyncEngine, kv_ttl_s: float = DEFAULT_KV_TTL_S) -> None:
+    def __init__(
+        self,
+        host: ServiceHost,
+        engine: AsyncEngine,
+        source: KvSource,
+        kv_ttl_s: float = DEFAULT_KV_TTL_S,
+        kv_compress: str | None = None,
+    ) -> None:
         super().__init__(host, engine)
+        self.source = source
         self.kv_ttl_s = kv_ttl_s
+        self.kv_compress = kv_compress
         self._expiry: dict[str, asyncio.TimerHandle] = {}  # request id -> the timer that frees its held KV
         self._expiring: set[asyncio.Task[None]] = set()  # referenced until done, or asyncio may drop them
 
@@ -76,32 +95,57 @@ class PrefillWorker(EngineWorker, pb_grpc.PrefillWorkerServicer):
             return response
         # the deadline starts before any await, so the blocks are freed even if this call dies from here on
         expires_unix_ms = self._hold(request_id)
-        block_ids, num_tokens = await self.engine.call(
-            lambda e: (list(e.requests[request_id].block_ids), e.requests[request_id].num_computed_tokens)
-        )
-        response.kv.CopyFrom(
-            wire.kv_handle(
-                self.facts.kv_layout,
-                request_id,
-                block_ids,
-                num_tokens,
-                self.host.worker_id,
-                self.host.epoch_ms,
-                expires_unix_ms,
+        try:
+            block_ids, export = await self.engine.call(
+                lambda e: (list(e.requests[request_id].block_ids), e.export_kv(request_id))
             )
+            layout = self.facts.kv_layout
+            ticket = self.source.publish(
+                request_id,
+                export.data,
+                self.kv_ttl_s,  # our own timer (_hold) retracts it at expires_unix_ms; this is the backstop
+                compress=self.kv_compress,
+                kv_dtype=wire.KV_DTYPE_NAMES[layout.dtype],
+                head_dim=layout.head_dim,
+            )
+        except BaseException:
+            await self._release(request_id)  # nothing will be pulled; free the blocks now, not at the TTL
+            raise
+        kv = wire.kv_handle(
+            layout,
+            request_id,
+            block_ids[: export.num_blocks],
+            len(export.token_ids),
+            self.host.worker_id,
+            self.host.epoch_ms,
+            expires_unix_ms,
         )
+        kv.producer_endpoint = self.host.endpoint
+        kv.transfer_endpoint = ticket.to_json()
+        kv.agent_metadata = ticket.agent_metadata
+        kv.transfer_backend = ",".join(sorted(ticket.backends))  # what is offered; the consumer chooses
+        response.kv.CopyFrom(kv)
         return response
+
+    def worker_info(self) -> pb.WorkerInfo:
+        info = super().worker_info()
+        info.transfer_endpoint = json.dumps(self.source.advertise(), sort_keys=True)
+        return info
 
     async def Release(  # noqa: N802 - gRPC method name
         self, request: pb.ReleaseRequest, context: grpc.aio.ServicerContext
     ) -> pb.Empty:
         """Idempotent: releasing what is not (or no longer) held is not an error. Released blocks stay in the
         prefix cache either way (the engine has no way to drop them early), so keep_as_prefix_cache is moot."""
-        timer = self._expiry.pop(request.request_id, None)
+        await self._release(request.request_id)
+        return pb.Empty()
+
+    async def _release(self, request_id: str) -> None:
+        timer = self._expiry.pop(request_id, None)
         if timer is not None:
             timer.cancel()
-            await self.engine.release(request.request_id)
-        return pb.Empty()
+            self.source.retract(request_id)
+            await self.engine.release(request_id)
 
     def _hold(self, request_id: str) -> int:
         """Free the request's blocks kv_ttl_s from now unless released first; returns that time, unix ms."""
@@ -120,6 +164,7 @@ class PrefillWorker(EngineWorker, pb_grpc.PrefillWorkerServicer):
             log.info(
                 "held KV of %r expired after %.1fs without a Release; freeing it", request_id, self.kv_ttl_s
             )
+            self.source.retract(request_id)
             await self.engine.release(request_id)
 
 
@@ -128,15 +173,22 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_engine_arguments(parser)
     g = parser.add_argument_group("prefill")
     add_flag(g, "--kv-ttl-s", DEFAULT_KV_TTL_S, "how long produced KV stays held without a Release", float)
+    add_kv_transfer_arguments(parser, ROLE)
 
 
 async def serve(args: argparse.Namespace) -> None:
-    def make(host: ServiceHost, engine: AsyncEngine) -> PrefillWorker:
-        return PrefillWorker(host, engine, args.kv_ttl_s)
+    source = await KvSource.start(TransferConfig(backends=tuple(args.kv_backends), host=args.host))
+    compress = None if args.kv_compress == "none" else args.kv_compress
 
-    await run_engine_worker(
-        args, ROLE, SERVICE_NAME, GATED_METHODS, make, pb_grpc.add_PrefillWorkerServicer_to_server
-    )
+    def make(host: ServiceHost, engine: AsyncEngine) -> PrefillWorker:
+        return PrefillWorker(host, engine, source, args.kv_ttl_s, compress)
+
+    try:
+        await run_engine_worker(
+            args, ROLE, SERVICE_NAME, GATED_METHODS, make, pb_grpc.add_PrefillWorkerServicer_to_server
+        )
+    finally:
+        await source.close()  # after the engine: tears NIXL down in order (no segfault at exit)
 
 
 if __name__ == "__main__":

@@ -81,6 +81,43 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     add_flag(g, "--threads", 1, "torch CPU threads for this worker (0: torch's default)", int)
 
 
+KV_BACKENDS = (
+    "shm",
+    "nixl",
+    "tcp",
+)  # services.kvtransfer's names; not imported here (it loads numpy and NIXL)
+
+
+def _backend_list(text: str) -> tuple[str, ...]:
+    names = tuple(b.strip() for b in text.split(",") if b.strip())
+    unknown = [b for b in names if b not in KV_BACKENDS]
+    if unknown or not names:
+        raise argparse.ArgumentTypeError(
+            f"KV backends must be a comma list of {list(KV_BACKENDS)}, got {text!r}"
+        )
+    return names
+
+
+def add_kv_transfer_arguments(parser: argparse.ArgumentParser, role: str) -> None:
+    """Flags of the KV transfer engine: what a prefill worker offers, how a decode worker pulls."""
+    g = parser.add_argument_group("kv transfer")
+    add_flag(
+        g, "--kv-backends", ("tcp", "shm", "nixl"), "transfer backends to open (NIXL skipped if it cannot load)",
+        _backend_list,
+    )  # fmt: skip
+    if role == "prefill":
+        add_flag(g, "--kv-compress", "none", "transfer-only KV compression", choices=("none", "fp8", "nvfp4"))
+    if role == "decode":
+        add_flag(
+            g, "--kv-backend-preference", ("shm", "nixl", "tcp"),
+            "backend order to pull with (shm only when the producer is on this node)", _backend_list,
+        )  # fmt: skip
+        add_flag(g, "--kv-pull-timeout-s", 10.0, "deadline of one KV pull", float)
+        add_flag(
+            g, "--kv-release-timeout-s", 2.0, "deadline of the Release (ack) sent to the producer", float
+        )
+
+
 def worker_id(args: argparse.Namespace, role: str) -> str:
     return args.worker_id or f"{role}-{socket.gethostname()}-{os.getpid()}"
 

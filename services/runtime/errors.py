@@ -24,3 +24,16 @@ class NotFoundError(LookupError):
 
 class DuplicateRequestError(ValueError):
     """A request id that is already live on this worker."""
+
+
+class KvUnavailableError(WorkerUnavailableError):
+    """The KV a request names could not be fetched in time (producer gone, key expired, deadline passed): the
+    caller should rebuild it (re-prefill) or try another pair."""
+
+
+class KvDataLossError(RuntimeError):
+    """KV bytes arrived but differ from what the producer published; they were not used."""
+
+
+class KvPreconditionError(RuntimeError):
+    """A KvHandle this worker could read in principle but not now (expired, from a restarted producer)."""

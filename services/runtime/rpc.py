@@ -23,6 +23,8 @@ import grpc
 from services.engine.kv_cache import NoFreeBlocksError
 from services.runtime.errors import (
     DuplicateRequestError,
+    KvDataLossError,
+    KvPreconditionError,
     NotFoundError,
     UnsupportedError,
     WorkerUnavailableError,
@@ -39,6 +41,10 @@ def status_for(error: BaseException) -> grpc.StatusCode:
     """
     if isinstance(error, WorkerUnavailableError):
         return grpc.StatusCode.UNAVAILABLE
+    if isinstance(error, KvDataLossError):
+        return grpc.StatusCode.DATA_LOSS
+    if isinstance(error, KvPreconditionError):
+        return grpc.StatusCode.FAILED_PRECONDITION
     if isinstance(error, UnsupportedError):
         return grpc.StatusCode.UNIMPLEMENTED
     if isinstance(error, DuplicateRequestError):

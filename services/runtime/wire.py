@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 
-from services.engine.engine import KvLayout, RequestOutput
+from services.engine.engine import KvLayout, KvMismatchError, RequestOutput
 from services.engine.kv_cache import KvEvent
 from services.engine.sampling import SamplingParams
 from services.rpc import pb
@@ -82,6 +82,45 @@ def kv_handle(
         model_fingerprint=layout.model_fingerprint,
         expires_unix_ms=expires_unix_ms,
     )
+
+
+def check_kv_handle(layout: KvLayout, kv: pb.KvHandle, num_prompt_tokens: int) -> None:
+    """Refuse a handle this engine cannot read as is: KvMismatchError (INVALID_ARGUMENT) naming the field.
+    The payload is checked again on import; this check runs before any byte moves."""
+    theirs = {
+        "model_fingerprint": kv.model_fingerprint,
+        "dtype": pb.KvDtype.Name(kv.dtype),
+        "layout": kv.layout,
+        "block_size": kv.block_size,
+        "num_layers": kv.num_layers,
+        "num_kv_heads": kv.num_kv_heads,
+        "head_dim": kv.head_dim,
+    }
+    mine = {
+        "model_fingerprint": layout.model_fingerprint,
+        "dtype": pb.KvDtype.Name(KV_DTYPES[layout.dtype]),
+        "layout": layout.layout,
+        "block_size": layout.block_size,
+        "num_layers": layout.num_layers,
+        "num_kv_heads": layout.num_kv_heads,
+        "head_dim": layout.head_dim,
+    }
+    for name, value in theirs.items():
+        if value != mine[name]:
+            raise KvMismatchError(
+                f"KvHandle.{name} mismatch: this worker has {mine[name]!r}, the handle has {value!r}"
+            )
+    if not 0 < kv.num_tokens <= num_prompt_tokens:
+        raise KvMismatchError(
+            f"KvHandle.num_tokens is {kv.num_tokens}; it must cover 1..{num_prompt_tokens} prompt tokens"
+        )
+    if len(kv.block_ids) != -(-kv.num_tokens // kv.block_size):
+        raise KvMismatchError(
+            f"KvHandle.block_ids has {len(kv.block_ids)} blocks; {kv.num_tokens} tokens of "
+            f"{kv.block_size} per block need {-(-kv.num_tokens // kv.block_size)}"
+        )
+    if not kv.transfer_endpoint:
+        raise KvMismatchError("KvHandle.transfer_endpoint is empty: the producer published nothing to pull")
 
 
 def load_snapshot(s: LoadStats) -> pb.LoadSnapshot:
