@@ -40,6 +40,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--threads", type=int, default=1, help="torch threads per worker (pin them on small machines)"
     )
     p.add_argument("--kv-cache-bytes", type=int, default=256 << 20, help="KV cache per worker")
+    p.add_argument(
+        "--mode",
+        default="auto",
+        choices=["agg", "disagg", "auto"],
+        help="the router's disaggregation mode: agg (decode prefills), disagg (always remote prefill), "
+        "auto (remote prefill for prompts of at least --disagg-min-prompt-tokens)",
+    )
+    p.add_argument("--disagg-min-prompt-tokens", type=int, default=256, help="auto mode's threshold")
     p.add_argument("--ready-timeout-s", type=float, default=180.0)
     p.add_argument("--quiet", action="store_true", help="don't stream the services' logs")
 
@@ -117,7 +125,8 @@ class Cluster:
         common = ["--etcd", self.etcd_url]
         engine = ["--dtype", a.dtype, "--threads", str(a.threads), "--kv-cache-bytes", str(a.kv_cache_bytes)]
         engine += ["--model", a.model] if a.model else []
-        self.spawn("router", base + ["router", *common])
+        routing = ["--mode", a.mode, "--disagg-min-prompt-tokens", str(a.disagg_min_prompt_tokens)]
+        self.spawn("router", base + ["router", *common, *routing])
         for i in range(a.prefill):
             self.spawn(f"prefill-{i}", base + ["prefill", *common, *engine, "--worker-id", f"prefill-{i}"])
         for i in range(a.decode):

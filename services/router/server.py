@@ -3,7 +3,13 @@
 It follows etcd for the live prefill and decode workers (services.discovery), and opens a Subscribe stream to
 each of them to keep that worker's latest LoadSnapshot and the set of KV block hashes it has cached — the
 inputs of the TTFT-estimate policy to come (DESIGN.md §5). Today's policy is round-robin over the live decode
-workers, aggregated (the decode worker prefills); a worker reported as failed is hidden for `--suppress-s`.
+workers (and, for a disaggregated plan, over the live prefill workers); a worker reported as failed is hidden
+for `--suppress-s`. Whether a request is disaggregated is `--mode`:
+  agg     the decode worker prefills (the plan has no prefill worker);
+  disagg  always a remote prefill — unless no prefill worker is live, then agg (the reason says so);
+  auto    conditional disaggregation: disagg when the prompt has at least `--disagg-min-prompt-tokens` tokens
+          and a prefill worker is live, else agg (a short prompt costs less to prefill than to ship).
+The plan's reason names the mode and the rule that decided it; score_terms carries `disagg` (0 or 1).
 
 This room must never hold request state: any number of routers can run side by side.
 """
@@ -33,6 +39,9 @@ SERVICE_NAME = "rackserve.v1.Router"
 GATED_METHODS = (f"/{SERVICE_NAME}/Route",)
 WATCHED_ROLES = ("prefill", "decode")
 DEFAULT_SUPPRESS_S = 10.0
+MODES = ("agg", "disagg", "auto")
+DEFAULT_MODE = "auto"
+DEFAULT_DISAGG_MIN_PROMPT_TOKENS = 256  # below this, shipping the KV costs about what computing it does
 # A Subscribe stream is long-lived but still has a deadline; when it passes the router simply opens a new one
 # (with a fresh snapshot, which also heals any drift in the block index).
 SUBSCRIBE_DEADLINE_S = 300.0
@@ -155,14 +164,41 @@ def _ref(info: pb.WorkerInfo) -> pb.WorkerRef:
     return pb.WorkerRef(worker_id=info.worker_id, endpoint=info.endpoint, role=info.role, epoch=info.epoch)
 
 
+def disagg_decision(
+    mode: str, prompt_tokens: int, need_prefill: bool, prefill_live: bool, min_tokens: int
+) -> str:
+    """ "agg: …" or "disagg: …" — the decision and the rule behind it, as the plan's reason starts."""
+    if mode == "agg":
+        return "agg: mode agg"
+    if not need_prefill:
+        return "agg: no prefill needed"
+    if not prefill_live:
+        return f"agg: mode {mode} but no live prefill worker"
+    if mode == "disagg":
+        return "disagg: mode disagg"
+    if prompt_tokens >= min_tokens:
+        return f"disagg: auto, prompt {prompt_tokens} >= {min_tokens} tokens"
+    return f"agg: auto, prompt {prompt_tokens} < {min_tokens} tokens"
+
+
 class Router(pb_grpc.RouterServicer):
     def __init__(
-        self, directory: WorkerDirectory, views: WorkerViews, suppress_s: float = DEFAULT_SUPPRESS_S
+        self,
+        directory: WorkerDirectory,
+        views: WorkerViews,
+        suppress_s: float = DEFAULT_SUPPRESS_S,
+        mode: str = DEFAULT_MODE,
+        disagg_min_prompt_tokens: int = DEFAULT_DISAGG_MIN_PROMPT_TOKENS,
     ):
+        if mode not in MODES:
+            raise ValueError(f"--mode must be one of {MODES}, got {mode!r}")
         self.directory = directory
         self.views = views
         self.suppress_s = suppress_s
+        self.mode = mode
+        self.disagg_min_prompt_tokens = disagg_min_prompt_tokens
         self.policy = RoundRobin()
+        self.prefill_policy = RoundRobin()
 
     async def Route(  # noqa: N802 - gRPC method name
         self, request: pb.RouteRequest, context: grpc.aio.ServicerContext
@@ -172,7 +208,23 @@ class Router(pb_grpc.RouterServicer):
         if not candidates:
             raise WorkerUnavailableError("no decode workers")
         decode = self.policy.choose(candidates)
-        return pb.RoutePlan(decode=_ref(decode), reason=self.policy.reason)  # prefill unset: aggregated
+        prefills = [w for w in self.directory.workers("prefill") if w.worker_id not in excluded]
+        decision = disagg_decision(
+            self.mode,
+            len(request.token_ids),
+            request.need_prefill,
+            bool(prefills),
+            self.disagg_min_prompt_tokens,
+        )
+        disagg = decision.startswith("disagg")
+        plan = pb.RoutePlan(
+            decode=_ref(decode),
+            reason=f"{decision}; {self.policy.reason}",
+            score_terms={"disagg": 1.0 if disagg else 0.0},
+        )
+        if disagg:
+            plan.prefill.CopyFrom(_ref(self.prefill_policy.choose(prefills)))
+        return plan
 
     async def ReportFailure(  # noqa: N802 - gRPC method name
         self, request: pb.FailureReport, context: grpc.aio.ServicerContext
@@ -191,6 +243,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_flag(
         g, "--suppress-s", DEFAULT_SUPPRESS_S, "how long a worker reported as failed is not routed to", float
     )
+    add_flag(g, "--mode", DEFAULT_MODE, "agg | disagg | auto (conditional disaggregation)", choices=MODES)
+    add_flag(
+        g, "--disagg-min-prompt-tokens", DEFAULT_DISAGG_MIN_PROMPT_TOKENS,
+        "auto mode: the shortest prompt that is prefilled remotely", int,
+    )  # fmt: skip
 
 
 async def serve(args: argparse.Namespace) -> None:
@@ -201,7 +258,9 @@ async def serve(args: argparse.Namespace) -> None:
     try:
         await directory.start()
         views.sync()
-        pb_grpc.add_RouterServicer_to_server(Router(directory, views, args.suppress_s), host.server)
+        pb_grpc.add_RouterServicer_to_server(
+            Router(directory, views, args.suppress_s, args.mode, args.disagg_min_prompt_tokens), host.server
+        )
         await host.start()
         await host.serve(host.worker_info())
         await host.wait_for_signal()
