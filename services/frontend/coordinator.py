@@ -7,9 +7,13 @@ client's cursor into them, and the phase, with a timestamp per transition — th
     QUEUED → ROUTED → PREFILLING → TRANSFERRING → DECODING → DONE
                           └────────────┴─────────────┴──→ MIGRATING → ROUTED …   (any of the three → FAILED)
 
-`Coordinator.generate` runs the aggregated path today: Route → Decode(prompt) on the chosen decode worker,
-which prefills locally (PREFILLING lasts until its first token; TRANSFERRING is skipped). A broken decode
-stream is reported to the router and ends the request as FAILED; `_worker_lost` is where a later change
+`Coordinator.generate` follows the plan the router returns:
+- aggregated (no prefill worker in the plan): Decode(prompt) on the decode worker, which prefills locally
+  (PREFILLING lasts until its first token; TRANSFERRING is skipped);
+- disaggregated: Prefill(prompt) on the prefill worker (PREFILLING) → its first token goes to the client at
+  once, so TTFT never waits for the KV transfer → Decode(kv=handle, emitted=[first]) on the decode worker
+  (TRANSFERRING until its first chunk, which reports the transfer's bytes, seconds and backend) → DECODING.
+A failed worker is reported to the router and ends the request as FAILED; `_worker_lost` is where a later change
 resumes it on another worker from `emitted` instead.
 
 This room deals in token ids only: text, stop strings and the HTTP shape belong to output.py and app.py.
@@ -122,6 +126,10 @@ class RequestState:
     stop_reason: str | None = None
     error: str | None = None
     client_request_id: str | None = None  # the client's x-request-id, for finding its log line
+    first_token_unix_s: float | None = None  # when the first token reached the coordinator
+    transfer_bytes: int = 0  # the KV transfer of a disaggregated request, as the decode worker reported it
+    transfer_s: float = 0.0
+    transfer_backend: str | None = None
 
     def __post_init__(self) -> None:
         if not self.timeline:
@@ -167,8 +175,14 @@ class RequestState:
 
     @property
     def ttft_s(self) -> float | None:
-        first = self.time_of(Phase.DECODING)
+        first = self.first_token_unix_s or self.time_of(Phase.DECODING)
         return None if first is None else first - self.timeline[0][1]
+
+    def first_token_arrived(self) -> None:
+        if self.first_token_unix_s is None:
+            self.first_token_unix_s = time.time()
+            if (ttft := self.ttft_s) is not None:
+                metrics.TTFT_S.observe(ttft)
 
     def summary(self) -> dict[str, object]:
         """The one log line per finished request (DESIGN.md §7)."""
@@ -184,6 +198,21 @@ class RequestState:
             "completion_tokens": len(self.emitted),
             "cached_tokens": self.cached_tokens,
             "decode_worker": self.plan.decode.worker_id if self.plan is not None else None,
+            "prefill_worker": (
+                self.plan.prefill.worker_id
+                if self.plan is not None and self.plan.HasField("prefill")
+                else None
+            ),
+            "ttft_s": None if self.ttft_s is None else round(self.ttft_s, 6),
+            "transfer": (
+                {
+                    "bytes": self.transfer_bytes,
+                    "s": round(self.transfer_s, 6),
+                    "backend": self.transfer_backend,
+                }
+                if self.transfer_backend
+                else None
+            ),
             "route_reason": self.plan.reason if self.plan is not None else None,
             "migrations": self.migrations,
             "timeline_s": [[p.value, round(t - start, 6)] for p, t in self.timeline],
@@ -269,8 +298,23 @@ class Coordinator:
         try:
             state.plan = await self._route(state)
             state.advance(Phase.ROUTED)
-            # Aggregated path: a prefill worker in the plan is not used yet; the decode worker prefills.
-            async with contextlib.aclosing(self._decode(state, state.plan.decode)) as batches:
+            if state.plan.HasField("prefill"):
+                response = await self._prefill(state, state.plan.prefill)
+                first = _emitted(response.first_token)
+                state.emitted.append(first)
+                state.first_token_arrived()
+                metrics.GENERATION_TOKENS.inc()
+                if response.finished:
+                    state.finish(response.finish_reason or "stop")
+                    yield TokenBatch([first], state.finish_reason)
+                    return
+                yield TokenBatch([first])  # TTFT: the client has its first token before any KV moves
+                state.advance(Phase.TRANSFERRING)
+                decode = self._decode(state, state.plan.decode, response.kv)
+            else:
+                state.advance(Phase.PREFILLING)  # the decode worker runs the prompt itself
+                decode = self._decode(state, state.plan.decode)
+            async with contextlib.aclosing(decode) as batches:
                 async for batch in batches:
                     yield batch
         except ApiError as e:
@@ -312,13 +356,38 @@ class Coordinator:
         assert last is not None
         raise last
 
-    async def _decode(self, state: RequestState, worker: pb.WorkerRef) -> AsyncGenerator[TokenBatch, None]:
-        state.advance(Phase.PREFILLING)  # the decode worker runs the prompt itself
+    async def _prefill(self, state: RequestState, worker: pb.WorkerRef) -> pb.PrefillResponse:
+        """PREFILLING on a prefill worker: the first token and a KvHandle naming the blocks it holds for us."""
+        state.advance(Phase.PREFILLING)
+        request = pb.PrefillRequest(
+            request_id=state.request_id, token_ids=state.prompt_token_ids, params=state.params
+        )
+        stub = pb_grpc.PrefillWorkerStub(self.channels.get(worker.endpoint))
+        peer = f"prefill worker {worker.worker_id}"
+        try:
+            response: pb.PrefillResponse = await stub.Prefill(
+                request, metadata=state.metadata(), timeout=state.remaining_s()
+            )
+        except grpc.aio.AioRpcError as e:
+            metrics.WORKER_FAILURES.labels("prefill", e.code().name).inc()
+            if e.code() not in WORKER_FAULTS:
+                raise from_grpc(e, peer) from e
+            raise self._worker_lost(
+                state, worker, f"{e.code().name}: {e.details()}", from_grpc(e, peer)
+            ) from e
+        state.cached_tokens = response.cached_tokens
+        return response
+
+    async def _decode(
+        self, state: RequestState, worker: pb.WorkerRef, kv: pb.KvHandle | None = None
+    ) -> AsyncGenerator[TokenBatch, None]:
+        """PREFILLING (aggregated) or TRANSFERRING (kv given) until the first chunk, then DECODING."""
         request = pb.DecodeRequest(
             request_id=state.request_id,
             prompt_token_ids=state.prompt_token_ids,
             emitted_token_ids=[t.token_id for t in state.emitted],
             params=state.params,
+            kv=kv,
         )
         stub = pb_grpc.DecodeWorkerStub(self.channels.get(worker.endpoint))
         call = stub.Decode(request, metadata=state.metadata(), timeout=state.remaining_s())
@@ -327,11 +396,15 @@ class Coordinator:
         try:
             async for chunk in call:
                 now = time.monotonic()
-                if state.phase is Phase.PREFILLING:
+                if state.phase in (Phase.PREFILLING, Phase.TRANSFERRING):
                     state.advance(Phase.DECODING)
-                    state.cached_tokens = chunk.cached_tokens
-                    if (ttft := state.ttft_s) is not None:
-                        metrics.TTFT_S.observe(ttft)
+                    if kv is None:
+                        state.cached_tokens = chunk.cached_tokens
+                    if chunk.transfer_backend:
+                        state.transfer_bytes, state.transfer_s = chunk.transfer_bytes, chunk.transfer_s
+                        state.transfer_backend = chunk.transfer_backend
+                if state.first_token_unix_s is None:
+                    state.first_token_arrived()
                 elif chunk.tokens:
                     gap = (now - last_arrival) / len(chunk.tokens)
                     for _ in chunk.tokens:
@@ -366,11 +439,12 @@ class Coordinator:
     def _worker_lost(
         self, state: RequestState, worker: pb.WorkerRef, cause: str, error: ApiError
     ) -> ApiError:
-        """The decode worker failed mid-request: tell the router at once (in the background, the client's
+        """A worker failed mid-request: tell the router at once (in the background, the client's
         error does not wait for it) and return the client's error. Migration — resuming on another worker
         from `state.emitted` — belongs here and is a later change; until then the request fails."""
         state.failed_worker_ids.append(worker.worker_id)
-        log.warning("request %s: decode worker %s failed: %s", state.request_id, worker.worker_id, cause)
+        log.warning("request %s: %s worker %s failed: %s", state.request_id, worker.role or "a",
+                    worker.worker_id, cause)  # fmt: skip
         task = asyncio.get_running_loop().create_task(self._report_failure(state, worker.worker_id, cause))
         self._background.add(task)
         task.add_done_callback(self._background.discard)
