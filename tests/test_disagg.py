@@ -1,0 +1,350 @@
+"""Disaggregated prefill → decode with real KV transfer, real processes and a real etcd.
+
+One module-scoped cluster: a prefill worker offering every backend, three decode workers each forced onto one
+backend by `--kv-backend-preference` (tcp, shm, nixl), and a router in `--mode disagg`. Everything runs
+SmolLM2-135M in float32 with one torch thread per process. The last two tests kill processes (a decode worker,
+then the prefill worker), so they run last, in file order.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import grpc
+import pytest
+
+from services.discovery import WorkerDirectory
+from services.engine.model_files import smollm2_gguf_path
+from services.engine.tokenizer import Tokenizer
+from services.frontend.coordinator import ChannelPool, Coordinator, Phase
+from services.kvtransfer import KvSink, TransferConfig, TransferNotFound, TransferTicket
+from services.rpc import pb, pb_grpc
+from tests.support.etcd import EtcdServer
+from tests.test_workers import (
+    RPC_TIMEOUT_S,
+    STARTUP_TIMEOUT_S,
+    WORKER_FLAGS,
+    Proc,
+    greedy,
+    run,
+    start_process,
+    token_ids,
+    wait_for_load,
+)
+
+KV_TTL_S = 6.0
+PULL_TIMEOUT_S = 3.0
+BACKENDS = ("tcp", "shm", "nixl")
+QUESTIONS = (
+    "What is the capital of France?",
+    "Write a haiku about the sea.",
+    "List three prime numbers and explain why each is prime.",
+)
+MAX_TOKENS = 24
+
+
+@dataclass
+class DisaggCluster:
+    etcd: EtcdServer
+    procs: dict[str, Proc]
+    endpoints: dict[str, str]
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[DisaggCluster]:
+    log_dir = str(tmp_path_factory.mktemp("disagg"))
+    with EtcdServer(data_dir=os.path.join(log_dir, "etcd")) as etcd:
+        decode_flags = [*WORKER_FLAGS, "--kv-pull-timeout-s", str(PULL_TIMEOUT_S)]
+        started = [
+            start_process(
+                "services.prefill.server",
+                "prefill-a",
+                etcd.url,
+                log_dir,
+                *WORKER_FLAGS,
+                "--kv-ttl-s",
+                str(KV_TTL_S),
+            ),  # fmt: skip
+            *(
+                start_process(
+                    "services.decode.server",
+                    f"decode-{b}",
+                    etcd.url,
+                    log_dir,
+                    *decode_flags,
+                    "--kv-backend-preference",
+                    b,
+                )  # fmt: skip
+                for b in BACKENDS
+            ),
+            start_process("services.router.server", "router-a", etcd.url, log_dir, "--mode", "disagg"),
+        ]
+        procs = {p.worker_id: p for p in started}
+        endpoints: dict[str, str] = {}
+        try:
+
+            async def wait_registered() -> None:
+                d = WorkerDirectory(etcd.url, roles=("decode", "prefill", "router"))
+                await d.start()
+                try:
+                    for role, n in (("decode", 3), ("prefill", 1), ("router", 1)):
+                        for info in await d.wait_for(role, n, STARTUP_TIMEOUT_S):
+                            endpoints[info.worker_id] = info.endpoint
+                finally:
+                    await d.close()
+
+            run(wait_registered, STARTUP_TIMEOUT_S + 10)
+            yield DisaggCluster(etcd, procs, endpoints)
+        except BaseException:
+            for p in procs.values():
+                print(p.log_tail(), file=sys.stderr)
+            raise
+        finally:
+            for p in procs.values():
+                if p.popen.poll() is None:
+                    p.popen.kill()
+                p.popen.wait()
+
+
+@pytest.fixture(scope="module")
+def prompts() -> list[list[int]]:
+    tok = Tokenizer.from_gguf(smollm2_gguf_path())
+    return [list(tok.encode_chat([{"role": "user", "content": q}])) for q in QUESTIONS]
+
+
+@pytest.fixture(scope="module")
+def agg_outputs(cluster: DisaggCluster, prompts: list[list[int]]) -> list[list[int]]:
+    """The aggregated reference: each prompt prefilled and decoded on one decode worker."""
+
+    async def body() -> list[list[int]]:
+        async with grpc.aio.insecure_channel(cluster.endpoints["decode-tcp"]) as channel:
+            stub = pb_grpc.DecodeWorkerStub(channel)
+            outs = []
+            for i, prompt in enumerate(prompts):
+                request = pb.DecodeRequest(
+                    request_id=f"agg-{i}", prompt_token_ids=prompt, params=greedy(MAX_TOKENS)
+                )
+                outs.append(token_ids([c async for c in stub.Decode(request, timeout=RPC_TIMEOUT_S)]))
+            return outs
+
+    return run(body)
+
+
+async def prefill(endpoint: str, request_id: str, prompt: list[int]) -> pb.PrefillResponse:
+    async with grpc.aio.insecure_channel(endpoint) as channel:
+        request = pb.PrefillRequest(request_id=request_id, token_ids=prompt, params=greedy(MAX_TOKENS))
+        return await pb_grpc.PrefillWorkerStub(channel).Prefill(request, timeout=RPC_TIMEOUT_S)
+
+
+async def decode_with_kv(
+    endpoint: str, request_id: str, prompt: list[int], response: pb.PrefillResponse, timeout_s: float = 30.0
+) -> list[pb.DecodeChunk]:
+    request = pb.DecodeRequest(
+        request_id=request_id,
+        prompt_token_ids=prompt,
+        emitted_token_ids=[response.first_token.token_id],
+        params=greedy(MAX_TOKENS),
+        kv=response.kv,
+    )
+    async with grpc.aio.insecure_channel(endpoint) as channel:
+        stub = pb_grpc.DecodeWorkerStub(channel)
+        return [c async for c in stub.Decode(request, timeout=timeout_s)]
+
+
+async def release(endpoint: str, request_id: str) -> None:
+    async with grpc.aio.insecure_channel(endpoint) as channel:
+        await pb_grpc.PrefillWorkerStub(channel).Release(
+            pb.ReleaseRequest(request_id=request_id), timeout=5.0
+        )
+
+
+# ------------------------------------------------------------------------------------------ same tokens
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_disagg_greedy_output_is_token_for_token_the_aggregated_output(
+    cluster: DisaggCluster, prompts: list[list[int]], agg_outputs: list[list[int]], backend: str
+) -> None:
+    async def body() -> list[tuple[list[int], pb.DecodeChunk]]:
+        results = []
+        for i, prompt in enumerate(prompts):
+            rid = f"disagg-{backend}-{i}"
+            response = await prefill(cluster.endpoints["prefill-a"], rid, prompt)
+            assert response.kv.num_tokens == len(prompt)
+            assert set(response.kv.transfer_backend.split(",")) == set(BACKENDS)
+            chunks = await decode_with_kv(cluster.endpoints[f"decode-{backend}"], rid, prompt, response)
+            results.append(([response.first_token.token_id, *token_ids(chunks)], chunks[0]))
+        return results
+
+    results = run(body)
+    for (tokens, first_chunk), expected in zip(results, agg_outputs, strict=True):
+        assert tokens == expected
+        assert first_chunk.transfer_backend == backend and first_chunk.transfer_bytes > 0
+        assert first_chunk.tokens[0].index == 1  # continues after the prefill's token
+
+
+def test_the_decode_side_ack_frees_the_prefill_blocks_before_the_ttl(
+    cluster: DisaggCluster, prompts: list[list[int]]
+) -> None:
+    endpoint = cluster.endpoints["prefill-a"]
+
+    async def body() -> tuple[pb.LoadSnapshot, pb.LoadSnapshot, float]:
+        response = await prefill(endpoint, "ack-0", prompts[2])
+        held = await wait_for_load(
+            endpoint, pb_grpc.PrefillWorkerStub, lambda s: s.free_blocks < s.total_blocks
+        )
+        await decode_with_kv(cluster.endpoints["decode-shm"], "ack-0", prompts[2], response)
+        t0 = time.monotonic()
+        freed = await wait_for_load(
+            endpoint, pb_grpc.PrefillWorkerStub, lambda s: s.free_blocks == s.total_blocks, KV_TTL_S
+        )
+        return held, freed, time.monotonic() - t0
+
+    held, freed, waited_s = run(body)
+    assert held.free_blocks < held.total_blocks and freed.free_blocks == freed.total_blocks
+    assert waited_s < KV_TTL_S / 2  # the Release, not the TTL, freed them
+
+
+def test_coordinator_through_a_disagg_router_streams_the_same_tokens_and_records_each_phase(
+    cluster: DisaggCluster, prompts: list[list[int]], agg_outputs: list[list[int]]
+) -> None:
+    async def body() -> list[tuple[list[int], object]]:
+        directory = WorkerDirectory(cluster.etcd.url, roles=("router", "prefill", "decode"))
+        await directory.start()
+        channels = ChannelPool()
+        coordinator = Coordinator(directory, channels)
+        out = []
+        try:
+            await directory.wait_for("router", 1, 10.0)
+            for i, prompt in enumerate(prompts):
+                state = coordinator.new_request(f"coord-{i}", prompt, greedy(MAX_TOKENS), timeout_s=60.0)
+                first_batch_phase = None
+                async for batch in coordinator.generate(state):
+                    first_batch_phase = first_batch_phase or state.phase
+                    assert batch.tokens
+                out.append(([t.token_id for t in state.emitted], (first_batch_phase, state)))
+        finally:
+            await coordinator.close()
+            await channels.close()
+            await directory.close()
+        return out
+
+    for (tokens, (first_phase, state)), expected in zip(run(body), agg_outputs, strict=True):
+        assert tokens == expected
+        assert first_phase is Phase.PREFILLING  # the first token reached the client before any KV moved
+        phases = [p for p, _ in state.timeline]  # type: ignore[attr-defined]
+        assert phases == [
+            Phase.QUEUED, Phase.ROUTED, Phase.PREFILLING, Phase.TRANSFERRING, Phase.DECODING, Phase.DONE
+        ]  # fmt: skip
+        assert state.transfer_backend in BACKENDS and state.transfer_bytes > 0  # type: ignore[attr-defined]
+        assert state.ttft_s < state.timeline[-1][1] - state.timeline[0][1]  # type: ignore[attr-defined]
+
+
+# ------------------------------------------------------------------------------------------ refusals
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [
+        ("model_fingerprint", "sha256:another-model"),
+        ("dtype", pb.KV_DTYPE_BF16),
+        ("block_size", 32),
+        ("layout", "token,layer,kv,kv_head,head_dim"),
+        ("num_kv_heads", 1),
+    ],
+)
+def test_a_kv_handle_for_another_model_dtype_or_layout_is_refused_naming_the_field(
+    cluster: DisaggCluster, prompts: list[list[int]], field: str, value: object
+) -> None:
+    rid = f"mismatch-{field}"
+
+    async def body() -> grpc.aio.AioRpcError:
+        response = await prefill(cluster.endpoints["prefill-a"], rid, prompts[0])
+        setattr(response.kv, field, value)
+        try:
+            await decode_with_kv(cluster.endpoints["decode-tcp"], rid, prompts[0], response)
+        except grpc.aio.AioRpcError as e:
+            return e
+        finally:
+            await release(cluster.endpoints["prefill-a"], rid)
+        raise AssertionError("a mismatched KvHandle was accepted")
+
+    err = run(body)
+    assert err.code() is grpc.StatusCode.INVALID_ARGUMENT
+    assert f"KvHandle.{field} mismatch" in (err.details() or "")
+
+
+# ------------------------------------------------------------------------------------------ failures (last)
+
+
+def test_killed_decode_worker_leaves_no_pinned_blocks_or_publication_after_the_ttl(
+    cluster: DisaggCluster, prompts: list[list[int]]
+) -> None:
+    endpoint = cluster.endpoints["prefill-a"]
+
+    async def body() -> tuple[pb.LoadSnapshot, pb.LoadSnapshot, BaseException | None]:
+        response = await prefill(endpoint, "orphan-0", prompts[1])
+        held = await wait_for_load(
+            endpoint, pb_grpc.PrefillWorkerStub, lambda s: s.free_blocks < s.total_blocks
+        )
+        doomed = cluster.procs["decode-nixl"].popen  # the decode worker this KV was meant for dies unacked
+        doomed.send_signal(signal.SIGKILL)
+        doomed.wait()
+        freed = await wait_for_load(
+            endpoint, pb_grpc.PrefillWorkerStub, lambda s: s.free_blocks == s.total_blocks, KV_TTL_S + 5
+        )
+        sink = await KvSink.start(TransferConfig(backends=("tcp",)))
+        try:
+            ticket = TransferTicket.from_json(response.kv.transfer_endpoint)
+            await sink.pull(ticket, 5.0, backend="tcp")
+        except TransferNotFound as e:
+            return held, freed, e
+        finally:
+            await sink.close()
+        return held, freed, None
+
+    held, freed, pull_error = run(body, KV_TTL_S + 30)
+    assert held.free_blocks < held.total_blocks
+    assert freed.free_blocks == freed.total_blocks
+    assert isinstance(pull_error, TransferNotFound)  # the publication went with the blocks
+
+
+def test_a_stalled_then_killed_prefill_worker_fails_the_decode_within_the_pull_deadline(
+    cluster: DisaggCluster, prompts: list[list[int]]
+) -> None:
+    producer = cluster.procs["prefill-a"].popen
+    decode_endpoint = cluster.endpoints["decode-tcp"]
+
+    async def attempt(rid: str, prompt: list[int], response: pb.PrefillResponse) -> tuple[object, float]:
+        t0 = time.monotonic()
+        try:
+            await decode_with_kv(decode_endpoint, rid, prompt, response, timeout_s=PULL_TIMEOUT_S + 20)
+        except grpc.aio.AioRpcError as e:
+            return e, time.monotonic() - t0
+        return None, time.monotonic() - t0
+
+    async def body() -> list[tuple[object, float]]:
+        stalled = await prefill(cluster.endpoints["prefill-a"], "stall-0", prompts[0])
+        killed = await prefill(cluster.endpoints["prefill-a"], "kill-0", prompts[1])
+        producer.send_signal(signal.SIGSTOP)  # alive, holding its sockets, answering nothing
+        try:
+            first = await attempt("stall-0", prompts[0], stalled)
+        finally:
+            producer.send_signal(signal.SIGKILL)
+            producer.send_signal(signal.SIGCONT)
+            producer.wait()
+        second = await attempt("kill-0", prompts[1], killed)
+        return [first, second]
+
+    (stall_err, stall_s), (kill_err, kill_s) = run(body)
+    for err in (stall_err, kill_err):
+        assert isinstance(err, grpc.aio.AioRpcError) and err.code() is grpc.StatusCode.UNAVAILABLE
+    assert "TransferTimeout" in (stall_err.details() or "")  # type: ignore[union-attr]
+    assert "TransferPeerGone" in (kill_err.details() or "")  # type: ignore[union-attr]
+    # no hang: each ends within the decode worker's pull deadline (plus process slack on 2 shared cores)
+    assert stall_s < PULL_TIMEOUT_S + 5 and kill_s < PULL_TIMEOUT_S + 5
