@@ -112,11 +112,19 @@ class LLMEngine:
         self.dtype = _DTYPES[cfg.dtype]
         quant_id = "none"
         kw = {}
-        if cfg.quant == "nvfp4":
+        if cfg.quant == "nvfp4" or loaded.quantization != "none":
             from services.engine.nvfp4 import QUANT_RECIPE_ID
 
             quant_id = QUANT_RECIPE_ID
             kw = {"cache_dequantized": cfg.nvfp4_cache_dequantized}
+            if loaded.quantization != "none":
+                # a pre-quantized checkpoint runs as it was quantized: its bytes are never requantized
+                log.info(
+                    "%s is pre-quantized (%s); runs as NVFP4 whatever --quant says",
+                    loaded.source,
+                    loaded.quantization,
+                )
+                quant_id = f"{loaded.quantization}:{QUANT_RECIPE_ID}"
         self.fingerprint = model_fingerprint(loaded.config, loaded.weights, quant_id)
         self.model = Transformer(loaded.config, loaded.weights, self.dtype, cfg.quant, **kw)
         self.tokenizer = tokenizer if tokenizer is not None else _load_tokenizer(loaded)

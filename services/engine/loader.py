@@ -15,14 +15,20 @@ import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
 
 from services.engine.config import ModelConfig, ModelLoadError, RopeScaling
 
-Weights = dict[str, torch.Tensor]
+if TYPE_CHECKING:
+    from services.engine.nvfp4 import NVFP4Tensor
+
+Weights = dict[
+    str, "torch.Tensor | NVFP4Tensor"
+]  # NVFP4Tensor only for projections of pre-quantized checkpoints
+_PREQUANTIZED = {"modelopt": "modelopt", "compressed-tensors": "compressed-tensors"}
 
 # canonical name templates of one decoder layer, and where GGUF keeps each of them
 _LAYER_TENSORS = {
@@ -45,7 +51,8 @@ class LoadedModel:
     weights: Weights  # float32, canonical names: embed_tokens, layers.{i}.{name}[.bias], norm, lm_head?, rope_freqs?
     source: str  # path it was loaded from
     chat_template: str | None = None
-    source_format: str = ""  # "gguf" | "hf"
+    source_format: str = ""  # "gguf" | "hf" | "memory"
+    quantization: str = "none"  # "none", or "nvfp4:<layout>" for a pre-quantized checkpoint (kept packed)
 
 
 def required_tensor_names(config: ModelConfig) -> list[str]:
@@ -263,10 +270,9 @@ def load_hf_dir(path: str | os.PathLike[str]) -> LoadedModel:
     model_type = cfg.get("model_type")
     if model_type != "llama":
         raise ModelLoadError(f"{p}: unsupported architecture {model_type!r} (supported: llama)")
-    if cfg.get("quantization_config", {}).get("quant_method") not in (None, "gguf"):
-        raise ModelLoadError(
-            f"{p}: unsupported quantization {cfg['quantization_config'].get('quant_method')!r} in config.json"
-        )
+    quant_method = (cfg.get("quantization_config") or {}).get("quant_method")
+    if quant_method not in (None, "gguf", *_PREQUANTIZED):
+        raise ModelLoadError(f"{p}: unsupported quantization {quant_method!r} in config.json")
     rope_theta = cfg.get("rope_theta")
     if rope_theta is None:
         rope_theta = (cfg.get("rope_parameters") or {}).get("rope_theta", 10000.0)
@@ -295,11 +301,24 @@ def load_hf_dir(path: str | os.PathLike[str]) -> LoadedModel:
     if not files:
         raise ModelLoadError(f"{p}: no *.safetensors files")
     weights: Weights = {}
-    for f in files:
-        for name, t in load_file(str(f)).items():
-            canon = _hf_to_canonical(name)
-            if canon is not None:
-                weights[canon] = t.to(torch.float32).contiguous()
+    quantization = "none"
+    if quant_method in _PREQUANTIZED:
+        from services.engine.nvfp4 import load_prequantized_weights
+
+        raw: dict[str, torch.Tensor] = {}
+        for f in files:
+            raw |= load_file(str(f))
+        try:
+            weights = dict(load_prequantized_weights(raw, _PREQUANTIZED[quant_method]))  # type: ignore[arg-type]
+        except ValueError as e:
+            raise ModelLoadError(f"{p}: {e}") from e
+        quantization = f"nvfp4:{quant_method}"
+    else:
+        for f in files:
+            for name, t in load_file(str(f)).items():
+                canon = _hf_to_canonical(name)
+                if canon is not None:
+                    weights[canon] = t.to(torch.float32).contiguous()
     if config.tie_embeddings:
         weights.pop("lm_head", None)
     _check_complete(config, weights, str(p))
@@ -310,7 +329,12 @@ def load_hf_dir(path: str | os.PathLike[str]) -> LoadedModel:
     if template is None and (p / "chat_template.jinja").exists():
         template = (p / "chat_template.jinja").read_text()
     return LoadedModel(
-        config=config, weights=weights, source=str(p), chat_template=template, source_format="hf"
+        config=config,
+        weights=weights,
+        source=str(p),
+        chat_template=template,
+        source_format="hf",
+        quantization=quantization,
     )
 
 
@@ -323,7 +347,10 @@ def model_fingerprint(config: ModelConfig, weights: Weights, quant_id: str = "no
     h.update(config.canonical_json().encode())
     h.update(b"\0quant=" + quant_id.encode())
     for name in sorted(weights):
-        t = weights[name].detach().to(torch.float32).contiguous()
-        h.update(f"\0{name}:{tuple(t.shape)}\0".encode())
-        h.update(t.numpy().tobytes())
+        w = weights[name]
+        parts = [w] if isinstance(w, torch.Tensor) else [w.packed, w.scales, w.global_scale.reshape(1)]
+        h.update(f"\0{name}:{tuple(w.shape)}\0".encode())
+        for t in parts:
+            t = t.detach().contiguous()
+            h.update(t.to(torch.float32).numpy().tobytes() if t.is_floating_point() else t.numpy().tobytes())
     return h.hexdigest()[:32]

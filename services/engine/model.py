@@ -14,7 +14,7 @@ from __future__ import annotations
 import logging
 import math
 from dataclasses import dataclass, field
-from typing import cast
+from typing import TYPE_CHECKING, cast
 
 import torch
 import torch.nn.functional as F
@@ -22,6 +22,9 @@ from torch import nn
 
 from services.engine.config import ModelConfig
 from services.engine.loader import Weights
+
+if TYPE_CHECKING:
+    from services.engine.nvfp4 import NVFP4Tensor
 
 log = logging.getLogger("rackserve.engine")
 
@@ -130,6 +133,14 @@ class AttnMetadata:
 # ------------------------------------------------------------------------------------------------ layers
 
 
+def dense(w: Weights, name: str) -> torch.Tensor:
+    """A tensor the model keeps in high precision (embeddings, norms, LM head, rope factors)."""
+    t = w[name]
+    if not isinstance(t, torch.Tensor):
+        raise ValueError(f"{name} must be a dense tensor, the checkpoint holds it quantized")
+    return t
+
+
 class RMSNorm(nn.Module):
     def __init__(self, weight: torch.Tensor, eps: float):
         super().__init__()
@@ -198,16 +209,57 @@ def make_linear(
     return lin
 
 
+class ConcatLinear(nn.Module):
+    """Projections run side by side, outputs concatenated (q|k|v, gate|up).
+
+    Used only for pre-quantized NVFP4 parts that carry different tensor scales: fusing them into one matrix would
+    mean requantizing, which changes the checkpoint's numbers.
+    """
+
+    def __init__(self, parts: list[nn.Module]):
+        super().__init__()
+        self.parts = nn.ModuleList(parts)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.cat([p(x) for p in self.parts], dim=-1)
+
+
+def make_fused_linear(
+    parts: list[torch.Tensor | NVFP4Tensor], bias: torch.Tensor | None, dtype: torch.dtype, quant: str, **kw
+) -> nn.Module:
+    """One projection for several stacked weights: dense ones are concatenated (and quantized together under
+    --quant nvfp4, one tensor scale); pre-quantized NVFP4 parts keep their bytes — fused when their tensor
+    scales agree, side by side when they don't."""
+    dense = [w for w in parts if isinstance(w, torch.Tensor)]
+    if len(dense) == len(parts):
+        return make_linear(torch.cat(dense), bias, dtype, quant, **kw)
+    if dense:
+        raise ValueError("a fused projection mixes pre-quantized NVFP4 and dense parts")
+    from services.engine.nvfp4 import NVFP4Linear, fuse_rows
+
+    packed = cast("list[NVFP4Tensor]", parts)
+    fused = fuse_rows(packed)
+    cache = bool(kw.get("cache_dequantized", False))
+    if fused is not None:
+        return NVFP4Linear(fused, bias, cache_dequantized=cache)
+    biases = bias.split([w.shape[0] for w in packed]) if bias is not None else [None] * len(packed)
+    return ConcatLinear(
+        [NVFP4Linear(w, b, cache_dequantized=cache) for w, b in zip(packed, biases, strict=True)]
+    )
+
+
 class Attention(nn.Module):
     def __init__(self, cfg: ModelConfig, w: Weights, prefix: str, dtype: torch.dtype, quant: str, **kw):
         super().__init__()
         self.n_heads, self.n_kv, self.hd = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-        qkv = torch.cat([w[f"{prefix}.q_proj"], w[f"{prefix}.k_proj"], w[f"{prefix}.v_proj"]])
+        qkv = [w[f"{prefix}.q_proj"], w[f"{prefix}.k_proj"], w[f"{prefix}.v_proj"]]
         bias = None
         if cfg.attention_bias:
-            bias = torch.cat([w[f"{prefix}.{n}.bias"] for n in ("q_proj", "k_proj", "v_proj")])
-        self.wqkv = make_linear(qkv, bias, dtype, quant, **kw)
-        self.wo = make_linear(w[f"{prefix}.o_proj"], None, dtype, quant, **kw)
+            bias = torch.cat(
+                [cast(torch.Tensor, w[f"{prefix}.{n}.bias"]) for n in ("q_proj", "k_proj", "v_proj")]
+            )
+        self.wqkv = make_fused_linear(qkv, bias, dtype, quant, **kw)
+        self.wo = make_fused_linear([w[f"{prefix}.o_proj"]], None, dtype, quant, **kw)
         self.scale = 1.0 / math.sqrt(self.hd)
 
     def forward(
@@ -271,9 +323,9 @@ class FeedForward(nn.Module):
     def __init__(self, w: Weights, prefix: str, dtype: torch.dtype, quant: str, **kw):
         super().__init__()
         self.ffn = w[f"{prefix}.gate_proj"].shape[0]
-        gate_up = torch.cat([w[f"{prefix}.gate_proj"], w[f"{prefix}.up_proj"]])
-        self.w_gate_up = make_linear(gate_up, None, dtype, quant, **kw)
-        self.w_down = make_linear(w[f"{prefix}.down_proj"], None, dtype, quant, **kw)
+        gate_up = [w[f"{prefix}.gate_proj"], w[f"{prefix}.up_proj"]]
+        self.w_gate_up = make_fused_linear(gate_up, None, dtype, quant, **kw)
+        self.w_down = make_fused_linear([w[f"{prefix}.down_proj"]], None, dtype, quant, **kw)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.w_gate_up(x).split(self.ffn, dim=-1)
@@ -284,9 +336,9 @@ class Block(nn.Module):
     def __init__(self, cfg: ModelConfig, w: Weights, i: int, dtype: torch.dtype, quant: str, **kw):
         super().__init__()
         p = f"layers.{i}"
-        self.attn_norm = RMSNorm(w[f"{p}.input_layernorm"].to(dtype), cfg.rms_norm_eps)
+        self.attn_norm = RMSNorm(dense(w, f"{p}.input_layernorm").to(dtype), cfg.rms_norm_eps)
         self.attn = Attention(cfg, w, p, dtype, quant, **kw)
-        self.ffn_norm = RMSNorm(w[f"{p}.post_attention_layernorm"].to(dtype), cfg.rms_norm_eps)
+        self.ffn_norm = RMSNorm(dense(w, f"{p}.post_attention_layernorm").to(dtype), cfg.rms_norm_eps)
         self.ffn = FeedForward(w, p, dtype, quant, **kw)
 
 
@@ -301,14 +353,14 @@ class Transformer(nn.Module):
     ):
         super().__init__()
         self.config, self.dtype, self.quant = cfg, dtype, quant
-        self.embed = nn.Embedding(cfg.vocab_size, cfg.hidden_size, _weight=w["embed_tokens"].to(dtype))
+        self.embed = nn.Embedding(cfg.vocab_size, cfg.hidden_size, _weight=dense(w, "embed_tokens").to(dtype))
         self.embed.weight.requires_grad_(False)
         self.blocks = nn.ModuleList(Block(cfg, w, i, dtype, quant, **kw) for i in range(cfg.num_layers))
-        self.norm = RMSNorm(w["norm"].to(dtype), cfg.rms_norm_eps)
+        self.norm = RMSNorm(dense(w, "norm").to(dtype), cfg.rms_norm_eps)
         # embeddings, norms and the LM head stay in high precision under nvfp4 (NVFP4.md: weights of the blocks)
-        head = self.embed.weight if cfg.tie_embeddings else w["lm_head"]
+        head = self.embed.weight if cfg.tie_embeddings else dense(w, "lm_head")
         self.lm_head = make_linear(head, None, dtype, "none")
-        inv = rope_inv_freq(cfg, w.get("rope_freqs"))
+        inv = rope_inv_freq(cfg, dense(w, "rope_freqs") if "rope_freqs" in w else None)
         angles = torch.outer(torch.arange(cfg.max_context, dtype=torch.float32), inv)
         self.register_buffer("rope_cos", angles.cos(), persistent=False)
         self.register_buffer("rope_sin", angles.sin(), persistent=False)
