@@ -390,7 +390,7 @@ def worker_llamacpp(cfg: BenchConfig) -> PeerResult:
     result.info = {
         "weights": "Q4_1 (GGUF as shipped)",
         "use_extra_bufts": cfg.llamacpp_extra_bufts,
-        "context_params_last": llama.context_params,
+        "context_params_of_largest_batch": llama.context_params,
         "system_info": lc.llama_print_system_info().decode().strip(),
     }
     return result
@@ -525,6 +525,8 @@ def machine_info(threads: int) -> dict[str, Any]:
             return "not installed"
 
     return {
+        "engine_commit": _git("rev-parse", "--short", "HEAD"),
+        "engine_uncommitted_changes": bool(_git("status", "--porcelain", "services/engine")),
         "cpu": cpu,
         "cpu_isa": sorted(f for f in flags if f.startswith(("amx", "avx512_bf16", "avx512_vnni"))),
         "logical_cores": os.cpu_count(),
@@ -535,6 +537,14 @@ def machine_info(threads: int) -> dict[str, Any]:
         "transformers": version("transformers"),
         "llama_cpp_python": version("llama_cpp_python"),
     }
+
+
+def _git(*args: str) -> str:
+    try:
+        out = subprocess.run(["git", *args], cwd=Path(__file__).parent.parent, capture_output=True, text=True)
+    except OSError:
+        return ""
+    return out.stdout.strip()
 
 
 def _fmt(x: float | None, digits: int = 1, suffix: str = "") -> str:
@@ -603,13 +613,16 @@ def render_markdown(
         f"{machine['usable_cores']} usable of {machine['logical_cores']} logical cores; "
         f"{cfg.threads} threads per peer (torch.set_num_threads, llama.cpp n_threads/n_threads_batch, "
         "OMP_NUM_THREADS); each peer in its own process, one after another.",
-        f"- Versions: Python {machine['python']}, torch {machine['torch']}, "
+        f"- rackserve at commit {machine['engine_commit']}"
+        + (" with uncommitted changes in services/engine" if machine["engine_uncommitted_changes"] else "")
+        + f"; Python {machine['python']}, torch {machine['torch']}, "
         f"transformers {machine['transformers']}, llama-cpp-python {machine['llama_cpp_python']}.",
         "- Weights: rackserve and HF transformers dequantize the same Q4_1 GGUF to dense bf16 (fp32) at "
         "load; llama.cpp runs the Q4_1 blocks natively"
         + (
             " with its AMX/repack buffers disabled (`use_extra_bufts=False`: they segfault on batches of "
-            "more than one token on this machine, ggml-org/llama.cpp#20824), i.e. its AVX-512/VNNI kernels."
+            "more than one token on this machine, ggml-org/llama.cpp#20824): its batched decode and prefill "
+            "run on AVX-512/VNNI kernels, while rackserve and HF get AMX-bf16 through oneDNN."
             if llama_info and not llama_info.get("use_extra_bufts")
             else "."
         ),
@@ -628,9 +641,9 @@ def main_parent(args: argparse.Namespace) -> None:
     skipped = set() if args.rackserve_fp32 else {"rackserve-float32"}
     workers = [w for p in PEERS if p in wanted for w in PEERS[p] if w not in skipped]
     t0 = time.perf_counter()
+    machine = machine_info(args.threads)  # before the run: the engine commit measured
     results = {w: r for w in workers if (r := run_worker(w, args)) is not None}
     check = run_worker("check", args) if {"rackserve", "hf"} <= set(wanted) else None
-    machine = machine_info(args.threads)
     rows = table_rows(cfg, results)
     report = render_markdown(cfg, rows, results, machine)
     if check is not None:
