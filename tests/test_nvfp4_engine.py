@@ -98,7 +98,7 @@ def test_fused_projections_hold_exactly_the_recipe_bytes_of_the_fused_float32_we
         "w_down": w[f"layers.{i}.down_proj"],
     }
     projs = projections(nvfp4_engine.model)
-    x = torch.randn(3, fused["wqkv"].shape[1], generator=torch.Generator().manual_seed(0))
+    g = torch.Generator().manual_seed(0)
     for name, weight in fused.items():
         layer = projs[f"layers.{i}.{name}"]
         assert isinstance(layer, NVFP4Linear)
@@ -108,8 +108,8 @@ def test_fused_projections_hold_exactly_the_recipe_bytes_of_the_fused_float32_we
         assert layer.global_scale.view(torch.int32) == q.global_scale.view(torch.int32), name  # same bits
         w_hat = dequantize(q)
         assert torch.equal(dequantize(layer.weight_nvfp4), w_hat), name
-        if name != "w_down":  # the layer multiplies by exactly that W_hat
-            assert torch.equal(layer(x), F.linear(x, w_hat)), name
+        x = torch.randn(3, weight.shape[1], generator=g)
+        assert torch.equal(layer(x), F.linear(x, w_hat)), name  # and multiplies by exactly that W_hat
 
 
 def test_fingerprint_names_the_quantization_and_is_stable_across_loads(gguf_path, nvfp4_engine, dense_engine):
