@@ -142,15 +142,15 @@ def dense(w: Weights, name: str) -> torch.Tensor:
 
 
 class RMSNorm(nn.Module):
+    """RMSNorm computed in fp32 whatever the model dtype (as transformers does), with torch's fused kernel."""
+
     def __init__(self, weight: torch.Tensor, eps: float):
         super().__init__()
-        self.weight = nn.Parameter(weight, requires_grad=False)
+        self.weight = nn.Parameter(weight.float(), requires_grad=False)
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        xf = x.float()
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return (xf * self.weight.float()).to(x.dtype)
+        return F.rms_norm(x.float(), self.weight.shape, self.weight, self.eps).to(x.dtype)
 
 
 class PackedLinear(nn.Module):
@@ -273,9 +273,9 @@ class Attention(nn.Module):
     ) -> torch.Tensor:
         T = x.shape[0]
         nq, nkv = self.n_heads * self.hd, self.n_kv * self.hd
-        q, k, v = self.wqkv(x).split([nq, nkv, nkv], dim=-1)
-        q = apply_rope(q.view(T, self.n_heads, self.hd), cos, sin)
-        k = apply_rope(k.view(T, self.n_kv, self.hd), cos, sin)
+        qk, v = self.wqkv(x).split([nq + nkv, nkv], dim=-1)
+        qk = apply_rope(qk.reshape(T, self.n_heads + self.n_kv, self.hd), cos, sin)  # q and k in one pass
+        q, k = qk.split([self.n_heads, self.n_kv], dim=1)
         v = v.reshape(T, self.n_kv, self.hd)
         bs = k_cache.shape[1]
         # write the step's K/V: the layer view as [kv_heads, slots, head_dim], indexed by flat slot
@@ -287,13 +287,17 @@ class Attention(nn.Module):
         if meta.decode_rows is not None:
             assert meta.decode_ctx_rows is not None and meta.decode_mask is not None
             B, L = meta.decode_rows.shape[0], meta.decode_mask.shape[-1]
-            qd = q[meta.decode_rows].view(B, self.n_kv, g, self.hd).transpose(0, 1).reshape(-1, g, self.hd)
+            all_decode = B == T  # the common steady state: skip the row gather and scatter
+            qd = q if all_decode else q[meta.decode_rows]
+            qd = qd.reshape(B, self.n_kv, g, self.hd).transpose(0, 1).reshape(-1, g, self.hd)
             kd = k_cache.index_select(0, meta.decode_ctx_rows).view(self.n_kv * B, L, self.hd)
             vd = v_cache.index_select(0, meta.decode_ctx_rows).view(self.n_kv * B, L, self.hd)
             scores = torch.bmm(qd, kd.transpose(1, 2)).view(self.n_kv, B, g, L).float()
             scores = scores * self.scale + meta.decode_mask
             probs = torch.softmax(scores, dim=-1).to(x.dtype).view(-1, g, L)
             od = torch.bmm(probs, vd).view(self.n_kv, B, g, self.hd).transpose(0, 1)
+            if all_decode:
+                return self.wo(od.reshape(T, self.n_heads * self.hd))
             out[meta.decode_rows] = od.reshape(B, self.n_heads, self.hd)
         for seg in meta.prefills:
             # SDPA takes its fast (and transformers-identical) CPU path only for 4-D inputs: [1, heads, n, hd]
