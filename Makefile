@@ -52,6 +52,9 @@ bench: setup
 	$(BIN)/pip install -q --find-links $(HOME)/.cache/rackserve-wheels llama-cpp-python==0.3.36
 	$(BIN)/python -m bench.engine_bench
 	$(BIN)/python -m bench.nvfp4_bench
+	$(BIN)/python -m bench.nvfp4_model_bench
+	$(BIN)/python -m bench.kvtransfer_bench
+	$(BIN)/python -m bench.disagg_bench
 
 gpu-check: setup
 	$(BIN)/python scripts/gpu_check.py
