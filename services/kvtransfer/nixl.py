@@ -189,6 +189,20 @@ class NixlAgent:
         log.info("NIXL agent %s closed", self.name)
 
 
+def open_agent_if_enabled(
+    name: str, enabled: bool, progress_thread: bool, log_level: str
+) -> NixlAgent | None:
+    """The NIXL agent of a source or sink, or None (logged) when NIXL is not enabled or cannot start here:
+    the other backends still serve."""
+    if not enabled:
+        return None
+    try:
+        return NixlAgent(name, progress_thread, log_level)
+    except TransferUnavailable as exc:
+        log.warning("KV %s without NIXL: %s", name, exc)
+        return None
+
+
 @atexit.register
 def _close_all_agents() -> None:
     # Newest first: a sink created after a source in the same process goes before it.

@@ -26,7 +26,7 @@ from .errors import (
     TransferTimeout,
     TransferUnavailable,
 )
-from .nixl import NixlAgent
+from .nixl import NixlAgent, open_agent_if_enabled
 from .ticket import (
     DEFAULT_PREFERENCE,
     NIXL,
@@ -56,12 +56,9 @@ class KvSink:
     @classmethod
     async def start(cls, config: TransferConfig | None = None) -> KvSink:
         config = config or TransferConfig()
-        nixl = None
-        if NIXL in config.backends:
-            try:
-                nixl = NixlAgent("sink", config.nixl_progress_thread, config.nixl_log_level)
-            except TransferUnavailable as exc:
-                log.warning("KV sink without NIXL: %s", exc)
+        nixl = open_agent_if_enabled(
+            "sink", NIXL in config.backends, config.nixl_progress_thread, config.nixl_log_level
+        )
         return cls(config, nixl)
 
     @property

@@ -23,8 +23,7 @@ from typing import Any
 import numpy as np
 
 from . import protocol, shm
-from .errors import TransferUnavailable
-from .nixl import NixlAgent
+from .nixl import NixlAgent, open_agent_if_enabled
 from .ticket import NIXL, SHM, TCP, Published, TransferConfig, TransferTicket, checksum_of, node_id
 
 log = logging.getLogger("rackserve.kvtransfer")
@@ -73,12 +72,9 @@ class KvSource:
     @classmethod
     async def start(cls, config: TransferConfig | None = None) -> KvSource:
         config = config or TransferConfig()
-        nixl = None
-        if NIXL in config.backends:
-            try:
-                nixl = NixlAgent("source", config.nixl_progress_thread, config.nixl_log_level)
-            except TransferUnavailable as exc:
-                log.warning("KV source without NIXL: %s", exc)
+        nixl = open_agent_if_enabled(
+            "source", NIXL in config.backends, config.nixl_progress_thread, config.nixl_log_level
+        )
         if SHM in config.backends:
             shm.sweep_orphans(config.shm_dir)
         listener = socket.create_server((config.host, config.port), backlog=128)
