@@ -14,19 +14,11 @@ from services.engine.loader import load_model, model_fingerprint
 from services.engine.model_files import smollm2_gguf_path
 from services.engine.nvfp4 import NVFP4Linear, dequantize, quantize
 from services.engine.nvfp4.checkpoint import to_compressed_tensors, to_modelopt
+from services.engine.nvfp4.prequantized import PROJECTIONS
 from services.engine.sampling import SamplingParams
 from services.engine.tokenizer import Tokenizer
 from tests.conftest import tiny_llama
-
-_HF = {
-    "q_proj": "self_attn.q_proj",
-    "k_proj": "self_attn.k_proj",
-    "v_proj": "self_attn.v_proj",
-    "o_proj": "self_attn.o_proj",
-    "gate_proj": "mlp.gate_proj",
-    "up_proj": "mlp.up_proj",
-    "down_proj": "mlp.down_proj",
-}
+from tests.test_nvfp4_prequantized import HF_LAYER  # the tests' one independent HF name map
 
 
 def write_checkpoint(tmp_path, layout: str):
@@ -37,10 +29,10 @@ def write_checkpoint(tmp_path, layout: str):
     expected: dict[str, torch.Tensor] = {}  # what each projection must dequantize to
     for name, w in model.weights.items():
         parts = name.split(".")
-        if len(parts) == 3 and parts[2] in _HF:
+        if len(parts) == 3 and parts[2] in PROJECTIONS:
             q = quantize(w)
             expected[name] = dequantize(q)
-            prefix = f"model.layers.{parts[1]}.{_HF[parts[2]]}"
+            prefix = f"model.layers.{parts[1]}.{HF_LAYER[parts[2]]}"
             tensors |= to_modelopt(q, prefix) if layout == "modelopt" else to_compressed_tensors(q, prefix)
         elif name == "embed_tokens" or name == "norm":
             tensors[f"model.{name}.weight"] = w
