@@ -134,9 +134,7 @@ class LLMEngine:
         num_blocks = cfg.num_kv_blocks or max(1, cfg.kv_cache_bytes // per_block)
         self.kv = PagedKvCache(loaded.config, num_blocks, cfg.block_size, self.dtype)
         self.blocks = BlockManager(num_blocks, cfg.block_size, cfg.enable_prefix_caching)
-        self.scheduler = Scheduler(
-            self.blocks, cfg.max_num_seqs, cfg.max_num_batched_tokens, self.max_model_len
-        )
+        self.scheduler = Scheduler(self.blocks, cfg.max_num_seqs, cfg.max_num_batched_tokens)
         self.requests: dict[str, Request] = {}
         self.kv_layout = KvLayout(
             model_fingerprint=self.fingerprint,

@@ -78,13 +78,10 @@ class SchedulerOutput:
 
 
 class Scheduler:
-    def __init__(
-        self, blocks: BlockManager, max_num_seqs: int, max_num_batched_tokens: int, max_model_len: int
-    ) -> None:
+    def __init__(self, blocks: BlockManager, max_num_seqs: int, max_num_batched_tokens: int) -> None:
         self.blocks = blocks
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
-        self.max_model_len = max_model_len
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
 
