@@ -8,12 +8,9 @@ then the prefill worker), so they run last, in file order.
 
 from __future__ import annotations
 
-import os
 import signal
-import sys
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass
 
 import grpc
 import pytest
@@ -24,13 +21,13 @@ from services.engine.tokenizer import Tokenizer
 from services.frontend.coordinator import ChannelPool, Coordinator, Phase
 from services.kvtransfer import KvSink, TransferConfig, TransferNotFound, TransferTicket
 from services.rpc import pb, pb_grpc
-from tests.support.etcd import EtcdServer
-from tests.test_workers import (
+from tests.support.cluster import (
     RPC_TIMEOUT_S,
-    STARTUP_TIMEOUT_S,
     WORKER_FLAGS,
+    LocalCluster,
     Proc,
     greedy,
+    local_cluster,
     run,
     start_process,
     token_ids,
@@ -48,33 +45,20 @@ QUESTIONS = (
 MAX_TOKENS = 24
 
 
-@dataclass
-class DisaggCluster:
-    etcd: EtcdServer
-    procs: dict[str, Proc]
-    endpoints: dict[str, str]
-
-
 @pytest.fixture(scope="module")
-def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[DisaggCluster]:
+def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalCluster]:
     log_dir = str(tmp_path_factory.mktemp("disagg"))
-    with EtcdServer(data_dir=os.path.join(log_dir, "etcd")) as etcd:
+
+    def start(etcd_url: str) -> list[Proc]:
         decode_flags = [*WORKER_FLAGS, "--kv-pull-timeout-s", str(PULL_TIMEOUT_S)]
-        started = [
-            start_process(
-                "services.prefill.server",
-                "prefill-a",
-                etcd.url,
-                log_dir,
-                *WORKER_FLAGS,
-                "--kv-ttl-s",
-                str(KV_TTL_S),
-            ),  # fmt: skip
+        prefill_flags = [*WORKER_FLAGS, "--kv-ttl-s", str(KV_TTL_S)]
+        return [
+            start_process("services.prefill.server", "prefill-a", etcd_url, log_dir, *prefill_flags),
             *(
                 start_process(
                     "services.decode.server",
                     f"decode-{b}",
-                    etcd.url,
+                    etcd_url,
                     log_dir,
                     *decode_flags,
                     "--kv-backend-preference",
@@ -82,33 +66,11 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[DisaggCluster]
                 )  # fmt: skip
                 for b in BACKENDS
             ),
-            start_process("services.router.server", "router-a", etcd.url, log_dir, "--mode", "disagg"),
+            start_process("services.router.server", "router-a", etcd_url, log_dir, "--mode", "disagg"),
         ]
-        procs = {p.worker_id: p for p in started}
-        endpoints: dict[str, str] = {}
-        try:
 
-            async def wait_registered() -> None:
-                d = WorkerDirectory(etcd.url, roles=("decode", "prefill", "router"))
-                await d.start()
-                try:
-                    for role, n in (("decode", 3), ("prefill", 1), ("router", 1)):
-                        for info in await d.wait_for(role, n, STARTUP_TIMEOUT_S):
-                            endpoints[info.worker_id] = info.endpoint
-                finally:
-                    await d.close()
-
-            run(wait_registered, STARTUP_TIMEOUT_S + 10)
-            yield DisaggCluster(etcd, procs, endpoints)
-        except BaseException:
-            for p in procs.values():
-                print(p.log_tail(), file=sys.stderr)
-            raise
-        finally:
-            for p in procs.values():
-                if p.popen.poll() is None:
-                    p.popen.kill()
-                p.popen.wait()
+    with local_cluster(log_dir, start, {"decode": 3, "prefill": 1, "router": 1}) as c:
+        yield c
 
 
 @pytest.fixture(scope="module")
@@ -118,7 +80,7 @@ def prompts() -> list[list[int]]:
 
 
 @pytest.fixture(scope="module")
-def agg_outputs(cluster: DisaggCluster, prompts: list[list[int]]) -> list[list[int]]:
+def agg_outputs(cluster: LocalCluster, prompts: list[list[int]]) -> list[list[int]]:
     """The aggregated reference: each prompt prefilled and decoded on one decode worker."""
 
     async def body() -> list[list[int]]:
@@ -168,7 +130,7 @@ async def release(endpoint: str, request_id: str) -> None:
 
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_disagg_greedy_output_is_token_for_token_the_aggregated_output(
-    cluster: DisaggCluster, prompts: list[list[int]], agg_outputs: list[list[int]], backend: str
+    cluster: LocalCluster, prompts: list[list[int]], agg_outputs: list[list[int]], backend: str
 ) -> None:
     async def body() -> list[tuple[list[int], pb.DecodeChunk]]:
         results = []
@@ -189,7 +151,7 @@ def test_disagg_greedy_output_is_token_for_token_the_aggregated_output(
 
 
 def test_the_decode_side_ack_frees_the_prefill_blocks_before_the_ttl(
-    cluster: DisaggCluster, prompts: list[list[int]]
+    cluster: LocalCluster, prompts: list[list[int]]
 ) -> None:
     endpoint = cluster.endpoints["prefill-a"]
 
@@ -211,7 +173,7 @@ def test_the_decode_side_ack_frees_the_prefill_blocks_before_the_ttl(
 
 
 def test_coordinator_through_a_disagg_router_streams_the_same_tokens_and_records_each_phase(
-    cluster: DisaggCluster, prompts: list[list[int]], agg_outputs: list[list[int]]
+    cluster: LocalCluster, prompts: list[list[int]], agg_outputs: list[list[int]]
 ) -> None:
     async def body() -> list[tuple[list[int], object]]:
         directory = WorkerDirectory(cluster.etcd.url, roles=("router", "prefill", "decode"))
@@ -259,7 +221,7 @@ def test_coordinator_through_a_disagg_router_streams_the_same_tokens_and_records
     ],
 )
 def test_a_kv_handle_for_another_model_dtype_or_layout_is_refused_naming_the_field(
-    cluster: DisaggCluster, prompts: list[list[int]], field: str, value: object
+    cluster: LocalCluster, prompts: list[list[int]], field: str, value: object
 ) -> None:
     rid = f"mismatch-{field}"
 
@@ -283,7 +245,7 @@ def test_a_kv_handle_for_another_model_dtype_or_layout_is_refused_naming_the_fie
 
 
 def test_killed_decode_worker_leaves_no_pinned_blocks_or_publication_after_the_ttl(
-    cluster: DisaggCluster, prompts: list[list[int]]
+    cluster: LocalCluster, prompts: list[list[int]]
 ) -> None:
     endpoint = cluster.endpoints["prefill-a"]
 
@@ -315,7 +277,7 @@ def test_killed_decode_worker_leaves_no_pinned_blocks_or_publication_after_the_t
 
 
 def test_a_stalled_then_killed_prefill_worker_fails_the_decode_within_the_pull_deadline(
-    cluster: DisaggCluster, prompts: list[list[int]]
+    cluster: LocalCluster, prompts: list[list[int]]
 ) -> None:
     producer = cluster.procs["prefill-a"].popen
     decode_endpoint = cluster.endpoints["decode-tcp"]

@@ -9,122 +9,56 @@ from __future__ import annotations
 
 import asyncio
 import math
-import os
 import signal
-import subprocess
-import sys
 import time
-from collections.abc import Awaitable, Callable, Iterator
-from dataclasses import dataclass, field
-from typing import Any, TypeVar
+from collections.abc import Iterator
 
 import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from services.discovery import WorkerDirectory
 from services.engine.model import PagedKvCache
 from services.engine.model_files import smollm2_gguf_path
 from services.engine.tokenizer import Tokenizer
 from services.rpc import pb, pb_grpc
-from tests.support.etcd import EtcdServer
+from tests.support.cluster import (
+    LEASE_TTL_S,
+    RPC_TIMEOUT_S,
+    WORKER_FLAGS,
+    LocalCluster,
+    Proc,
+    decode,
+    greedy,
+    local_cluster,
+    run,
+    start_process,
+    token_ids,
+    token_indices,
+    wait_for_load,
+)
 
-T = TypeVar("T")
-
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-LEASE_TTL_S = 3.0
 KV_TTL_S = 4.0
 SUPPRESS_S = 1.5
-STARTUP_TIMEOUT_S = 150.0
-RPC_TIMEOUT_S = 30.0
 FRANCE_ANSWER = "The capital of France is Paris."
-WORKER_FLAGS = ["--dtype", "float32", "--kv-cache-bytes", str(24 << 20), "--threads", "1"]
-
-
-@dataclass
-class Proc:
-    worker_id: str
-    popen: subprocess.Popen[bytes]
-    log_path: str
-
-    def log_tail(self, lines: int = 40) -> str:
-        with open(self.log_path, errors="replace") as f:
-            return f"--- {self.worker_id} log tail ---\n" + "".join(f.readlines()[-lines:])
-
-
-@dataclass
-class Cluster:
-    etcd: EtcdServer
-    procs: dict[str, Proc]
-    endpoints: dict[str, str] = field(default_factory=dict)
-    infos: dict[str, pb.WorkerInfo] = field(default_factory=dict)
-
-
-def run(body: Callable[[], Awaitable[T]], timeout_s: float = 60.0) -> T:
-    async def bounded() -> T:
-        return await asyncio.wait_for(body(), timeout_s)
-
-    return asyncio.run(bounded())
-
-
-def start_process(module: str, worker_id: str, etcd_url: str, log_dir: str, *extra: str) -> Proc:
-    log_path = os.path.join(log_dir, f"{worker_id}.log")
-    cmd = [sys.executable, "-m", module, "--etcd", etcd_url, "--port", "0", "--worker-id", worker_id]
-    cmd += ["--lease-ttl-s", str(LEASE_TTL_S), *extra]
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1"}
-    with open(log_path, "wb") as log:
-        popen = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
-    return Proc(worker_id, popen, log_path)
 
 
 @pytest.fixture(scope="module")
-def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
+def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalCluster]:
     log_dir = str(tmp_path_factory.mktemp("workers"))
-    with EtcdServer(data_dir=os.path.join(log_dir, "etcd")) as etcd:
-        procs = {
-            p.worker_id: p
-            for p in [
-                start_process("services.decode.server", "decode-a", etcd.url, log_dir, *WORKER_FLAGS),
-                start_process("services.decode.server", "decode-b", etcd.url, log_dir, *WORKER_FLAGS),
-                start_process(
-                    "services.prefill.server",
-                    "prefill-a",
-                    etcd.url,
-                    log_dir,
-                    *WORKER_FLAGS,
-                    "--kv-ttl-s",
-                    str(KV_TTL_S),
-                ),  # fmt: skip
-                start_process(
-                    "services.router.server", "router-a", etcd.url, log_dir, "--suppress-s", str(SUPPRESS_S)
-                ),
-            ]
-        }
-        c = Cluster(etcd, procs)
-        try:
 
-            async def wait_registered() -> None:
-                d = WorkerDirectory(etcd.url, roles=("decode", "prefill", "router"))
-                await d.start()
-                try:
-                    for role, n in (("decode", 2), ("prefill", 1), ("router", 1)):
-                        for info in await d.wait_for(role, n, STARTUP_TIMEOUT_S):
-                            c.infos[info.worker_id] = info
-                            c.endpoints[info.worker_id] = info.endpoint
-                finally:
-                    await d.close()
+    def start(etcd_url: str) -> list[Proc]:
+        prefill_flags = [*WORKER_FLAGS, "--kv-ttl-s", str(KV_TTL_S)]
+        return [
+            start_process("services.decode.server", "decode-a", etcd_url, log_dir, *WORKER_FLAGS),
+            start_process("services.decode.server", "decode-b", etcd_url, log_dir, *WORKER_FLAGS),
+            start_process("services.prefill.server", "prefill-a", etcd_url, log_dir, *prefill_flags),
+            start_process(
+                "services.router.server", "router-a", etcd_url, log_dir, "--suppress-s", str(SUPPRESS_S)
+            ),
+        ]
 
-            run(wait_registered, STARTUP_TIMEOUT_S + 10)
-            yield c
-        except BaseException:
-            for p in procs.values():
-                print(p.log_tail(), file=sys.stderr)
-            raise
-        finally:
-            for p in procs.values():
-                if p.popen.poll() is None:
-                    p.popen.kill()
-                p.popen.wait()
+    with local_cluster(log_dir, start, {"decode": 2, "prefill": 1, "router": 1}) as c:
+        yield c
 
 
 @pytest.fixture(scope="module")
@@ -137,47 +71,16 @@ def france_prompt(tokenizer: Tokenizer) -> list[int]:
     return list(tokenizer.encode_chat([{"role": "user", "content": "What is the capital of France?"}]))
 
 
-def greedy(max_tokens: int = 48, **kw: Any) -> pb.SamplingParams:
-    return pb.SamplingParams(max_tokens=max_tokens, temperature=0.0, seed=7, logprobs=-1, **kw)
-
-
-async def decode(endpoint: str, request: pb.DecodeRequest) -> list[pb.DecodeChunk]:
-    async with grpc.aio.insecure_channel(endpoint) as channel:
-        stub = pb_grpc.DecodeWorkerStub(channel)
-        return [chunk async for chunk in stub.Decode(request, timeout=RPC_TIMEOUT_S)]
-
-
-def token_ids(chunks: list[pb.DecodeChunk]) -> list[int]:
-    return [t.token_id for c in chunks for t in c.tokens]
-
-
-def token_indices(chunks: list[pb.DecodeChunk]) -> list[int]:
-    return [t.index for c in chunks for t in c.tokens]
-
-
 async def route(endpoint: str, request: pb.RouteRequest) -> pb.RoutePlan:
     async with grpc.aio.insecure_channel(endpoint) as channel:
         return await pb_grpc.RouterStub(channel).Route(request, timeout=5.0)
-
-
-async def wait_for_load(
-    endpoint: str, stub_class: Any, predicate: Callable[[pb.LoadSnapshot], bool], timeout_s: float = 10.0
-) -> pb.LoadSnapshot:
-    """The first LoadSnapshot from the worker's Subscribe stream that satisfies predicate."""
-    async with grpc.aio.insecure_channel(endpoint) as channel:
-        stream = stub_class(channel).Subscribe(pb.SubscribeRequest(subscriber_id="test"), timeout=timeout_s)
-        async for event in stream:
-            if event.HasField("load") and predicate(event.load):
-                stream.cancel()
-                return event.load
-    raise AssertionError("the Subscribe stream ended without a matching LoadSnapshot")
 
 
 # ------------------------------------------------------------------------------------------------ decode
 
 
 def test_decode_streams_the_france_answer(
-    cluster: Cluster, tokenizer: Tokenizer, france_prompt: list[int]
+    cluster: LocalCluster, tokenizer: Tokenizer, france_prompt: list[int]
 ) -> None:
     chunks = run(
         lambda: decode(
@@ -194,7 +97,7 @@ def test_decode_streams_the_france_answer(
 
 
 def test_decode_resumed_with_emitted_tokens_continues_without_repeats(
-    cluster: Cluster, tokenizer: Tokenizer, france_prompt: list[int]
+    cluster: LocalCluster, tokenizer: Tokenizer, france_prompt: list[int]
 ) -> None:
     """The resumed half runs on the other worker: continuation depends only on tokens and seed."""
     full = token_ids(
@@ -222,7 +125,7 @@ def test_decode_resumed_with_emitted_tokens_continues_without_repeats(
     assert tokenizer.decode(emitted + token_ids(rest), skip_special_tokens=True) == FRANCE_ANSWER
 
 
-def test_eight_concurrent_decode_streams_all_complete(cluster: Cluster, tokenizer: Tokenizer) -> None:
+def test_eight_concurrent_decode_streams_all_complete(cluster: LocalCluster, tokenizer: Tokenizer) -> None:
     questions = [
         f"Name a fruit that is {c}." for c in ("red", "yellow", "green", "orange", "purple", "small")
     ]
@@ -247,7 +150,9 @@ def test_eight_concurrent_decode_streams_all_complete(cluster: Cluster, tokenize
         assert 1 <= n <= 12 and token_indices(chunks) == list(range(n))
 
 
-def test_client_cancel_aborts_the_request_on_the_worker(cluster: Cluster, france_prompt: list[int]) -> None:
+def test_client_cancel_aborts_the_request_on_the_worker(
+    cluster: LocalCluster, france_prompt: list[int]
+) -> None:
     endpoint = cluster.endpoints["decode-b"]
 
     async def body() -> pb.LoadSnapshot:
@@ -286,7 +191,7 @@ def test_client_cancel_aborts_the_request_on_the_worker(cluster: Cluster, france
     ],
 )
 def test_bad_params_are_invalid_argument_naming_the_field(
-    cluster: Cluster, france_prompt: list[int], params: pb.SamplingParams, field_name: str
+    cluster: LocalCluster, france_prompt: list[int], params: pb.SamplingParams, field_name: str
 ) -> None:
     request = pb.DecodeRequest(request_id=f"bad-{field_name}", prompt_token_ids=france_prompt, params=params)
     with pytest.raises(grpc.aio.AioRpcError) as err:
@@ -295,7 +200,7 @@ def test_bad_params_are_invalid_argument_naming_the_field(
     assert field_name in (err.value.details() or "")
 
 
-def test_prompts_that_cannot_run_are_refused_with_the_limit_named(cluster: Cluster) -> None:
+def test_prompts_that_cannot_run_are_refused_with_the_limit_named(cluster: LocalCluster) -> None:
     max_len = cluster.infos["decode-a"].max_model_len
     capacity_tokens = cluster.infos["decode-a"].kv_capacity_blocks * cluster.infos["decode-a"].block_size
     cases = [
@@ -312,7 +217,7 @@ def test_prompts_that_cannot_run_are_refused_with_the_limit_named(cluster: Clust
 
 
 def test_decode_with_an_empty_kv_handle_is_refused_naming_the_field(
-    cluster: Cluster, france_prompt: list[int]
+    cluster: LocalCluster, france_prompt: list[int]
 ) -> None:
     request = pb.DecodeRequest(
         request_id="with-kv", prompt_token_ids=france_prompt, params=greedy(), kv=pb.KvHandle(request_id="x")
@@ -323,7 +228,7 @@ def test_decode_with_an_empty_kv_handle_is_refused_naming_the_field(
     assert "KvHandle.model_fingerprint" in (err.value.details() or "")
 
 
-def test_workers_serve_grpc_health(cluster: Cluster) -> None:
+def test_workers_serve_grpc_health(cluster: LocalCluster) -> None:
     services = {
         "decode-a": "rackserve.v1.DecodeWorker",
         "prefill-a": "rackserve.v1.PrefillWorker",
@@ -361,7 +266,7 @@ async def release(endpoint: str, request_id: str) -> None:
 
 
 def test_prefill_returns_a_kv_handle_and_release_frees_its_blocks(
-    cluster: Cluster, tokenizer: Tokenizer, france_prompt: list[int]
+    cluster: LocalCluster, tokenizer: Tokenizer, france_prompt: list[int]
 ) -> None:
     endpoint = cluster.endpoints["prefill-a"]
     info = cluster.infos["prefill-a"]
@@ -395,7 +300,9 @@ def test_prefill_returns_a_kv_handle_and_release_frees_its_blocks(
     assert freed.free_blocks == freed.total_blocks
 
 
-def test_prefill_kv_not_released_expires_after_its_ttl(cluster: Cluster, france_prompt: list[int]) -> None:
+def test_prefill_kv_not_released_expires_after_its_ttl(
+    cluster: LocalCluster, france_prompt: list[int]
+) -> None:
     endpoint = cluster.endpoints["prefill-a"]
 
     async def body() -> tuple[pb.LoadSnapshot, pb.LoadSnapshot]:
@@ -414,7 +321,7 @@ def test_prefill_kv_not_released_expires_after_its_ttl(cluster: Cluster, france_
 
 
 def test_prefill_first_token_ending_the_request_holds_no_kv(
-    cluster: Cluster, france_prompt: list[int]
+    cluster: LocalCluster, france_prompt: list[int]
 ) -> None:
     endpoint = cluster.endpoints["prefill-a"]
     request = pb.PrefillRequest(request_id="prefill-one", token_ids=france_prompt, params=greedy(1))
@@ -428,7 +335,7 @@ def test_prefill_first_token_ending_the_request_holds_no_kv(
 # ------------------------------------------------------------------------------------------------ router
 
 
-def test_router_round_robins_over_decode_workers_and_honours_exclusions(cluster: Cluster) -> None:
+def test_router_round_robins_over_decode_workers_and_honours_exclusions(cluster: LocalCluster) -> None:
     router = cluster.endpoints["router-a"]
 
     async def body() -> tuple[list[pb.RoutePlan], list[str], list[str]]:
@@ -477,7 +384,7 @@ def wait_until_not_routed(router: str, worker_id: str, timeout_s: float) -> floa
     return run(body, timeout_s)
 
 
-def test_sigkilled_decode_worker_leaves_the_router_view_within_ttl(cluster: Cluster) -> None:
+def test_sigkilled_decode_worker_leaves_the_router_view_within_ttl(cluster: LocalCluster) -> None:
     time.sleep(SUPPRESS_S)  # let the suppression of the previous test lapse
     router = cluster.endpoints["router-a"]
     assert {run(lambda: route(router, pb.RouteRequest())).decode.worker_id for _ in range(2)} == {
@@ -491,7 +398,7 @@ def test_sigkilled_decode_worker_leaves_the_router_view_within_ttl(cluster: Clus
 
 
 def test_sigterm_drains_the_in_flight_stream_then_exits_and_leaves_at_once(
-    cluster: Cluster, france_prompt: list[int]
+    cluster: LocalCluster, france_prompt: list[int]
 ) -> None:
     proc = cluster.procs["decode-a"]
     endpoint, router = cluster.endpoints["decode-a"], cluster.endpoints["router-a"]
