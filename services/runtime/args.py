@@ -64,6 +64,8 @@ def add_service_arguments(parser: argparse.ArgumentParser) -> None:
     )
     for label in TOPOLOGY_LABELS:
         add_flag(g, f"--{label}", "", f"topology label {label!r}")
+    add_flag(g, "--health-port", 0, "also serve grpc.health.v1 alone, in plaintext, on this port (for "
+             "Kubernetes gRPC probes, which cannot speak mutual TLS; 0: off)", int)  # fmt: skip
     add_security_arguments(parser)
 
 
