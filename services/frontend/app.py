@@ -31,7 +31,7 @@ from services.engine.tokenizer import ChatTemplateError, Tokenizer
 from services.frontend import metrics
 from services.frontend.auth import AuthConfig, Guard, Principal, authorize
 from services.frontend.coordinator import Coordinator, EmittedToken, Phase, RequestState, WorkerView
-from services.frontend.dependencies import json_body
+from services.frontend.dependencies import json_body, openapi_body
 from services.frontend.errors import (
     CLIENT_CLOSED_REQUEST,
     SERVER_ERROR,
@@ -440,7 +440,7 @@ def frontend(request: Request) -> Frontend:
 FrontendDep = Annotated[Frontend, Depends(frontend)]
 
 
-@api.post("/v1/chat/completions", response_model=None)
+@api.post("/v1/chat/completions", response_model=None, openapi_extra=openapi_body(ChatCompletionRequest))
 async def chat_completions(
     request: Request,
     fe: FrontendDep,
@@ -467,7 +467,7 @@ async def chat_completions(
     return await fe.respond(request, "chat_completions", state, fmt, body)
 
 
-@api.post("/v1/completions", response_model=None)
+@api.post("/v1/completions", response_model=None, openapi_extra=openapi_body(CompletionRequest))
 async def completions(
     request: Request,
     fe: FrontendDep,

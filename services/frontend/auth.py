@@ -24,8 +24,10 @@ import math
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Annotated
 
-from fastapi import Request
+from fastapi import Depends, Request
+from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 
 from services.frontend.errors import INVALID_REQUEST, ApiError
 
@@ -176,7 +178,15 @@ def _unauthorized(message: str, code: str | None = None) -> ApiError:
     return ApiError(401, message, INVALID_REQUEST, None, code, {"WWW-Authenticate": "Bearer"})
 
 
-async def authorize(request: Request) -> Principal:
+# Declares the scheme in the OpenAPI document; the header itself is checked by Guard (auto_error off: our 401 shape).
+_bearer = HTTPBearer(
+    auto_error=False, description="an API key (--api-key, --api-key-file); required when set"
+)
+
+
+async def authorize(
+    request: Request, _declared: Annotated[HTTPAuthorizationCredentials | None, Depends(_bearer)]
+) -> Principal:
     """The dependency: who is calling (401 if nobody we know), admitted under their rate (429 if not)."""
     guard: Guard = request.app.state.guard
     principal = guard.authenticate(request.headers.get("authorization"))
