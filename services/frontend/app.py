@@ -77,9 +77,8 @@ class FrontendConfig:
     max_model_len: int = 0  # 0: the smallest the decode workers advertise, else DEFAULT_MAX_MODEL_LEN
     request_timeout_s: float = 600.0
     max_body_bytes: int = 4 << 20
-    auth: AuthConfig = field(
-        default_factory=AuthConfig
-    )  # API keys and rate limit (services/frontend/auth.py)
+    # API keys and the per-key rate limit (services/frontend/auth.py); none: the API is open
+    auth: AuthConfig = field(default_factory=AuthConfig)
 
 
 class Frontend:
