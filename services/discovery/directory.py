@@ -22,12 +22,14 @@ import aetcd
 from services.discovery.etcd import (
     PROBE_KEY,
     Backoff,
+    EtcdSecurity,
     EtcdUnavailableError,
     close_quietly,
     connect_first_reachable,
     describe,
     format_endpoints,
     parse_etcd_urls,
+    uses_tls,
     with_deadline,
 )
 from services.discovery.keys import ROLES, WORKERS_PREFIX, decode_worker_info, split_worker_key
@@ -62,6 +64,7 @@ class WorkerDirectory:
         connect_timeout_s: float = 5.0,
         request_timeout_s: float = 1.0,
         probe_interval_s: float = 1.0,
+        security: EtcdSecurity | None = None,
     ) -> None:
         self.roles = tuple(roles)
         unknown = [r for r in self.roles if r not in ROLES]
@@ -71,7 +74,8 @@ class WorkerDirectory:
         self.request_timeout_s = request_timeout_s
         self.probe_interval_s = probe_interval_s
         self._endpoints = parse_etcd_urls(etcd_url)
-        self.url = format_endpoints(self._endpoints)
+        self._security = security or EtcdSecurity(tls=uses_tls(etcd_url))
+        self.url = format_endpoints(self._endpoints, self._security.tls)
         self.connected = False
         self._by_key: dict[str, pb.WorkerInfo] = {}
         self._key_by_id: dict[str, str] = {}
@@ -212,7 +216,9 @@ class WorkerDirectory:
     async def _connect_list_watch(self) -> aetcd.Watch:
         """Connect, replace the view with a fresh listing, and watch from the revision after it.
         On failure nothing changes: the view stays as it was and the client is dropped."""
-        self._client = client = await connect_first_reachable(self._endpoints, self.request_timeout_s)
+        self._client = client = await connect_first_reachable(
+            self._endpoints, self.request_timeout_s, self._security
+        )
         try:
             listing = await with_deadline(client.get_prefix(WORKERS_PREFIX.encode()), self.request_timeout_s)
             watch = await with_deadline(

@@ -18,11 +18,13 @@ import aetcd
 
 from services.discovery.etcd import (
     Backoff,
+    EtcdSecurity,
     close_quietly,
     connect_first_reachable,
     describe,
     format_endpoints,
     parse_etcd_urls,
+    uses_tls,
     with_deadline,
 )
 from services.discovery.keys import encode_worker_info, worker_key
@@ -35,7 +37,12 @@ class Registration:
     """Keeps `worker_key(info.role, info.worker_id)` -> JSON(info) in etcd under a lease of `ttl_s`."""
 
     def __init__(
-        self, etcd_url: str, info: pb.WorkerInfo, ttl_s: float = 3.0, request_timeout_s: float = 1.0
+        self,
+        etcd_url: str,
+        info: pb.WorkerInfo,
+        ttl_s: float = 3.0,
+        request_timeout_s: float = 1.0,
+        security: EtcdSecurity | None = None,
     ):
         if ttl_s < 1.0:
             raise ValueError(f"ttl_s must be at least 1 s (etcd leases count whole seconds), got {ttl_s}")
@@ -45,7 +52,8 @@ class Registration:
         self.refresh_interval_s = ttl_s / 3
         self.request_timeout_s = min(request_timeout_s, self.refresh_interval_s)
         self._endpoints = parse_etcd_urls(etcd_url)
-        self._url = format_endpoints(self._endpoints)
+        self._security = security or EtcdSecurity(tls=uses_tls(etcd_url))
+        self._url = format_endpoints(self._endpoints, self._security.tls)
         self._value = encode_worker_info(info)
         self._client: aetcd.Client | None = None
         self._lease_id: int | None = None
@@ -57,10 +65,15 @@ class Registration:
 
     @classmethod
     async def start(
-        cls, etcd_url: str, info: pb.WorkerInfo, ttl_s: float = 3.0, request_timeout_s: float = 1.0
+        cls,
+        etcd_url: str,
+        info: pb.WorkerInfo,
+        ttl_s: float = 3.0,
+        request_timeout_s: float = 1.0,
+        security: EtcdSecurity | None = None,
     ) -> Registration:
         """Register now if etcd answers; otherwise return anyway and keep trying in the background."""
-        reg = cls(etcd_url, info, ttl_s, request_timeout_s)
+        reg = cls(etcd_url, info, ttl_s, request_timeout_s, security)
         try:
             await reg._connect()
             await reg._register()
@@ -163,7 +176,9 @@ class Registration:
 
     async def _connect(self) -> None:
         if self._client is None:
-            self._client = await connect_first_reachable(self._endpoints, self.request_timeout_s)
+            self._client = await connect_first_reachable(
+                self._endpoints, self.request_timeout_s, self._security
+            )
 
     async def _drop_client(self) -> None:
         client, self._client = self._client, None

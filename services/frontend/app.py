@@ -19,7 +19,7 @@ import secrets
 import time
 import uuid
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Annotated, Protocol, TypeVar
 
 from fastapi import APIRouter, Depends, FastAPI, Request, Response
@@ -29,8 +29,9 @@ from starlette.types import Receive, Scope, Send
 
 from services.engine.tokenizer import ChatTemplateError, Tokenizer
 from services.frontend import metrics
+from services.frontend.auth import AuthConfig, Guard, Principal, authorize
 from services.frontend.coordinator import Coordinator, EmittedToken, Phase, RequestState, WorkerView
-from services.frontend.dependencies import json_body
+from services.frontend.dependencies import json_body, openapi_body
 from services.frontend.errors import (
     CLIENT_CLOSED_REQUEST,
     SERVER_ERROR,
@@ -76,6 +77,8 @@ class FrontendConfig:
     max_model_len: int = 0  # 0: the smallest the decode workers advertise, else DEFAULT_MAX_MODEL_LEN
     request_timeout_s: float = 600.0
     max_body_bytes: int = 4 << 20
+    # API keys and the per-key rate limit (services/frontend/auth.py); none: the API is open
+    auth: AuthConfig = field(default_factory=AuthConfig)
 
 
 class Frontend:
@@ -436,13 +439,15 @@ def frontend(request: Request) -> Frontend:
 FrontendDep = Annotated[Frontend, Depends(frontend)]
 
 
-@api.post("/v1/chat/completions", response_model=None)
+@api.post("/v1/chat/completions", response_model=None, openapi_extra=openapi_body(ChatCompletionRequest))
 async def chat_completions(
     request: Request,
     fe: FrontendDep,
+    caller: Annotated[Principal, Depends(authorize)],
     body: Annotated[ChatCompletionRequest, Depends(json_body(ChatCompletionRequest))],
 ) -> Response:
     fe.check_model(body.model)
+    caller.check_model(body.model)
     try:
         prompt = fe.tokenizer.encode_chat([m.as_template_input() for m in body.messages])
     except ChatTemplateError as e:
@@ -461,13 +466,15 @@ async def chat_completions(
     return await fe.respond(request, "chat_completions", state, fmt, body)
 
 
-@api.post("/v1/completions", response_model=None)
+@api.post("/v1/completions", response_model=None, openapi_extra=openapi_body(CompletionRequest))
 async def completions(
     request: Request,
     fe: FrontendDep,
+    caller: Annotated[Principal, Depends(authorize)],
     body: Annotated[CompletionRequest, Depends(json_body(CompletionRequest))],
 ) -> Response:
     fe.check_model(body.model)
+    caller.check_model(body.model)
     if isinstance(body.prompt, str):
         prompt = fe.tokenizer.encode(body.prompt)
     else:
@@ -484,7 +491,7 @@ async def completions(
     return await fe.respond(request, "completions", state, fmt, body)
 
 
-@api.get("/v1/models")
+@api.get("/v1/models", dependencies=[Depends(authorize)])
 async def list_models(fe: FrontendDep) -> ModelList:
     card = ModelCard(id=fe.config.served_model_name, created=fe.created, max_model_len=fe.max_model_len())
     return ModelList(data=[card])
@@ -516,6 +523,7 @@ def create_app(
 
     app = FastAPI(title="rackserve", summary="OpenAI-compatible frontend", lifespan=lifespan)
     app.state.config = config
+    app.state.guard = Guard(config.auth)
     app.state.frontend = Frontend(config, tokenizer, directory, coordinator)
     install_error_handlers(app)
     app.include_router(api)

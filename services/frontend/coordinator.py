@@ -39,6 +39,7 @@ import grpc
 from services.frontend import metrics
 from services.frontend.errors import SERVER_ERROR, ApiError, from_grpc, timed_out, unavailable
 from services.rpc import pb, pb_grpc
+from services.runtime.tls import GrpcTls, open_channel
 
 log = logging.getLogger("rackserve.frontend")
 
@@ -241,13 +242,14 @@ def new_traceparent(parent: str | None = None) -> str:
 class ChannelPool:
     """One gRPC channel per endpoint, reused by every request to it."""
 
-    def __init__(self) -> None:
+    def __init__(self, tls: GrpcTls | None = None) -> None:
         self._channels: dict[str, grpc.aio.Channel] = {}
+        self.tls = tls
 
     def get(self, endpoint: str) -> grpc.aio.Channel:
         channel = self._channels.get(endpoint)
         if channel is None:
-            channel = self._channels[endpoint] = grpc.aio.insecure_channel(endpoint)
+            channel = self._channels[endpoint] = open_channel(endpoint, self.tls)
         return channel
 
     async def close(self) -> None:

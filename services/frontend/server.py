@@ -19,12 +19,14 @@ import time
 
 import uvicorn
 
-from services.discovery import Registration, WorkerDirectory
+from services.discovery import EtcdSecurity, Registration, WorkerDirectory
 from services.engine.tokenizer import Tokenizer
 from services.frontend.app import DEFAULT_MAX_MODEL_LEN, FrontendConfig, create_app
+from services.frontend.auth import AuthConfig, load_api_keys
 from services.frontend.coordinator import ChannelPool, Coordinator
 from services.rpc import pb
-from services.runtime.args import add_flag
+from services.runtime.args import add_flag, add_security_arguments
+from services.runtime.tls import GrpcTls
 
 log = logging.getLogger("rackserve.frontend")
 
@@ -52,6 +54,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_flag(g, "--worker-id", "", "id in discovery (default: frontend-HOSTNAME-PID)")
     add_flag(g, "--lease-ttl-s", 3.0, "etcd lease TTL of the frontend's registration", float)
     add_flag(g, "--log-level", "info", "log level", choices=("debug", "info", "warning", "error"))
+    a = parser.add_argument_group("API keys and limits")
+    add_flag(a, "--api-key", "", "require this Bearer key on /v1/* (comma-separated for several; prefer the env "
+             "variable or --api-key-file, which stay out of `ps`)")  # fmt: skip
+    add_flag(
+        a, "--api-key-file", "", "file of keys, one a line: KEY [name=NAME] [models=a,b] (a mounted Secret)"
+    )
+    add_flag(a, "--rate-limit-rps", 0.0, "requests per second per API key, 429 above (0: no limit)", float)
+    add_flag(
+        a, "--rate-limit-burst", 0, "requests a key may burst above its rate (0: one second's worth)", int
+    )
+    add_security_arguments(parser)
 
 
 def load_tokenizer(model: str) -> tuple[Tokenizer, str]:
@@ -74,10 +87,16 @@ async def serve(args: argparse.Namespace) -> None:
         max_model_len=args.max_model_len,
         request_timeout_s=args.request_timeout_s,
         max_body_bytes=args.max_body_bytes,
+        auth=AuthConfig(
+            load_api_keys(args.api_key, args.api_key_file), args.rate_limit_rps, args.rate_limit_burst
+        ),
     )
-    directory = WorkerDirectory(args.etcd, roles=("router", "decode", "prefill"))
+    if not config.auth.keys:
+        log.warning("no API key configured: the API is open to anyone who can reach port %d", args.port)
+    etcd_security = EtcdSecurity.from_args(args)
+    directory = WorkerDirectory(args.etcd, roles=("router", "decode", "prefill"), security=etcd_security)
     await directory.start()
-    coordinator = Coordinator(directory, ChannelPool())
+    coordinator = Coordinator(directory, ChannelPool(GrpcTls.from_args(args)))
     app = create_app(config, tokenizer, directory, coordinator)
     server = uvicorn.Server(
         uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level, access_log=False)
@@ -97,7 +116,9 @@ async def serve(args: argparse.Namespace) -> None:
             max_model_len=config.max_model_len,
             epoch=int(time.time() * 1000),
         )
-        registration = await Registration.start(args.etcd, info, ttl_s=args.lease_ttl_s)
+        registration = await Registration.start(
+            args.etcd, info, ttl_s=args.lease_ttl_s, security=etcd_security
+        )
         await serving  # until SIGINT/SIGTERM, which uvicorn handles by finishing in-flight requests
     finally:
         if registration is not None:

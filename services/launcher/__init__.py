@@ -50,6 +50,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--disagg-min-prompt-tokens", type=int, default=256, help="auto mode's threshold")
     p.add_argument("--ready-timeout-s", type=float, default=180.0)
     p.add_argument("--quiet", action="store_true", help="don't stream the services' logs")
+    p.add_argument(
+        "--api-key",
+        default=os.environ.get("RACKSERVE_API_KEY", ""),
+        help="require this Bearer key on the frontend's /v1/* (passed on in the environment, not argv) "
+        "[env RACKSERVE_API_KEY]",
+    )
 
 
 @dataclass
@@ -132,7 +138,8 @@ class Cluster:
         for i in range(a.decode):
             self.spawn(f"decode-{i}", base + ["decode", *common, *engine, "--worker-id", f"decode-{i}"])
         front = ["--host", a.host, "--port", str(a.port)] + (["--model", a.model] if a.model else [])
-        self.spawn("frontend", base + ["frontend", *common, *front])
+        # the key travels in the environment: an argv is visible to every user of the machine (ps)
+        self.spawn("frontend", base + ["frontend", *common, *front], env={"RACKSERVE_API_KEY": a.api_key})
 
     def wait_ready(self) -> None:
         """Ready means: the frontend answers /health and sees the router and every worker we started."""
@@ -195,7 +202,8 @@ def run(args: argparse.Namespace) -> int:
         print(
             f"\nrackserve is ready: {url}  (etcd {cluster.etcd_url}; {args.prefill} prefill, {args.decode} decode)\n"
             f"  curl {url}/v1/chat/completions -H 'Content-Type: application/json' \\\n"
-            '    -d \'{"model": "SmolLM2-135M-Instruct", "messages": '
+            + ('    -H "Authorization: Bearer $RACKSERVE_API_KEY" \\\n' if args.api_key else "")
+            + '    -d \'{"model": "SmolLM2-135M-Instruct", "messages": '
             '[{"role": "user", "content": "What is the capital of France?"}]}\'\n'
             "Ctrl-C stops everything.\n",
             flush=True,

@@ -31,6 +31,7 @@ from services.rpc import pb, pb_grpc
 from services.runtime.args import add_flag, add_service_arguments
 from services.runtime.errors import WorkerUnavailableError
 from services.runtime.host import ServiceHost, configure_logging, service_main
+from services.runtime.tls import GrpcTls, open_channel
 
 log = logging.getLogger("rackserve.router")
 
@@ -60,9 +61,10 @@ class WorkerView:
 class WorkerViews:
     """One WorkerView and one Subscribe stream per worker the directory shows; dropped when it vanishes."""
 
-    def __init__(self, directory: WorkerDirectory, subscriber_id: str) -> None:
+    def __init__(self, directory: WorkerDirectory, subscriber_id: str, tls: GrpcTls | None = None) -> None:
         self.directory = directory
         self.subscriber_id = subscriber_id
+        self.tls = tls
         self.views: dict[str, WorkerView] = {}
         self._tasks: dict[str, asyncio.Task[None]] = {}
         directory.subscribe(self._on_change)
@@ -90,7 +92,7 @@ class WorkerViews:
 
     async def _follow(self, view: WorkerView) -> None:
         backoff = Backoff(first_s=0.1, max_s=1.0)
-        async with grpc.aio.insecure_channel(view.info.endpoint) as channel:
+        async with open_channel(view.info.endpoint, self.tls) as channel:
             # Subscribe has the same shape on both worker services
             stub_class = (
                 pb_grpc.PrefillWorkerStub if view.info.role == "prefill" else pb_grpc.DecodeWorkerStub
@@ -253,8 +255,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 async def serve(args: argparse.Namespace) -> None:
     configure_logging()
     host = ServiceHost(args, ROLE, [SERVICE_NAME], GATED_METHODS)
-    directory = WorkerDirectory(args.etcd, roles=WATCHED_ROLES)
-    views = WorkerViews(directory, subscriber_id=host.worker_id)
+    directory = WorkerDirectory(args.etcd, roles=WATCHED_ROLES, security=host.etcd_security)
+    views = WorkerViews(directory, subscriber_id=host.worker_id, tls=host.tls)
     try:
         await directory.start()
         views.sync()

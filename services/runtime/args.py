@@ -64,6 +64,27 @@ def add_service_arguments(parser: argparse.ArgumentParser) -> None:
     )
     for label in TOPOLOGY_LABELS:
         add_flag(g, f"--{label}", "", f"topology label {label!r}")
+    add_flag(g, "--health-port", 0, "also serve grpc.health.v1 alone, in plaintext, on this port (for "
+             "Kubernetes gRPC probes, which cannot speak mutual TLS; 0: off)", int)  # fmt: skip
+    add_security_arguments(parser)
+
+
+def add_security_arguments(parser: argparse.ArgumentParser) -> None:
+    """Mutual TLS of the internal gRPC links (services.runtime.tls) and etcd's TLS and auth (services.discovery).
+
+    Secrets are read from files only (a mounted Kubernetes Secret), never from a flag's value, so they never
+    show in `ps`, in logs or in --help defaults.
+    """
+    g = parser.add_argument_group("security")
+    add_flag(g, "--tls-cert-file", "", "PEM certificate this service presents on gRPC (enables mutual TLS)")
+    add_flag(g, "--tls-key-file", "", "PEM private key of --tls-cert-file")
+    add_flag(g, "--tls-ca-file", "", "PEM CA that gRPC peers' certificates must chain to")
+    add_flag(g, "--tls-server-name", "", "name in the peers' certificates, checked instead of their address")
+    add_flag(g, "--etcd-ca-file", "", "PEM CA of etcd's server certificate (https:// etcd endpoints)")
+    add_flag(g, "--etcd-cert-file", "", "PEM client certificate for etcd (client-cert auth)")
+    add_flag(g, "--etcd-key-file", "", "PEM private key of --etcd-cert-file")
+    add_flag(g, "--etcd-username", "", "etcd user (with --etcd-password-file)")
+    add_flag(g, "--etcd-password-file", "", "file holding the etcd user's password")
 
 
 def add_engine_arguments(parser: argparse.ArgumentParser) -> None:

@@ -27,10 +27,12 @@ from typing import Any
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
+from services.discovery.etcd import EtcdSecurity
 from services.discovery.registration import Registration
 from services.rpc import pb
 from services.runtime.args import topology, worker_id
 from services.runtime.rpc import AdmissionGate, RpcInterceptor
+from services.runtime.tls import GrpcTls, add_port
 
 log = logging.getLogger("rackserve.runtime.host")
 
@@ -58,7 +60,15 @@ class ServiceHost:
         self.services = ["", *services]  # "" is the whole server, as health checkers ask by default
         self.server = grpc.aio.server(interceptors=[RpcInterceptor(self.gate, gated_methods)])
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
-        self.port = self.server.add_insecure_port(f"{args.host}:{args.port}")
+        self.tls = GrpcTls.from_args(args)  # also what this service's own channels to its peers use
+        self.etcd_security = EtcdSecurity.from_args(args)
+        self.port = add_port(self.server, f"{args.host}:{args.port}", self.tls)
+        # Health alone on a plaintext port: it says SERVING or not and nothing else, so probes need no certificate.
+        self.health_server: grpc.aio.Server | None = None
+        if getattr(args, "health_port", 0):
+            self.health_server = grpc.aio.server()
+            health_pb2_grpc.add_HealthServicer_to_server(self.health, self.health_server)
+            self.health_server.add_insecure_port(f"{args.host}:{args.health_port}")
         self.endpoint = f"{args.host}:{self.port}"
         self.registration: Registration | None = None
         self._signalled = asyncio.Event()
@@ -78,6 +88,8 @@ class ServiceHost:
         for name in self.services:
             await self.health.set(name, _NOT_SERVING)
         await self.server.start()
+        if self.health_server is not None:
+            await self.health_server.start()
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, self._signalled.set)
@@ -88,7 +100,9 @@ class ServiceHost:
         self.gate.open()
         for name in self.services:
             await self.health.set(name, _SERVING)
-        self.registration = await Registration.start(self.args.etcd, info, ttl_s=self.args.lease_ttl_s)
+        self.registration = await Registration.start(
+            self.args.etcd, info, ttl_s=self.args.lease_ttl_s, security=self.etcd_security
+        )
         log.info("%s %s serving on %s", self.role, self.worker_id, self.endpoint)
 
     async def wait_for_signal(self) -> None:
@@ -114,6 +128,8 @@ class ServiceHost:
                 await abort_rest()
             await self.gate.wait_idle(_ABORT_SETTLE_S)
         await self.server.stop(_SERVER_STOP_GRACE_S)
+        if self.health_server is not None:
+            await self.health_server.stop(0)
         log.info("%s %s stopped", self.role, self.worker_id)
 
     async def close(self) -> None:
@@ -121,6 +137,8 @@ class ServiceHost:
         if self.registration is not None:
             await self.registration.close()
         await self.server.stop(0)
+        if self.health_server is not None:
+            await self.health_server.stop(0)
 
 
 def configure_logging() -> None:
