@@ -6,8 +6,9 @@ An estimate of time to first token for one (prefill worker, decode worker) plan 
                pending reservations), divided by that worker's prefill rate
   prefill_s    this request's uncached tokens / the prefill rate, plus a per-request overhead
   transfer_s   remote plans only: link latency + KV bytes / link bandwidth, by topology class
-  admission_s  the decode worker's wait before the request joins its batch: its waiting requests times its
-               step time, plus `kv_full_wait_s` when its free KV blocks cannot hold the request
+  admission_s  the decode worker's wait before the request joins its batch: one step, plus one per request
+               already waiting there, plus `kv_full_wait_s` when its free KV blocks (less those this router
+               reserved) cannot hold the request
 
 Prefill on the decode worker itself (conditional disaggregation, "local") has no transfer term but runs at the
 decode worker's rate, which is `decode_prefill_slowdown` times slower than a prefill worker's until measured
@@ -17,44 +18,59 @@ local plan's score (not to the TTFT estimate).
 
 Rates are calibrated online per worker (`RateMeter`): a worker's stored-block events count the tokens it
 computed, and its load reports say when it was busy, so tokens / busy seconds is its measured prefill rate
-(blended with an exponential moving average). Link parameters per topology class are settings.
+(an exponential moving average over measurements spanning `rate_min_busy_s` each). Decode step times come
+measured in the load reports. Link parameters per topology class are settings.
 
 This room is arithmetic only: no I/O, no clock of its own (callers pass `now`).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
+from typing import Any
 
 # Topology classes, nearest first. "local" is prefill on the decode worker itself (no transfer).
 LINK_CLASSES = ("local", "same_node", "same_rack", "same_zone", "cross_zone")
 
 
+def _setting(default: float | int | str, help: str) -> Any:
+    return field(default=default, metadata={"help": help})
+
+
 @dataclass(frozen=True)
 class CostSettings:
-    """Every weight of the estimate, with the default an operator starts from (all flags of the router)."""
+    """Every weight of the estimate, with the default an operator starts from; each is a router flag of the
+    same name (`--prefill-tokens-per-s`, …)."""
 
-    prefill_tokens_per_s: float = 4000.0  # a prefill worker's rate until measured
-    prefill_overhead_s: float = 0.004  # per request: scheduling, first step, first-token sampling
-    remote_overhead_s: float = 0.004  # extra RPC hop + KV handle bookkeeping of a disaggregated plan
-    decode_prefill_slowdown: float = 2.0  # a decode worker prefills this many times slower, until measured
-    interference_weight: float = 0.05  # share of a local prefill's time charged per running decode stream
-    default_step_s: float = 0.02  # a decode step when the worker has not reported one
-    kv_full_wait_s: float = 1.0  # admission wait when the decode worker's free blocks cannot hold the request
-    kv_bytes_per_token: int = 23040  # when the worker does not say (SmolLM2-135M, bf16: 30 layers·3·64·2·2)
-    # link per topology class: bandwidth (bytes/s) and latency (s)
-    same_node_bytes_per_s: float = 10e9  # shared memory / NVLink
-    same_node_latency_s: float = 0.0005
-    same_rack_bytes_per_s: float = 12.5e9  # 100 Gb/s RDMA through the top-of-rack switch
-    same_rack_latency_s: float = 0.001
-    same_zone_bytes_per_s: float = 5e9
-    same_zone_latency_s: float = 0.002
-    cross_zone_bytes_per_s: float = 1e9
-    cross_zone_latency_s: float = 0.01
-    unlabeled_link: str = "same_rack"  # the class assumed when either side has no topology labels
-    # calibration
-    rate_ewma_alpha: float = 0.3  # weight of a new measurement
-    rate_min_busy_s: float = 0.2  # busy seconds (and >= 4 blocks) a measurement needs
+    prefill_tokens_per_s: float = _setting(4000.0, "a prefill worker's prompt tokens/s until measured")
+    prefill_overhead_s: float = _setting(0.004, "per request: scheduling, first step, first-token sampling")
+    remote_overhead_s: float = _setting(
+        0.015, "a disaggregated plan's extra RPC, KV-handle bookkeeping and pull setup"
+    )
+    decode_prefill_slowdown: float = _setting(
+        1.5, "a decode worker prefills this many times slower than a prefill worker, until measured"
+    )
+    interference_weight: float = _setting(
+        0.05, "share of a local prefill's time charged per running decode stream on that worker"
+    )
+    default_step_s: float = _setting(0.02, "a decode step when the worker has not reported one")
+    kv_full_wait_s: float = _setting(
+        1.0, "admission wait when the decode worker's free KV blocks are too few"
+    )
+    kv_bytes_per_token: int = _setting(
+        23040, "KV bytes of a token when the worker does not say (SmolLM2-135M bf16: 30 layers*3*64*2*2)"
+    )
+    same_node_bytes_per_s: float = _setting(10e9, "link bandwidth, same node (shared memory / NVLink)")
+    same_node_latency_s: float = _setting(0.0005, "link latency, same node")
+    same_rack_bytes_per_s: float = _setting(12.5e9, "link bandwidth, same rack (100 Gb/s RDMA)")
+    same_rack_latency_s: float = _setting(0.001, "link latency, same rack")
+    same_zone_bytes_per_s: float = _setting(5e9, "link bandwidth, same zone, across racks")
+    same_zone_latency_s: float = _setting(0.002, "link latency, same zone")
+    cross_zone_bytes_per_s: float = _setting(1e9, "link bandwidth, across zones")
+    cross_zone_latency_s: float = _setting(0.01, "link latency, across zones")
+    unlabeled_link: str = _setting("same_rack", "the link class assumed when a worker has no topology labels")
+    rate_ewma_alpha: float = _setting(0.3, "calibration: weight of a new prefill-rate measurement")
+    rate_min_busy_s: float = _setting(0.2, "calibration: busy seconds one prefill-rate measurement spans")
 
     def __post_init__(self) -> None:
         for f in fields(self):

@@ -245,7 +245,8 @@ class Estimator:
         step_s = d.step_s or self.s.default_step_s
         need = -(-max(query.num_tokens, 1) // d.block_size)
         full = self.s.kv_full_wait_s if d.free_blocks_now() < need else 0.0
-        return (d.waiting + d.pending_requests) * step_s + full
+        # the next step admits it unless requests already wait there (then their turn comes first)
+        return (1 + d.waiting) * step_s + full
 
     def transfer_s(self, query: RouteQuery, p: WorkerState, d: WorkerState) -> tuple[float, str]:
         cls = link_class(p.topology, d.topology, self.s.unlabeled_link)
@@ -312,7 +313,7 @@ def term_reason(winner: PlanScore, runner_up: PlanScore | None) -> str:
     }
     best = max(savings, key=lambda k: savings[k])
     if savings[best] <= 0:
-        return "tie_spread"
+        return "near_best_spread"
     if best == "prefill_s":
         return (
             "cache_hit"
@@ -403,7 +404,8 @@ class Policy:
 class RoundRobin(Policy):
     """Each role's next worker id after the last one chosen, in id order, so a changing set stays fair."""
 
-    name = reason = "round_robin"
+    name = "round_robin"
+    reason = "next_in_turn"
 
     def __init__(self, *args: object, **kw: object) -> None:
         super().__init__(*args, **kw)  # type: ignore[arg-type]
