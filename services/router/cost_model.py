@@ -6,9 +6,9 @@ An estimate of time to first token for one (prefill worker, decode worker) plan 
                pending reservations), divided by that worker's prefill rate
   prefill_s    this request's uncached tokens / the prefill rate, plus a per-request overhead
   transfer_s   remote plans only: link latency + KV bytes / link bandwidth, by topology class
-  admission_s  the decode worker's wait before the request joins its batch: one step, plus one per request
-               already waiting there, plus `kv_full_wait_s` when its free KV blocks (less those this router
-               reserved) cannot hold the request
+  admission_s  the decode worker's wait before the request joins its batch: none when it is idle, else half
+               a step (the one running), plus one step per request already waiting there, plus
+               `kv_full_wait_s` when its free KV blocks (less those this router reserved) cannot hold it
 
 Prefill on the decode worker itself (conditional disaggregation, "local") has no transfer term but runs at the
 decode worker's rate, which is `decode_prefill_slowdown` times slower than a prefill worker's until measured

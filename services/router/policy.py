@@ -245,8 +245,10 @@ class Estimator:
         step_s = d.step_s or self.s.default_step_s
         need = -(-max(query.num_tokens, 1) // d.block_size)
         full = self.s.kv_full_wait_s if d.free_blocks_now() < need else 0.0
-        # the next step admits it unless requests already wait there (then their turn comes first)
-        return (1 + d.waiting) * step_s + full
+        # an idle worker starts it at once; a busy one at the end of its current step (half a step on average),
+        # after the requests already waiting there
+        busy = 0.5 if d.running or d.pending_requests else 0.0
+        return (busy + d.waiting) * step_s + full
 
     def transfer_s(self, query: RouteQuery, p: WorkerState, d: WorkerState) -> tuple[float, str]:
         cls = link_class(p.topology, d.topology, self.s.unlabeled_link)
