@@ -263,12 +263,12 @@ def test_rate_meter_counts_only_busy_time_and_blends_measurements() -> None:
 
 
 def test_link_class_is_the_nearest_shared_topology_level() -> None:
-    a = {"node": "n1", "rack": "r1", "zone": "z1"}
-    assert link_class(a, dict(a)) == "same_node"
-    assert link_class(a, {"node": "n2", "rack": "r1", "zone": "z1"}) == "same_rack"
-    assert link_class(a, {"node": "n3", "rack": "r2", "zone": "z1"}) == "same_zone"
-    assert link_class(a, {"node": "n4", "rack": "r3", "zone": "z2"}) == "cross_zone"
-    assert link_class(a, {}, "same_zone") == "same_zone"
+    a = D("a", node="n1", rack="r1", zone="z1")
+    assert link_class(a, P("p", node="n1", rack="r1", zone="z1")) == "same_node"
+    assert link_class(a, P("p", node="n2", rack="r1", zone="z1")) == "same_rack"
+    assert link_class(a, P("p", node="n3", rack="r2", zone="z1")) == "same_zone"
+    assert link_class(a, P("p", node="n4", rack="r3", zone="z2")) == "cross_zone"
+    assert link_class(a, P("p"), "same_zone") == "same_zone"
     with pytest.raises(ValueError, match="prefill_tokens_per_s"):
         CostSettings(prefill_tokens_per_s=0)
 

@@ -251,7 +251,7 @@ class Estimator:
         return (busy + d.waiting) * step_s + full
 
     def transfer_s(self, query: RouteQuery, p: WorkerState, d: WorkerState) -> tuple[float, str]:
-        cls = link_class(p.topology, d.topology, self.s.unlabeled_link)
+        cls = link_class(p, d, self.s.unlabeled_link)
         bytes_per_s, latency_s = self.s.link(cls)
         kv_bytes = query.num_tokens * (d.kv_bytes_per_token or self.s.kv_bytes_per_token)
         return latency_s + kv_bytes / bytes_per_s, cls
@@ -275,6 +275,9 @@ class Estimator:
             "uncached_tokens": float(uncached),
         }
         return PlanScore(p.worker_id if p else None, d.worker_id, terms, ttft, ttft + interference_s)
+
+
+Candidate = tuple[float, "WorkerState | None", WorkerState]
 
 
 def compatible(p: WorkerState, d: WorkerState) -> bool:
@@ -578,63 +581,81 @@ class TtftEstimate(Policy):
     ) -> Decision:
         overlaps = view.overlaps(query)
         est = self.estimator
-        plans: list[PlanScore] = []
+        weight = self.settings.interference_weight
+        admission = {d.worker_id: est.admission_s(query, d) for d in decodes}
+        # (score, prefilling worker or None for local, decode worker); PlanScores only for the two that matter
+        candidates: list[Candidate] = []
         if remote is not True:
-            plans += [est.plan(query, None, d, overlaps) for d in decodes]
+            for d in decodes:
+                queue_s, prefill_s, _, _ = est.prefill_side(query, d, overlaps, local=True)
+                score = queue_s + prefill_s + admission[d.worker_id] + prefill_s * d.running * weight
+                candidates.append((score, None, d))
         if remote is not False:
-            plans += self._remote_plans(query, prefills, decodes, overlaps)
-        if not plans:  # disagg forced but nothing compatible
+            candidates += self._remote_candidates(query, prefills, decodes, overlaps, admission)
+        if not candidates:  # disagg forced but nothing compatible
             why = f"{why}; no prefill worker compatible with any decode worker"
-            plans = [est.plan(query, None, d, overlaps) for d in decodes]
-        best = min(p.score for p in plans)
+            return self.decide(view, query, prefills, decodes, False, why)
+        best = min(c[0] for c in candidates)
         bar = best * (1 + self.near_best_ratio) + self.near_best_s
-        near = [p for p in plans if p.score <= bar]
-        chosen = max(near, key=lambda p: rendezvous(query.request_id, f"{p.prefill}|{p.decode}"))
-        others = [p for p in plans if p is not chosen]
-        runner_up = min(others, key=lambda p: p.score) if others else None
+        rid = query.request_id
+        chosen_c = max(
+            (c for c in candidates if c[0] <= bar),
+            key=lambda c: rendezvous(rid, f"{c[1].worker_id if c[1] else ''}|{c[2].worker_id}"),
+        )
+        others = [c for c in candidates if c is not chosen_c]
+        runner_c = min(others, key=lambda c: c[0]) if others else None
+        chosen = est.plan(query, chosen_c[1], chosen_c[2], overlaps)
+        runner_up = est.plan(query, runner_c[1], runner_c[2], overlaps) if runner_c else None
         shape = "agg" if chosen.prefill is None else "disagg"
         return Decision(self.name, term_reason(chosen, runner_up), chosen, runner_up, f"{shape}: {why}")
 
-    def _remote_plans(
+    def _remote_candidates(
         self,
         query: RouteQuery,
         prefills: list[WorkerState],
         decodes: list[WorkerState],
         overlaps: dict[str, int],
-    ) -> list[PlanScore]:
-        """Per decode worker, every prefill worker whose plan could be near-best for it.
+        admission: dict[str, float],
+    ) -> list[Candidate]:
+        """Per decode worker, the prefill workers whose plan could be near-best for it, scored.
 
         A remote plan's score is side(p) + transfer(link class of p and d) + admission(d), so for a decode
         worker only the best few prefill workers of each topology group (same node, rack, zone, any) matter:
-        P·D pairs become about 4·D, which keeps a decision under a millisecond at 64 × 64 workers."""
+        P·D pairs become about 4·4·D, which keeps a decision near a millisecond at 64 workers."""
         est = self.estimator
-        side = {}
+        side: dict[str, float] = {}
         for p in prefills:
             queue_s, prefill_s, _, _ = est.prefill_side(query, p, overlaps, local=False)
             side[p.worker_id] = queue_s + prefill_s
         groups: dict[tuple[str, str], list[WorkerState]] = {}
         for p in sorted(prefills, key=lambda p: side[p.worker_id]):
-            for label in ("node", "rack", "zone"):
-                value = getattr(p, label)
+            for label, value in (("node", p.node), ("rack", p.rack), ("zone", p.zone)):
                 if value:
                     groups.setdefault((label, value), []).append(p)
             groups.setdefault(("any", ""), []).append(p)
         keep = 4  # best few of each group: the near-best set of a burst spreads over more than one
-        plans: list[PlanScore] = []
+        transfer: dict[tuple[str, int], float] = {}  # (link class, kv bytes per token) -> seconds
+        out: list[Candidate] = []
         for d in decodes:
             seen: set[str] = set()
-            candidates: list[WorkerState] = []
+            picked: list[WorkerState] = []
             for key in (("node", d.node), ("rack", d.rack), ("zone", d.zone), ("any", "")):
                 if key[0] != "any" and not key[1]:
                     continue
                 for p in groups.get(key, [])[:keep]:
                     if p.worker_id not in seen and compatible(p, d):
                         seen.add(p.worker_id)
-                        candidates.append(p)
-            if len(candidates) < keep:  # the best few were incompatible: look at the rest
-                candidates += [p for p in prefills if p.worker_id not in seen and compatible(p, d)][:keep]
-            plans += [est.plan(query, p, d, overlaps) for p in candidates]
-        return plans
+                        picked.append(p)
+            if len(picked) < keep:  # the best few were incompatible: look at the rest
+                picked += [p for p in prefills if p.worker_id not in seen and compatible(p, d)][:keep]
+            base = admission[d.worker_id]
+            for p in picked:
+                link = (link_class(p, d, self.settings.unlabeled_link), d.kv_bytes_per_token)
+                t = transfer.get(link)
+                if t is None:
+                    t = transfer[link] = est.transfer_s(query, p, d)[0]
+                out.append((side[p.worker_id] + t + base, p, d))
+        return out
 
 
 def make_policy(name: str = DEFAULT_POLICY, mode: str = "auto", **kw: object) -> Policy:
