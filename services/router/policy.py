@@ -33,12 +33,13 @@ This room must never do I/O, read a clock or hold request state beyond a policy'
 from __future__ import annotations
 
 import hashlib
+import heapq
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from services.engine.block_hash import block_hashes
-from services.router.cost_model import CostSettings, link_class
+from services.router.cost_model import LINK_CLASSES, CostSettings, link_class
 from services.router.prefix_index import PrefixIndex
 
 MODES = ("agg", "disagg", "auto")
@@ -218,6 +219,7 @@ class Estimator:
 
     def __init__(self, settings: CostSettings) -> None:
         self.s = settings
+        self._links = {cls: settings.link(cls) for cls in LINK_CLASSES}
 
     def prefill_rate(self, w: WorkerState, local: bool) -> float:
         if w.prefill_tokens_per_s > 0:
@@ -252,7 +254,7 @@ class Estimator:
 
     def transfer_s(self, query: RouteQuery, p: WorkerState, d: WorkerState) -> tuple[float, str]:
         cls = link_class(p, d, self.s.unlabeled_link)
-        bytes_per_s, latency_s = self.s.link(cls)
+        bytes_per_s, latency_s = self._links[cls]
         kv_bytes = query.num_tokens * (d.kv_bytes_per_token or self.s.kv_bytes_per_token)
         return latency_s + kv_bytes / bytes_per_s, cls
 
@@ -558,17 +560,24 @@ class SglCacheAware(Policy):
 
 class TtftEstimate(Policy):
     """The minimum estimated TTFT over every (prefill worker | local, decode worker) plan the mode allows,
-    by the cost model; among plans within `near_best_ratio` / `near_best_s` of the best, the one ranked
-    highest for this request id (so router replicas with the same stale view do not herd)."""
+    by the cost model; among the `near_best_max` best plans within `near_best_ratio` / `near_best_s` of the
+    best, the one ranked highest for this request id (so router replicas with the same stale view do not
+    herd)."""
 
     name = "ttft"
 
     def __init__(
-        self, *args: object, near_best_ratio: float = 0.05, near_best_s: float = 0.002, **kw: object
+        self,
+        *args: object,
+        near_best_ratio: float = 0.05,
+        near_best_s: float = 0.002,
+        near_best_max: int = 8,
+        **kw: object,
     ) -> None:
         super().__init__(*args, **kw)  # type: ignore[arg-type]
         self.near_best_ratio = near_best_ratio
         self.near_best_s = near_best_s
+        self.near_best_max = max(1, near_best_max)
 
     def decide(
         self,
@@ -598,9 +607,9 @@ class TtftEstimate(Policy):
         best = min(c[0] for c in candidates)
         bar = best * (1 + self.near_best_ratio) + self.near_best_s
         rid = query.request_id
+        near = heapq.nsmallest(self.near_best_max, (c for c in candidates if c[0] <= bar), key=lambda c: c[0])
         chosen_c = max(
-            (c for c in candidates if c[0] <= bar),
-            key=lambda c: rendezvous(rid, f"{c[1].worker_id if c[1] else ''}|{c[2].worker_id}"),
+            near, key=lambda c: rendezvous(rid, f"{c[1].worker_id if c[1] else ''}|{c[2].worker_id}")
         )
         others = [c for c in candidates if c is not chosen_c]
         runner_c = min(others, key=lambda c: c[0]) if others else None
@@ -621,7 +630,8 @@ class TtftEstimate(Policy):
 
         A remote plan's score is side(p) + transfer(link class of p and d) + admission(d), so for a decode
         worker only the best few prefill workers of each topology group (same node, rack, zone, any) matter:
-        P·D pairs become about 4·4·D, which keeps a decision near a millisecond at 64 workers."""
+        P·D pairs become at most 4 groups × 3 per decode worker, picked once per distinct decode-worker label
+        set, which keeps a decision well under a millisecond at 64 workers."""
         est = self.estimator
         side: dict[str, float] = {}
         for p in prefills:
@@ -633,29 +643,44 @@ class TtftEstimate(Policy):
                 if value:
                     groups.setdefault((label, value), []).append(p)
             groups.setdefault(("any", ""), []).append(p)
-        keep = 4  # best few of each group: the near-best set of a burst spreads over more than one
-        transfer: dict[tuple[str, int], float] = {}  # (link class, kv bytes per token) -> seconds
+        keep = 3  # best few of each group: the near-best set of a burst spreads over more than one
+        # decode workers with the same labels and KV format see the same prefill candidates: pick them once
+        by_key: dict[tuple[str, str, str, str, int, int], list[tuple[float, WorkerState]]] = {}
         out: list[Candidate] = []
         for d in decodes:
-            seen: set[str] = set()
-            picked: list[WorkerState] = []
-            for key in (("node", d.node), ("rack", d.rack), ("zone", d.zone), ("any", "")):
-                if key[0] != "any" and not key[1]:
-                    continue
-                for p in groups.get(key, [])[:keep]:
-                    if p.worker_id not in seen and compatible(p, d):
-                        seen.add(p.worker_id)
-                        picked.append(p)
-            if len(picked) < keep:  # the best few were incompatible: look at the rest
-                picked += [p for p in prefills if p.worker_id not in seen and compatible(p, d)][:keep]
+            key = (d.node, d.rack, d.zone, d.fingerprint, d.block_size, d.kv_bytes_per_token)
+            scored = by_key.get(key)
+            if scored is None:
+                scored = by_key[key] = [
+                    (side[p.worker_id] + est.transfer_s(query, p, d)[0], p)
+                    for p in self._picks(d, groups, keep)
+                ]
+                if len(scored) < keep:  # the best few were incompatible: look at the rest
+                    seen = {p.worker_id for _, p in scored}
+                    scored += [
+                        (side[p.worker_id] + est.transfer_s(query, p, d)[0], p)
+                        for p in prefills
+                        if p.worker_id not in seen and compatible(p, d)
+                    ][:keep]
             base = admission[d.worker_id]
-            for p in picked:
-                link = (link_class(p, d, self.settings.unlabeled_link), d.kv_bytes_per_token)
-                t = transfer.get(link)
-                if t is None:
-                    t = transfer[link] = est.transfer_s(query, p, d)[0]
-                out.append((side[p.worker_id] + t + base, p, d))
+            out += [(x + base, p, d) for x, p in scored]
         return out
+
+    @staticmethod
+    def _picks(
+        d: WorkerState, groups: dict[tuple[str, str], list[WorkerState]], keep: int
+    ) -> list[WorkerState]:
+        """The best `keep` compatible prefill workers of each topology group d belongs to, nearest first."""
+        seen: set[str] = set()
+        picked: list[WorkerState] = []
+        for key in (("node", d.node), ("rack", d.rack), ("zone", d.zone), ("any", "")):
+            if key[0] != "any" and not key[1]:
+                continue
+            for p in groups.get(key, [])[:keep]:
+                if p.worker_id not in seen and compatible(p, d):
+                    seen.add(p.worker_id)
+                    picked.append(p)
+        return picked
 
 
 def make_policy(name: str = DEFAULT_POLICY, mode: str = "auto", **kw: object) -> Policy:
