@@ -287,9 +287,7 @@ def compatible(p: WorkerState, d: WorkerState) -> bool:
     return p.fingerprint == d.fingerprint and p.block_size == d.block_size
 
 
-def shape_rule(
-    mode: str, query: RouteQuery, prefills: list[WorkerState], min_tokens: int
-) -> tuple[bool | None, str]:
+def shape_rule(mode: str, query: RouteQuery, prefills: list[WorkerState]) -> tuple[bool | None, str]:
     """(remote?, why): True/False forced by the mode or the facts; None: the policy decides (ttft, auto)."""
     if mode == "agg":
         return False, "mode agg"
@@ -342,6 +340,7 @@ class Policy:
     """Shared frame: eligibility, plan shape by mode, explanation. Subclasses pick workers."""
 
     name = ""
+    reason = ""  # a baseline's reason: the name of its one rule
 
     def __init__(
         self,
@@ -361,7 +360,7 @@ class Policy:
         if not decodes:
             raise NoWorkerError("no decode workers")
         prefills = view.eligible("prefill", query) if query.need_prefill else []
-        remote, why = shape_rule(self.mode, query, prefills, self.disagg_min_prompt_tokens)
+        remote, why = shape_rule(self.mode, query, prefills)
         return self.decide(view, query, prefills, decodes, remote, why)
 
     def decide(
@@ -396,12 +395,10 @@ class Policy:
         runner = self.estimator.plan(query, None, ranked_d[1], overlaps) if len(ranked_d) > 1 else None
         return Decision(self.name, self.reason, chosen, runner, f"agg: {why}")
 
-    # the baselines' one rule: best first; `prefilling` says whether the worker runs the prompt
-    reason = ""
-
     def rank(
         self, query: RouteQuery, workers: list[WorkerState], overlaps: dict[str, int], prefilling: bool
     ) -> list[WorkerState]:
+        """A baseline's one rule: workers best first; `prefilling` says whether the worker runs the prompt."""
         raise NotImplementedError
 
 
