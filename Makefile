@@ -57,6 +57,7 @@ bench: setup
 	$(BIN)/python -m bench.nvfp4_model_bench
 	$(BIN)/python -m bench.kvtransfer_bench
 	$(BIN)/python -m bench.disagg_bench
+	$(BIN)/python -m bench.router_bench
 
 gpu-check: setup
 	$(BIN)/python scripts/gpu_check.py
