@@ -24,9 +24,14 @@ def add_workload_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--workload", choices=("synthetic", "text", "mooncake"), default="synthetic")
     g.add_argument("--num-requests", type=int, default=None, help="stop after this many requests")
     g.add_argument("--seed", type=int, default=0)
-    g.add_argument("--input-len", default="uniform:32:256", help="synthetic prompt tokens: fixed:N | uniform:LO:HI")
+    g.add_argument(
+        "--input-len", default="uniform:32:256", help="synthetic prompt tokens: fixed:N | uniform:LO:HI"
+    )
     g.add_argument("--output-len", default="uniform:8:64", help="output tokens: fixed:N | uniform:LO:HI")
-    g.add_argument("--shared-prefix-tokens", type=int, default=0, help="synthetic: tokens every prompt shares")
+    g.add_argument(
+        "--shared-prefix-tokens", type=int, default=0, help="synthetic: tokens every prompt shares"
+    )
+    g.add_argument("--prefix-groups", type=int, default=1, help="synthetic: distinct shared prefixes")
     g.add_argument("--sessions", type=int, default=8, help="text: conversations")
     g.add_argument("--turns", type=int, default=3, help="text: turns per conversation")
     g.add_argument("--user-len", default="uniform:20:80", help="text: tokens per user turn")
@@ -37,7 +42,9 @@ def add_workload_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--scale", type=int, default=32, help="mooncake: 512-token blocks become 512/scale tokens")
     g.add_argument("--output-scale", type=float, default=1.0, help="mooncake: divide output lengths by this")
     g.add_argument("--max-output-tokens", type=int, default=None, help="cap every request's output")
-    g.add_argument("--time-scale", type=float, default=1.0, help="mooncake: multiply timestamps (0.5 = 2x rate)")
+    g.add_argument(
+        "--time-scale", type=float, default=1.0, help="mooncake: multiply timestamps (0.5 = 2x rate)"
+    )
     g.add_argument("--arrival", choices=("closed", "open"), default="closed")
     g.add_argument("--rate", type=float, default=None, help="open loop: Poisson arrivals per second")
     g.add_argument("--concurrency", type=int, default=8, help="closed loop: requests in flight")
@@ -56,7 +63,14 @@ def add_workload_arguments(p: argparse.ArgumentParser) -> None:
 def build_workload(a: argparse.Namespace) -> list[RequestSpec]:
     if a.workload == "synthetic":
         n = a.num_requests or 100
-        specs = synthetic(n, Lengths.parse(a.input_len), Lengths.parse(a.output_len), a.seed, a.shared_prefix_tokens)
+        specs = synthetic(
+            n,
+            Lengths.parse(a.input_len),
+            Lengths.parse(a.output_len),
+            a.seed,
+            a.shared_prefix_tokens,
+            a.prefix_groups,
+        )
     elif a.workload == "text":
         specs = text_sessions(
             a.sessions,
@@ -72,7 +86,12 @@ def build_workload(a: argparse.Namespace) -> list[RequestSpec]:
 
         records = trace.load_records(a.trace or trace.DEFAULT_TRACE, a.trace_limit)
         specs = trace.mooncake(
-            records, a.scale, a.output_scale, a.time_scale, a.seed, a.max_output_tokens,
+            records,
+            a.scale,
+            a.output_scale,
+            a.time_scale,
+            a.seed,
+            a.max_output_tokens,
             materialize=getattr(a, "materialize", True),
         )
     if a.max_output_tokens is not None:
@@ -82,7 +101,9 @@ def build_workload(a: argparse.Namespace) -> list[RequestSpec]:
         specs = specs[: a.num_requests]
     if a.arrival == "open" and (a.rate is not None or a.workload != "mooncake"):
         if a.rate is None:
-            raise ValueError("--arrival open needs --rate for this workload (only a trace carries its own times)")
+            raise ValueError(
+                "--arrival open needs --rate for this workload (only a trace carries its own times)"
+            )
         specs = poisson_arrivals(specs, a.rate, a.seed)
     return specs
 
@@ -139,14 +160,19 @@ def cmd_run(a: argparse.Namespace) -> int:
     results, wall_s = asyncio.run(LoadGenerator(cfg).run(specs))
     name = a.name or f"{a.workload}-{a.arrival}"
     meta = {"name": name, "kind": "measured", "url": a.url, "model": cfg.model, "argv": sys.argv[1:]}
-    report = rep.summarize(results, rep.Slo(a.slo_ttft_ms / 1000, a.slo_itl_ms / 1000), grouping_for(a, specs), meta)
+    report = rep.summarize(
+        results, rep.Slo(a.slo_ttft_ms / 1000, a.slo_itl_ms / 1000), grouping_for(a, specs), meta
+    )
     write_outputs(report, a, name)
     return 0 if report["overall"]["errors"] == 0 else 1
 
 
 def cmd_compare(a: argparse.Namespace) -> int:
     reports = [rep.load_json(p) for p in a.reports]
-    names = a.names or [r["meta"].get("name") or os.path.basename(os.path.dirname(p)) for r, p in zip(reports, a.reports, strict=True)]
+    names = a.names or [
+        r["meta"].get("name") or os.path.basename(os.path.dirname(p))
+        for r, p in zip(reports, a.reports, strict=True)
+    ]
     if len(names) != len(reports):
         raise ValueError(f"--names gives {len(names)} names for {len(reports)} reports")
     md = rep.compare_markdown(reports, names)
@@ -198,6 +224,8 @@ def run_parsed(a: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m loadgen", description="rackserve load generator and simulator")
+    parser = argparse.ArgumentParser(
+        prog="python -m loadgen", description="rackserve load generator and simulator"
+    )
     add_arguments(parser)
     return run_parsed(parser.parse_args(argv))

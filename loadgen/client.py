@@ -156,9 +156,11 @@ class LoadGenerator:
                         obj = json.loads(data)
                         if "error" in obj:
                             error = _error_message(data) or "error in stream"
-                            status = int(obj["error"].get("code") or 0) if str(
-                                obj["error"].get("code", "")
-                            ).isdigit() else 500
+                            status = (
+                                int(obj["error"].get("code") or 0)
+                                if str(obj["error"].get("code", "")).isdigit()
+                                else 500
+                            )
                             break
                         if obj.get("usage"):
                             usage = obj["usage"]
@@ -194,9 +196,7 @@ class LoadGenerator:
 
     async def _timeline(self, client: httpx.AsyncClient, server_id: str) -> dict[str, float] | None:
         try:
-            r = await client.get(
-                f"{self.cfg.url.rstrip('/')}/v1/requests/{server_id}/timeline", timeout=10.0
-            )
+            r = await client.get(f"{self.cfg.url.rstrip('/')}/v1/requests/{server_id}/timeline", timeout=10.0)
         except httpx.HTTPError:
             return None
         if r.status_code in (404, 405) and self._timeline_available is None:

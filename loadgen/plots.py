@@ -84,7 +84,12 @@ def by_group(reports: Sequence[dict[str, Any]], names: Sequence[str], path: str)
     for ax, (title, get) in zip(axes, metrics, strict=True):
         for k, (rep, name) in enumerate(zip(reports, names, strict=True)):
             xs = [i + k * width for i in range(len(GROUPS))]
-            ax.bar(xs, [get(rep["groups"][g]) if rep["groups"][g]["requests"] else 0 for g in GROUPS], width, label=name)
+            ax.bar(
+                xs,
+                [get(rep["groups"][g]) if rep["groups"][g]["requests"] else 0 for g in GROUPS],
+                width,
+                label=name,
+            )
         ax.set_xticks([i + width * (len(reports) - 1) / 2 for i in range(len(GROUPS))])
         ax.set_xticklabels([g.replace("/", "\n") for g in GROUPS], fontsize=8)
         ax.set_title(title)

@@ -16,7 +16,7 @@ import os
 
 import numpy as np
 
-from loadgen.workload import TOKEN_LO, TOKEN_HI, RequestSpec
+from loadgen.workload import TOKEN_HI, TOKEN_LO, RequestSpec
 
 TRACE_BLOCK_TOKENS = 512
 _REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -117,7 +117,9 @@ class TraceBlockHasher:
         per_block = int(spec.tags["trace_block_tokens"])
         seed = int(spec.tags["trace_seed"])
         if per_block % self.block_size:
-            raise ValueError(f"trace blocks of {per_block} tokens do not align with KV blocks of {self.block_size}")
+            raise ValueError(
+                f"trace blocks of {per_block} tokens do not align with KV blocks of {self.block_size}"
+            )
         out: list[int] = []
         parent, left = ROOT_HASH, spec.input_tokens
         for h in map(int, spec.tags["hash_ids"].split(",")):

@@ -75,16 +75,30 @@ def poisson_arrivals(specs: list[RequestSpec], rate_per_s: float, seed: int) -> 
 
 
 def synthetic(
-    n: int, input_len: Lengths, output_len: Lengths, seed: int, shared_prefix_tokens: int = 0
+    n: int,
+    input_len: Lengths,
+    output_len: Lengths,
+    seed: int,
+    shared_prefix_tokens: int = 0,
+    prefix_groups: int = 1,
 ) -> list[RequestSpec]:
-    """Token-id prompts of the given lengths; the first `shared_prefix_tokens` are the same in every request."""
+    """Token-id prompts of the given lengths. With `shared_prefix_tokens`, request i opens with prefix
+    i % prefix_groups (e.g. 8 system prompts shared by many users); the rest of each prompt is its own."""
     rng = random.Random(seed)
-    prefix = [rng.randrange(TOKEN_LO, TOKEN_HI) for _ in range(shared_prefix_tokens)]
+    prefixes = [
+        [rng.randrange(TOKEN_LO, TOKEN_HI) for _ in range(shared_prefix_tokens)]
+        for _ in range(max(1, prefix_groups))
+    ]
     specs = []
     for i in range(n):
+        prefix = prefixes[i % len(prefixes)]
         n_in = max(input_len.draw(rng), shared_prefix_tokens + 1)
         ids = prefix + [rng.randrange(TOKEN_LO, TOKEN_HI) for _ in range(n_in - len(prefix))]
-        specs.append(RequestSpec(f"syn-{i}", n_in, output_len.draw(rng), token_ids=ids))
+        specs.append(
+            RequestSpec(
+                f"syn-{i}", n_in, output_len.draw(rng), token_ids=ids, tags={"prefix": str(i % len(prefixes))}
+            )
+        )
     return specs
 
 

@@ -10,13 +10,17 @@ from loadgen.sim.policies import POLICY_NAMES
 
 def add_sim_arguments(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("simulated cluster")
-    g.add_argument("--profile", default="h200_node", help="a profile name in loadgen/profiles/ or a .json path")
+    g.add_argument(
+        "--profile", default="h200_node", help="a profile name in loadgen/profiles/ or a .json path"
+    )
     g.add_argument("--prefill", type=int, default=2, help="prefill workers")
     g.add_argument("--decode", type=int, default=2, help="decode workers")
     g.add_argument("--mode", choices=("agg", "disagg"), default="disagg")
     g.add_argument("--policy", choices=POLICY_NAMES, default="ttft")
     g.add_argument("--max-inflight", type=int, default=1_000_000, help="frontend admission limit")
-    g.add_argument("--fail", action="append", default=[], metavar="T_S:WORKER_ID", help="kill a worker at T_S")
+    g.add_argument(
+        "--fail", action="append", default=[], metavar="T_S:WORKER_ID", help="kill a worker at T_S"
+    )
 
 
 def cmd_sim(a: argparse.Namespace) -> int:
@@ -45,7 +49,9 @@ def cmd_sim(a: argparse.Namespace) -> int:
         "cluster": {"prefill": a.prefill, "decode": a.decode, "mode": a.mode, "policy": a.policy},
         "route_reasons": dict(sim.route_reasons),
     }
-    report = rep.summarize(results, rep.Slo(a.slo_ttft_ms / 1000, a.slo_itl_ms / 1000), grouping_for(a, specs), meta)
+    report = rep.summarize(
+        results, rep.Slo(a.slo_ttft_ms / 1000, a.slo_itl_ms / 1000), grouping_for(a, specs), meta
+    )
     write_outputs(report, a, name)
     print(f"profile: {profile.name} — {profile.source}; route reasons: {json.dumps(dict(sim.route_reasons))}")
     return 0

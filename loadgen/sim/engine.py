@@ -163,13 +163,18 @@ class Simulator:
         self.workers: dict[str, Worker] = {}
         per_node, per_rack = profile.workers_per_node, profile.workers_per_node * profile.nodes_per_rack
         k = 0
-        for role, n in (("prefill", cfg.prefill_workers if cfg.mode == "disagg" else 0), ("decode", cfg.decode_workers)):
+        for role, n in (
+            ("prefill", cfg.prefill_workers if cfg.mode == "disagg" else 0),
+            ("decode", cfg.decode_workers),
+        ):
             for i in range(n):
                 wid = f"{role}-{i}"
                 node, rack = cfg.placement.get(wid, (f"node{k // per_node}", f"rack{k // per_rack}"))
                 self.workers[wid] = Worker(self, wid, role, node, rack)
                 k += 1
-        self.cost = CostModel(profile.prefill_s, profile.transfer_s, profile.kv_bytes_per_token, self.link_class)
+        self.cost = CostModel(
+            profile.prefill_s, profile.transfer_s, profile.kv_bytes_per_token, self.link_class
+        )
         self.policy = policy or make_policy(cfg.policy, self.cost)
         self.frontend_queue: deque[Req] = deque()
         self.inflight = 0
@@ -214,7 +219,9 @@ class Simulator:
             self._route(r)
 
     def _alive(self, role: str, exclude: set[str]) -> list[Worker]:
-        return [w for w in self.workers.values() if w.role == role and not w.dead and w.worker_id not in exclude]
+        return [
+            w for w in self.workers.values() if w.role == role and not w.dead and w.worker_id not in exclude
+        ]
 
     def _route(self, r: Req, exclude: frozenset[str] = frozenset(), local_only: bool = False) -> None:
         prefill = self._alive("prefill", set(exclude))

@@ -22,6 +22,7 @@ Policies (what each one's published rule is):
 from __future__ import annotations
 
 import itertools
+import zlib
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
@@ -63,8 +64,25 @@ class Decision:
 class CostModel:
     """What the TTFT policy needs to know about time: compute rates and links (a profile, or calibrated rates)."""
 
-    def __init__(self, prefill_s: Callable[[int, int], float], transfer_s: Callable[[int, str], float], kv_bytes_per_token: int, link: Callable[[WorkerState, WorkerState], str]) -> None:
-        self.prefill_s, self.transfer_s, self.kv_bytes_per_token, self.link = prefill_s, transfer_s, kv_bytes_per_token, link
+    def __init__(
+        self,
+        prefill_s: Callable[[int, int], float],
+        transfer_s: Callable[[int, str], float],
+        kv_bytes_per_token: int,
+        link: Callable[[WorkerState, WorkerState], str],
+    ) -> None:
+        self.prefill_s, self.transfer_s, self.kv_bytes_per_token, self.link = (
+            prefill_s,
+            transfer_s,
+            kv_bytes_per_token,
+            link,
+        )
+
+
+def spread(q: RouteQuery, w: WorkerState) -> int:
+    """A tie-break that differs per request but not per run: equal candidates share the load instead of the
+    lowest id taking everything (and two router replicas agree without talking)."""
+    return zlib.crc32(f"{q.request_id}/{w.worker_id}".encode())
 
 
 class Policy:
@@ -97,9 +115,9 @@ class LeastLoaded(Policy):
 
     def route(self, q, prefill, decode, disagg):  # type: ignore[no-untyped-def]
         if disagg and prefill:
-            p = min(prefill, key=lambda w: (w.queued_prefill_tokens, w.worker_id))
+            p = min(prefill, key=lambda w: (w.queued_prefill_tokens, spread(q, w)))
             return Decision(p.worker_id, self.least_busy_decode(decode).worker_id, "least_queue")
-        d = min(decode, key=lambda w: (w.queued_prefill_tokens, w.running + w.waiting, w.worker_id))
+        d = min(decode, key=lambda w: (w.queued_prefill_tokens, w.running + w.waiting, spread(q, w)))
         return Decision(None, d.worker_id, "least_queue")
 
 
@@ -108,7 +126,7 @@ class CacheOnly(Policy):
 
     def route(self, q, prefill, decode, disagg):  # type: ignore[no-untyped-def]
         pool = prefill if disagg and prefill else decode
-        best = max(pool, key=lambda w: (w.match(q.block_hashes), -w.queued_prefill_tokens, w.worker_id))
+        best = max(pool, key=lambda w: (w.match(q.block_hashes), -w.queued_prefill_tokens, spread(q, w)))
         if disagg and prefill:
             return Decision(best.worker_id, self.least_busy_decode(decode).worker_id, "cache_hit")
         return Decision(None, best.worker_id, "cache_hit")
@@ -129,7 +147,7 @@ class Dynamo(Policy):
 
     def route(self, q, prefill, decode, disagg):  # type: ignore[no-untyped-def]
         pool = prefill if disagg and prefill else decode
-        best = min(pool, key=lambda w: (self._cost(w, q), w.worker_id))
+        best = min(pool, key=lambda w: (self._cost(w, q), spread(q, w)))
         if disagg and prefill:
             d = min(decode, key=lambda w: (w.active_blocks, w.worker_id))
             return Decision(best.worker_id, d.worker_id, "dynamo_cost")
@@ -141,19 +159,25 @@ class SgLang(Policy):
 
     name = "sglang"
 
-    def __init__(self, cache_threshold: float = 0.5, abs_threshold: int = 32, rel_threshold: float = 1.0001) -> None:
-        self.cache_threshold, self.abs_threshold, self.rel_threshold = cache_threshold, abs_threshold, rel_threshold
+    def __init__(
+        self, cache_threshold: float = 0.5, abs_threshold: int = 32, rel_threshold: float = 1.0001
+    ) -> None:
+        self.cache_threshold, self.abs_threshold, self.rel_threshold = (
+            cache_threshold,
+            abs_threshold,
+            rel_threshold,
+        )
 
     def _pick(self, pool: Sequence[WorkerState], q: RouteQuery) -> tuple[WorkerState, str]:
         loads = [w.running + w.waiting for w in pool]
         lo, hi = min(loads), max(loads)
         if hi - lo > self.abs_threshold and hi > lo * self.rel_threshold:
-            return min(pool, key=lambda w: (w.running + w.waiting, w.worker_id)), "least_queue"
+            return min(pool, key=lambda w: (w.running + w.waiting, spread(q, w))), "least_queue"
         n = max(1, len(q.block_hashes))
-        best = max(pool, key=lambda w: (w.match(q.block_hashes), w.worker_id))
+        best = max(pool, key=lambda w: (w.match(q.block_hashes), spread(q, w)))
         if best.match(q.block_hashes) / n > self.cache_threshold:
             return best, "cache_hit"
-        return min(pool, key=lambda w: (w.cached_blocks, w.worker_id)), "smallest_cache"
+        return min(pool, key=lambda w: (w.cached_blocks, spread(q, w))), "smallest_cache"
 
     def route(self, q, prefill, decode, disagg):  # type: ignore[no-untyped-def]
         if disagg and prefill:
@@ -178,7 +202,7 @@ class TtftEstimate(Policy):
         return queue_s, self.cost.prefill_s(q.num_tokens - cached_tokens, cached_tokens)
 
     def route(self, q, prefill, decode, disagg):  # type: ignore[no-untyped-def]
-        best: tuple[float, str, str | None, str] | None = None
+        best: tuple[float, int, str, str | None, str] | None = None
         nbytes = q.num_tokens * self.cost.kv_bytes_per_token
         for d in decode:
             admit_s = d.est_step_s if d.free_blocks * q.block_size < q.num_tokens else 0.0
@@ -186,7 +210,7 @@ class TtftEstimate(Policy):
                 queue_s, compute_s = self._prefill_terms(d, q)
                 # a local prefill also stalls the decode batch's steps: count one step per chunk as its cost
                 est = queue_s + compute_s + admit_s + d.est_step_s
-                cand = (est, d.worker_id, None, "local_prefill")
+                cand = (est, spread(q, d), d.worker_id, None, "local_prefill")
                 best = cand if best is None or cand[:2] < best[:2] else best
             if disagg and prefill:
                 for p in prefill:
@@ -194,11 +218,10 @@ class TtftEstimate(Policy):
                     transfer = self.cost.transfer_s(nbytes, self.cost.link(p, d))
                     est = queue_s + compute_s + transfer + admit_s
                     reason = "cache_hit" if p.match(q.block_hashes) else "least_queue"
-                    cand = (est, d.worker_id, p.worker_id, reason)
-                    if best is None or (cand[0], cand[1]) < (best[0], best[1]):
-                        best = cand
+                    cand = (est, spread(q, p) ^ spread(q, d), d.worker_id, p.worker_id, reason)
+                    best = cand if best is None or cand[:2] < best[:2] else best
         assert best is not None
-        return Decision(best[2], best[1], best[3], best[0])
+        return Decision(best[3], best[2], best[4], best[0])
 
 
 POLICY_NAMES = ("round_robin", "least_loaded", "cache_only", "dynamo", "sglang", "ttft", "ttft_no_pending")

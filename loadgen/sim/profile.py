@@ -81,7 +81,9 @@ def load_profile(name_or_path: str) -> Profile:
         path = os.path.join(PROFILE_DIR, f"{name_or_path}.json")
     if not os.path.exists(path):
         known = sorted(f[:-5] for f in os.listdir(PROFILE_DIR) if f.endswith(".json"))
-        raise FileNotFoundError(f"no profile {name_or_path!r}; known: {', '.join(known)} (or give a .json path)")
+        raise FileNotFoundError(
+            f"no profile {name_or_path!r}; known: {', '.join(known)} (or give a .json path)"
+        )
     with open(path) as f:
         raw = json.load(f)
     raw["links"] = {k: Link(**v) for k, v in raw.get("links", {}).items()}
