@@ -53,9 +53,10 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalCluster]:
             start_process("services.decode.server", "decode-b", etcd_url, log_dir, *WORKER_FLAGS),
             start_process("services.prefill.server", "prefill-a", etcd_url, log_dir, *prefill_flags),
             start_process(
-                "services.router.server", "router-a", etcd_url, log_dir, "--suppress-s", str(SUPPRESS_S)
+                "services.router.server", "router-a", etcd_url, log_dir,
+                "--suppress-s", str(SUPPRESS_S), "--policy", "round_robin",
             ),
-        ]
+        ]  # fmt: skip
 
     with local_cluster(log_dir, start, {"decode": 2, "prefill": 1, "router": 1}) as c:
         yield c

@@ -1,15 +1,16 @@
-"""The router: answers Route(tokens) with a RoutePlan naming the workers a request should use.
+"""The router: answers Route(tokens) with a RoutePlan naming the workers a request should use, and why.
 
-It follows etcd for the live prefill and decode workers (services.discovery), and opens a Subscribe stream to
-each of them to keep that worker's latest LoadSnapshot and the set of KV block hashes it has cached — the
-inputs of the TTFT-estimate policy to come (DESIGN.md §5). Today's policy is round-robin over the live decode
-workers (and, for a disaggregated plan, over the live prefill workers); a worker reported as failed is hidden
-for `--suppress-s`. Whether a request is disaggregated is `--mode`:
+It follows etcd for the live prefill and decode workers (services.discovery) and opens a Subscribe stream to each
+of them; their load reports and stored/evicted KV-block events feed a RouterState (services.router.state): the
+worker set, the global prefix index, this router's pending reservations and the measured prefill rates. Each
+Route is one call of the configured policy (`--policy`, services.router.policy; default `ttft`, the
+time-to-first-token estimate of services.router.cost_model). `--mode` bounds the plan's shape:
   agg     the decode worker prefills (the plan has no prefill worker);
-  disagg  always a remote prefill — unless no prefill worker is live, then agg (the reason says so);
-  auto    conditional disaggregation: disagg when the prompt has at least `--disagg-min-prompt-tokens` tokens
-          and a prefill worker is live, else agg (a short prompt costs less to prefill than to ship).
-The plan's reason names the mode and the rule that decided it; score_terms carries `disagg` (0 or 1).
+  disagg  always a remote prefill — unless no prefill worker is eligible, then agg (the reason says so);
+  auto    conditional disaggregation: the ttft policy compares prefilling on the decode worker with the best
+          remote plan; the baselines use `--disagg-min-prompt-tokens`.
+The plan carries the winner's and the runner-up's score terms, the reason, and the estimated TTFT; decisions
+are counted by policy and reason (services.router.metrics, served on `--metrics-port` when set).
 
 This room must never hold request state: any number of routers can run side by side.
 """
@@ -19,14 +20,35 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import sys
-from dataclasses import dataclass, field
+import time
+import uuid
 
 import grpc
+from prometheus_client import start_http_server
 
 from services.discovery import WorkerDirectory
 from services.discovery.etcd import Backoff
+from services.router import metrics
+from services.router.cost_model import CostSettings
+from services.router.policy import (
+    DEFAULT_DISAGG_MIN_PROMPT_TOKENS,
+    DEFAULT_POLICY,
+    MODES,
+    POLICIES,
+    Decision,
+    NoWorkerError,
+    PlanScore,
+    Policy,
+    RouteQuery,
+    WorkerState,
+    make_policy,
+)
+from services.router.prefix_index import DEFAULT_MAX_ENTRIES
+from services.router.reservations import DEFAULT_ARRIVAL_GRACE_S, DEFAULT_TTL_S
+from services.router.state import DEFAULT_FAILURE_EXCLUSION_S, RouterState
 from services.rpc import pb, pb_grpc
 from services.runtime.args import add_flag, add_service_arguments
 from services.runtime.errors import WorkerUnavailableError
@@ -38,32 +60,37 @@ ROLE = "router"
 SERVICE_NAME = "rackserve.v1.Router"
 GATED_METHODS = (f"/{SERVICE_NAME}/Route",)
 WATCHED_ROLES = ("prefill", "decode")
-DEFAULT_SUPPRESS_S = 10.0
-MODES = ("agg", "disagg", "auto")
 DEFAULT_MODE = "auto"
-DEFAULT_DISAGG_MIN_PROMPT_TOKENS = 256  # below this, shipping the KV costs about what computing it does
 # A Subscribe stream is long-lived but still has a deadline; when it passes the router simply opens a new one
 # (with a fresh snapshot, which also heals any drift in the block index).
 SUBSCRIBE_DEADLINE_S = 300.0
 
 
-@dataclass
-class WorkerView:
-    """What this router knows about one worker beyond etcd: its load and the KV blocks it has cached."""
-
-    info: pb.WorkerInfo
-    load: pb.LoadSnapshot | None = None
-    block_hashes: set[int] = field(default_factory=set)
-    connected: bool = False
+def worker_state(info: pb.WorkerInfo) -> WorkerState:
+    topo = info.topology
+    return WorkerState(
+        worker_id=info.worker_id,
+        role=info.role,
+        epoch=info.epoch,
+        endpoint=info.endpoint,
+        block_size=info.block_size or 16,
+        capacity_blocks=info.kv_capacity_blocks,
+        fingerprint=info.model_fingerprint,
+        node=topo.get("node", ""),
+        rack=topo.get("rack", ""),
+        zone=topo.get("zone", ""),
+        kv_bytes_per_token=info.kv_bytes_per_token,
+    )
 
 
 class WorkerViews:
-    """One WorkerView and one Subscribe stream per worker the directory shows; dropped when it vanishes."""
+    """One Subscribe stream per worker the directory shows, feeding RouterState; dropped when it vanishes."""
 
-    def __init__(self, directory: WorkerDirectory, subscriber_id: str) -> None:
+    def __init__(self, directory: WorkerDirectory, state: RouterState, subscriber_id: str) -> None:
         self.directory = directory
+        self.state = state
         self.subscriber_id = subscriber_id
-        self.views: dict[str, WorkerView] = {}
+        self.connected: dict[str, bool] = {}
         self._tasks: dict[str, asyncio.Task[None]] = {}
         directory.subscribe(self._on_change)
 
@@ -77,24 +104,26 @@ class WorkerViews:
     def _on_change(self, kind: str, info: pb.WorkerInfo) -> None:
         self._forget(info.worker_id)
         if kind == "added":
-            view = self.views[info.worker_id] = WorkerView(info)
+            self.state.add_worker(worker_state(info))
+            self.connected[info.worker_id] = False
             self._tasks[info.worker_id] = asyncio.get_running_loop().create_task(
-                self._follow(view), name=f"subscribe {info.worker_id}"
+                self._follow(info), name=f"subscribe {info.worker_id}"
             )
+        else:
+            self.state.remove_worker(info.worker_id)
 
     def _forget(self, worker_id: str) -> None:
-        self.views.pop(worker_id, None)
+        self.connected.pop(worker_id, None)
         task = self._tasks.pop(worker_id, None)
         if task is not None:
             task.cancel()
 
-    async def _follow(self, view: WorkerView) -> None:
+    async def _follow(self, info: pb.WorkerInfo) -> None:
         backoff = Backoff(first_s=0.1, max_s=1.0)
-        async with grpc.aio.insecure_channel(view.info.endpoint) as channel:
+        worker_id = info.worker_id
+        async with grpc.aio.insecure_channel(info.endpoint) as channel:
             # Subscribe has the same shape on both worker services
-            stub_class = (
-                pb_grpc.PrefillWorkerStub if view.info.role == "prefill" else pb_grpc.DecodeWorkerStub
-            )
+            stub_class = pb_grpc.PrefillWorkerStub if info.role == "prefill" else pb_grpc.DecodeWorkerStub
             stub = stub_class(channel)
             while True:
                 try:
@@ -102,27 +131,48 @@ class WorkerViews:
                         pb.SubscribeRequest(subscriber_id=self.subscriber_id, snapshot=True),
                         timeout=SUBSCRIBE_DEADLINE_S,
                     )
-                    view.block_hashes.clear()  # the snapshot that opens the stream rebuilds it
+                    self.state.forget_blocks(worker_id)  # the snapshot that opens the stream rebuilds them
+                    loaded = False  # block events before the first load report are the snapshot, not new work
                     async for event in stream:
-                        if not view.connected:
-                            view.connected = True
+                        if not self.connected.get(worker_id):
+                            self.connected[worker_id] = True
                             backoff.reset()
-                        _apply(view, event)
+                        if event.epoch != info.epoch:
+                            continue  # another process behind the same endpoint; etcd will tell us about it
+                        loaded = self._apply(worker_id, event, loaded)
                 except asyncio.CancelledError:
                     raise
                 except grpc.aio.AioRpcError as e:
                     # the first failure after a working stream is news; retries of a dead worker are not
-                    level = logging.INFO if view.connected else logging.DEBUG
+                    level = logging.INFO if self.connected.get(worker_id) else logging.DEBUG
                     if e.code() is not grpc.StatusCode.DEADLINE_EXCEEDED:
-                        log.log(
-                            level,
-                            "subscription to %s: %s %s",
-                            view.info.worker_id,
-                            e.code().name,
-                            e.details(),
-                        )
-                view.connected = False
+                        log.log(level, "subscription to %s: %s %s", worker_id, e.code().name, e.details())
+                if worker_id in self.connected:
+                    self.connected[worker_id] = False
                 await asyncio.sleep(backoff.next_s())
+
+    def _apply(self, worker_id: str, event: pb.WorkerEvent, loaded: bool) -> bool:
+        state = self.state
+        if event.HasField("load"):
+            load = event.load
+            state.on_load(
+                worker_id,
+                time.monotonic(),
+                waiting=load.waiting,
+                running=load.running,
+                queued_prefill_tokens=load.queued_prefill_tokens,
+                active_decode_blocks=load.active_decode_blocks,
+                free_blocks=load.free_blocks,
+                step_s=load.step_s,
+            )
+            return True
+        if event.HasField("kv"):
+            if event.kv.kind == pb.KvBlockEvent.STORED:
+                state.on_stored(worker_id, list(event.kv.block_hashes), computed=loaded)
+                metrics.INDEX_DROPPED_BLOCKS.set(state.index.dropped)
+            else:
+                state.on_evicted(worker_id, list(event.kv.block_hashes))
+        return loaded
 
     async def close(self) -> None:
         tasks = list(self._tasks.values())
@@ -133,134 +183,158 @@ class WorkerViews:
                 await task
 
 
-def _apply(view: WorkerView, event: pb.WorkerEvent) -> None:
-    if event.epoch != view.info.epoch:
-        return  # another process behind the same endpoint; etcd will tell us about it
-    if event.HasField("load"):
-        view.load = event.load
-    elif event.HasField("kv"):
-        if event.kv.kind == pb.KvBlockEvent.STORED:
-            view.block_hashes.update(event.kv.block_hashes)
-        else:
-            view.block_hashes.difference_update(event.kv.block_hashes)
+def _ref(w: WorkerState) -> pb.WorkerRef:
+    return pb.WorkerRef(worker_id=w.worker_id, endpoint=w.endpoint, role=w.role, epoch=w.epoch)
 
 
-class RoundRobin:
-    """Each choice is the next worker id after the previous choice, in id order, so a changing set stays fair."""
-
-    reason = "round_robin"
-
-    def __init__(self) -> None:
-        self._last_id = ""
-
-    def choose(self, candidates: list[pb.WorkerInfo]) -> pb.WorkerInfo:
-        ordered = sorted(candidates, key=lambda w: w.worker_id)
-        chosen = next((w for w in ordered if w.worker_id > self._last_id), ordered[0])
-        self._last_id = chosen.worker_id
-        return chosen
-
-
-def _ref(info: pb.WorkerInfo) -> pb.WorkerRef:
-    return pb.WorkerRef(worker_id=info.worker_id, endpoint=info.endpoint, role=info.role, epoch=info.epoch)
-
-
-def disagg_decision(
-    mode: str, prompt_tokens: int, need_prefill: bool, prefill_live: bool, min_tokens: int
-) -> str:
-    """ "agg: …" or "disagg: …" — the decision and the rule behind it, as the plan's reason starts."""
-    if mode == "agg":
-        return "agg: mode agg"
-    if not need_prefill:
-        return "agg: no prefill needed"
-    if not prefill_live:
-        return f"agg: mode {mode} but no live prefill worker"
-    if mode == "disagg":
-        return "disagg: mode disagg"
-    if prompt_tokens >= min_tokens:
-        return f"disagg: auto, prompt {prompt_tokens} >= {min_tokens} tokens"
-    return f"agg: auto, prompt {prompt_tokens} < {min_tokens} tokens"
+def route_plan(decision: Decision, workers: dict[str, WorkerState]) -> pb.RoutePlan:
+    """The decision as the wire carries it: workers, reason, winner's and runner-up's terms, TTFT estimate."""
+    chosen = decision.chosen
+    plan = pb.RoutePlan(
+        decode=_ref(workers[chosen.decode]),
+        reason=f"{decision.detail}; {decision.policy}: {decision.reason}",
+        reason_code=decision.reason,
+        policy=decision.policy,
+        score_terms={**chosen.terms, "disagg": 0.0 if chosen.prefill is None else 1.0},
+        estimated_ttft_s=chosen.estimated_ttft_s,
+    )
+    if chosen.prefill is not None:
+        plan.prefill.CopyFrom(_ref(workers[chosen.prefill]))
+    runner: PlanScore | None = decision.runner_up
+    if runner is not None:
+        plan.runner_up_decode.CopyFrom(_ref(workers[runner.decode]))
+        if runner.prefill is not None:
+            plan.runner_up_prefill.CopyFrom(_ref(workers[runner.prefill]))
+        plan.runner_up_terms.update({**runner.terms, "disagg": 0.0 if runner.prefill is None else 1.0})
+        plan.runner_up_estimated_ttft_s = runner.estimated_ttft_s
+    return plan
 
 
 class Router(pb_grpc.RouterServicer):
-    def __init__(
-        self,
-        directory: WorkerDirectory,
-        views: WorkerViews,
-        suppress_s: float = DEFAULT_SUPPRESS_S,
-        mode: str = DEFAULT_MODE,
-        disagg_min_prompt_tokens: int = DEFAULT_DISAGG_MIN_PROMPT_TOKENS,
-    ):
-        if mode not in MODES:
-            raise ValueError(f"--mode must be one of {MODES}, got {mode!r}")
-        self.directory = directory
-        self.views = views
-        self.suppress_s = suppress_s
-        self.mode = mode
-        self.disagg_min_prompt_tokens = disagg_min_prompt_tokens
-        self.policy = RoundRobin()
-        self.prefill_policy = RoundRobin()
+    def __init__(self, state: RouterState) -> None:
+        self.state = state
+        self.policy = state.policy
 
     async def Route(  # noqa: N802 - gRPC method name
         self, request: pb.RouteRequest, context: grpc.aio.ServicerContext
     ) -> pb.RoutePlan:
-        excluded = set(request.exclude_worker_ids)
-        candidates = [w for w in self.directory.workers("decode") if w.worker_id not in excluded]
-        if not candidates:
-            raise WorkerUnavailableError("no decode workers")
-        decode = self.policy.choose(candidates)
-        prefills = [w for w in self.directory.workers("prefill") if w.worker_id not in excluded]
-        decision = disagg_decision(
-            self.mode,
-            len(request.token_ids),
-            request.need_prefill,
-            bool(prefills),
-            self.disagg_min_prompt_tokens,
+        query = RouteQuery(
+            request_id=request.request_id or f"route-{uuid.uuid4().hex}",
+            token_ids=list(request.token_ids),
+            exclude=frozenset(request.exclude_worker_ids),
+            need_prefill=request.need_prefill,
         )
-        disagg = decision.startswith("disagg")
-        plan = pb.RoutePlan(
-            decode=_ref(decode),
-            reason=f"{decision}; {self.policy.reason}",
-            score_terms={"disagg": 1.0 if disagg else 0.0},
-        )
-        if disagg:
-            plan.prefill.CopyFrom(_ref(self.prefill_policy.choose(prefills)))
-        return plan
+        try:
+            decision = self.state.route(query, time.monotonic())
+        except NoWorkerError as e:
+            metrics.NO_WORKER.inc()
+            raise WorkerUnavailableError(str(e)) from e
+        shape = "agg" if decision.prefill is None else "disagg"
+        metrics.DECISIONS.labels(decision.policy, decision.reason, shape).inc()
+        return route_plan(decision, self.state.workers)
 
     async def ReportFailure(  # noqa: N802 - gRPC method name
         self, request: pb.FailureReport, context: grpc.aio.ServicerContext
     ) -> pb.Empty:
         if not request.worker_id:
             raise ValueError("worker_id is required")
-        log.info("failure reported for %s (request %s): %s; hiding it for %.1fs",
-                 request.worker_id, request.request_id, request.cause, self.suppress_s)  # fmt: skip
-        self.directory.suppress(request.worker_id, self.suppress_s)
+        log.info("failure reported for %s (request %s): %s; excluded until it re-registers or %.1fs pass",
+                 request.worker_id, request.request_id, request.cause, self.state.failure_exclusion_s)  # fmt: skip
+        self.state.report_failure(request.worker_id, time.monotonic())
         return pb.Empty()
+
+
+def _flag(name: str) -> str:
+    return "--" + name.replace("_", "-")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_service_arguments(parser)
     g = parser.add_argument_group("router")
     add_flag(
-        g, "--suppress-s", DEFAULT_SUPPRESS_S, "how long a worker reported as failed is not routed to", float
+        g, "--policy", DEFAULT_POLICY, "routing policy (ttft is rackserve's TTFT estimate)", choices=POLICIES
     )
     add_flag(g, "--mode", DEFAULT_MODE, "agg | disagg | auto (conditional disaggregation)", choices=MODES)
     add_flag(
         g, "--disagg-min-prompt-tokens", DEFAULT_DISAGG_MIN_PROMPT_TOKENS,
-        "auto mode: the shortest prompt that is prefilled remotely", int,
+        "auto mode, baseline policies: the shortest prompt that is prefilled remotely", int,
     )  # fmt: skip
+    add_flag(
+        g, "--suppress-s", DEFAULT_FAILURE_EXCLUSION_S,
+        "a worker reported as failed is not routed to until it re-registers with a new epoch or this passes",
+        float,
+    )  # fmt: skip
+    add_flag(
+        g,
+        "--index-max-blocks",
+        DEFAULT_MAX_ENTRIES,
+        "bound of the prefix index: (worker, block) entries",
+        int,
+    )
+    add_flag(
+        g, "--reservation-ttl-s", DEFAULT_TTL_S, "a routed request's reservation expires after this", float
+    )
+    add_flag(
+        g, "--reservation-grace-s", DEFAULT_ARRIVAL_GRACE_S,
+        "a load report must be this much newer than a reservation to replace it", float,
+    )  # fmt: skip
+    add_flag(g, "--metrics-port", 0, "serve Prometheus /metrics on this port (0: off)", int)
+    t = parser.add_argument_group("ttft policy")
+    add_flag(
+        t, "--near-best-ratio", 0.05, "plans within this fraction of the best are spread by request id", float
+    )
+    add_flag(t, "--near-best-s", 0.002, "… or within this many seconds of the best", float)
+    for f in dataclasses.fields(CostSettings):
+        add_flag(t, _flag(f.name), f.default, f.metadata["help"], type(f.default))
+    b = parser.add_argument_group("baseline policies")
+    add_flag(b, "--overlap-weight", 1.0, "dynamo_kv: weight of prefill blocks against decode blocks", float)
+    add_flag(b, "--router-temperature", 0.0, "dynamo_kv: softmax temperature (0: the lowest cost)", float)
+    add_flag(b, "--cache-threshold", 0.3, "sgl_cache_aware: prefix match rate that routes by cache", float)
+    add_flag(b, "--balance-abs-threshold", 64, "sgl_cache_aware: load gap that means imbalance", int)
+    add_flag(b, "--balance-rel-threshold", 1.5, "sgl_cache_aware: load ratio that means imbalance", float)
+
+
+def policy_from_args(args: argparse.Namespace) -> Policy:
+    settings = CostSettings(**{f.name: getattr(args, f.name) for f in dataclasses.fields(CostSettings)})
+    extra: dict[str, object] = {}
+    if args.policy == "ttft":
+        extra = {"near_best_ratio": args.near_best_ratio, "near_best_s": args.near_best_s}
+    elif args.policy == "dynamo_kv":
+        extra = {"overlap_weight": args.overlap_weight, "temperature": args.router_temperature}
+    elif args.policy == "sgl_cache_aware":
+        extra = {
+            "cache_threshold": args.cache_threshold,
+            "balance_abs_threshold": args.balance_abs_threshold,
+            "balance_rel_threshold": args.balance_rel_threshold,
+        }
+    return make_policy(
+        args.policy,
+        args.mode,
+        settings=settings,
+        disagg_min_prompt_tokens=args.disagg_min_prompt_tokens,
+        **extra,
+    )
 
 
 async def serve(args: argparse.Namespace) -> None:
     configure_logging()
+    state = RouterState(
+        policy_from_args(args),
+        index_max_entries=args.index_max_blocks,
+        reservation_ttl_s=args.reservation_ttl_s,
+        reservation_grace_s=args.reservation_grace_s,
+        failure_exclusion_s=args.suppress_s,
+    )
+    if args.metrics_port:
+        start_http_server(args.metrics_port, addr=args.host)
+        metrics.INDEXED_BLOCKS.set_function(lambda: len(state.index))
     host = ServiceHost(args, ROLE, [SERVICE_NAME], GATED_METHODS)
     directory = WorkerDirectory(args.etcd, roles=WATCHED_ROLES)
-    views = WorkerViews(directory, subscriber_id=host.worker_id)
+    views = WorkerViews(directory, state, subscriber_id=host.worker_id)
     try:
         await directory.start()
         views.sync()
-        pb_grpc.add_RouterServicer_to_server(
-            Router(directory, views, args.suppress_s, args.mode, args.disagg_min_prompt_tokens), host.server
-        )
+        pb_grpc.add_RouterServicer_to_server(Router(state), host.server)
         await host.start()
         await host.serve(host.worker_info())
         await host.wait_for_signal()

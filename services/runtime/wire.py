@@ -18,6 +18,12 @@ from services.runtime.async_engine import LoadStats
 
 KV_DTYPES = {"bfloat16": pb.KV_DTYPE_BF16, "float32": pb.KV_DTYPE_FP32}
 KV_DTYPE_NAMES = {"bfloat16": "bf16", "float32": "fp32"}  # WorkerInfo.kv_dtype, as DESIGN.md §3 spells them
+KV_DTYPE_BYTES = {"bfloat16": 2, "float32": 4}
+
+
+def kv_bytes_per_token(layout: KvLayout) -> int:
+    """WorkerInfo.kv_bytes_per_token: K and V of every layer for one token, as the cache holds them."""
+    return 2 * layout.num_layers * layout.num_kv_heads * layout.head_dim * KV_DTYPE_BYTES[layout.dtype]
 
 
 def sampling_params(p: pb.SamplingParams) -> SamplingParams:

@@ -54,6 +54,7 @@ class EngineWorker:
             block_size=e.kv_layout.block_size,
             max_model_len=e.max_model_len,
             kv_dtype=wire.KV_DTYPE_NAMES[e.kv_layout.dtype],
+            kv_bytes_per_token=wire.kv_bytes_per_token(e.kv_layout),
         )
 
     async def Subscribe(  # noqa: N802 - gRPC method name

@@ -1,0 +1,652 @@
+"""Routing policies: plain objects that turn (a view of the workers, a request) into a Decision.
+
+Every policy has the same interface, `policy.route(view, query) -> Decision`, reads only the data below and
+does no I/O, so the live router (services.router.server) and the load generator's simulator run the very same
+objects. To drive one without a network:
+
+    from services.router.policy import ClusterView, RouteQuery, WorkerState, make_policy
+    from services.router.prefix_index import PrefixIndex
+
+    index = PrefixIndex()
+    workers = {
+        "p0": WorkerState("p0", "prefill", rack="r1", queued_prefill_tokens=800),
+        "d0": WorkerState("d0", "decode", rack="r1"),
+    }
+    index.stored("p0", block_hashes(prompt, 16))          # what worker events would have said
+    view = ClusterView(workers, index)
+    decision = make_policy("ttft", mode="auto").route(view, RouteQuery("req-1", token_ids=prompt))
+    decision.prefill, decision.decode, decision.reason, decision.chosen.terms, decision.runner_up
+
+A simulator that wants this router's anti-herding should also keep a `Reservations` (services.router.
+reservations) and call `reserve(decision, query, now)` after each route and `on_load(worker_id, now)` when a
+worker reports: that is exactly what the live router does (services.router.state.RouterState wraps it all).
+
+Policies (`--policy`): ttft (the default: the TTFT estimate of services.router.cost_model), round_robin,
+least_loaded, cache_overlap, dynamo_kv (Dynamo KV-router cost, softmax temperature) and sgl_cache_aware
+(sgl-router's cache-aware policy). `mode` (agg | disagg | auto) decides which plan shapes are allowed: agg
+= the decode worker prefills; disagg = a prefill worker prefills whenever one is eligible; auto = ttft
+compares both, the baselines use the prompt-length threshold `disagg_min_prompt_tokens`.
+
+This room must never do I/O, read a clock or hold request state beyond a policy's own turn counter.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+from services.engine.block_hash import block_hashes
+from services.router.cost_model import CostSettings, link_class
+from services.router.prefix_index import PrefixIndex
+
+MODES = ("agg", "disagg", "auto")
+POLICIES = ("ttft", "round_robin", "least_loaded", "cache_overlap", "dynamo_kv", "sgl_cache_aware")
+DEFAULT_POLICY = "ttft"
+DEFAULT_DISAGG_MIN_PROMPT_TOKENS = 256  # baselines in auto mode: the shortest prompt prefilled remotely
+
+
+class NoWorkerError(LookupError):
+    """No eligible decode worker: the caller answers UNAVAILABLE."""
+
+
+# ------------------------------------------------------------------------------------------ inputs
+
+
+@dataclass
+class WorkerState:
+    """What a policy may know about one worker: identity (etcd), load (its last report), this router's
+    pending reservations on it, and its measured prefill rate. Mutable: the router updates it in place."""
+
+    worker_id: str
+    role: str  # prefill | decode
+    epoch: int = 0
+    endpoint: str = ""
+    block_size: int = 16
+    capacity_blocks: int = 0
+    fingerprint: str = ""
+    node: str = ""
+    rack: str = ""
+    zone: str = ""
+    kv_bytes_per_token: int = 0  # 0: use CostSettings.kv_bytes_per_token
+    healthy: bool = True  # False: draining, reported failed, or otherwise not to be chosen
+    # load, from the worker's last LoadSnapshot
+    waiting: int = 0
+    running: int = 0
+    queued_prefill_tokens: int = 0
+    active_decode_blocks: int = 0
+    free_blocks: int = -1  # -1: not reported yet (treated as capacity_blocks)
+    step_s: float = 0.0
+    # measured prefill tokens/s (0: not measured; CostSettings gives the default)
+    prefill_tokens_per_s: float = 0.0
+    # this router's reservations since the worker's last load report
+    pending_requests: int = 0
+    pending_prefill_tokens: int = 0
+    pending_decode_blocks: int = 0
+
+    @property
+    def topology(self) -> dict[str, str]:
+        return {k: v for k, v in (("node", self.node), ("rack", self.rack), ("zone", self.zone)) if v}
+
+    @property
+    def load(self) -> int:
+        """Requests on the worker, counting this router's pending ones (the least-loaded measure)."""
+        return self.waiting + self.running + self.pending_requests
+
+    def free_blocks_now(self) -> int:
+        if self.free_blocks < 0 and not self.capacity_blocks:
+            return 1 << 30  # nothing known: never assume the cache is full
+        free = self.capacity_blocks if self.free_blocks < 0 else self.free_blocks
+        return free - self.pending_decode_blocks
+
+
+@dataclass
+class RouteQuery:
+    """One request to place. Give token_ids (hashes are computed per block size), or num_tokens plus
+    block_hashes keyed by block size (a simulator that hashed already)."""
+
+    request_id: str
+    token_ids: Sequence[int] = ()
+    num_tokens: int = -1  # -1: len(token_ids)
+    block_hashes: dict[int, list[int]] = field(default_factory=dict)
+    exclude: frozenset[str] = frozenset()  # workers that just failed this request
+    need_prefill: bool = True  # False: resuming with KV that exists elsewhere; never disaggregate
+    fingerprint: str = ""  # only workers serving this model (empty: any, but prefill and decode must match)
+
+    def __post_init__(self) -> None:
+        if self.num_tokens < 0:
+            self.num_tokens = len(self.token_ids)
+
+    def hashes(self, block_size: int) -> list[int]:
+        found = self.block_hashes.get(block_size)
+        if found is None:
+            found = self.block_hashes[block_size] = block_hashes(self.token_ids, block_size)
+        return found
+
+
+@dataclass
+class ClusterView:
+    """The workers and the prefix index, plus blocks this router's pending requests will soon have cached."""
+
+    workers: dict[str, WorkerState]
+    index: PrefixIndex
+    pending_overlaps: Callable[[RouteQuery], dict[str, int]] | None = None
+
+    def eligible(self, role: str, query: RouteQuery) -> list[WorkerState]:
+        """Workers of `role` that may be chosen for query, ordered by worker id."""
+        found = [
+            w
+            for w in self.workers.values()
+            if w.role == role
+            and w.healthy
+            and w.worker_id not in query.exclude
+            and (not query.fingerprint or w.fingerprint == query.fingerprint)
+        ]
+        return sorted(found, key=lambda w: w.worker_id)
+
+    def overlaps(self, query: RouteQuery) -> dict[str, int]:
+        """worker id -> leading blocks of the prompt it holds (indexed, or soon by a pending request)."""
+        found: dict[str, int] = {}
+        for size in sorted({w.block_size for w in self.workers.values()}):
+            for worker_id, n in self.index.overlaps(query.hashes(size)).items():
+                w = self.workers.get(worker_id)
+                if w is not None and w.block_size == size:
+                    found[worker_id] = n
+        if self.pending_overlaps is not None:
+            for worker_id, n in self.pending_overlaps(query).items():
+                if n > found.get(worker_id, 0):
+                    found[worker_id] = n
+        return found
+
+
+# ------------------------------------------------------------------------------------------ outputs
+
+
+@dataclass(frozen=True)
+class PlanScore:
+    """One plan — who prefills (None: the decode worker itself) and who decodes — and its estimate.
+
+    terms (seconds unless named): queue_s, prefill_s, transfer_s, admission_s, interference_s, plus
+    cached_tokens and uncached_tokens; estimated_ttft_s = queue + prefill + transfer + admission;
+    score = what the policy minimised (for ttft: estimate + interference; for a baseline: its own cost)."""
+
+    prefill: str | None
+    decode: str
+    terms: dict[str, float]
+    estimated_ttft_s: float
+    score: float
+
+    @property
+    def prefilling_worker(self) -> str:
+        return self.prefill or self.decode
+
+
+@dataclass(frozen=True)
+class Decision:
+    policy: str
+    reason: str  # cache_hit | least_queue | least_compute | topology | decode_admission | local_prefill | …
+    chosen: PlanScore
+    runner_up: PlanScore | None = None
+    detail: str = ""  # the rule in words, e.g. "auto: prompt 12 < 256 tokens"
+
+    @property
+    def prefill(self) -> str | None:
+        return self.chosen.prefill
+
+    @property
+    def decode(self) -> str:
+        return self.chosen.decode
+
+    @property
+    def estimated_ttft_s(self) -> float:
+        return self.chosen.estimated_ttft_s
+
+
+# ------------------------------------------------------------------------------------------ shared pieces
+
+
+def rendezvous(request_id: str, key: str) -> int:
+    """A per-request pseudo-random rank of `key`: replicas that see the same request agree, different
+    requests spread (highest random weight hashing)."""
+    digest = hashlib.blake2b(f"{request_id}\0{key}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little")
+
+
+class Estimator:
+    """The TTFT terms of one plan, from CostSettings and the workers' state."""
+
+    def __init__(self, settings: CostSettings) -> None:
+        self.s = settings
+
+    def prefill_rate(self, w: WorkerState, local: bool) -> float:
+        if w.prefill_tokens_per_s > 0:
+            return w.prefill_tokens_per_s
+        rate = self.s.prefill_tokens_per_s
+        return rate / self.s.decode_prefill_slowdown if local and self.s.decode_prefill_slowdown > 0 else rate
+
+    def uncached(self, query: RouteQuery, w: WorkerState, overlaps: dict[str, int]) -> tuple[int, int]:
+        """(cached, uncached) prompt tokens on worker w; the last prompt token is always computed."""
+        n = query.num_tokens
+        cached = min(overlaps.get(w.worker_id, 0) * w.block_size, max(0, n - 1))
+        return cached, n - cached
+
+    def prefill_side(
+        self, query: RouteQuery, w: WorkerState, overlaps: dict[str, int], local: bool
+    ) -> tuple[float, float, int, int]:
+        """(queue_s, prefill_s, cached, uncached) when w prefills."""
+        rate = self.prefill_rate(w, local)
+        cached, uncached = self.uncached(query, w, overlaps)
+        queue_s = (w.queued_prefill_tokens + w.pending_prefill_tokens) / rate
+        prefill_s = uncached / rate + self.s.prefill_overhead_s + (0.0 if local else self.s.remote_overhead_s)
+        return queue_s, prefill_s, cached, uncached
+
+    def admission_s(self, query: RouteQuery, d: WorkerState) -> float:
+        step_s = d.step_s or self.s.default_step_s
+        need = -(-max(query.num_tokens, 1) // d.block_size)
+        full = self.s.kv_full_wait_s if d.free_blocks_now() < need else 0.0
+        # an idle worker starts it at once; a busy one at the end of its current step (half a step on average),
+        # after the requests already waiting there
+        busy = 0.5 if d.running or d.pending_requests else 0.0
+        return (busy + d.waiting) * step_s + full
+
+    def transfer_s(self, query: RouteQuery, p: WorkerState, d: WorkerState) -> tuple[float, str]:
+        cls = link_class(p.topology, d.topology, self.s.unlabeled_link)
+        bytes_per_s, latency_s = self.s.link(cls)
+        kv_bytes = query.num_tokens * (d.kv_bytes_per_token or self.s.kv_bytes_per_token)
+        return latency_s + kv_bytes / bytes_per_s, cls
+
+    def plan(
+        self, query: RouteQuery, p: WorkerState | None, d: WorkerState, overlaps: dict[str, int]
+    ) -> PlanScore:
+        local = p is None
+        queue_s, prefill_s, cached, uncached = self.prefill_side(query, p or d, overlaps, local)
+        transfer_s = 0.0 if p is None else self.transfer_s(query, p, d)[0]
+        admission_s = self.admission_s(query, d)
+        interference_s = prefill_s * d.running * self.s.interference_weight if local else 0.0
+        ttft = queue_s + prefill_s + transfer_s + admission_s
+        terms = {
+            "queue_s": queue_s,
+            "prefill_s": prefill_s,
+            "transfer_s": transfer_s,
+            "admission_s": admission_s,
+            "interference_s": interference_s,
+            "cached_tokens": float(cached),
+            "uncached_tokens": float(uncached),
+        }
+        return PlanScore(p.worker_id if p else None, d.worker_id, terms, ttft, ttft + interference_s)
+
+
+def compatible(p: WorkerState, d: WorkerState) -> bool:
+    """A prefill worker's KV is readable by the decode worker: same model fingerprint and block size."""
+    return p.fingerprint == d.fingerprint and p.block_size == d.block_size
+
+
+def shape_rule(
+    mode: str, query: RouteQuery, prefills: list[WorkerState], min_tokens: int
+) -> tuple[bool | None, str]:
+    """(remote?, why): True/False forced by the mode or the facts; None: the policy decides (ttft, auto)."""
+    if mode == "agg":
+        return False, "mode agg"
+    if not query.need_prefill:
+        return False, "no prefill needed"
+    if not prefills:
+        return False, f"mode {mode} but no eligible prefill worker"
+    if mode == "disagg":
+        return True, "mode disagg"
+    return None, "auto"
+
+
+def threshold_rule(query: RouteQuery, min_tokens: int) -> tuple[bool, str]:
+    if query.num_tokens >= min_tokens:
+        return True, f"auto, prompt {query.num_tokens} >= {min_tokens} tokens"
+    return False, f"auto, prompt {query.num_tokens} < {min_tokens} tokens"
+
+
+def term_reason(winner: PlanScore, runner_up: PlanScore | None) -> str:
+    """The term that most separates the winner from the runner-up, as a reason."""
+    if runner_up is None:
+        return "only_candidate"
+    if (winner.prefill is None) != (runner_up.prefill is None):
+        return "local_prefill" if winner.prefill is None else "remote_prefill"
+    savings = {
+        name: runner_up.terms[name] - winner.terms[name]
+        for name in ("queue_s", "prefill_s", "transfer_s", "admission_s", "interference_s")
+    }
+    best = max(savings, key=lambda k: savings[k])
+    if savings[best] <= 0:
+        return "near_best_spread"
+    if best == "prefill_s":
+        return (
+            "cache_hit"
+            if winner.terms["cached_tokens"] > runner_up.terms["cached_tokens"]
+            else "least_compute"
+        )
+    return {
+        "queue_s": "least_queue",
+        "transfer_s": "topology",
+        "admission_s": "decode_admission",
+        "interference_s": "least_interference",
+    }[best]
+
+
+# ------------------------------------------------------------------------------------------ base
+
+
+class Policy:
+    """Shared frame: eligibility, plan shape by mode, explanation. Subclasses pick workers."""
+
+    name = ""
+
+    def __init__(
+        self,
+        mode: str = "auto",
+        settings: CostSettings | None = None,
+        disagg_min_prompt_tokens: int = DEFAULT_DISAGG_MIN_PROMPT_TOKENS,
+    ) -> None:
+        if mode not in MODES:
+            raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+        self.mode = mode
+        self.settings = settings or CostSettings()
+        self.estimator = Estimator(self.settings)
+        self.disagg_min_prompt_tokens = disagg_min_prompt_tokens
+
+    def route(self, view: ClusterView, query: RouteQuery) -> Decision:
+        decodes = view.eligible("decode", query)
+        if not decodes:
+            raise NoWorkerError("no decode workers")
+        prefills = view.eligible("prefill", query) if query.need_prefill else []
+        remote, why = shape_rule(self.mode, query, prefills, self.disagg_min_prompt_tokens)
+        return self.decide(view, query, prefills, decodes, remote, why)
+
+    def decide(
+        self,
+        view: ClusterView,
+        query: RouteQuery,
+        prefills: list[WorkerState],
+        decodes: list[WorkerState],
+        remote: bool | None,
+        why: str,
+    ) -> Decision:
+        """Baselines: the threshold rule settles auto; then pick the prefilling and decoding workers."""
+        if remote is None:
+            remote, why = threshold_rule(query, self.disagg_min_prompt_tokens)
+        overlaps = view.overlaps(query)
+        if remote:
+            ranked_p = self.rank(query, prefills, overlaps, prefilling=True)
+            d = self.rank(query, decodes, overlaps, prefilling=False)[0]
+            compatible_p = [p for p in ranked_p if compatible(p, d)]
+            if not compatible_p:
+                remote, why = False, f"{why}; no prefill worker compatible with {d.worker_id}"
+            else:
+                chosen = self.estimator.plan(query, compatible_p[0], d, overlaps)
+                runner = (
+                    self.estimator.plan(query, compatible_p[1], d, overlaps)
+                    if len(compatible_p) > 1
+                    else None
+                )
+                return Decision(self.name, self.reason, chosen, runner, f"disagg: {why}")
+        ranked_d = self.rank(query, decodes, overlaps, prefilling=True)
+        chosen = self.estimator.plan(query, None, ranked_d[0], overlaps)
+        runner = self.estimator.plan(query, None, ranked_d[1], overlaps) if len(ranked_d) > 1 else None
+        return Decision(self.name, self.reason, chosen, runner, f"agg: {why}")
+
+    # the baselines' one rule: best first; `prefilling` says whether the worker runs the prompt
+    reason = ""
+
+    def rank(
+        self, query: RouteQuery, workers: list[WorkerState], overlaps: dict[str, int], prefilling: bool
+    ) -> list[WorkerState]:
+        raise NotImplementedError
+
+
+# ------------------------------------------------------------------------------------------ baselines
+
+
+class RoundRobin(Policy):
+    """Each role's next worker id after the last one chosen, in id order, so a changing set stays fair."""
+
+    name = "round_robin"
+    reason = "next_in_turn"
+
+    def __init__(self, *args: object, **kw: object) -> None:
+        super().__init__(*args, **kw)  # type: ignore[arg-type]
+        self._last: dict[str, str] = {}
+
+    def rank(
+        self, query: RouteQuery, workers: list[WorkerState], overlaps: dict[str, int], prefilling: bool
+    ) -> list[WorkerState]:
+        role = workers[0].role
+        last = self._last.get(role, "")
+        turn = next((i for i, w in enumerate(workers) if w.worker_id > last), 0)
+        ranked = workers[turn:] + workers[:turn]
+        self._last[role] = ranked[0].worker_id
+        return ranked
+
+
+class LeastLoaded(Policy):
+    """Fewest waiting + running requests (counting this router's pending ones); ties spread by request id."""
+
+    name = reason = "least_loaded"
+
+    def rank(
+        self, query: RouteQuery, workers: list[WorkerState], overlaps: dict[str, int], prefilling: bool
+    ) -> list[WorkerState]:
+        return sorted(workers, key=lambda w: (w.load, -rendezvous(query.request_id, w.worker_id)))
+
+
+class CacheOverlap(Policy):
+    """Most leading prompt blocks cached on the prefilling worker; ties by load, then request id."""
+
+    name = "cache_overlap"
+    reason = "cache_hit"
+
+    def rank(
+        self, query: RouteQuery, workers: list[WorkerState], overlaps: dict[str, int], prefilling: bool
+    ) -> list[WorkerState]:
+        def key(w: WorkerState) -> tuple[int, int, int]:
+            cached = overlaps.get(w.worker_id, 0) if prefilling else 0
+            return (-cached, w.load, -rendezvous(query.request_id, w.worker_id))
+
+        return sorted(workers, key=key)
+
+
+class DynamoKv(Policy):
+    """Dynamo's KV router cost (lib/kv-router selector): per worker
+    logit = overlap_weight · potential_prefill_blocks + potential_decode_blocks, where prefill blocks are the
+    worker's queued prompt blocks plus this request's uncached blocks, and decode blocks its active blocks plus
+    this request's blocks. Temperature 0: the lowest logit; > 0: softmax over the negated logits normalised to
+    [0, 1], sampled with a draw derived from the request id (so replicas agree on a request)."""
+
+    name = "dynamo_kv"
+    reason = "dynamo_cost"
+
+    def __init__(
+        self, *args: object, overlap_weight: float = 1.0, temperature: float = 0.0, **kw: object
+    ) -> None:
+        super().__init__(*args, **kw)  # type: ignore[arg-type]
+        self.overlap_weight = overlap_weight
+        self.temperature = temperature
+
+    def logit(self, query: RouteQuery, w: WorkerState, overlaps: dict[str, int], prefilling: bool) -> float:
+        bs = w.block_size
+        request_blocks = -(-query.num_tokens // bs)
+        cached = overlaps.get(w.worker_id, 0) if prefilling else request_blocks
+        queued_blocks = (w.queued_prefill_tokens + w.pending_prefill_tokens) / bs
+        prefill_blocks = queued_blocks + max(0, request_blocks - cached)
+        decode_blocks = w.active_decode_blocks + w.pending_decode_blocks + request_blocks
+        return self.overlap_weight * prefill_blocks + decode_blocks
+
+    def rank(
+        self, query: RouteQuery, workers: list[WorkerState], overlaps: dict[str, int], prefilling: bool
+    ) -> list[WorkerState]:
+        logits = {w.worker_id: self.logit(query, w, overlaps, prefilling) for w in workers}
+        ranked = sorted(
+            workers, key=lambda w: (logits[w.worker_id], -rendezvous(query.request_id, w.worker_id))
+        )
+        if self.temperature <= 0 or len(workers) < 2:
+            return ranked
+        lo, hi = min(logits.values()), max(logits.values())
+        span = (hi - lo) or 1.0
+        weights = [math.exp(-((logits[w.worker_id] - lo) / span) / self.temperature) for w in ranked]
+        draw = rendezvous(query.request_id, "dynamo_kv") / 2**64 * sum(weights)
+        for i, weight in enumerate(weights):
+            draw -= weight
+            if draw <= 0:
+                return [ranked[i], *ranked[:i], *ranked[i + 1 :]]
+        return ranked
+
+
+class SglCacheAware(Policy):
+    """sgl-router's cache-aware policy. If the load is imbalanced — max − min > balance_abs_threshold and
+    max > balance_rel_threshold · min, load = requests on the worker — the least-loaded worker. Otherwise, if
+    the best prefix match covers more than cache_threshold of the prompt, the worker with that match; else the
+    worker with the most room for new cache (the smallest indexed tree). Defaults are sgl-router's."""
+
+    name = "sgl_cache_aware"
+
+    def __init__(
+        self,
+        *args: object,
+        cache_threshold: float = 0.3,
+        balance_abs_threshold: int = 64,
+        balance_rel_threshold: float = 1.5,
+        **kw: object,
+    ) -> None:
+        super().__init__(*args, **kw)  # type: ignore[arg-type]
+        self.cache_threshold = cache_threshold
+        self.balance_abs_threshold = balance_abs_threshold
+        self.balance_rel_threshold = balance_rel_threshold
+        self.reason = "cache_hit"
+        self._view: ClusterView | None = None
+
+    def route(self, view: ClusterView, query: RouteQuery) -> Decision:
+        self._view = view
+        decision = super().route(view, query)
+        return Decision(decision.policy, self.reason, decision.chosen, decision.runner_up, decision.detail)
+
+    def rank(
+        self, query: RouteQuery, workers: list[WorkerState], overlaps: dict[str, int], prefilling: bool
+    ) -> list[WorkerState]:
+        tie = {w.worker_id: -rendezvous(query.request_id, w.worker_id) for w in workers}
+        by_load = sorted(workers, key=lambda w: (w.load, tie[w.worker_id]))
+        if not prefilling:
+            return by_load
+        lo, hi = by_load[0].load, by_load[-1].load
+        if hi - lo > self.balance_abs_threshold and hi > self.balance_rel_threshold * lo:
+            self.reason = "balance"
+            return by_load
+
+        def matched(w: WorkerState) -> int:
+            return min(overlaps.get(w.worker_id, 0) * w.block_size, query.num_tokens)
+
+        by_match = sorted(workers, key=lambda w: (-matched(w), tie[w.worker_id]))
+        if query.num_tokens and matched(by_match[0]) / query.num_tokens > self.cache_threshold:
+            self.reason = "cache_hit"
+            return by_match
+        self.reason = "most_cache_room"
+        assert self._view is not None
+        index = self._view.index
+        return sorted(workers, key=lambda w: (index.blocks_of(w.worker_id), tie[w.worker_id]))
+
+
+# ------------------------------------------------------------------------------------------ rackserve
+
+
+class TtftEstimate(Policy):
+    """The minimum estimated TTFT over every (prefill worker | local, decode worker) plan the mode allows,
+    by the cost model; among plans within `near_best_ratio` / `near_best_s` of the best, the one ranked
+    highest for this request id (so router replicas with the same stale view do not herd)."""
+
+    name = "ttft"
+
+    def __init__(
+        self, *args: object, near_best_ratio: float = 0.05, near_best_s: float = 0.002, **kw: object
+    ) -> None:
+        super().__init__(*args, **kw)  # type: ignore[arg-type]
+        self.near_best_ratio = near_best_ratio
+        self.near_best_s = near_best_s
+
+    def decide(
+        self,
+        view: ClusterView,
+        query: RouteQuery,
+        prefills: list[WorkerState],
+        decodes: list[WorkerState],
+        remote: bool | None,
+        why: str,
+    ) -> Decision:
+        overlaps = view.overlaps(query)
+        est = self.estimator
+        plans: list[PlanScore] = []
+        if remote is not True:
+            plans += [est.plan(query, None, d, overlaps) for d in decodes]
+        if remote is not False:
+            plans += self._remote_plans(query, prefills, decodes, overlaps)
+        if not plans:  # disagg forced but nothing compatible
+            why = f"{why}; no prefill worker compatible with any decode worker"
+            plans = [est.plan(query, None, d, overlaps) for d in decodes]
+        best = min(p.score for p in plans)
+        bar = best * (1 + self.near_best_ratio) + self.near_best_s
+        near = [p for p in plans if p.score <= bar]
+        chosen = max(near, key=lambda p: rendezvous(query.request_id, f"{p.prefill}|{p.decode}"))
+        others = [p for p in plans if p is not chosen]
+        runner_up = min(others, key=lambda p: p.score) if others else None
+        shape = "agg" if chosen.prefill is None else "disagg"
+        return Decision(self.name, term_reason(chosen, runner_up), chosen, runner_up, f"{shape}: {why}")
+
+    def _remote_plans(
+        self,
+        query: RouteQuery,
+        prefills: list[WorkerState],
+        decodes: list[WorkerState],
+        overlaps: dict[str, int],
+    ) -> list[PlanScore]:
+        """Per decode worker, every prefill worker whose plan could be near-best for it.
+
+        A remote plan's score is side(p) + transfer(link class of p and d) + admission(d), so for a decode
+        worker only the best few prefill workers of each topology group (same node, rack, zone, any) matter:
+        P·D pairs become about 4·D, which keeps a decision under a millisecond at 64 × 64 workers."""
+        est = self.estimator
+        side = {}
+        for p in prefills:
+            queue_s, prefill_s, _, _ = est.prefill_side(query, p, overlaps, local=False)
+            side[p.worker_id] = queue_s + prefill_s
+        groups: dict[tuple[str, str], list[WorkerState]] = {}
+        for p in sorted(prefills, key=lambda p: side[p.worker_id]):
+            for label in ("node", "rack", "zone"):
+                value = getattr(p, label)
+                if value:
+                    groups.setdefault((label, value), []).append(p)
+            groups.setdefault(("any", ""), []).append(p)
+        keep = 4  # best few of each group: the near-best set of a burst spreads over more than one
+        plans: list[PlanScore] = []
+        for d in decodes:
+            seen: set[str] = set()
+            candidates: list[WorkerState] = []
+            for key in (("node", d.node), ("rack", d.rack), ("zone", d.zone), ("any", "")):
+                if key[0] != "any" and not key[1]:
+                    continue
+                for p in groups.get(key, [])[:keep]:
+                    if p.worker_id not in seen and compatible(p, d):
+                        seen.add(p.worker_id)
+                        candidates.append(p)
+            if len(candidates) < keep:  # the best few were incompatible: look at the rest
+                candidates += [p for p in prefills if p.worker_id not in seen and compatible(p, d)][:keep]
+            plans += [est.plan(query, p, d, overlaps) for p in candidates]
+        return plans
+
+
+def make_policy(name: str = DEFAULT_POLICY, mode: str = "auto", **kw: object) -> Policy:
+    """A policy by its `--policy` name; kw are its settings (settings=CostSettings(...), overlap_weight, …)."""
+    classes: dict[str, type[Policy]] = {
+        "ttft": TtftEstimate,
+        "round_robin": RoundRobin,
+        "least_loaded": LeastLoaded,
+        "cache_overlap": CacheOverlap,
+        "dynamo_kv": DynamoKv,
+        "sgl_cache_aware": SglCacheAware,
+    }
+    if name not in classes:
+        raise ValueError(f"policy must be one of {POLICIES}, got {name!r}")
+    return classes[name](mode, **kw)  # type: ignore[arg-type]

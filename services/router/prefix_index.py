@@ -1,0 +1,129 @@
+"""The global prefix index: which workers hold which KV blocks, by chained block hash.
+
+Fed by the workers' stored/evicted block events (services.router.server) — or by a simulator calling the same
+methods. A lookup walks the request's hash chain (services.engine.block_hash) from the first block and, for
+every worker, counts the leading blocks it holds: a prefix cache can only reuse a contiguous run from the start.
+Each hash maps to a bitmask of worker slots, so one dict lookup per block answers for all workers at once.
+
+Memory is bounded by `max_entries` (worker, block) pairs: past it, new stored blocks are not indexed (the index
+then under-reports a cache, never over-reports one) and `dropped` counts them. A worker's entries vanish with
+`remove_worker` (its lease expired, it drained, or it restarted with a new epoch).
+
+This room is plain data: no I/O, no clock, no request state.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+
+DEFAULT_MAX_ENTRIES = 8_000_000
+
+
+class PrefixIndex:
+    def __init__(self, max_entries: int = DEFAULT_MAX_ENTRIES) -> None:
+        if max_entries <= 0:
+            raise ValueError(f"max_entries must be positive, got {max_entries}")
+        self.max_entries = max_entries
+        self.dropped = 0  # stored blocks not indexed because the index was full
+        self._owners: dict[int, int] = {}  # block hash -> bitmask of worker slots holding it
+        self._blocks: dict[str, set[int]] = {}  # worker id -> the hashes it holds (for eviction and removal)
+        self._slot: dict[str, int] = {}
+        self._worker_of_slot: dict[int, str] = {}
+        self._free_slots: list[int] = []
+        self._entries = 0
+
+    # ------------------------------------------------------------------------------------------ updates
+
+    def stored(self, worker_id: str, hashes: Iterable[int]) -> None:
+        bit = 1 << self._slot_of(worker_id)
+        mine = self._blocks[worker_id]
+        owners = self._owners
+        for h in hashes:
+            if h in mine:
+                continue
+            if self._entries >= self.max_entries:
+                self.dropped += 1
+                continue
+            mine.add(h)
+            owners[h] = owners.get(h, 0) | bit
+            self._entries += 1
+
+    def evicted(self, worker_id: str, hashes: Iterable[int]) -> None:
+        mine = self._blocks.get(worker_id)
+        if mine is None:
+            return
+        keep = ~(1 << self._slot[worker_id])
+        for h in hashes:
+            if h in mine:
+                mine.discard(h)
+                self._unset(h, keep)
+
+    def remove_worker(self, worker_id: str) -> None:
+        """Forget every block of worker_id and free its slot."""
+        mine = self._blocks.pop(worker_id, None)
+        if mine is None:
+            return
+        slot = self._slot.pop(worker_id)
+        keep = ~(1 << slot)
+        for h in mine:
+            self._unset(h, keep)
+        del self._worker_of_slot[slot]
+        self._free_slots.append(slot)
+
+    def clear_worker(self, worker_id: str) -> None:
+        """Forget worker_id's blocks but keep it known (a new snapshot of its cache follows)."""
+        self.remove_worker(worker_id)
+
+    # ------------------------------------------------------------------------------------------ queries
+
+    def overlaps(self, hashes: Sequence[int]) -> dict[str, int]:
+        """worker id -> number of leading blocks of `hashes` it holds; workers holding none are left out."""
+        found: dict[str, int] = {}
+        owners = self._owners
+        alive = -1
+        for depth, h in enumerate(hashes):
+            held = owners.get(h, 0)
+            lost = alive & ~held if depth else 0
+            if lost:
+                self._record(found, lost, depth)
+            alive = alive & held
+            if not alive:
+                return found
+        if hashes and alive:
+            self._record(found, alive, len(hashes))
+        return found
+
+    def blocks_of(self, worker_id: str) -> int:
+        return len(self._blocks.get(worker_id, ()))
+
+    def workers(self) -> list[str]:
+        return sorted(self._blocks)
+
+    def __len__(self) -> int:
+        """(worker, block) entries indexed."""
+        return self._entries
+
+    # ------------------------------------------------------------------------------------------ internals
+
+    def _slot_of(self, worker_id: str) -> int:
+        slot = self._slot.get(worker_id)
+        if slot is None:
+            slot = self._free_slots.pop() if self._free_slots else len(self._slot)
+            self._slot[worker_id] = slot
+            self._worker_of_slot[slot] = worker_id
+            self._blocks[worker_id] = set()
+        return slot
+
+    def _unset(self, h: int, keep: int) -> None:
+        left = self._owners.get(h, 0) & keep
+        if left:
+            self._owners[h] = left
+        else:
+            self._owners.pop(h, None)
+        self._entries -= 1
+
+    def _record(self, found: dict[str, int], mask: int, depth: int) -> None:
+        while mask:
+            low = mask & -mask
+            found[self._worker_of_slot[low.bit_length() - 1]] = depth
+            mask ^= low

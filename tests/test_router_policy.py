@@ -1,0 +1,389 @@
+"""Scenario tests that pin the router's decisions: pure Python, no network (the policies are plain objects).
+
+Each test builds a RouterState the way the live router does — workers from discovery, block events into the
+prefix index, load reports — and asserts who is chosen and why.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import pytest
+
+from services.engine.block_hash import block_hashes
+from services.router.cost_model import CostSettings, RateMeter, link_class
+from services.router.policy import (
+    POLICIES,
+    NoWorkerError,
+    RouteQuery,
+    WorkerState,
+    make_policy,
+)
+from services.router.prefix_index import PrefixIndex
+from services.router.server import route_plan
+from services.router.state import RouterState
+
+BS = 16
+
+
+def prompt(n: int, seed: int = 0) -> list[int]:
+    return [(seed * 7919 + i * 31) % 49000 + 1 for i in range(n)]
+
+
+def router(*workers: WorkerState, policy: str = "ttft", mode: str = "auto", **kw: object) -> RouterState:
+    state = RouterState(make_policy(policy, mode, **kw))
+    for w in workers:
+        state.add_worker(w)
+    return state
+
+
+def cache(state: RouterState, worker_id: str, tokens: list[int]) -> None:
+    """The worker reports it holds the full blocks of `tokens` (a snapshot of its prefix cache)."""
+    state.on_stored(worker_id, block_hashes(tokens, BS), computed=False)
+
+
+def P(worker_id: str, **kw: object) -> WorkerState:  # noqa: N802 - reads like a diagram
+    return WorkerState(worker_id, "prefill", epoch=1, **kw)  # type: ignore[arg-type]
+
+
+def D(worker_id: str, **kw: object) -> WorkerState:  # noqa: N802
+    return WorkerState(worker_id, "decode", epoch=1, **kw)  # type: ignore[arg-type]
+
+
+# ------------------------------------------------------------------------------------ the seed's A-vs-B case
+
+
+@pytest.mark.parametrize(
+    ("a_queued_tokens", "expected", "reason"),
+    [(400, "A", "cache_hit"), (16000, "B", "least_queue")],
+    ids=["A_short_queue", "A_long_queue"],
+)
+def test_seed_case_80pct_cached_busy_a_vs_idle_cold_b(
+    a_queued_tokens: int, expected: str, reason: str
+) -> None:
+    tokens = prompt(2048)
+    state = router(P("A"), P("B"), D("d"), mode="disagg")
+    cache(state, "A", tokens[: int(2048 * 0.8)])
+    state.on_load("A", 0.0, queued_prefill_tokens=a_queued_tokens, running=1)
+    decision = state.route(RouteQuery("seed", token_ids=tokens), 1.0)
+    assert decision.prefill == expected
+    assert decision.reason == reason
+    assert decision.runner_up is not None and decision.runner_up.prefill == ({"A", "B"} - {expected}).pop()
+    assert decision.estimated_ttft_s < decision.runner_up.estimated_ttft_s
+    # A's terms show why: cached tokens lower its prefill term, its queue raises its queue term
+    a_terms = decision.chosen.terms if expected == "A" else decision.runner_up.terms
+    assert a_terms["cached_tokens"] == 2048 * 0.8 // BS * BS
+
+
+def test_same_prefix_on_two_workers_goes_to_the_one_in_the_decode_workers_rack() -> None:
+    tokens = prompt(2048)
+    state = router(
+        P("p-far", node="n3", rack="r2", zone="z1"),
+        P("p-near", node="n2", rack="r1", zone="z1"),
+        D("d", node="n1", rack="r1", zone="z1"),
+        mode="disagg",
+    )
+    cache(state, "p-far", tokens)
+    cache(state, "p-near", tokens)
+    for i in range(20):
+        decision = state.route(RouteQuery(f"topo-{i}", token_ids=tokens), 0.0)
+        assert decision.prefill == "p-near", decision
+        state.reservations.expire(state.workers, 1e9)  # each request alone: the rule, not the spreading
+    assert decision.reason == "topology"
+    assert decision.runner_up is not None and decision.runner_up.prefill == "p-far"
+    assert decision.chosen.terms["transfer_s"] < decision.runner_up.terms["transfer_s"]
+
+
+def test_short_prompt_with_an_idle_decode_worker_is_prefilled_locally() -> None:
+    state = router(P("p", rack="r1"), D("d", rack="r1"))
+    decision = state.route(RouteQuery("short", token_ids=prompt(40)), 0.0)
+    assert decision.prefill is None and decision.decode == "d"
+    assert decision.reason == "local_prefill"
+    assert decision.runner_up is not None and decision.runner_up.prefill == "p"
+    assert decision.detail.startswith("agg")
+
+
+def test_long_prompt_is_prefilled_remotely() -> None:
+    state = router(P("p", rack="r1"), D("d", rack="r1"))
+    decision = state.route(RouteQuery("long", token_ids=prompt(3000)), 0.0)
+    assert decision.prefill == "p" and decision.decode == "d"
+    assert decision.reason == "remote_prefill"
+    assert decision.chosen.terms["transfer_s"] > 0
+    assert decision.detail.startswith("disagg")
+
+
+def test_a_short_prompt_cached_on_the_decode_worker_but_a_busy_decode_worker_goes_remote() -> None:
+    tokens = prompt(200)
+    state = router(P("p"), D("d"))
+    cache(state, "d", tokens)
+    assert state.route(RouteQuery("warm", token_ids=tokens), 0.0).prefill is None
+    state.on_load("d", 1.0, queued_prefill_tokens=20000, running=40)
+    assert state.route(RouteQuery("busy", token_ids=tokens), 2.0).prefill == "p"
+
+
+@pytest.mark.parametrize("mode", ["agg", "disagg"])
+def test_mode_agg_and_disagg_force_the_plan_shape(mode: str) -> None:
+    state = router(P("p"), D("d"), mode=mode)
+    short = state.route(RouteQuery("s", token_ids=prompt(20)), 0.0)
+    long = state.route(RouteQuery("l", token_ids=prompt(3000)), 0.0)
+    expected = None if mode == "agg" else "p"
+    assert short.prefill == expected and long.prefill == expected
+
+
+def test_resume_without_prefill_is_never_disaggregated() -> None:
+    state = router(P("p"), D("d"), mode="disagg")
+    decision = state.route(RouteQuery("resume", token_ids=prompt(3000), need_prefill=False), 0.0)
+    assert decision.prefill is None and decision.detail == "agg: no prefill needed"
+
+
+# ------------------------------------------------------------------------------------ herding
+
+
+def test_burst_of_100_identical_prefix_requests_spreads_instead_of_herding() -> None:
+    def burst(state: RouterState) -> tuple[Counter[str], Counter[str]]:
+        prefills: Counter[str] = Counter()
+        decodes: Counter[str] = Counter()
+        for i in range(100):
+            tokens = prompt(512, seed=0)[:448] + prompt(64, seed=i + 1)  # shared 448-token system prompt
+            decision = state.route(RouteQuery(f"burst-{i}", token_ids=tokens), 0.001 * i)
+            prefills[decision.prefill or "local"] += 1
+            decodes[decision.decode] += 1
+        return prefills, decodes
+
+    def fresh(**kw: object) -> RouterState:
+        state = RouterState(make_policy("ttft", "disagg"), **kw)  # type: ignore[arg-type]
+        for w in [P("p0"), P("p1"), P("p2"), P("p3"), D("d0"), D("d1")]:
+            state.add_worker(w)
+        cache(state, "p0", prompt(512, seed=0)[:448])
+        return state
+
+    prefills, decodes = burst(fresh())
+    assert len(prefills) == 4 and max(prefills.values()) <= 40, prefills
+    assert prefills["p0"] == max(prefills.values()), prefills  # the cache still attracts the most
+    assert min(decodes.values()) >= 35, decodes
+    # the control: without reservations (they expire at once) the same burst herds onto the cached worker
+    herded, _ = burst(fresh(reservation_ttl_s=0.0))
+    assert herded["p0"] == 100
+
+
+def test_two_router_replicas_with_the_same_view_do_not_pick_the_same_worker_for_everything() -> None:
+    tokens = prompt(1024)
+
+    def replica() -> RouterState:
+        state = router(P("p0"), P("p1"), P("p2"), D("d0"), D("d1"), mode="disagg")
+        for p in ("p0", "p1", "p2"):
+            cache(state, p, tokens)  # equally good prefill workers
+        return state
+
+    a, b = replica(), replica()
+    picks_a = [(a.route(RouteQuery(f"a-{i}", token_ids=tokens), 0.0)) for i in range(12)]
+    picks_b = [(b.route(RouteQuery(f"b-{i}", token_ids=tokens), 0.0)) for i in range(12)]
+    plans_a = [(d.prefill, d.decode) for d in picks_a]
+    plans_b = [(d.prefill, d.decode) for d in picks_b]
+    assert plans_a != plans_b
+    # the burst's first requests — where two replicas with the same stale view herd — land apart
+    firsts = [replica().route(RouteQuery(f"first-{i}", token_ids=tokens), 0.0).prefill for i in range(8)]
+    assert len(set(firsts)) >= 2, firsts
+    # and two replicas with the same view agree on one request (the choice is keyed by its id, not by chance)
+    same = [replica().route(RouteQuery("same", token_ids=tokens), 0.0) for _ in range(2)]
+    assert (same[0].prefill, same[0].decode) == (same[1].prefill, same[1].decode)
+
+
+def test_a_load_report_replaces_the_reservations_it_already_counts() -> None:
+    state = router(P("p"), D("d"), mode="disagg")
+    state.route(RouteQuery("r1", token_ids=prompt(1000)), 0.0)
+    assert state.workers["p"].pending_prefill_tokens == 1000 and state.workers["d"].pending_requests == 1
+    state.on_load("p", 0.01, queued_prefill_tokens=0)  # too soon: the request may not have arrived
+    assert state.workers["p"].pending_prefill_tokens == 1000
+    state.on_load("p", 1.0, queued_prefill_tokens=1000)
+    assert state.workers["p"].pending_prefill_tokens == 0 and state.workers["p"].queued_prefill_tokens == 1000
+    state.route(RouteQuery("r2", token_ids=prompt(10)), 100.0)  # a reservation never outlives its TTL
+    assert state.workers["d"].pending_requests == 1
+
+
+# ------------------------------------------------------------------------------------ who may be chosen
+
+
+def test_failed_worker_is_excluded_until_it_registers_with_a_new_epoch() -> None:
+    state = router(D("d0"), D("d1"), policy="least_loaded")
+    state.report_failure("d0", now=0.0)
+    assert {state.route(RouteQuery(f"f{i}"), 1.0).decode for i in range(5)} == {"d1"}
+    state.add_worker(D("d0"))  # the same process seen again (etcd re-list): still excluded
+    assert state.route(RouteQuery("f-same"), 1.0).decode == "d1"
+    state.add_worker(WorkerState("d0", "decode", epoch=2))  # restarted
+    assert "d0" in {state.route(RouteQuery(f"g{i}"), 1.0).decode for i in range(6)}
+
+
+def test_unhealthy_mismatched_and_excluded_workers_are_never_chosen() -> None:
+    tokens = prompt(2048)
+    state = router(
+        P("p-sick", healthy=False, fingerprint="m1"),
+        P("p-other-model", fingerprint="m2"),
+        P("p-ok", fingerprint="m1"),
+        D("d", fingerprint="m1"),
+        D("d-excluded", fingerprint="m1"),
+        mode="disagg",
+    )
+    for p in ("p-sick", "p-other-model"):
+        cache(state, p, tokens)  # the tempting ones hold the whole prompt
+    for i in range(10):
+        decision = state.route(RouteQuery(f"x{i}", token_ids=tokens, exclude=frozenset({"d-excluded"})), 0.0)
+        assert (decision.prefill, decision.decode) == ("p-ok", "d")
+    with pytest.raises(NoWorkerError, match="no decode workers"):
+        state.route(RouteQuery("none", exclude=frozenset({"d", "d-excluded"})), 0.0)
+
+
+# ------------------------------------------------------------------------------------ calibration
+
+
+def test_measured_prefill_rates_steer_long_prompts_to_the_faster_worker() -> None:
+    state = router(P("slow"), P("fast"), D("d"), mode="disagg")
+    for worker_id, blocks in (("slow", 32), ("fast", 512)):
+        state.on_load(worker_id, 0.0, queued_prefill_tokens=5000)
+        state.on_stored(worker_id, list(range(hash(worker_id) % 1000, hash(worker_id) % 1000 + blocks)))
+        state.on_load(worker_id, 1.0, queued_prefill_tokens=0)
+    assert state.workers["slow"].prefill_tokens_per_s == pytest.approx(32 * BS)
+    assert state.workers["fast"].prefill_tokens_per_s == pytest.approx(512 * BS)
+    picks = {state.route(RouteQuery(f"c{i}", token_ids=prompt(3000, i)), 1.0).prefill for i in range(10)}
+    assert picks == {"fast"}
+
+
+def test_rate_meter_counts_only_busy_time_and_blends_measurements() -> None:
+    meter = RateMeter(alpha=0.5, min_busy_s=0.5)
+    meter.load(busy=False, now=0.0)
+    meter.computed(10_000)  # idle: not part of any measurement
+    meter.load(busy=True, now=10.0)
+    meter.computed(1000)
+    meter.load(busy=False, now=11.0)
+    assert meter.tokens_per_s == pytest.approx(1000)
+    meter.load(busy=True, now=20.0)
+    meter.computed(3000)
+    meter.load(busy=True, now=21.0)
+    assert meter.tokens_per_s == pytest.approx(0.5 * 3000 + 0.5 * 1000)
+
+
+def test_link_class_is_the_nearest_shared_topology_level() -> None:
+    a = {"node": "n1", "rack": "r1", "zone": "z1"}
+    assert link_class(a, dict(a)) == "same_node"
+    assert link_class(a, {"node": "n2", "rack": "r1", "zone": "z1"}) == "same_rack"
+    assert link_class(a, {"node": "n3", "rack": "r2", "zone": "z1"}) == "same_zone"
+    assert link_class(a, {"node": "n4", "rack": "r3", "zone": "z2"}) == "cross_zone"
+    assert link_class(a, {}, "same_zone") == "same_zone"
+    with pytest.raises(ValueError, match="prefill_tokens_per_s"):
+        CostSettings(prefill_tokens_per_s=0)
+
+
+# ------------------------------------------------------------------------------------ the prefix index
+
+
+def test_prefix_index_counts_the_leading_run_and_forgets_a_worker_that_leaves() -> None:
+    tokens = prompt(160)
+    hashes = block_hashes(tokens, BS)  # 10 blocks
+    index = PrefixIndex()
+    index.stored("w1", hashes)
+    index.stored("w2", hashes[:4] + hashes[5:])  # a hole at block 4: only 4 usable
+    index.stored("w3", hashes[1:])  # no first block: nothing usable
+    assert index.overlaps(hashes) == {"w1": 10, "w2": 4}
+    index.evicted("w1", hashes[6:])
+    assert index.overlaps(hashes) == {"w1": 6, "w2": 4}
+    index.remove_worker("w1")
+    index.stored("w4", hashes[:2])  # reuses w1's slot: must not inherit its blocks
+    assert index.overlaps(hashes) == {"w2": 4, "w4": 2}
+    assert len(index) == 9 + 9 + 2
+
+
+def test_prefix_index_is_bounded_and_under_reports_when_full() -> None:
+    index = PrefixIndex(max_entries=5)
+    hashes = block_hashes(prompt(160), BS)
+    index.stored("w", hashes)
+    assert len(index) == 5 and index.dropped == 5
+    assert index.overlaps(hashes) == {"w": 5}
+
+
+# ------------------------------------------------------------------------------------ baselines
+
+
+def test_round_robin_cycles_in_id_order() -> None:
+    state = router(D("d2"), D("d0"), D("d1"), policy="round_robin")
+    assert [state.route(RouteQuery(f"r{i}"), 0.0).decode for i in range(6)] == ["d0", "d1", "d2"] * 2
+
+
+def test_least_loaded_picks_the_fewest_requests_counting_pending_ones() -> None:
+    state = router(D("d0"), D("d1"), D("d2"), policy="least_loaded")
+    state.on_load("d0", 0.0, waiting=3, running=4)
+    state.on_load("d1", 0.0, running=2)
+    state.on_load("d2", 0.0, running=5)
+    picks = [state.route(RouteQuery(f"l{i}"), 0.01).decode for i in range(4)]
+    assert picks[:2] == ["d1", "d1"] and sorted(picks[2:]) == ["d1", "d2"]
+
+
+def test_cache_overlap_follows_the_cache_even_onto_a_loaded_worker() -> None:
+    tokens = prompt(1024)
+    state = router(P("cold"), P("warm"), D("d"), policy="cache_overlap", mode="disagg")
+    cache(state, "warm", tokens[:512])
+    state.on_load("warm", 0.0, queued_prefill_tokens=50000, waiting=30)
+    decision = state.route(RouteQuery("c", token_ids=tokens), 0.0)
+    assert decision.prefill == "warm" and decision.reason == "cache_hit"
+
+
+@pytest.mark.parametrize(("overlap_weight", "expected"), [(1.0, "idle"), (4.0, "cached")])
+def test_dynamo_kv_cost_weighs_prefill_blocks_against_decode_blocks(
+    overlap_weight: float, expected: str
+) -> None:
+    # request 8 blocks. cached: 6 cached, 10 active decode blocks -> 1·2 + 18 = 20 | 4·2 + 18 = 26
+    #                   idle:   nothing cached, nothing active   -> 1·8 + 8 = 16  | 4·8 + 8 = 40
+    tokens = prompt(8 * BS)
+    state = router(D("cached"), D("idle"), policy="dynamo_kv", mode="agg", overlap_weight=overlap_weight)
+    cache(state, "cached", tokens[: 6 * BS])
+    state.on_load("cached", 0.0, active_decode_blocks=10)
+    decision = state.route(RouteQuery("dyn", token_ids=tokens), 0.0)
+    assert decision.decode == expected and decision.reason == "dynamo_cost"
+
+
+def test_dynamo_kv_temperature_samples_instead_of_always_the_cheapest() -> None:
+    tokens = prompt(8 * BS)
+    for temperature, expect_both in ((0.0, False), (1.0, True)):
+        picks = set()
+        for i in range(40):
+            state = router(D("a"), D("b"), policy="dynamo_kv", mode="agg", temperature=temperature)
+            state.on_load("b", 0.0, active_decode_blocks=4)  # a is cheaper
+            picks.add(state.route(RouteQuery(f"t{i}", token_ids=tokens), 0.0).decode)
+        assert picks == ({"a", "b"} if expect_both else {"a"})
+
+
+def test_sgl_cache_aware_rules_balance_then_match_rate_then_smallest_tree() -> None:
+    tokens = prompt(1024)
+    # balanced load, match rate 0.5 > 0.3: the worker with the match
+    state = router(D("m"), D("n"), D("big-tree"), policy="sgl_cache_aware", mode="agg")
+    cache(state, "m", tokens[:512])
+    cache(state, "big-tree", prompt(4096, seed=9))
+    assert (
+        d := state.route(RouteQuery("s1", token_ids=tokens), 0.0)
+    ).decode == "m" and d.reason == "cache_hit"
+    # imbalanced (100 − 0 > 64 and 100 > 1.5·0): shortest queue, whatever the cache
+    state.on_load("m", 0.0, waiting=100)
+    assert (d := state.route(RouteQuery("s2", token_ids=tokens), 0.0)).decode in ("n", "big-tree")
+    assert d.reason == "balance"
+    # balanced again, a prompt nobody holds (match 0 < 0.3): the worker with the smallest tree
+    state.on_load("m", 1.0, waiting=0)
+    other = prompt(1024, seed=5)
+    assert (d := state.route(RouteQuery("s3", token_ids=other), 1.0)).decode == "n"
+    assert d.reason == "most_cache_room"
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+def test_every_policy_answers_the_same_interface_and_the_plan_explains_itself(policy: str) -> None:
+    tokens = prompt(600)
+    state = router(
+        P("p0", endpoint="h:1", rack="r1"), P("p1", endpoint="h:2"), D("d0", endpoint="h:3"), policy=policy
+    )
+    state.add_worker(D("d1", endpoint="h:4"))
+    decision = state.route(RouteQuery("any", token_ids=tokens), 0.0)
+    assert decision.policy == policy and decision.reason
+    plan = route_plan(decision, state.workers)
+    assert plan.decode.endpoint in ("h:3", "h:4") and plan.reason_code == decision.reason
+    assert plan.reason.startswith("disagg" if plan.HasField("prefill") else "agg")
+    assert plan.estimated_ttft_s == pytest.approx(
+        sum(plan.score_terms[t] for t in ("queue_s", "prefill_s", "transfer_s", "admission_s"))
+    )
+    assert plan.HasField("runner_up_decode") and "queue_s" in plan.runner_up_terms
