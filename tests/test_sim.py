@@ -60,10 +60,10 @@ def test_cache_aware_policies_raise_prefix_hit_rate_on_a_shared_prefix_workload(
     specs = poisson_arrivals(specs, 10.0, 3)
     hashes = block_hashes_for(specs, prof.block_size)
     hit = {}
-    for policy in ("round_robin", "cache_only", "ttft"):
+    for policy in ("round_robin", "cache_overlap", "ttft"):
         results, _ = simulate(specs, prof, ClusterConfig(4, 2, "disagg", policy), hashes)
         hit[policy] = _summary(results)["overall"]["prefix_hit_rate"]
-    assert hit["cache_only"] > hit["round_robin"] + 0.1, hit
+    assert hit["cache_overlap"] > hit["round_robin"] + 0.1, hit
     assert hit["ttft"] > hit["round_robin"] + 0.1, hit
 
 

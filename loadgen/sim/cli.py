@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 
-from loadgen.sim.policies import POLICY_NAMES
+from loadgen.sim.routing import POLICY_NAMES
 
 
 def add_sim_arguments(p: argparse.ArgumentParser) -> None:
@@ -15,7 +15,7 @@ def add_sim_arguments(p: argparse.ArgumentParser) -> None:
     )
     g.add_argument("--prefill", type=int, default=2, help="prefill workers")
     g.add_argument("--decode", type=int, default=2, help="decode workers")
-    g.add_argument("--mode", choices=("agg", "disagg"), default="disagg")
+    g.add_argument("--mode", choices=("agg", "disagg", "auto"), default="auto", help="the router's mode")
     g.add_argument("--policy", choices=POLICY_NAMES, default="ttft")
     g.add_argument("--max-inflight", type=int, default=1_000_000, help="frontend admission limit")
     g.add_argument(

@@ -2,7 +2,8 @@
 
 What it models, and how simply:
 - frontend: at most `max_inflight` requests admitted; the rest wait in FIFO order (queue time).
-- routing: a policy object (loadgen/sim/policies.py) over an exact snapshot of every worker's state.
+- routing: the live router's policy objects (services/router/policy.py) over an exact view of every worker's
+  state and a PrefixIndex fed by the workers' cache events (loadgen/sim/routing.py).
 - prefill workers: FIFO, chunked prefill (`max_prefill_chunk_tokens` per step, several requests per step),
   prefix cache of chained block hashes (services/engine/block_hash.py) with LRU eviction; the cache holds what
   running requests do not (capacity in blocks). The prefill emits the first token.
@@ -26,8 +27,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from loadgen.report import RequestResult
-from loadgen.sim.policies import CostModel, Policy, RouteQuery, WorkerState, make_policy
 from loadgen.sim.profile import Profile
+from loadgen.sim.routing import SimRouter
 from loadgen.workload import RequestSpec
 
 
@@ -35,21 +36,22 @@ from loadgen.workload import RequestSpec
 class ClusterConfig:
     prefill_workers: int = 1
     decode_workers: int = 1
-    mode: str = "disagg"  # agg | disagg (the policy may still choose local prefill in disagg)
+    mode: str = "auto"  # the router's mode: agg (no prefill pool) | disagg | auto (the policy decides)
     policy: str = "ttft"
     max_inflight: int = 1_000_000
     migration_limit: int = 3
     failures: list[tuple[float, str]] = field(default_factory=list)  # (time s, worker id)
     seed: int = 0
     placement: dict[str, tuple[str, str]] = field(default_factory=dict)  # worker id → (node, rack) override
+    rate_error: float = 1.0  # the router believes prefill runs this many times faster than it does
 
     def __post_init__(self) -> None:
-        if self.mode not in ("agg", "disagg"):
-            raise ValueError(f"mode must be agg or disagg, got {self.mode!r}")
+        if self.mode not in ("agg", "disagg", "auto"):
+            raise ValueError(f"mode must be agg, disagg or auto, got {self.mode!r}")
         if self.decode_workers < 1:
             raise ValueError("at least one decode worker")
-        if self.mode == "disagg" and self.prefill_workers < 1:
-            raise ValueError("disagg needs at least one prefill worker")
+        if self.mode != "agg" and self.prefill_workers < 1:
+            raise ValueError(f"mode {self.mode} needs at least one prefill worker")
 
 
 @dataclass
@@ -73,6 +75,7 @@ class Req:
     failed: str | None = None
     blocks_held: int = 0
     first_cached: int | None = None
+    estimated_ttft_s: float | None = None  # the router's estimate at the first decision
 
     @property
     def emitted(self) -> int:
@@ -112,8 +115,11 @@ class Worker:
         return n
 
     def _fit_cache(self) -> None:
+        gone = []
         while self.cache and len(self.cache) > self.capacity - self.used:
-            self.cache.popitem(last=False)
+            gone.append(self.cache.popitem(last=False)[0])
+        if gone:
+            self.sim.router.evicted(self.worker_id, gone)
 
     def allocate(self, blocks: int) -> bool:
         if self.used + blocks > self.capacity:
@@ -122,41 +128,28 @@ class Worker:
         self._fit_cache()
         return True
 
-    def release(self, blocks: int, hashes: Sequence[int]) -> None:
+    def release(self, blocks: int, hashes: list[int]) -> None:
         self.used -= blocks
         for h in hashes:
             self.cache[h] = None
             self.cache.move_to_end(h)
+        self.sim.router.stored(self.worker_id, hashes)
         self._fit_cache()
 
     def touch(self, hashes: Sequence[int]) -> None:
         for h in hashes:
             self.cache.move_to_end(h)
 
-    # ---- the view a policy reads -----------------------------------------------------------------------------
-    def state(self) -> WorkerState:
+    def step_estimate_s(self) -> float:
+        """The decode step time now (what this worker's load report would say)."""
         ctx = sum(r.input_tokens + r.emitted for r in self.running)
-        return WorkerState(
-            worker_id=self.worker_id,
-            role=self.role,
-            node=self.node,
-            rack=self.rack,
-            queued_prefill_tokens=self.queued_tokens,
-            running=len(self.running),
-            waiting=len(self.admit_queue) + len(self.prefill_queue),
-            free_blocks=self.capacity - self.used,
-            total_blocks=self.capacity,
-            active_blocks=self.used,
-            cached_blocks=len(self.cache),
-            match=self.match,
-            pending_match=self.pending_match,
-            est_step_s=self.sim.profile.decode_step_s(max(1, len(self.running)), ctx),
-        )
+        return self.sim.profile.decode_step_s(max(1, len(self.running)), ctx)
 
 
 class Simulator:
-    def __init__(self, profile: Profile, cfg: ClusterConfig, policy: Policy | None = None) -> None:
+    def __init__(self, profile: Profile, cfg: ClusterConfig) -> None:
         self.profile, self.cfg = profile, cfg
+        self.router = SimRouter(profile, cfg.policy, cfg.mode, cfg.rate_error)
         self.now = 0.0
         self._events: list[tuple[float, int, Callable[[], None]]] = []
         self._seq = 0
@@ -164,18 +157,15 @@ class Simulator:
         per_node, per_rack = profile.workers_per_node, profile.workers_per_node * profile.nodes_per_rack
         k = 0
         for role, n in (
-            ("prefill", cfg.prefill_workers if cfg.mode == "disagg" else 0),
+            ("prefill", cfg.prefill_workers if cfg.mode != "agg" else 0),
             ("decode", cfg.decode_workers),
         ):
             for i in range(n):
                 wid = f"{role}-{i}"
                 node, rack = cfg.placement.get(wid, (f"node{k // per_node}", f"rack{k // per_rack}"))
                 self.workers[wid] = Worker(self, wid, role, node, rack)
+                self.router.add_worker(self.workers[wid])
                 k += 1
-        self.cost = CostModel(
-            profile.prefill_s, profile.transfer_s, profile.kv_bytes_per_token, self.link_class
-        )
-        self.policy = policy or make_policy(cfg.policy, self.cost)
         self.frontend_queue: deque[Req] = deque()
         self.inflight = 0
         self.reqs: list[Req] = []
@@ -186,7 +176,7 @@ class Simulator:
         self._seq += 1
         heapq.heappush(self._events, (t, self._seq, fn))
 
-    def link_class(self, a: WorkerState | Worker, b: WorkerState | Worker) -> str:
+    def link_class(self, a: Worker, b: Worker) -> str:
         if a.worker_id == b.worker_id:
             return "same_worker"
         if a.node == b.node:
@@ -224,17 +214,13 @@ class Simulator:
         ]
 
     def _route(self, r: Req, exclude: frozenset[str] = frozenset(), local_only: bool = False) -> None:
-        prefill = self._alive("prefill", set(exclude))
-        decode = self._alive("decode", set(exclude))
-        if not decode:
+        if not self._alive("decode", set(exclude)):
             return self._finish(r, failed="no live decode worker")
-        q = RouteQuery(r.spec.request_id, r.hashes, r.input_tokens, self.profile.block_size)
-        disagg = self.cfg.mode == "disagg" and bool(prefill) and not local_only
-        d = self.policy.route(q, [w.state() for w in prefill], [w.state() for w in decode], disagg)
+        d = self.router.route(r.spec.request_id, r.hashes, r.input_tokens, exclude, local_only)
         self.route_reasons[d.reason] += 1
         r.decode_worker, r.prefill_worker = d.decode, d.prefill
-        target = self.workers[d.prefill or d.decode]
-        self._enqueue_prefill(target, r)
+        r.estimated_ttft_s = r.estimated_ttft_s if r.estimated_ttft_s is not None else d.estimated_ttft_s
+        self._enqueue_prefill(self.workers[d.prefill or d.decode], r)
 
     # ---- prefill ---------------------------------------------------------------------------------------------
     def _enqueue_prefill(self, w: Worker, r: Req) -> None:
@@ -369,6 +355,7 @@ class Simulator:
     def _fail_worker(self, wid: str) -> None:
         w = self.workers[wid]
         w.dead = True
+        self.router.worker_died(wid)
         # requests still prefilling elsewhere or in transfer towards it migrate when their KV arrives
         victims = list(w.prefill_queue) + list(w.admit_queue) + list(w.running)
         w.prefill_queue.clear()
@@ -447,8 +434,7 @@ def simulate(
     profile: Profile,
     cfg: ClusterConfig,
     hashes: Sequence[list[int]] | None = None,
-    policy: Policy | None = None,
 ) -> tuple[list[RequestResult], Simulator]:
-    sim = Simulator(profile, cfg, policy)
+    sim = Simulator(profile, cfg)
     results = sim.run(specs, hashes if hashes is not None else block_hashes_for(specs, profile.block_size))
     return results, sim
