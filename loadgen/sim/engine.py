@@ -8,7 +8,7 @@ What it models, and how simply:
   prefix cache of chained block hashes (services/engine/block_hash.py) with LRU eviction; the cache holds what
   running requests do not (capacity in blocks). The prefill emits the first token.
 - KV transfer: the prompt's KV bytes over the link class between the two workers (same node / rack / across
-  racks); each prefill worker's transfers queue on its one NIC.
+  racks); transfers queue on the sending and the receiving worker's one NIC.
 - decode workers: continuous batching up to `max_batch`, admission by free KV blocks (prompt + output reserved);
   a worker in aggregated mode also runs prefill chunks, and those chunks stall its decode steps — the
   interference that disaggregation removes.
@@ -87,7 +87,8 @@ class Worker:
         self.sim, self.worker_id, self.role, self.node, self.rack = sim, worker_id, role, node, rack
         self.capacity = sim.profile.kv_capacity_blocks
         self.used = 0  # blocks held by requests here
-        self.cache: OrderedDict[int, None] = OrderedDict()  # LRU: oldest first
+        self.cache: OrderedDict[int, None] = OrderedDict()  # free cached blocks, LRU: oldest first
+        self.held: Counter[int] = Counter()  # computed blocks that requests here still hold (shareable too)
         self.prefill_queue: deque[Req] = deque()
         self.pending: Counter[int] = Counter()  # block hashes of queued prefills (soon cached)
         self.admit_queue: deque[Req] = deque()
@@ -101,7 +102,7 @@ class Worker:
     def match(self, hashes: Sequence[int]) -> int:
         n = 0
         for h in hashes:
-            if h not in self.cache:
+            if h not in self.cache and self.held[h] <= 0:
                 break
             n += 1
         return n
@@ -109,7 +110,7 @@ class Worker:
     def pending_match(self, hashes: Sequence[int]) -> int:
         n = 0
         for h in hashes:
-            if h not in self.cache and not self.pending[h]:
+            if h not in self.cache and self.held[h] <= 0 and self.pending[h] <= 0:
                 break
             n += 1
         return n
@@ -118,6 +119,7 @@ class Worker:
         gone = []
         while self.cache and len(self.cache) > self.capacity - self.used:
             gone.append(self.cache.popitem(last=False)[0])
+        gone = [h for h in gone if self.held[h] <= 0]
         if gone:
             self.sim.router.evicted(self.worker_id, gone)
 
@@ -130,15 +132,22 @@ class Worker:
 
     def release(self, blocks: int, hashes: list[int]) -> None:
         self.used -= blocks
+        self.held.subtract(hashes)
         for h in hashes:
             self.cache[h] = None
             self.cache.move_to_end(h)
         self.sim.router.stored(self.worker_id, hashes)
         self._fit_cache()
 
+    def computed(self, hashes: list[int]) -> None:
+        """A prefill finished: its blocks are cached (and announced) while the request still holds them."""
+        self.held.update(hashes)
+        self.sim.router.stored(self.worker_id, hashes)
+
     def touch(self, hashes: Sequence[int]) -> None:
         for h in hashes:
-            self.cache.move_to_end(h)
+            if h in self.cache:
+                self.cache.move_to_end(h)
 
     def step_estimate_s(self) -> float:
         """The decode step time now (what this worker's load report would say)."""
@@ -170,6 +179,12 @@ class Simulator:
         self.inflight = 0
         self.reqs: list[Req] = []
         self.route_reasons: Counter[str] = Counter()
+
+    def warm(self, worker_id: str, hashes: list[int]) -> None:
+        """Put blocks in a worker's prefix cache before the run (a scenario's starting state)."""
+        w = self.workers[worker_id]
+        w.computed(hashes)
+        w.release(0, hashes)
 
     # ---- event loop ------------------------------------------------------------------------------------------
     def at(self, t: float, fn: Callable[[], None]) -> None:
@@ -307,6 +322,7 @@ class Simulator:
         self._kick(w)
 
     def _prefill_finished(self, w: Worker, r: Req) -> None:
+        w.computed(r.hashes)
         if not r.token_times:
             r.token_times.append(self.now)  # the prefill emits the first token
             r.t_first = self.now
@@ -320,9 +336,9 @@ class Simulator:
         # disaggregated: ship the KV over this worker's NIC, then the decode worker admits it
         d = self.workers[r.decode_worker]
         nbytes = r.input_tokens * self.profile.kv_bytes_per_token
-        start = max(self.now, w.nic_free_s)
+        start = max(self.now, w.nic_free_s, d.nic_free_s)  # one NIC each side: sends and receives queue
         end = start + self.profile.transfer_s(nbytes, self.link_class(w, d))
-        w.nic_free_s = end
+        w.nic_free_s = d.nic_free_s = end
         held = r.blocks_held
 
         def arrived() -> None:
