@@ -29,11 +29,23 @@ from loadgen.workload import TOKEN_HI, TOKEN_LO, RequestSpec
 
 OUT = "bench/results/sim"
 GPU_SLO = rep.Slo(ttft_s=2.0, itl_p90_s=0.05)
-POLICIES = ("round_robin", "least_loaded", "cache_overlap", "dynamo_kv", "sgl_cache_aware", "ttft", "ttft_no_pending")
+POLICIES = (
+    "round_robin",
+    "least_loaded",
+    "cache_overlap",
+    "dynamo_kv",
+    "sgl_cache_aware",
+    "ttft",
+    "ttft_no_pending",
+)
 
 
 def _run(
-    specs: list[RequestSpec], hashes: list[list[int]], profile: Profile, cfg: ClusterConfig, warm: dict | None = None
+    specs: list[RequestSpec],
+    hashes: list[list[int]],
+    profile: Profile,
+    cfg: ClusterConfig,
+    warm: dict | None = None,
 ) -> tuple[dict[str, Any], Simulator]:
     sim = Simulator(profile, cfg)
     for wid, hs in (warm or {}).items():
@@ -100,10 +112,13 @@ def scenarios(out: list[str], reports: dict) -> None:
 
     # A vs B: 40 requests share an 8k prefix cached on prefill-0 only, each with 2k tokens of its own, at once
     specs = [
-        RequestSpec(f"hot-{i}", 10240, 32, arrival_s=0.01 * i, token_ids=_prompt(hot, 2048, i)) for i in range(40)
+        RequestSpec(f"hot-{i}", 10240, 32, arrival_s=0.01 * i, token_ids=_prompt(hot, 2048, i))
+        for i in range(40)
     ]
     warm_a = {"prefill-0": block_hashes_for([specs[0]], h200.block_size)[0][: 8192 // h200.block_size]}
-    cases.append(("hot_prefix_long_queue", "A has the prefix and a queue, B is idle", h200, None, specs, warm_a))  # type: ignore[arg-type]
+    cases.append(
+        ("hot_prefix_long_queue", "A has the prefix and a queue, B is idle", h200, None, specs, warm_a)
+    )  # type: ignore[arg-type]
 
     # near vs far: the prefix is on prefill-0 (decode's rack) and prefill-1 (another rack); NVL72 links
     far = {"prefill-0": ("node0", "rack0"), "prefill-1": ("node9", "rack1"), "decode-0": ("node1", "rack0")}
@@ -157,13 +172,18 @@ def ratio_sweep(out: list[str], reports: dict, trace_path: str, limit: int | Non
         print(out[-1], flush=True)
         g = r["overall"]["goodput_requests_per_s"]
         best = (g, p) if best is None or g > best[0] else best
-    for label, cfg in (("8 agg", ClusterConfig(0, 8, "agg", "ttft")), ("4:4 auto", ClusterConfig(4, 4, "auto", "ttft"))):
+    for label, cfg in (
+        ("8 agg", ClusterConfig(0, 8, "agg", "ttft")),
+        ("4:4 auto", ClusterConfig(4, 4, "auto", "ttft")),
+    ):
         r, _ = _run(specs, hashes, prof, cfg)
         reports[f"ratio_{label}"] = r
         out.append(_row(label, r))
         print(out[-1], flush=True)
     assert best is not None
-    out.append(f"\nbest disaggregated ratio for this trace: {best[1]}:{8 - best[1]} ({best[0]:.2f} req/s goodput)")
+    out.append(
+        f"\nbest disaggregated ratio for this trace: {best[1]}:{8 - best[1]} ({best[0]:.2f} req/s goodput)"
+    )
 
 
 def plots(reports: dict, out_dir: str) -> None:
@@ -194,7 +214,9 @@ def plots(reports: dict, out_dir: str) -> None:
     keys = [k for k in reports if k.startswith("ratio_") and "disagg" not in k and ":" in k]
     if keys:
         fig, ax = plt.subplots(figsize=(6, 4))
-        ax.plot([k[6:] for k in keys], [reports[k]["overall"]["goodput_requests_per_s"] for k in keys], marker="o")
+        ax.plot(
+            [k[6:] for k in keys], [reports[k]["overall"]["goodput_requests_per_s"] for k in keys], marker="o"
+        )
         ax.set_xlabel("prefill:decode workers")
         ax.set_ylabel("goodput req/s")
         ax.set_title("P:D ratio sweep (Mooncake x2, H200 profile)")
@@ -225,7 +247,9 @@ def main() -> None:
     with open(os.path.join(a.out, "summary.md"), "w") as f:
         f.write(summary)
     with open(os.path.join(a.out, "reports.json"), "w") as f:
-        json.dump({k: {kk: vv for kk, vv in v.items() if kk != "requests"} for k, v in reports.items()}, f, indent=1)
+        json.dump(
+            {k: {kk: vv for kk, vv in v.items() if kk != "requests"} for k, v in reports.items()}, f, indent=1
+        )
     print(summary)
     print(f"wrote {a.out}/summary.md, reports.json and plots")
 
