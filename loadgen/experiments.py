@@ -162,7 +162,7 @@ def ratio_sweep(out: list[str], reports: dict, trace_path: str, limit: int | Non
     base = mooncake(load_records(trace_path, limit), scale=1, materialize=False)
     specs = [replace(s, arrival_s=s.arrival_s / 2.0) for s in base]
     hashes = block_hashes_for(specs, prof.block_size)
-    out.append(f"\n**Prefill:decode ratio on 8 H200 workers** — Mooncake trace at 2x rate, TTFT policy\n")
+    out.append("\n**Prefill:decode ratio on 8 H200 workers** — Mooncake trace at 2x rate, TTFT policy\n")
     out.append(HEAD.format("P:D"))
     best = None
     for p in range(1, 8):
