@@ -1,7 +1,8 @@
 """`make sim`: the simulator's experiments at GPU scale, deterministic, written to bench/results/sim/.
 
-1. Routing policies on the Mooncake FAST'25 synthetic trace (full size, H200-node profile, 4 prefill + 4 decode
-   workers, router mode auto) at the trace's rate and at 2x: goodput under SLO, TTFT p50/p99, prefix hit rate.
+1. Routing policies on the Mooncake FAST'25 synthetic trace (first 1,000 records at full size, H200-node profile,
+   4 prefill + 4 decode workers, router mode auto) at the trace's rate and at 2x: goodput under SLO, TTFT
+   p50/p99, prefix hit rate.
    The TTFT policy also runs with a prefill-rate estimate 30% off either way.
 2. The seed's counter-examples as named scenarios:
    hot_prefix_long_queue  A holds the prompt's prefix but has a queue, B is idle and cold (cache-only loses)
@@ -229,9 +230,10 @@ def main() -> None:
     p = argparse.ArgumentParser(description="the simulator's experiments (make sim)")
     p.add_argument("--out", default=OUT)
     p.add_argument("--trace", default=DEFAULT_TRACE)
-    p.add_argument("--trace-limit", type=int, default=None, help="first N records (quick runs)")
+    p.add_argument("--trace-limit", type=int, default=1000, help="first N records (0: all 3,993)")
     p.add_argument("--only", choices=("policies", "scenarios", "ratio"), default=None)
     a = p.parse_args()
+    a.trace_limit = a.trace_limit or None
     os.makedirs(a.out, exist_ok=True)
     out: list[str] = []
     reports: dict[str, Any] = {}

@@ -53,7 +53,7 @@ def test_more_decode_workers_lower_inter_token_latency():
 def test_cache_aware_policies_raise_prefix_hit_rate_on_a_shared_prefix_workload():
     # 7 system prompts over 4 prefill workers whose caches hold about two of them: round-robin makes every worker
     # see every prompt and thrash; a cache-aware policy keeps each prompt on one worker
-    prof = dataclasses.replace(load_profile("h200_node"), kv_capacity_blocks=400)
+    prof = dataclasses.replace(load_profile("h200_node"), kv_capacity_blocks=100)
     specs = synthetic(
         140, Lengths(1700, 2000), Lengths(16, 32), 3, shared_prefix_tokens=1536, prefix_groups=7
     )

@@ -88,7 +88,7 @@ class Worker:
         self.capacity = sim.profile.kv_capacity_blocks
         self.used = 0  # blocks held by requests here
         self.cache: OrderedDict[int, None] = OrderedDict()  # free cached blocks, LRU: oldest first
-        self.held: Counter[int] = Counter()  # computed blocks that requests here still hold (shareable too)
+        self.held: dict[int, int] = {}  # computed blocks that requests here still hold (shareable too): refs
         self.prefill_queue: deque[Req] = deque()
         self.pending: Counter[int] = Counter()  # block hashes of queued prefills (soon cached)
         self.admit_queue: deque[Req] = deque()
@@ -102,7 +102,7 @@ class Worker:
     def match(self, hashes: Sequence[int]) -> int:
         n = 0
         for h in hashes:
-            if h not in self.cache and self.held[h] <= 0:
+            if h not in self.cache and h not in self.held:
                 break
             n += 1
         return n
@@ -110,7 +110,7 @@ class Worker:
     def pending_match(self, hashes: Sequence[int]) -> int:
         n = 0
         for h in hashes:
-            if h not in self.cache and self.held[h] <= 0 and self.pending[h] <= 0:
+            if h not in self.cache and h not in self.held and self.pending[h] <= 0:
                 break
             n += 1
         return n
@@ -119,7 +119,7 @@ class Worker:
         gone = []
         while self.cache and len(self.cache) > self.capacity - self.used:
             gone.append(self.cache.popitem(last=False)[0])
-        gone = [h for h in gone if self.held[h] <= 0]
+        gone = [h for h in gone if h not in self.held]
         if gone:
             self.sim.router.evicted(self.worker_id, gone)
 
@@ -132,17 +132,26 @@ class Worker:
 
     def release(self, blocks: int, hashes: list[int]) -> None:
         self.used -= blocks
-        self.held.subtract(hashes)
+        held, cache = self.held, self.cache
         for h in hashes:
-            self.cache[h] = None
-            self.cache.move_to_end(h)
-        self.sim.router.stored(self.worker_id, hashes)
+            n = held.get(h, 0) - 1
+            if n > 0:
+                held[h] = n
+            else:
+                held.pop(h, None)
+            cache[h] = None
+            cache.move_to_end(h)
         self._fit_cache()
 
     def computed(self, hashes: list[int]) -> None:
-        """A prefill finished: its blocks are cached (and announced) while the request still holds them."""
-        self.held.update(hashes)
-        self.sim.router.stored(self.worker_id, hashes)
+        """A prefill finished: its blocks are cached while the request still holds them; the new ones are
+        announced to the router's index (a worker's KV-stored event)."""
+        held, cache = self.held, self.cache
+        new = [h for h in hashes if h not in held and h not in cache]
+        for h in hashes:
+            held[h] = held.get(h, 0) + 1
+        if new:
+            self.sim.router.stored(self.worker_id, new)
 
     def touch(self, hashes: Sequence[int]) -> None:
         for h in hashes:
@@ -363,6 +372,7 @@ class Simulator:
             if not d.allocate(need):
                 break
             d.admit_queue.popleft()
+            d.computed(r.hashes)  # the pulled KV blocks are in its cache now
             r.blocks_held = need
             r.t_decode_start = self.now
             d.running.append(r)
