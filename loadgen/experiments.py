@@ -2,7 +2,7 @@
 
 1. Routing policies on the Mooncake FAST'25 synthetic trace (first 1,000 records at full size, H200-node profile,
    4 prefill + 4 decode workers, router mode auto) at the trace's rate and at 2x: goodput under SLO, TTFT
-   p50/p99, prefix hit rate.
+   p50/p99, prefix hit rate; and at 2x in mode disagg, where only the prefill placement differs.
    The TTFT policy also runs with a prefill-rate estimate 30% off either way.
 2. The seed's counter-examples as named scenarios:
    hot_prefix_long_queue  A holds the prompt's prefix but has a queue, B is idle and cold (cache-only loses)
@@ -79,19 +79,21 @@ def trace_policies(out: list[str], reports: dict, trace_path: str, limit: int | 
     t0 = time.time()
     hashes = block_hashes_for(base, prof.block_size)
     print(f"hashed {len(base)} trace requests in {time.time() - t0:.1f}s")
-    for rate in (1.0, 2.0):
+    # auto: every policy may also prefill on a decode worker (the baselines by the router's prompt-length
+    # threshold, ttft by its estimate); disagg: every prompt goes to the prefill pool, so only placement differs
+    for rate, mode in ((1.0, "auto"), (2.0, "auto"), (2.0, "disagg")):
         specs = [replace(s, arrival_s=s.arrival_s / rate) for s in base]
         out.append(
             f"\n**Mooncake trace ({len(specs)} requests) at {rate:g}x its rate, {prof.name}, 4 prefill + 4 decode, "
-            f"mode auto** — SLO TTFT ≤ {GPU_SLO.ttft_s:g} s, ITL p90 ≤ {GPU_SLO.itl_p90_s * 1000:g} ms\n"
+            f"mode {mode}** — SLO TTFT ≤ {GPU_SLO.ttft_s:g} s, ITL p90 ≤ {GPU_SLO.itl_p90_s * 1000:g} ms\n"
         )
         out.append(HEAD.format("policy"))
         runs = [(p, p, 1.0) for p in POLICIES] + [("ttft (rate est. +30%)", "ttft", 1.3)]
         runs.append(("ttft (rate est. -30%)", "ttft", 0.7))
         for label, policy, err in runs:
-            cfg = ClusterConfig(4, 4, "auto", policy, rate_error=err)
+            cfg = ClusterConfig(4, 4, mode, policy, rate_error=err)
             r, _ = _run(specs, hashes, prof, cfg)
-            reports[f"trace_x{rate:g}_{label}"] = r
+            reports[f"trace_x{rate:g}_{mode}_{label}"] = r
             out.append(_row(label, r))
             print(out[-1], flush=True)
 
@@ -191,12 +193,12 @@ def plots(reports: dict, out_dir: str) -> None:
     from loadgen.plots import _plt
 
     plt = _plt()
-    for rate in ("1", "2"):
+    for rate in ("1_auto", "2_auto", "2_disagg"):
         keys = [k for k in reports if k.startswith(f"trace_x{rate}_")]
         if not keys:
             continue
         fig, axes = plt.subplots(1, 3, figsize=(16, 4))
-        labels = [k.split("_", 2)[2] for k in keys]
+        labels = [k.split("_", 3)[3] for k in keys]
         for ax, (title, get) in zip(
             axes,
             (
