@@ -55,6 +55,7 @@ bench: setup
 	$(BIN)/python -m bench.nvfp4_model_bench
 	$(BIN)/python -m bench.kvtransfer_bench
 	$(BIN)/python -m bench.disagg_bench
+	$(BIN)/python -m bench.router_bench
 
 # loadgen: the simulator's experiments (deterministic, CPU only) and the real-cluster runs; results in bench/results/
 sim: setup

@@ -6,6 +6,7 @@ prefix index, load reports — and asserts who is chosen and why.
 
 from __future__ import annotations
 
+import argparse
 from collections import Counter
 
 import pytest
@@ -20,7 +21,7 @@ from services.router.policy import (
     make_policy,
 )
 from services.router.prefix_index import PrefixIndex
-from services.router.server import route_plan
+from services.router.server import add_arguments, policy_from_args, route_plan
 from services.router.state import RouterState
 
 BS = 16
@@ -263,12 +264,12 @@ def test_rate_meter_counts_only_busy_time_and_blends_measurements() -> None:
 
 
 def test_link_class_is_the_nearest_shared_topology_level() -> None:
-    a = {"node": "n1", "rack": "r1", "zone": "z1"}
-    assert link_class(a, dict(a)) == "same_node"
-    assert link_class(a, {"node": "n2", "rack": "r1", "zone": "z1"}) == "same_rack"
-    assert link_class(a, {"node": "n3", "rack": "r2", "zone": "z1"}) == "same_zone"
-    assert link_class(a, {"node": "n4", "rack": "r3", "zone": "z2"}) == "cross_zone"
-    assert link_class(a, {}, "same_zone") == "same_zone"
+    a = D("a", node="n1", rack="r1", zone="z1")
+    assert link_class(a, P("p", node="n1", rack="r1", zone="z1")) == "same_node"
+    assert link_class(a, P("p", node="n2", rack="r1", zone="z1")) == "same_rack"
+    assert link_class(a, P("p", node="n3", rack="r2", zone="z1")) == "same_zone"
+    assert link_class(a, P("p", node="n4", rack="r3", zone="z2")) == "cross_zone"
+    assert link_class(a, P("p"), "same_zone") == "same_zone"
     with pytest.raises(ValueError, match="prefill_tokens_per_s"):
         CostSettings(prefill_tokens_per_s=0)
 
@@ -387,3 +388,18 @@ def test_every_policy_answers_the_same_interface_and_the_plan_explains_itself(po
         sum(plan.score_terms[t] for t in ("queue_s", "prefill_s", "transfer_s", "admission_s"))
     )
     assert plan.HasField("runner_up_decode") and "queue_s" in plan.runner_up_terms
+
+
+def test_every_weight_is_a_flag_that_reaches_the_policy() -> None:
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    args = parser.parse_args(
+        ["--policy", "dynamo_kv", "--overlap-weight", "4", "--prefill-tokens-per-s", "1000", "--mode", "agg"]
+    )
+    policy = policy_from_args(args)
+    assert policy.name == "dynamo_kv" and policy.mode == "agg"
+    assert policy.overlap_weight == 4.0  # type: ignore[attr-defined]
+    assert policy.settings.prefill_tokens_per_s == 1000.0
+    flags = parser.format_help()
+    for name in CostSettings.__dataclass_fields__:
+        assert "--" + name.replace("_", "-") in flags

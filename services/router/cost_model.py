@@ -27,7 +27,7 @@ This room is arithmetic only: no I/O, no clock of its own (callers pass `now`).
 from __future__ import annotations
 
 from dataclasses import dataclass, field, fields
-from typing import Any
+from typing import Any, Protocol
 
 # Topology classes, nearest first. "local" is prefill on the decode worker itself (no transfer).
 LINK_CLASSES = ("local", "same_node", "same_rack", "same_zone", "cross_zone")
@@ -89,13 +89,25 @@ class CostSettings:
         return getattr(self, f"{link_class}_bytes_per_s"), getattr(self, f"{link_class}_latency_s")
 
 
-def link_class(a: dict[str, str], b: dict[str, str], unlabeled: str = "same_rack") -> str:
-    """The nearest topology level two workers share, from their node/rack/zone labels."""
-    if not a or not b:
+class Placed(Protocol):
+    """Anything with topology labels (a WorkerState); an empty label is unknown."""
+
+    node: str
+    rack: str
+    zone: str
+
+
+def link_class(a: Placed, b: Placed, unlabeled: str = "same_rack") -> str:
+    """The nearest topology level two workers share, from their node/rack/zone labels (runs per plan: no
+    allocation)."""
+    if not (a.node or a.rack or a.zone) or not (b.node or b.rack or b.zone):
         return unlabeled
-    for label, cls in (("node", "same_node"), ("rack", "same_rack"), ("zone", "same_zone")):
-        if a.get(label) and a.get(label) == b.get(label):
-            return cls
+    if a.node and a.node == b.node:
+        return "same_node"
+    if a.rack and a.rack == b.rack:
+        return "same_rack"
+    if a.zone and a.zone == b.zone:
+        return "same_zone"
     return "cross_zone"
 
 

@@ -33,12 +33,13 @@ This room must never do I/O, read a clock or hold request state beyond a policy'
 from __future__ import annotations
 
 import hashlib
+import heapq
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from services.engine.block_hash import block_hashes
-from services.router.cost_model import CostSettings, link_class
+from services.router.cost_model import LINK_CLASSES, CostSettings, link_class
 from services.router.prefix_index import PrefixIndex
 
 MODES = ("agg", "disagg", "auto")
@@ -218,6 +219,7 @@ class Estimator:
 
     def __init__(self, settings: CostSettings) -> None:
         self.s = settings
+        self._links = {cls: settings.link(cls) for cls in LINK_CLASSES}
 
     def prefill_rate(self, w: WorkerState, local: bool) -> float:
         if w.prefill_tokens_per_s > 0:
@@ -251,8 +253,8 @@ class Estimator:
         return (busy + d.waiting) * step_s + full
 
     def transfer_s(self, query: RouteQuery, p: WorkerState, d: WorkerState) -> tuple[float, str]:
-        cls = link_class(p.topology, d.topology, self.s.unlabeled_link)
-        bytes_per_s, latency_s = self.s.link(cls)
+        cls = link_class(p, d, self.s.unlabeled_link)
+        bytes_per_s, latency_s = self._links[cls]
         kv_bytes = query.num_tokens * (d.kv_bytes_per_token or self.s.kv_bytes_per_token)
         return latency_s + kv_bytes / bytes_per_s, cls
 
@@ -277,14 +279,15 @@ class Estimator:
         return PlanScore(p.worker_id if p else None, d.worker_id, terms, ttft, ttft + interference_s)
 
 
+Candidate = tuple[float, "WorkerState | None", WorkerState]
+
+
 def compatible(p: WorkerState, d: WorkerState) -> bool:
     """A prefill worker's KV is readable by the decode worker: same model fingerprint and block size."""
     return p.fingerprint == d.fingerprint and p.block_size == d.block_size
 
 
-def shape_rule(
-    mode: str, query: RouteQuery, prefills: list[WorkerState], min_tokens: int
-) -> tuple[bool | None, str]:
+def shape_rule(mode: str, query: RouteQuery, prefills: list[WorkerState]) -> tuple[bool | None, str]:
     """(remote?, why): True/False forced by the mode or the facts; None: the policy decides (ttft, auto)."""
     if mode == "agg":
         return False, "mode agg"
@@ -337,6 +340,7 @@ class Policy:
     """Shared frame: eligibility, plan shape by mode, explanation. Subclasses pick workers."""
 
     name = ""
+    reason = ""  # a baseline's reason: the name of its one rule
 
     def __init__(
         self,
@@ -356,7 +360,7 @@ class Policy:
         if not decodes:
             raise NoWorkerError("no decode workers")
         prefills = view.eligible("prefill", query) if query.need_prefill else []
-        remote, why = shape_rule(self.mode, query, prefills, self.disagg_min_prompt_tokens)
+        remote, why = shape_rule(self.mode, query, prefills)
         return self.decide(view, query, prefills, decodes, remote, why)
 
     def decide(
@@ -391,12 +395,10 @@ class Policy:
         runner = self.estimator.plan(query, None, ranked_d[1], overlaps) if len(ranked_d) > 1 else None
         return Decision(self.name, self.reason, chosen, runner, f"agg: {why}")
 
-    # the baselines' one rule: best first; `prefilling` says whether the worker runs the prompt
-    reason = ""
-
     def rank(
         self, query: RouteQuery, workers: list[WorkerState], overlaps: dict[str, int], prefilling: bool
     ) -> list[WorkerState]:
+        """A baseline's one rule: workers best first; `prefilling` says whether the worker runs the prompt."""
         raise NotImplementedError
 
 
@@ -555,17 +557,24 @@ class SglCacheAware(Policy):
 
 class TtftEstimate(Policy):
     """The minimum estimated TTFT over every (prefill worker | local, decode worker) plan the mode allows,
-    by the cost model; among plans within `near_best_ratio` / `near_best_s` of the best, the one ranked
-    highest for this request id (so router replicas with the same stale view do not herd)."""
+    by the cost model; among the `near_best_max` best plans within `near_best_ratio` / `near_best_s` of the
+    best, the one ranked highest for this request id (so router replicas with the same stale view do not
+    herd)."""
 
     name = "ttft"
 
     def __init__(
-        self, *args: object, near_best_ratio: float = 0.05, near_best_s: float = 0.002, **kw: object
+        self,
+        *args: object,
+        near_best_ratio: float = 0.05,
+        near_best_s: float = 0.002,
+        near_best_max: int = 8,
+        **kw: object,
     ) -> None:
         super().__init__(*args, **kw)  # type: ignore[arg-type]
         self.near_best_ratio = near_best_ratio
         self.near_best_s = near_best_s
+        self.near_best_max = max(1, near_best_max)
 
     def decide(
         self,
@@ -578,63 +587,97 @@ class TtftEstimate(Policy):
     ) -> Decision:
         overlaps = view.overlaps(query)
         est = self.estimator
-        plans: list[PlanScore] = []
+        weight = self.settings.interference_weight
+        admission = {d.worker_id: est.admission_s(query, d) for d in decodes}
+        # (score, prefilling worker or None for local, decode worker); PlanScores only for the two that matter
+        candidates: list[Candidate] = []
         if remote is not True:
-            plans += [est.plan(query, None, d, overlaps) for d in decodes]
+            for d in decodes:
+                queue_s, prefill_s, _, _ = est.prefill_side(query, d, overlaps, local=True)
+                score = queue_s + prefill_s + admission[d.worker_id] + prefill_s * d.running * weight
+                candidates.append((score, None, d))
         if remote is not False:
-            plans += self._remote_plans(query, prefills, decodes, overlaps)
-        if not plans:  # disagg forced but nothing compatible
+            candidates += self._remote_candidates(query, prefills, decodes, overlaps, admission)
+        if not candidates:  # disagg forced but nothing compatible
             why = f"{why}; no prefill worker compatible with any decode worker"
-            plans = [est.plan(query, None, d, overlaps) for d in decodes]
-        best = min(p.score for p in plans)
+            return self.decide(view, query, prefills, decodes, False, why)
+        best = min(c[0] for c in candidates)
         bar = best * (1 + self.near_best_ratio) + self.near_best_s
-        near = [p for p in plans if p.score <= bar]
-        chosen = max(near, key=lambda p: rendezvous(query.request_id, f"{p.prefill}|{p.decode}"))
-        others = [p for p in plans if p is not chosen]
-        runner_up = min(others, key=lambda p: p.score) if others else None
+        rid = query.request_id
+        near = heapq.nsmallest(self.near_best_max, (c for c in candidates if c[0] <= bar), key=lambda c: c[0])
+        chosen_c = max(
+            near, key=lambda c: rendezvous(rid, f"{c[1].worker_id if c[1] else ''}|{c[2].worker_id}")
+        )
+        others = [c for c in candidates if c is not chosen_c]
+        runner_c = min(others, key=lambda c: c[0]) if others else None
+        chosen = est.plan(query, chosen_c[1], chosen_c[2], overlaps)
+        runner_up = est.plan(query, runner_c[1], runner_c[2], overlaps) if runner_c else None
         shape = "agg" if chosen.prefill is None else "disagg"
         return Decision(self.name, term_reason(chosen, runner_up), chosen, runner_up, f"{shape}: {why}")
 
-    def _remote_plans(
+    def _remote_candidates(
         self,
         query: RouteQuery,
         prefills: list[WorkerState],
         decodes: list[WorkerState],
         overlaps: dict[str, int],
-    ) -> list[PlanScore]:
-        """Per decode worker, every prefill worker whose plan could be near-best for it.
+        admission: dict[str, float],
+    ) -> list[Candidate]:
+        """Per decode worker, the prefill workers whose plan could be near-best for it, scored.
 
         A remote plan's score is side(p) + transfer(link class of p and d) + admission(d), so for a decode
         worker only the best few prefill workers of each topology group (same node, rack, zone, any) matter:
-        P·D pairs become about 4·D, which keeps a decision under a millisecond at 64 × 64 workers."""
+        P·D pairs become at most 4 groups × 3 per decode worker, picked once per distinct decode-worker label
+        set, which keeps a decision well under a millisecond at 64 workers."""
         est = self.estimator
-        side = {}
+        side: dict[str, float] = {}
         for p in prefills:
             queue_s, prefill_s, _, _ = est.prefill_side(query, p, overlaps, local=False)
             side[p.worker_id] = queue_s + prefill_s
         groups: dict[tuple[str, str], list[WorkerState]] = {}
         for p in sorted(prefills, key=lambda p: side[p.worker_id]):
-            for label in ("node", "rack", "zone"):
-                value = getattr(p, label)
+            for label, value in (("node", p.node), ("rack", p.rack), ("zone", p.zone)):
                 if value:
                     groups.setdefault((label, value), []).append(p)
             groups.setdefault(("any", ""), []).append(p)
-        keep = 4  # best few of each group: the near-best set of a burst spreads over more than one
-        plans: list[PlanScore] = []
+        keep = 3  # best few of each group: the near-best set of a burst spreads over more than one
+        # decode workers with the same labels and KV format see the same prefill candidates: pick them once
+        by_key: dict[tuple[str, str, str, str, int, int], list[tuple[float, WorkerState]]] = {}
+        out: list[Candidate] = []
         for d in decodes:
-            seen: set[str] = set()
-            candidates: list[WorkerState] = []
-            for key in (("node", d.node), ("rack", d.rack), ("zone", d.zone), ("any", "")):
-                if key[0] != "any" and not key[1]:
-                    continue
-                for p in groups.get(key, [])[:keep]:
-                    if p.worker_id not in seen and compatible(p, d):
-                        seen.add(p.worker_id)
-                        candidates.append(p)
-            if len(candidates) < keep:  # the best few were incompatible: look at the rest
-                candidates += [p for p in prefills if p.worker_id not in seen and compatible(p, d)][:keep]
-            plans += [est.plan(query, p, d, overlaps) for p in candidates]
-        return plans
+            key = (d.node, d.rack, d.zone, d.fingerprint, d.block_size, d.kv_bytes_per_token)
+            scored = by_key.get(key)
+            if scored is None:
+                scored = by_key[key] = [
+                    (side[p.worker_id] + est.transfer_s(query, p, d)[0], p)
+                    for p in self._picks(d, groups, keep)
+                ]
+                if len(scored) < keep:  # the best few were incompatible: look at the rest
+                    seen = {p.worker_id for _, p in scored}
+                    scored += [
+                        (side[p.worker_id] + est.transfer_s(query, p, d)[0], p)
+                        for p in prefills
+                        if p.worker_id not in seen and compatible(p, d)
+                    ][:keep]
+            base = admission[d.worker_id]
+            out += [(x + base, p, d) for x, p in scored]
+        return out
+
+    @staticmethod
+    def _picks(
+        d: WorkerState, groups: dict[tuple[str, str], list[WorkerState]], keep: int
+    ) -> list[WorkerState]:
+        """The best `keep` compatible prefill workers of each topology group d belongs to, nearest first."""
+        seen: set[str] = set()
+        picked: list[WorkerState] = []
+        for key in (("node", d.node), ("rack", d.rack), ("zone", d.zone), ("any", "")):
+            if key[0] != "any" and not key[1]:
+                continue
+            for p in groups.get(key, [])[:keep]:
+                if p.worker_id not in seen and compatible(p, d):
+                    seen.add(p.worker_id)
+                    picked.append(p)
+        return picked
 
 
 def make_policy(name: str = DEFAULT_POLICY, mode: str = "auto", **kw: object) -> Policy:

@@ -39,6 +39,7 @@ class Reservations:
         self.arrival_grace_s = arrival_grace_s
         self._by_worker: dict[str, deque[_Reservation]] = {}
         self._hashes: dict[str, Counter[int]] = {}
+        self._oldest = float("inf")  # no reservation is older than this (a lower bound)
 
     def reserve(
         self, decision: Decision, query: RouteQuery, workers: dict[str, WorkerState], now: float
@@ -62,12 +63,15 @@ class Reservations:
         self._drop_older_than(worker, now - self.arrival_grace_s)
 
     def expire(self, workers: dict[str, WorkerState], now: float) -> None:
+        if now - self.ttl_s < self._oldest:
+            return  # nothing old enough (the common case: skip the walk over every worker)
         for worker_id in list(self._by_worker):
             w = workers.get(worker_id)
             if w is None:
                 self.forget(worker_id)
             else:
                 self._drop_older_than(w, now - self.ttl_s)
+        self._oldest = min((q[0].at for q in self._by_worker.values() if q), default=float("inf"))
 
     def forget(self, worker_id: str) -> None:
         self._by_worker.pop(worker_id, None)
@@ -98,6 +102,7 @@ class Reservations:
 
     def _add(self, w: WorkerState, r: _Reservation) -> None:
         self._by_worker.setdefault(w.worker_id, deque()).append(r)
+        self._oldest = min(self._oldest, r.at)
         w.pending_requests += r.requests
         w.pending_prefill_tokens += r.prefill_tokens
         w.pending_decode_blocks += r.decode_blocks

@@ -284,6 +284,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         t, "--near-best-ratio", 0.05, "plans within this fraction of the best are spread by request id", float
     )
     add_flag(t, "--near-best-s", 0.002, "… or within this many seconds of the best", float)
+    add_flag(t, "--near-best-max", 8, "… at most this many of the best plans", int)
     for f in dataclasses.fields(CostSettings):
         add_flag(t, _flag(f.name), f.default, f.metadata["help"], type(f.default))
     b = parser.add_argument_group("baseline policies")
@@ -298,7 +299,11 @@ def policy_from_args(args: argparse.Namespace) -> Policy:
     settings = CostSettings(**{f.name: getattr(args, f.name) for f in dataclasses.fields(CostSettings)})
     extra: dict[str, object] = {}
     if args.policy == "ttft":
-        extra = {"near_best_ratio": args.near_best_ratio, "near_best_s": args.near_best_s}
+        extra = {
+            "near_best_ratio": args.near_best_ratio,
+            "near_best_s": args.near_best_s,
+            "near_best_max": args.near_best_max,
+        }
     elif args.policy == "dynamo_kv":
         extra = {"overlap_weight": args.overlap_weight, "temperature": args.router_temperature}
     elif args.policy == "sgl_cache_aware":
