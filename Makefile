@@ -8,7 +8,7 @@ export HF_HUB_OFFLINE := 1
 export TRANSFORMERS_OFFLINE := 1
 export PYTHONUNBUFFERED := 1
 
-.PHONY: setup proto test lint typecheck unit bench gpu-check run clean images helm
+.PHONY: setup proto test lint typecheck unit bench gpu-check run clean images helm sim bench-cluster
 
 setup: $(STAMP) proto
 
@@ -58,6 +58,13 @@ bench: setup
 	$(BIN)/python -m bench.kvtransfer_bench
 	$(BIN)/python -m bench.disagg_bench
 	$(BIN)/python -m bench.router_bench
+
+# loadgen: the simulator's experiments (deterministic, CPU only) and the real-cluster runs; results in bench/results/
+sim: setup
+	$(BIN)/python -m loadgen.experiments --out bench/results/sim
+
+bench-cluster: setup
+	$(BIN)/python -m loadgen.validate --out bench/results/cluster
 
 gpu-check: setup
 	$(BIN)/python scripts/gpu_check.py

@@ -99,6 +99,15 @@ def main(argv: list[str] | None = None) -> int:
     launcher.add_arguments(up)
     up.set_defaults(func=launcher.run)
 
+    bench = sub.add_parser(
+        "bench", help="load generator and simulator: run a workload at an endpoint, compare runs, simulate"
+    )
+    from loadgen.cli import add_arguments as add_bench_arguments
+    from loadgen.cli import run_parsed as run_bench
+
+    add_bench_arguments(bench)
+    bench.set_defaults(func=run_bench)
+
     for name, help_text in _SERVICES.items():
         sp = sub.add_parser(name, help=help_text)
         sp.set_defaults(service=name)

@@ -1,0 +1,466 @@
+"""A deterministic discrete-event simulation of a rackserve cluster: no network, no model, only time.
+
+What it models, and how simply:
+- frontend: at most `max_inflight` requests admitted; the rest wait in FIFO order (queue time).
+- routing: the live router's policy objects (services/router/policy.py) over an exact view of every worker's
+  state and a PrefixIndex fed by the workers' cache events (loadgen/sim/routing.py).
+- prefill workers: FIFO, chunked prefill (`max_prefill_chunk_tokens` per step, several requests per step),
+  prefix cache of chained block hashes (services/engine/block_hash.py) with LRU eviction; the cache holds what
+  running requests do not (capacity in blocks). The prefill emits the first token.
+- KV transfer: the prompt's KV bytes over the link class between the two workers (same node / rack / across
+  racks); transfers queue on the sending and the receiving worker's one NIC.
+- decode workers: continuous batching up to `max_batch`, admission by free KV blocks (prompt + output reserved);
+  a worker in aggregated mode also runs prefill chunks, and those chunks stall its decode steps — the
+  interference that disaggregation removes.
+- failures: at a given time a worker dies; its queued and running requests migrate (re-routed; a request that
+  was decoding is rebuilt by a local prefill of prompt + emitted tokens on its new decode worker), up to
+  `migration_limit` times, else it fails.
+Same workload, config and seed → the same results, bit for bit (no wall clock, no unordered iteration).
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+from collections import Counter, OrderedDict, deque
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+from loadgen.report import RequestResult
+from loadgen.sim.profile import Profile
+from loadgen.sim.routing import SimRouter
+from loadgen.workload import RequestSpec
+
+
+@dataclass
+class ClusterConfig:
+    prefill_workers: int = 1
+    decode_workers: int = 1
+    mode: str = "auto"  # the router's mode: agg (no prefill pool) | disagg | auto (the policy decides)
+    policy: str = "ttft"
+    max_inflight: int = 1_000_000
+    migration_limit: int = 3
+    failures: list[tuple[float, str]] = field(default_factory=list)  # (time s, worker id)
+    seed: int = 0
+    placement: dict[str, tuple[str, str]] = field(default_factory=dict)  # worker id → (node, rack) override
+    rate_error: float = 1.0  # the router believes prefill runs this many times faster than it does
+
+    def __post_init__(self) -> None:
+        if self.mode not in ("agg", "disagg", "auto"):
+            raise ValueError(f"mode must be agg, disagg or auto, got {self.mode!r}")
+        if self.decode_workers < 1:
+            raise ValueError("at least one decode worker")
+        if self.mode != "agg" and self.prefill_workers < 1:
+            raise ValueError(f"mode {self.mode} needs at least one prefill worker")
+
+
+@dataclass
+class Req:
+    spec: RequestSpec
+    hashes: list[int]
+    arrival_s: float
+    prefill_worker: str | None = None
+    decode_worker: str = ""
+    input_tokens: int = 0  # tokens to prefill now (prompt, or prompt + emitted after a migration)
+    cached_tokens: int = 0
+    remaining_prefill: int = 0
+    token_times: list[float] = field(default_factory=list)
+    t_admit: float | None = None
+    t_prefill_start: float | None = None
+    t_first: float | None = None
+    t_transfer_end: float | None = None
+    t_decode_start: float | None = None
+    t_done: float | None = None
+    migrations: int = 0
+    failed: str | None = None
+    blocks_held: int = 0
+    first_cached: int | None = None
+    estimated_ttft_s: float | None = None  # the router's estimate at the first decision
+
+    @property
+    def emitted(self) -> int:
+        return len(self.token_times)
+
+
+class Worker:
+    def __init__(self, sim: Simulator, worker_id: str, role: str, node: str, rack: str) -> None:
+        self.sim, self.worker_id, self.role, self.node, self.rack = sim, worker_id, role, node, rack
+        self.capacity = sim.profile.kv_capacity_blocks
+        self.used = 0  # blocks held by requests here
+        self.cache: OrderedDict[int, None] = OrderedDict()  # free cached blocks, LRU: oldest first
+        self.held: dict[int, int] = {}  # computed blocks that requests here still hold (shareable too): refs
+        self.prefill_queue: deque[Req] = deque()
+        self.pending: Counter[int] = Counter()  # block hashes of queued prefills (soon cached)
+        self.admit_queue: deque[Req] = deque()
+        self.running: list[Req] = []
+        self.busy = False
+        self.dead = False
+        self.nic_free_s = 0.0
+        self.queued_tokens = 0
+
+    # ---- KV blocks -------------------------------------------------------------------------------------------
+    def match(self, hashes: Sequence[int]) -> int:
+        n = 0
+        for h in hashes:
+            if h not in self.cache and h not in self.held:
+                break
+            n += 1
+        return n
+
+    def pending_match(self, hashes: Sequence[int]) -> int:
+        n = 0
+        for h in hashes:
+            if h not in self.cache and h not in self.held and self.pending[h] <= 0:
+                break
+            n += 1
+        return n
+
+    def _fit_cache(self) -> None:
+        gone = []
+        while self.cache and len(self.cache) > self.capacity - self.used:
+            gone.append(self.cache.popitem(last=False)[0])
+        gone = [h for h in gone if h not in self.held]
+        if gone:
+            self.sim.router.evicted(self.worker_id, gone)
+
+    def allocate(self, blocks: int) -> bool:
+        if self.used + blocks > self.capacity:
+            return False
+        self.used += blocks
+        self._fit_cache()
+        return True
+
+    def release(self, blocks: int, hashes: list[int]) -> None:
+        self.used -= blocks
+        held, cache = self.held, self.cache
+        for h in hashes:
+            n = held.get(h, 0) - 1
+            if n > 0:
+                held[h] = n
+            else:
+                held.pop(h, None)
+            cache[h] = None
+            cache.move_to_end(h)
+        self._fit_cache()
+
+    def computed(self, hashes: list[int]) -> None:
+        """A prefill finished: its blocks are cached while the request still holds them; the new ones are
+        announced to the router's index (a worker's KV-stored event)."""
+        held, cache = self.held, self.cache
+        new = [h for h in hashes if h not in held and h not in cache]
+        for h in hashes:
+            held[h] = held.get(h, 0) + 1
+        if new:
+            self.sim.router.stored(self.worker_id, new)
+
+    def touch(self, hashes: Sequence[int]) -> None:
+        for h in hashes:
+            if h in self.cache:
+                self.cache.move_to_end(h)
+
+    def step_estimate_s(self) -> float:
+        """The decode step time now (what this worker's load report would say)."""
+        ctx = sum(r.input_tokens + r.emitted for r in self.running)
+        return self.sim.profile.decode_step_s(max(1, len(self.running)), ctx)
+
+
+class Simulator:
+    def __init__(self, profile: Profile, cfg: ClusterConfig) -> None:
+        self.profile, self.cfg = profile, cfg
+        self.router = SimRouter(profile, cfg.policy, cfg.mode, cfg.rate_error)
+        self.now = 0.0
+        self._events: list[tuple[float, int, Callable[[], None]]] = []
+        self._seq = 0
+        self.workers: dict[str, Worker] = {}
+        per_node, per_rack = profile.workers_per_node, profile.workers_per_node * profile.nodes_per_rack
+        k = 0
+        for role, n in (
+            ("prefill", cfg.prefill_workers if cfg.mode != "agg" else 0),
+            ("decode", cfg.decode_workers),
+        ):
+            for i in range(n):
+                wid = f"{role}-{i}"
+                node, rack = cfg.placement.get(wid, (f"node{k // per_node}", f"rack{k // per_rack}"))
+                self.workers[wid] = Worker(self, wid, role, node, rack)
+                self.router.add_worker(self.workers[wid])
+                k += 1
+        self.frontend_queue: deque[Req] = deque()
+        self.inflight = 0
+        self.reqs: list[Req] = []
+        self.route_reasons: Counter[str] = Counter()
+
+    def warm(self, worker_id: str, hashes: list[int]) -> None:
+        """Put blocks in a worker's prefix cache before the run (a scenario's starting state)."""
+        w = self.workers[worker_id]
+        w.computed(hashes)
+        w.release(0, hashes)
+
+    # ---- event loop ------------------------------------------------------------------------------------------
+    def at(self, t: float, fn: Callable[[], None]) -> None:
+        self._seq += 1
+        heapq.heappush(self._events, (t, self._seq, fn))
+
+    def link_class(self, a: Worker, b: Worker) -> str:
+        if a.worker_id == b.worker_id:
+            return "same_worker"
+        if a.node == b.node:
+            return "same_node"
+        return "same_rack" if a.rack == b.rack else "cross_rack"
+
+    def run(self, specs: Sequence[RequestSpec], hashes: Sequence[list[int]]) -> list[RequestResult]:
+        for spec, hs in zip(specs, hashes, strict=True):
+            r = Req(spec, hs, spec.arrival_s, input_tokens=spec.input_tokens)
+            self.reqs.append(r)
+            self.at(spec.arrival_s, lambda r=r: self._arrive(r))
+        for t, wid in self.cfg.failures:
+            self.at(t, lambda wid=wid: self._fail_worker(wid))
+        while self._events:
+            t, _, fn = heapq.heappop(self._events)
+            self.now = t
+            fn()
+        return [self._result(r) for r in self.reqs]
+
+    # ---- frontend and routing -------------------------------------------------------------------------------
+    def _arrive(self, r: Req) -> None:
+        self.frontend_queue.append(r)
+        self._admit()
+
+    def _admit(self) -> None:
+        while self.frontend_queue and self.inflight < self.cfg.max_inflight:
+            r = self.frontend_queue.popleft()
+            self.inflight += 1
+            r.t_admit = self.now
+            self._route(r)
+
+    def _alive(self, role: str, exclude: set[str]) -> list[Worker]:
+        return [
+            w for w in self.workers.values() if w.role == role and not w.dead and w.worker_id not in exclude
+        ]
+
+    def _route(self, r: Req, exclude: frozenset[str] = frozenset(), local_only: bool = False) -> None:
+        if not self._alive("decode", set(exclude)):
+            return self._finish(r, failed="no live decode worker")
+        d = self.router.route(r.spec.request_id, r.hashes, r.input_tokens, exclude, local_only)
+        self.route_reasons[d.reason] += 1
+        r.decode_worker, r.prefill_worker = d.decode, d.prefill
+        r.estimated_ttft_s = r.estimated_ttft_s if r.estimated_ttft_s is not None else d.estimated_ttft_s
+        self._enqueue_prefill(self.workers[d.prefill or d.decode], r)
+
+    # ---- prefill ---------------------------------------------------------------------------------------------
+    def _enqueue_prefill(self, w: Worker, r: Req) -> None:
+        if math.ceil((r.input_tokens + r.spec.output_tokens) / self.profile.block_size) > w.capacity:
+            return self._finish(r, failed=f"{r.input_tokens} prompt tokens exceed a worker's KV capacity")
+        est_cached = min(w.match(r.hashes) * self.profile.block_size, r.input_tokens - 1)
+        r.remaining_prefill = r.input_tokens - est_cached  # re-estimated when it starts
+        w.queued_tokens += r.remaining_prefill
+        w.pending.update(r.hashes)
+        w.prefill_queue.append(r)
+        self._kick(w)
+
+    def _start_prefill(self, w: Worker, r: Req) -> bool:
+        """Look up the cache, reserve blocks; False when the blocks are not there yet."""
+        bs = self.profile.block_size
+        need = math.ceil(r.input_tokens / bs)
+        if w.role == "decode":
+            need = math.ceil((r.input_tokens + r.spec.output_tokens) / bs)
+        if not w.allocate(need):
+            return False
+        r.blocks_held = need
+        hit = w.match(r.hashes)
+        w.touch(r.hashes[:hit])
+        cached = min(hit * bs, r.input_tokens - 1)
+        w.queued_tokens -= r.remaining_prefill
+        r.cached_tokens = cached
+        if r.first_cached is None:
+            r.first_cached = cached
+        r.remaining_prefill = r.input_tokens - cached
+        w.queued_tokens += r.remaining_prefill
+        if r.t_prefill_start is None:
+            r.t_prefill_start = self.now
+        return True
+
+    def _kick(self, w: Worker) -> None:
+        if w.busy or w.dead:
+            return
+        p = self.profile
+        budget = p.max_prefill_chunk_tokens
+        chunks: list[tuple[Req, int]] = []
+        step_s = 0.0
+        for r in list(w.prefill_queue):
+            if budget <= 0:
+                break
+            if r.t_prefill_start is None or r.blocks_held == 0:
+                if not self._start_prefill(w, r):
+                    break  # FIFO: later requests wait for blocks too
+            n = min(budget, r.remaining_prefill)
+            done = r.input_tokens - r.remaining_prefill
+            step_s += n / p.prefill_tokens_per_s + n * (done + n / 2) * p.attn_s_per_token_pair
+            chunks.append((r, n))
+            budget -= n
+        if chunks:
+            step_s += p.prefill_overhead_s
+        if w.role == "decode":
+            self._admit_decode(w)
+        batch = w.running[: p.max_batch] if w.role == "decode" else []
+        if batch:
+            step_s += p.decode_step_s(len(batch), sum(r.input_tokens + r.emitted for r in batch))
+        if not chunks and not batch:
+            return
+        w.busy = True
+        self.at(self.now + step_s, lambda: self._step_done(w, chunks, batch))
+
+    def _step_done(self, w: Worker, chunks: list[tuple[Req, int]], batch: list[Req]) -> None:
+        w.busy = False
+        if w.dead:
+            return
+        for r, n in chunks:
+            r.remaining_prefill -= n
+            w.queued_tokens -= n
+            if r.remaining_prefill == 0:
+                w.prefill_queue.remove(r)
+                w.pending.subtract(r.hashes)
+                self._prefill_finished(w, r)
+        for r in batch:
+            if r.decode_worker != w.worker_id or r.t_done is not None:
+                continue  # migrated away during the step
+            r.token_times.append(self.now)
+            if r.emitted >= r.spec.output_tokens:
+                w.running.remove(r)
+                w.release(r.blocks_held, r.hashes)
+                self._finish(r)
+        self._kick(w)
+
+    def _prefill_finished(self, w: Worker, r: Req) -> None:
+        w.computed(r.hashes)
+        if not r.token_times:
+            r.token_times.append(self.now)  # the prefill emits the first token
+            r.t_first = self.now
+        if r.emitted >= r.spec.output_tokens:
+            w.release(r.blocks_held, r.hashes)
+            return self._finish(r)
+        if w.role == "decode":  # aggregated: it decodes here, its blocks already reserved
+            r.t_transfer_end = r.t_decode_start = self.now
+            w.running.append(r)
+            return
+        # disaggregated: ship the KV over this worker's NIC, then the decode worker admits it
+        d = self.workers[r.decode_worker]
+        nbytes = r.input_tokens * self.profile.kv_bytes_per_token
+        start = max(self.now, w.nic_free_s, d.nic_free_s)  # one NIC each side: sends and receives queue
+        end = start + self.profile.transfer_s(nbytes, self.link_class(w, d))
+        w.nic_free_s = d.nic_free_s = end
+        held = r.blocks_held
+
+        def arrived() -> None:
+            if not w.dead:
+                w.release(held, r.hashes)
+            if r.t_done is not None or r.decode_worker != d.worker_id:
+                return
+            if d.dead:
+                return self._migrate(r, d)
+            r.t_transfer_end = self.now
+            r.blocks_held = 0
+            d.admit_queue.append(r)
+            self._kick(d)
+
+        self.at(end, arrived)
+
+    def _admit_decode(self, d: Worker) -> None:
+        bs = self.profile.block_size
+        while d.admit_queue and len(d.running) < self.profile.max_batch:
+            r = d.admit_queue[0]
+            need = math.ceil((r.input_tokens + r.spec.output_tokens) / bs)
+            if not d.allocate(need):
+                break
+            d.admit_queue.popleft()
+            d.computed(r.hashes)  # the pulled KV blocks are in its cache now
+            r.blocks_held = need
+            r.t_decode_start = self.now
+            d.running.append(r)
+
+    # ---- failures and migration ----------------------------------------------------------------------------
+    def _fail_worker(self, wid: str) -> None:
+        w = self.workers[wid]
+        w.dead = True
+        self.router.worker_died(wid)
+        # requests still prefilling elsewhere or in transfer towards it migrate when their KV arrives
+        victims = list(w.prefill_queue) + list(w.admit_queue) + list(w.running)
+        w.prefill_queue.clear()
+        w.admit_queue.clear()
+        w.running.clear()
+        for r in sorted(victims, key=lambda r: r.spec.request_id):
+            self._migrate(r, w)
+
+    def _migrate(self, r: Req, dead: Worker) -> None:
+        if r.t_done is not None:
+            return
+        r.migrations += 1
+        if r.migrations > self.cfg.migration_limit:
+            return self._finish(r, failed=f"migration limit {self.cfg.migration_limit} reached")
+        # rebuild: prefill prompt + emitted tokens again, on the new decode worker itself
+        r.input_tokens = r.spec.input_tokens + r.emitted
+        r.blocks_held = 0
+        r.t_decode_start = None
+        self._route(r, exclude=frozenset({dead.worker_id}), local_only=r.emitted > 0)
+
+    # ---- results -------------------------------------------------------------------------------------------
+    def _finish(self, r: Req, failed: str | None = None) -> None:
+        r.t_done = self.now
+        r.failed = failed
+        self.inflight -= 1
+        self._admit()
+
+    def _result(self, r: Req) -> RequestResult:
+        t = r.token_times
+        ok = r.failed is None and r.t_done is not None and bool(t)
+        phases = None
+        if ok and r.t_prefill_start is not None and r.t_first is not None:
+            end_transfer = r.t_transfer_end if r.t_transfer_end is not None else r.t_first
+            phases = {
+                "queue": r.t_prefill_start - r.arrival_s,
+                "prefill": r.t_first - r.t_prefill_start,
+                "transfer": max(0.0, end_transfer - r.t_first),
+                "decode": max(0.0, t[-1] - end_transfer),
+            }
+        return RequestResult(
+            request_id=r.spec.request_id,
+            input_tokens=r.spec.input_tokens,
+            output_tokens=len(t),
+            requested_output_tokens=r.spec.output_tokens,
+            start_s=r.arrival_s,
+            ok=ok,
+            status=200 if ok else 503,
+            error=r.failed,
+            ttft_s=t[0] - r.arrival_s if t else None,
+            itl_s=[b - a for a, b in zip(t, t[1:], strict=False)],
+            e2e_s=(t[-1] if t else (r.t_done or r.arrival_s)) - r.arrival_s,
+            phases_s=phases,
+            cached_tokens=r.first_cached,
+        )
+
+
+def block_hashes_for(specs: Sequence[RequestSpec], block_size: int) -> list[list[int]]:
+    """Each request's chained block hashes by the engine's own function (trace requests via their hash ids)."""
+    from loadgen.trace import TraceBlockHasher
+    from services.engine.block_hash import block_hashes
+
+    tracer = TraceBlockHasher(block_size)
+    out = []
+    for s in specs:
+        if s.token_ids is not None:
+            out.append(block_hashes(s.token_ids, block_size))
+        elif "hash_ids" in s.tags:
+            out.append(tracer.hashes(s))
+        else:
+            raise ValueError(f"request {s.request_id}: the simulator needs token ids or trace hash ids")
+    return out
+
+
+def simulate(
+    specs: Sequence[RequestSpec],
+    profile: Profile,
+    cfg: ClusterConfig,
+    hashes: Sequence[list[int]] | None = None,
+) -> tuple[list[RequestResult], Simulator]:
+    sim = Simulator(profile, cfg)
+    results = sim.run(specs, hashes if hashes is not None else block_hashes_for(specs, profile.block_size))
+    return results, sim

@@ -1,0 +1,94 @@
+"""Cost models as data: how long a prefill chunk, a decode step and a KV transfer take on some hardware.
+
+A profile is a JSON file in loadgen/profiles/. `source` says where its numbers come from — measured on this
+machine's real cluster (loadgen/measure_profile.py) or written from published figures — and the simulator copies
+it into every report, so a number is never read without its provenance.
+
+  prefill_s(new, ctx)   = prefill_overhead_s + new / prefill_tokens_per_s + new * (ctx + new/2) * attn_s_per_token_pair
+  decode_step_s(b, ctx) = decode_base_s + b * decode_per_seq_s + ctx * decode_per_ctx_token_s   (ctx: batch's tokens)
+  transfer_s(bytes, link) = links[link].latency_s + bytes / (links[link].gbps * 1e9)
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import asdict, dataclass, field
+
+PROFILE_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "profiles")
+LINK_CLASSES = ("same_worker", "same_node", "same_rack", "cross_rack")
+
+
+@dataclass(frozen=True)
+class Link:
+    gbps: float  # GB/s (bytes, not bits)
+    latency_s: float
+
+
+@dataclass(frozen=True)
+class Profile:
+    name: str
+    source: str  # "measured: …" or "published figures: …"
+    model: str
+    block_size: int
+    kv_bytes_per_token: int
+    kv_capacity_blocks: int  # per worker
+    prefill_tokens_per_s: float
+    prefill_overhead_s: float
+    attn_s_per_token_pair: float
+    max_prefill_chunk_tokens: int  # chunked prefill: tokens per step
+    decode_base_s: float
+    decode_per_seq_s: float
+    decode_per_ctx_token_s: float
+    max_batch: int
+    links: dict[str, Link] = field(default_factory=dict)
+    workers_per_node: int = 8
+    nodes_per_rack: int = 1
+    notes: str = ""
+
+    def prefill_s(self, new_tokens: int, ctx_tokens: int) -> float:
+        return (
+            self.prefill_overhead_s
+            + new_tokens / self.prefill_tokens_per_s
+            + new_tokens * (ctx_tokens + new_tokens / 2) * self.attn_s_per_token_pair
+        )
+
+    def prefill_compute_s(self, new_tokens: int, ctx_tokens: int) -> float:
+        """Compute for `new_tokens` after `ctx_tokens` cached ones, split into chunks as the worker runs it."""
+        total, done = 0.0, 0
+        while done < new_tokens:
+            n = min(self.max_prefill_chunk_tokens, new_tokens - done)
+            total += self.prefill_s(n, ctx_tokens + done)
+            done += n
+        return total
+
+    def decode_step_s(self, batch: int, ctx_tokens: int) -> float:
+        return self.decode_base_s + batch * self.decode_per_seq_s + ctx_tokens * self.decode_per_ctx_token_s
+
+    def transfer_s(self, nbytes: int, link: str) -> float:
+        if link == "same_worker":
+            return 0.0
+        lk = self.links[link]
+        return lk.latency_s + nbytes / (lk.gbps * 1e9)
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def load_profile(name_or_path: str) -> Profile:
+    path = name_or_path
+    if not os.path.exists(path):
+        path = os.path.join(PROFILE_DIR, f"{name_or_path}.json")
+    if not os.path.exists(path):
+        known = sorted(f[:-5] for f in os.listdir(PROFILE_DIR) if f.endswith(".json"))
+        raise FileNotFoundError(
+            f"no profile {name_or_path!r}; known: {', '.join(known)} (or give a .json path)"
+        )
+    with open(path) as f:
+        raw = json.load(f)
+    raw["links"] = {k: Link(**v) for k, v in raw.get("links", {}).items()}
+    raw = {k: v for k, v in raw.items() if not k.startswith("_")}
+    missing = [c for c in LINK_CLASSES[1:] if c not in raw["links"]]
+    if missing:
+        raise ValueError(f"profile {path}: links lacks {missing}")
+    return Profile(**raw)
