@@ -36,9 +36,9 @@ from typing import Protocol
 
 import grpc
 
-from services.frontend import metrics
 from services.frontend.errors import SERVER_ERROR, ApiError, from_grpc, timed_out, unavailable
 from services.rpc import pb, pb_grpc
+from services.telemetry import metrics
 
 log = logging.getLogger("rackserve.frontend")
 
@@ -130,6 +130,7 @@ class RequestState:
     transfer_bytes: int = 0  # the KV transfer of a disaggregated request, as the decode worker reported it
     transfer_s: float = 0.0
     transfer_backend: str | None = None
+    parent_traceparent: str | None = None  # the client's traceparent, the parent of our `request` span
 
     def __post_init__(self) -> None:
         if not self.timeline:
@@ -286,6 +287,7 @@ class Coordinator:
             prompt_token_ids=list(prompt_token_ids),
             params=params,
             traceparent=new_traceparent(traceparent),
+            parent_traceparent=traceparent,
             deadline_s=time.monotonic() + timeout_s,
             client_request_id=client_request_id or None,
         )

@@ -23,8 +23,10 @@ from services.discovery import Registration, WorkerDirectory
 from services.engine.tokenizer import Tokenizer
 from services.frontend.app import DEFAULT_MAX_MODEL_LEN, FrontendConfig, create_app
 from services.frontend.coordinator import ChannelPool, Coordinator
+from services.frontend.timeline import DEFAULT_TIMELINE_HISTORY, RequestObserver
 from services.rpc import pb
-from services.runtime.args import add_flag
+from services.runtime.args import add_flag, add_telemetry_arguments, switch
+from services.telemetry import tracing
 
 log = logging.getLogger("rackserve.frontend")
 
@@ -52,6 +54,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_flag(g, "--worker-id", "", "id in discovery (default: frontend-HOSTNAME-PID)")
     add_flag(g, "--lease-ttl-s", 3.0, "etcd lease TTL of the frontend's registration", float)
     add_flag(g, "--log-level", "info", "log level", choices=("debug", "info", "warning", "error"))
+    add_flag(g, "--request-log", "", "append one JSON line per finished request to this file (default: the "
+             "rackserve.requests logger on stderr)")  # fmt: skip
+    switch(g, "--log-prompts", "debug: put each request's prompt token ids in its request-log line")
+    add_flag(g, "--timeline-history", DEFAULT_TIMELINE_HISTORY,
+             "finished requests whose timeline GET /v1/requests/{id}/timeline still serves", int)  # fmt: skip
+    add_telemetry_arguments(parser, metrics_port=False)
 
 
 def load_tokenizer(model: str) -> tuple[Tokenizer, str]:
@@ -75,10 +83,13 @@ async def serve(args: argparse.Namespace) -> None:
         request_timeout_s=args.request_timeout_s,
         max_body_bytes=args.max_body_bytes,
     )
+    worker_id = args.worker_id or f"{ROLE}-{socket.gethostname()}-{os.getpid()}"
+    tracing.configure(ROLE, worker_id, args.otlp_endpoint, args.otlp_batch_delay_ms)
     directory = WorkerDirectory(args.etcd, roles=("router", "decode", "prefill"))
     await directory.start()
     coordinator = Coordinator(directory, ChannelPool())
-    app = create_app(config, tokenizer, directory, coordinator)
+    observer = RequestObserver(args.timeline_history, args.request_log, args.log_prompts)
+    app = create_app(config, tokenizer, directory, coordinator, observer)
     server = uvicorn.Server(
         uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level, access_log=False)
     )
@@ -90,7 +101,7 @@ async def serve(args: argparse.Namespace) -> None:
         host = socket.gethostname() if args.host in ("0.0.0.0", "::", "") else args.host
         log.info("frontend serving %r on http://%s:%d", config.served_model_name, args.host, port)
         info = pb.WorkerInfo(
-            worker_id=args.worker_id or f"{ROLE}-{socket.gethostname()}-{os.getpid()}",
+            worker_id=worker_id,
             role=ROLE,
             endpoint=f"{host}:{port}",
             model_name=config.served_model_name,
@@ -106,6 +117,7 @@ async def serve(args: argparse.Namespace) -> None:
             server.should_exit = True
             await serving
         await directory.close()
+        tracing.shutdown()
 
 
 async def _until_started(server: uvicorn.Server, serving: asyncio.Task[None]) -> None:

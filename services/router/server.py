@@ -19,8 +19,10 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import functools
 import logging
 import sys
+import time
 from dataclasses import dataclass, field
 
 import grpc
@@ -31,6 +33,8 @@ from services.rpc import pb, pb_grpc
 from services.runtime.args import add_flag, add_service_arguments
 from services.runtime.errors import WorkerUnavailableError
 from services.runtime.host import ServiceHost, configure_logging, service_main
+from services.runtime.rpc import request_meta
+from services.telemetry import metrics, tracing
 
 log = logging.getLogger("rackserve.router")
 
@@ -203,6 +207,30 @@ class Router(pb_grpc.RouterServicer):
     async def Route(  # noqa: N802 - gRPC method name
         self, request: pb.RouteRequest, context: grpc.aio.ServicerContext
     ) -> pb.RoutePlan:
+        """The plan, with its `route` span (reason and score terms) and routing metrics around the policy."""
+        started = time.monotonic()
+        with tracing.server_span("route", request_meta(context).traceparent, request.request_id) as span:
+            plan = await self._route(request)
+            policy = self.policy.reason
+            disagg = "disagg" if plan.HasField("prefill") else "agg"
+            metrics.ROUTING_DECISIONS.labels(policy, disagg, metrics.reason_label(plan.reason)).inc()
+            metrics.ROUTE_S.observe(time.monotonic() - started)
+            tracing.set_attributes(
+                span,
+                {
+                    "rackserve.route.reason": plan.reason,
+                    "rackserve.route.policy": policy,
+                    "rackserve.route.decode_worker": plan.decode.worker_id,
+                    "rackserve.route.prefill_worker": plan.prefill.worker_id
+                    if plan.HasField("prefill")
+                    else None,
+                    "rackserve.prompt_tokens": len(request.token_ids),
+                    **{f"rackserve.route.score.{k}": v for k, v in plan.score_terms.items()},
+                },
+            )
+            return plan
+
+    async def _route(self, request: pb.RouteRequest) -> pb.RoutePlan:
         excluded = set(request.exclude_worker_ids)
         candidates = [w for w in self.directory.workers("decode") if w.worker_id not in excluded]
         if not candidates:
@@ -237,6 +265,16 @@ class Router(pb_grpc.RouterServicer):
         return pb.Empty()
 
 
+def export_healthy_workers(directory: WorkerDirectory, roles: tuple[str, ...]) -> None:
+    """rackserve_healthy_workers{role}: read from this router's view of etcd at scrape time."""
+    for role in roles:
+        metrics.HEALTHY_WORKERS.labels(role).set_function(functools.partial(_count, directory, role))
+
+
+def _count(directory: WorkerDirectory, role: str) -> float:
+    return float(len(directory.workers(role)))
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_service_arguments(parser)
     g = parser.add_argument_group("router")
@@ -258,6 +296,7 @@ async def serve(args: argparse.Namespace) -> None:
     try:
         await directory.start()
         views.sync()
+        export_healthy_workers(directory, WATCHED_ROLES)
         pb_grpc.add_RouterServicer_to_server(
             Router(directory, views, args.suppress_s, args.mode, args.disagg_min_prompt_tokens), host.server
         )
