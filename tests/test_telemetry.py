@@ -133,7 +133,8 @@ def test_dashboards_and_rules_name_only_metrics_the_telemetry_module_defines() -
     defined = set()
     for collector in list(REGISTRY._collector_to_names):  # type: ignore[attr-defined]
         defined.update(REGISTRY._collector_to_names[collector])  # type: ignore[attr-defined]
-    engine_gauges = {  # read from the engine at scrape time, so not in the registry of this processmetrics.REQUESTS_RUNNING, metrics.REQUESTS_WAITING, metrics.KV_USAGE_RATIO,
+    # the engine's gauges are read at scrape time, so this process's registry does not list them
+    engine_gauges = {metrics.REQUESTS_RUNNING, metrics.REQUESTS_WAITING, metrics.KV_USAGE_RATIO,
                      metrics.KV_FREE_BLOCKS, metrics.BATCH_SIZE, metrics.PREEMPTIONS + "_total"}  # fmt: skip
     missing = metric_names(dashboard_exprs() + rule_exprs()) - defined - engine_gauges
     assert not missing, (
