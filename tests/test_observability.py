@@ -367,7 +367,7 @@ def _scalar(api: str, query: str) -> float | None:
     return value if math.isfinite(value) else None
 
 
-def _poll(probe: Any, what: str, timeout_s: float = 45.0) -> Any:
+def _poll(probe: Any, what: str, timeout_s: float = 90.0) -> Any:
     deadline = time.monotonic() + timeout_s
     last: Exception | None = None
     while time.monotonic() < deadline:

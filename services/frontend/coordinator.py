@@ -341,12 +341,17 @@ class Coordinator:
         for router in routers[first:] + routers[:first]:
             stub = pb_grpc.RouterStub(self.channels.get(router.endpoint))
             try:
-                return await stub.Route(
+                plan: pb.RoutePlan = await stub.Route(
                     request,
                     metadata=state.metadata(),
                     timeout=min(self.route_timeout_s, state.remaining_s()),
                 )
+                if last is not None:
+                    metrics.RETRIES.labels("router", "ok").inc()
+                return plan
             except grpc.aio.AioRpcError as e:
+                if last is not None:
+                    metrics.RETRIES.labels("router", "failed").inc()
                 metrics.WORKER_FAILURES.labels("router", e.code().name).inc()
                 last = from_grpc(e, f"router {router.worker_id}")
                 if e.code() == grpc.StatusCode.DEADLINE_EXCEEDED and state.deadline_s > time.monotonic():
