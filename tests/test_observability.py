@@ -18,21 +18,19 @@ import subprocess
 import sys
 import time
 from collections.abc import Iterator
-from concurrent import futures
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import grpc
 import httpx
 import pytest
 import yaml
-from opentelemetry.proto.collector.trace.v1 import trace_service_pb2, trace_service_pb2_grpc
 from prometheus_client.parser import text_string_to_metric_families
 
 from services.frontend.server import DEFAULT_MODEL_NAME
 from tests.support.cluster import WORKER_FLAGS, LocalCluster, Proc, local_cluster, start_process
 from tests.support.etcd import free_port
+from tests.support.otlp import TraceReceiver, trace_receiver
 from tests.test_telemetry import PROMETHEUS, dashboard_exprs, metric_names, rule_exprs
 
 REPO = Path(__file__).resolve().parents[1]
@@ -40,44 +38,6 @@ SPAN_WAIT_S = 30.0
 PHASE_SPANS = {"request", "queue", "route", "prefill", "kv_transfer", "decode"}
 CLIENT_TRACE_ID = "4bf92f3577b34da6a3ce929d0e0e4736"
 CLIENT_SPAN_ID = "00f067aa0ba902b7"
-
-
-class TraceReceiver(trace_service_pb2_grpc.TraceServiceServicer):
-    """An OTLP/gRPC trace endpoint that keeps every span it receives, flattened with its service name."""
-
-    def __init__(self) -> None:
-        self.spans: list[dict[str, Any]] = []
-
-    def Export(self, request: Any, context: grpc.ServicerContext) -> Any:  # noqa: N802
-        for resource_spans in request.resource_spans:
-            service = next(
-                (a.value.string_value for a in resource_spans.resource.attributes if a.key == "service.name"),
-                "",
-            )
-            for scope in resource_spans.scope_spans:
-                for s in scope.spans:
-                    attributes = {a.key: _value(a.value) for a in s.attributes}
-                    self.spans.append(
-                        {
-                            "service": service,
-                            "name": s.name,
-                            "trace_id": s.trace_id.hex(),
-                            "span_id": s.span_id.hex(),
-                            "parent_span_id": s.parent_span_id.hex(),
-                            "start_ns": s.start_time_unix_nano,
-                            "end_ns": s.end_time_unix_nano,
-                            "attributes": attributes,
-                        }
-                    )
-        return trace_service_pb2.ExportTraceServiceResponse()
-
-    def of_request(self, request_id: str) -> list[dict[str, Any]]:
-        return [s for s in list(self.spans) if s["attributes"].get("rackserve.request_id") == request_id]
-
-
-def _value(v: Any) -> Any:
-    kind = v.WhichOneof("value")
-    return getattr(v, kind) if kind else None
 
 
 @dataclass
@@ -93,12 +53,12 @@ class Rig:
 @pytest.fixture(scope="module")
 def rig(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Rig]:
     log_dir = tmp_path_factory.mktemp("observability")
-    receiver = TraceReceiver()
-    server = grpc.server(futures.ThreadPoolExecutor(max_workers=4))
-    trace_service_pb2_grpc.add_TraceServiceServicer_to_server(receiver, server)
-    otlp_port = server.add_insecure_port("127.0.0.1:0")
-    server.start()
-    telemetry = ["--otlp-endpoint", f"http://127.0.0.1:{otlp_port}", "--otlp-batch-delay-ms", "200"]
+    with trace_receiver() as (receiver, otlp_endpoint):
+        yield from _cluster(log_dir, receiver, otlp_endpoint)
+
+
+def _cluster(log_dir: Path, receiver: TraceReceiver, otlp_endpoint: str) -> Iterator[Rig]:
+    telemetry = ["--otlp-endpoint", otlp_endpoint, "--otlp-batch-delay-ms", "200"]
     request_log = log_dir / "requests.jsonl"
 
     def start(etcd_url: str) -> list[Proc]:
@@ -118,13 +78,10 @@ def rig(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Rig]:
             ),
         ]
 
-    try:
-        with local_cluster(str(log_dir), start, {"router": 1, "prefill": 1, "decode": 1, "frontend": 1}) as c:
-            url = f"http://{c.endpoints['frontend-a']}"
-            _wait_ready(url)
-            yield Rig(c, url, receiver, request_log, log_dir)
-    finally:
-        server.stop(0)
+    with local_cluster(str(log_dir), start, {"router": 1, "prefill": 1, "decode": 1, "frontend": 1}) as c:
+        url = f"http://{c.endpoints['frontend-a']}"
+        _wait_ready(url)
+        yield Rig(c, url, receiver, request_log, log_dir)
 
 
 def _wait_ready(url: str, timeout_s: float = 60.0) -> None:

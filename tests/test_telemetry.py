@@ -9,9 +9,11 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import os
 import re
 import shutil
 import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -22,6 +24,7 @@ import yaml
 from services.frontend.timeline import RecentTimelines
 from services.telemetry import metrics
 from services.telemetry.waterfall import read_request_log, render_html
+from tests.support.otlp import trace_receiver
 
 REPO = Path(__file__).resolve().parents[1]
 GRAFANA = REPO / "deploy" / "grafana"
@@ -190,3 +193,58 @@ def test_waterfall_draws_one_bar_per_phase_on_a_shared_axis() -> None:
     assert page.count('class="phase ') == 6 and "r0001" in page and "r0002" in page
     with pytest.raises(ValueError, match="no request timelines"):
         render_html([])
+
+
+# A request that migrated once (prefill worker lost, resumed elsewhere), observed by the frontend's
+# end-of-request hook in a process of its own (tracing is process-wide), exporting to a real receiver.
+MIGRATED_REQUEST = r"""
+import sys, time
+from dataclasses import dataclass
+from prometheus_client import generate_latest
+from services.frontend.coordinator import Phase, RequestState
+from services.frontend.timeline import RequestObserver
+from services.rpc import pb
+from services.telemetry import tracing
+
+@dataclass
+class Migration:
+    cause: str
+    from_worker: str
+    to_worker: str
+
+tracing.configure("frontend", "test", sys.argv[1], batch_delay_ms=50)
+state = RequestState("req-migrated", [1, 2, 3], pb.SamplingParams(seed=1), traceparent=sys.argv[2],
+                     deadline_s=time.monotonic() + 60)
+state.migration_records = [Migration("UNAVAILABLE: decode worker crashed", "decode-a", "decode-b")]
+for phase in (Phase.ROUTED, Phase.PREFILLING, Phase.DECODING, Phase.MIGRATING, Phase.ROUTED, Phase.DECODING):
+    time.sleep(0.01)
+    state.advance(phase)
+state.emitted = []
+state.finish("stop")
+observer = RequestObserver(history=10)
+observer.finished("chat_completions", state, 200)
+print(observer.timelines.get("req-migrated")["phases"])
+tracing.shutdown()
+sys.stdout.write(generate_latest().decode())
+"""
+
+
+def test_a_migrated_request_gets_a_migration_span_and_counts_as_resumed() -> None:
+    trace_id, span_id = "0af7651916cd43dd8448eb211c80319c", "b7ad6b7169203331"
+    with trace_receiver() as (receiver, endpoint):
+        run = subprocess.run(
+            [sys.executable, "-c", MIGRATED_REQUEST, endpoint, f"00-{trace_id}-{span_id}-01"],
+            cwd=REPO, capture_output=True, text=True, timeout=60, env={**os.environ, "PYTHONPATH": str(REPO)},
+        )  # fmt: skip
+        assert run.returncode == 0, run.stderr
+        spans = receiver.of_request("req-migrated")
+    by_name = {s["name"]: s for s in spans}
+    assert set(by_name) == {"request", "queue", "decode", "migration"}
+    assert [s["name"] for s in spans].count("decode") == 2
+    request = by_name["request"]
+    assert (request["trace_id"], request["span_id"]) == (trace_id, span_id)  # the id the workers were sent
+    assert all(s["parent_span_id"] == span_id for s in spans if s["name"] != "request")
+    assert by_name["migration"]["attributes"]["rackserve.migration.cause"] == "UNAVAILABLE"
+    assert "decode-b" in by_name["migration"]["attributes"]["rackserve.migration.record"]
+    assert "'migrating'" in run.stdout
+    assert 'rackserve_migrations_total{cause="UNAVAILABLE",outcome="resumed"} 1.0' in run.stdout
