@@ -332,7 +332,11 @@ def _poll(probe: Any, what: str, timeout_s: float = 90.0) -> Any:
             value = probe()
             if value is not None:
                 return value
-        except (httpx.HTTPError, KeyError) as e:
+        except (
+            httpx.HTTPError,
+            KeyError,
+            ValueError,
+        ) as e:  # ValueError: "Service Unavailable" while starting
             last = e
         time.sleep(0.5)
     raise AssertionError(f"Prometheus never gave {what} (last error: {last})")
