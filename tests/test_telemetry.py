@@ -20,6 +20,8 @@ from typing import Any
 import promql_parser
 import pytest
 import yaml
+from grafana_foundation_sdk.cog import plugins
+from grafana_foundation_sdk.models import dashboard, prometheus
 
 from services.frontend.timeline import RecentTimelines
 from services.telemetry import metrics
@@ -106,18 +108,20 @@ def test_dashboards_are_the_generator_output_and_every_panel_query_parses(tmp_pa
         assert (tmp_path / path.name).read_text() == path.read_text(), f"{path.name} was edited by hand"
     boards = dashboards()
     assert set(boards) == {"rackserve-overview.json", "rackserve-diagnostics.json"}
-    for name, board in boards.items():
-        assert board["uid"] and board["title"] and board["schemaVersion"] >= 36, name
-        ids = [p["id"] for p in board["panels"]]
+    plugins.register_default_plugins()  # so Prometheus targets parse as prometheus.Dataquery
+    for name, raw in boards.items():
+        board = dashboard.Dashboard.from_json(raw)  # Grafana's own schema (grafana-foundation-sdk)
+        assert board.uid and board.title and board.schema_version >= 36, name
+        panels = [p for p in board.panels or [] if not isinstance(p, dashboard.RowPanel)]
+        ids = [p.id_val for p in board.panels or []]
         assert len(ids) == len(set(ids)), f"{name}: duplicate panel ids"
-        for panel in board["panels"]:
-            grid = panel["gridPos"]
-            assert 0 <= grid["x"] and grid["x"] + grid["w"] <= 24 and grid["h"] > 0, (name, panel["title"])
-            if panel["type"] == "row":
-                continue
-            assert panel["targets"], (name, panel["title"])
-            for target in panel["targets"]:
-                promql(target["expr"])
+        for panel in panels:
+            grid = panel.grid_pos
+            assert grid is not None and grid.x + grid.w <= 24 and grid.h > 0, (name, panel.title)
+            assert panel.targets, (name, panel.title)
+            for target in panel.targets:
+                assert isinstance(target, prometheus.Dataquery), (name, panel.title)
+                promql(target.expr)
     titles = [p["title"] for b in boards.values() for p in b["panels"]]
     for needle in ("Time to first token", "Inter-token", "phase", "KV usage", "hit rate", "GB/s", "Routing",
                    "Healthy workers", "Migrations"):  # fmt: skip
