@@ -76,11 +76,8 @@ class DecodeWorker(EngineWorker, pb_grpc.DecodeWorkerServicer):
         self.release_timeout_s = release_timeout_s
         self._producers: dict[str, grpc.aio.Channel] = {}  # producer endpoint -> channel, for Release
         self._acks: set[asyncio.Task[None]] = set()  # referenced until done
-        for reason in (
-            "unavailable",
-            "data_loss",
-            "precondition",
-        ):  # export zeros, so rate() is 0, not absent
+        # export a zero per failure reason from the start, so rate() reads 0 rather than nothing
+        for reason in ("unavailable", "data_loss", "precondition"):
             metrics.KV_TRANSFER_FAILURES.labels(reason)
 
     async def Decode(  # noqa: N802 - gRPC method name
