@@ -248,7 +248,7 @@ def test_every_service_exports_every_metric_the_dashboards_and_alerts_name(
     assert not named - everything, f"named but not exported: {sorted(named - everything)}"
     # each role exports its own numbers, with values from the request that just ran
     assert "rackserve_time_to_first_token_seconds_bucket" in exported["frontend"]
-    assert "rackserve_routing_decisions_total" in exported["router"]
+    assert "rackserve_router_decisions_total" in exported["router"]
     assert "rackserve_kv_transfer_bytes_bucket" in exported["decode"]
     assert (
         "rackserve_kv_usage_ratio" in exported["prefill"] and "rackserve_kv_usage_ratio" in exported["decode"]

@@ -19,7 +19,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 DATASOURCE = {"type": "prometheus", "uid": "${datasource}"}
 RI = "$__rate_interval"
 SERVER_ERRORS = 'status=~"5.."'
-DISAGG = 'disagg="disagg"'
+DISAGG = 'shape="disagg"'
 
 
 def q(expr: str, legend: str = "") -> dict[str, Any]:
@@ -276,7 +276,7 @@ def overview() -> Board:
     b.row("Routing")
     b.panel(
         "Routing decisions/s by reason",
-        [q(rate("rackserve_routing_decisions_total", "policy, disagg, reason"), "{{disagg}} {{reason}}")],
+        [q(rate("rackserve_router_decisions_total", "policy, shape, reason"), "{{shape}} {{reason}}")],
         w=12,
     )
     b.panel("Route() latency", percentiles("rackserve_route_seconds"), "s", w=12)
@@ -347,8 +347,8 @@ def diagnostics() -> Board:
         [
             q(rate("rackserve_generation_tokens_total"), "generated tokens/s"),
             q(
-                f"{rate('rackserve_routing_decisions_total', labels=DISAGG)} / "
-                f"{rate('rackserve_routing_decisions_total')}",
+                f"{rate('rackserve_router_decisions_total', labels=DISAGG)} / "
+                f"{rate('rackserve_router_decisions_total')}",
                 "disagg share",
             ),
             q(

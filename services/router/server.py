@@ -212,8 +212,8 @@ class Router(pb_grpc.RouterServicer):
         with tracing.server_span("route", request_meta(context).traceparent, request.request_id) as span:
             plan = await self._route(request)
             policy = self.policy.reason
-            disagg = "disagg" if plan.HasField("prefill") else "agg"
-            metrics.ROUTING_DECISIONS.labels(policy, disagg, metrics.reason_label(plan.reason)).inc()
+            shape = "disagg" if plan.HasField("prefill") else "agg"
+            metrics.DECISIONS.labels(policy, metrics.reason_label(plan.reason), shape).inc()
             metrics.ROUTE_S.observe(time.monotonic() - started)
             tracing.set_attributes(
                 span,
@@ -234,6 +234,7 @@ class Router(pb_grpc.RouterServicer):
         excluded = set(request.exclude_worker_ids)
         candidates = [w for w in self.directory.workers("decode") if w.worker_id not in excluded]
         if not candidates:
+            metrics.NO_WORKER.inc()
             raise WorkerUnavailableError("no decode workers")
         decode = self.policy.choose(candidates)
         prefills = [w for w in self.directory.workers("prefill") if w.worker_id not in excluded]

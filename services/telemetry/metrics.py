@@ -106,10 +106,23 @@ HEALTHY_WORKERS = Gauge(
 
 # ---- routing, at the router ---------------------------------------------------------------------------------
 
-ROUTING_DECISIONS = Counter(
-    "rackserve_routing_decisions",
-    "Route() answers by policy, disaggregation (agg | disagg) and reason (the plan's reason, numbers scrubbed)",
-    ["policy", "disagg", "reason"],
+# The names and labels of the router's policy metrics are the ones its policy code uses (`metrics.DECISIONS`,
+# …); `reason` is the plan's reason as a small set of words (numbers scrubbed, see reason_label).
+DECISIONS = Counter(
+    "rackserve_router_decisions",
+    "Routing decisions by policy, reason (cache_hit, least_queue, topology, local_prefill, …) and shape "
+    "(agg: the decode worker prefills; disagg: a prefill worker does)",
+    ["policy", "reason", "shape"],
+)
+NO_WORKER = Counter(
+    "rackserve_router_no_worker", "Route calls answered UNAVAILABLE: no eligible decode worker"
+)
+INDEXED_BLOCKS = Gauge(
+    "rackserve_router_indexed_blocks", "(worker, KV block) entries in the global prefix index"
+)
+INDEX_DROPPED_BLOCKS = Gauge(
+    "rackserve_router_index_dropped_blocks",
+    "Stored blocks not indexed since the router started because the index was at --index-max-blocks",
 )
 ROUTE_S = Histogram(
     "rackserve_route_seconds", "Time the router took to answer one Route()", buckets=TRANSFER_BUCKETS_S
