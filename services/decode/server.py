@@ -26,8 +26,9 @@ import time
 from collections.abc import AsyncIterator
 
 import grpc
+from opentelemetry import trace
 
-from services.engine.engine import KvExport
+from services.engine.engine import KvExport, RequestOutput
 from services.kvtransfer import (
     KvSink,
     Pulled,
@@ -39,7 +40,7 @@ from services.kvtransfer import (
 from services.rpc import pb, pb_grpc
 from services.runtime import wire
 from services.runtime.args import add_engine_arguments, add_kv_transfer_arguments, add_service_arguments
-from services.runtime.async_engine import AsyncEngine
+from services.runtime.async_engine import AsyncEngine, RequestTiming
 from services.runtime.errors import (
     KvDataLossError,
     KvPreconditionError,
@@ -47,8 +48,10 @@ from services.runtime.errors import (
     WorkerUnavailableError,
 )
 from services.runtime.host import ServiceHost, service_main
+from services.runtime.rpc import request_meta
 from services.runtime.tls import open_channel
 from services.runtime.worker import EngineWorker, run_engine_worker
+from services.telemetry import metrics, tracing
 
 log = logging.getLogger("rackserve.decode")
 
@@ -74,6 +77,9 @@ class DecodeWorker(EngineWorker, pb_grpc.DecodeWorkerServicer):
         self.release_timeout_s = release_timeout_s
         self._producers: dict[str, grpc.aio.Channel] = {}  # producer endpoint -> channel, for Release
         self._acks: set[asyncio.Task[None]] = set()  # referenced until done
+        # export a zero per failure reason from the start, so rate() reads 0 rather than nothing
+        for reason in ("unavailable", "data_loss", "precondition"):
+            metrics.KV_TRANSFER_FAILURES.labels(reason)
 
     async def Decode(  # noqa: N802 - gRPC method name
         self, request: pb.DecodeRequest, context: grpc.aio.ServicerContext
@@ -83,8 +89,10 @@ class DecodeWorker(EngineWorker, pb_grpc.DecodeWorkerServicer):
         index = len(request.emitted_token_ids)
         kv: KvExport | None = None
         pulled: Pulled | None = None
+        traceparent = request_meta(context).traceparent
         if request.HasField("kv"):
-            pulled = await self._pull(request_id, request.kv, len(request.prompt_token_ids))
+            with tracing.server_span("kv_transfer", traceparent, request_id) as span:
+                pulled = await self._pull(request_id, request.kv, len(request.prompt_token_ids), span)
             n = request.kv.num_tokens
             kv = KvExport(self.facts.kv_layout, list(request.prompt_token_ids[:n]), pulled.data)  # type: ignore[arg-type]
         first = True
@@ -105,6 +113,8 @@ class DecodeWorker(EngineWorker, pb_grpc.DecodeWorkerServicer):
                 )
                 if first:
                     chunk.prompt_tokens, chunk.cached_tokens = out.num_prompt_tokens, out.num_cached_tokens
+                    if pulled is None:  # aggregated: this worker ran the prompt
+                        self._local_prefill_span(traceparent, request_id, stream.timing, out)
                     if pulled is not None:
                         chunk.transfer_bytes, chunk.transfer_s = pulled.bytes, pulled.seconds
                         chunk.transfer_backend = pulled.backend
@@ -112,8 +122,60 @@ class DecodeWorker(EngineWorker, pb_grpc.DecodeWorkerServicer):
                 index += len(out.new_token_ids)
                 yield chunk
 
-    async def _pull(self, request_id: str, handle: pb.KvHandle, num_prompt_tokens: int) -> Pulled:
+    def _local_prefill_span(
+        self, traceparent: str, request_id: str, timing: RequestTiming, out: RequestOutput
+    ) -> None:
+        start_unix_s = tracing.monotonic_to_unix_s(timing.submitted_s)
+        span = tracing.tracer().start_span(
+            "prefill",
+            context=tracing.context_of(traceparent),
+            kind=tracing.SpanKind.SERVER,
+            start_time=tracing.unix_ns(start_unix_s),
+            attributes={tracing.REQUEST_ID: request_id, "rackserve.local": True},
+        )
+        self.observe_prompt(span, request_id, timing, out.num_prompt_tokens, out.num_cached_tokens)
+        span.end(end_time=tracing.unix_ns(start_unix_s + timing.queue_s + timing.compute_s))
+
+    async def _pull(
+        self, request_id: str, handle: pb.KvHandle, num_prompt_tokens: int, span: trace.Span
+    ) -> Pulled:
         """Validate the handle, pull its bytes within the deadline, and acknowledge them to the producer."""
+        tracing.set_attributes(
+            span,
+            {
+                "rackserve.worker_id": self.host.worker_id,
+                "rackserve.producer_worker_id": handle.producer_worker_id,
+                "rackserve.kv_tokens": handle.num_tokens,
+                "rackserve.kv_blocks": len(handle.block_ids),
+            },
+        )
+        try:
+            pulled = await self._pull_checked(request_id, handle, num_prompt_tokens)
+        except KvDataLossError:
+            metrics.KV_TRANSFER_FAILURES.labels("data_loss").inc()
+            raise
+        except KvUnavailableError:
+            metrics.KV_TRANSFER_FAILURES.labels("unavailable").inc()
+            raise
+        except (KvPreconditionError, ValueError):
+            metrics.KV_TRANSFER_FAILURES.labels("precondition").inc()
+            raise
+        metrics.KV_TRANSFER_S.labels(pulled.backend).observe(pulled.seconds)
+        metrics.KV_TRANSFER_BYTES.labels(pulled.backend).observe(pulled.bytes)
+        if pulled.seconds > 0:
+            metrics.KV_TRANSFER_BANDWIDTH.labels(pulled.backend).set(pulled.gb_per_s)
+        tracing.set_attributes(
+            span,
+            {
+                "rackserve.transfer_bytes": pulled.bytes,
+                "rackserve.transfer_backend": pulled.backend,
+                "rackserve.transfer_s": pulled.seconds,
+                "rackserve.transfer_gb_per_s": pulled.gb_per_s if pulled.seconds > 0 else None,
+            },
+        )
+        return pulled
+
+    async def _pull_checked(self, request_id: str, handle: pb.KvHandle, num_prompt_tokens: int) -> Pulled:
         wire.check_kv_handle(self.facts.kv_layout, handle, num_prompt_tokens)
         if handle.expires_unix_ms and handle.expires_unix_ms < time.time() * 1000:
             raise KvPreconditionError(

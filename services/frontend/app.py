@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import json
 import logging
 import secrets
@@ -20,7 +21,7 @@ import time
 import uuid
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Sequence
 from dataclasses import dataclass, field
-from typing import Annotated, Protocol, TypeVar
+from typing import Annotated, Any, Protocol, TypeVar
 
 from fastapi import APIRouter, Depends, FastAPI, Request, Response
 from fastapi.responses import StreamingResponse
@@ -28,12 +29,12 @@ from pydantic import BaseModel
 from starlette.types import Receive, Scope, Send
 
 from services.engine.tokenizer import ChatTemplateError, Tokenizer
-from services.frontend import metrics
 from services.frontend.auth import AuthConfig, Guard, Principal, authorize
 from services.frontend.coordinator import Coordinator, EmittedToken, Phase, RequestState, WorkerView
 from services.frontend.dependencies import json_body, openapi_body
 from services.frontend.errors import (
     CLIENT_CLOSED_REQUEST,
+    NOT_FOUND,
     SERVER_ERROR,
     ApiError,
     bad_request,
@@ -59,7 +60,9 @@ from services.frontend.protocol import (
     PromptTokensDetails,
     Usage,
 )
+from services.frontend.timeline import RequestObserver
 from services.rpc import pb
+from services.telemetry import metrics
 
 log = logging.getLogger("rackserve.frontend")
 
@@ -85,9 +88,15 @@ class Frontend:
     """What every endpoint shares: the config, the tokenizer, the worker view and the coordinator."""
 
     def __init__(
-        self, config: FrontendConfig, tokenizer: Tokenizer, directory: WorkerView, coordinator: Coordinator
+        self,
+        config: FrontendConfig,
+        tokenizer: Tokenizer,
+        directory: WorkerView,
+        coordinator: Coordinator,
+        observer: RequestObserver | None = None,
     ) -> None:
         self.config = config
+        self.observer = observer or RequestObserver()
         self.tokenizer = tokenizer
         self.directory = directory
         self.coordinator = coordinator
@@ -177,13 +186,13 @@ class Frontend:
                 return Response(whole.model_dump_json(), media_type="application/json", headers=headers)
             first = await _unless_disconnected(request, anext(pieces))
         except ApiError as e:
-            self._finished(endpoint, state, e.status)
+            self._finished(endpoint, state, e.status, e.code or e.type)
             raise
         except asyncio.CancelledError:
-            self._finished(endpoint, state, CLIENT_CLOSED_REQUEST)
+            self._finished(endpoint, state, CLIENT_CLOSED_REQUEST, "client_closed")
             raise
         except Exception:
-            self._finished(endpoint, state, 500)
+            self._finished(endpoint, state, 500, "internal_error")
             raise
         stream = self._sse(endpoint, state, fmt, first, pieces, body.include_usage)
         return EventStreamResponse(stream, media_type="text/event-stream", headers=headers)
@@ -197,7 +206,7 @@ class Frontend:
         pieces: AsyncGenerator[Piece, None],
         include_usage: bool,
     ) -> AsyncGenerator[str, None]:
-        status = 200
+        status, error_type = 200, None
         try:
             for opening in fmt.opening():
                 yield _event(opening)
@@ -209,36 +218,36 @@ class Frontend:
             if include_usage:
                 yield _event(fmt.usage_chunk(_usage(state)))
         except ApiError as e:
-            status = e.status
+            status, error_type = e.status, e.code or e.type
             yield f"data: {json.dumps(e.body())}\n\n"
         except (asyncio.CancelledError, GeneratorExit):  # the client went away (or the server is stopping)
-            status = CLIENT_CLOSED_REQUEST
+            status, error_type = CLIENT_CLOSED_REQUEST, "client_closed"
             raise
         except Exception as e:  # a bug: still end the stream in OpenAI's shape rather than cut it
             log.exception("request %s: stream failed", state.request_id)
-            status = 500
+            status, error_type = 500, "internal_error"
             error = ApiError(
                 500, f"internal error: {type(e).__name__}: {e}", SERVER_ERROR, code="internal_error"
             )
             yield f"data: {json.dumps(error.body())}\n\n"
         finally:
-            self._finished(endpoint, state, status)
+            self._finished(endpoint, state, status, error_type)
             await pieces.aclose()  # cancels the worker's call if the stream stopped early
         yield "data: [DONE]\n\n"
 
-    def _finished(self, endpoint: str, state: RequestState, status: int) -> None:
+    def _finished(
+        self, endpoint: str, state: RequestState, status: int, error_type: str | None = None
+    ) -> None:
         metrics.REQUESTS_IN_FLIGHT.labels(endpoint).dec()
         metrics.REQUESTS.labels(endpoint, str(status)).inc()
+        if status >= 400:
+            metrics.REQUEST_ERRORS.labels(str(status), error_type or "error").inc()
         done = state.time_of(Phase.DONE)
         if done is not None:
             metrics.E2E_S.observe(done - state.timeline[0][1])
         if state.cached_tokens:
             metrics.CACHED_PROMPT_TOKENS.inc(state.cached_tokens)
-        log.info(
-            json.dumps(
-                {"event": "request_finished", "endpoint": endpoint, "status": status, **state.summary()}
-            )
-        )
+        self.observer.finished(endpoint, state, status, error_type)
 
 
 class EventStreamResponse(StreamingResponse):
@@ -418,6 +427,10 @@ class CompletionFormat:
         return self._completion([choice], usage)
 
 
+def _count(directory: WorkerView, role: str) -> float:
+    return float(len(directory.workers(role)))
+
+
 def _finish(reason: str | None) -> FinishReason | None:
     """The worker's finish reason as OpenAI names it (anything unexpected reads as "stop")."""
     if reason is None:
@@ -504,6 +517,22 @@ async def health(fe: FrontendDep) -> dict[str, object]:
     return {"status": "ok", "model": fe.config.served_model_name, "workers": workers}
 
 
+@api.get("/v1/requests/{request_id}/timeline")
+async def request_timeline(request_id: str, fe: FrontendDep) -> dict[str, Any]:
+    """A finished request's timeline (one of the last `--timeline-history`): phases, workers, bytes, reason."""
+    record = fe.observer.timelines.get(request_id)
+    if record is None:
+        raise ApiError(
+            404,
+            f"no finished request {request_id!r} among the last {fe.observer.timelines.capacity} "
+            "(unknown, still running, or too old)",
+            NOT_FOUND,
+            param="request_id",
+            code="request_not_found",
+        )
+    return record
+
+
 @api.get("/metrics")
 async def prometheus_metrics() -> Response:
     body, content_type = metrics.exposition()
@@ -511,7 +540,11 @@ async def prometheus_metrics() -> Response:
 
 
 def create_app(
-    config: FrontendConfig, tokenizer: Tokenizer, directory: WorkerView, coordinator: Coordinator
+    config: FrontendConfig,
+    tokenizer: Tokenizer,
+    directory: WorkerView,
+    coordinator: Coordinator,
+    observer: RequestObserver | None = None,
 ) -> FastAPI:
     """The app. Discovery's lifetime is the caller's; the coordinator's channels close with the app."""
 
@@ -520,11 +553,14 @@ def create_app(
         yield
         await coordinator.close()
         await coordinator.channels.close()
+        app.state.frontend.observer.close()
 
     app = FastAPI(title="rackserve", summary="OpenAI-compatible frontend", lifespan=lifespan)
     app.state.config = config
     app.state.guard = Guard(config.auth)
-    app.state.frontend = Frontend(config, tokenizer, directory, coordinator)
+    app.state.frontend = Frontend(config, tokenizer, directory, coordinator, observer)
+    for role in ("router", "prefill", "decode"):
+        metrics.HEALTHY_WORKERS.labels(role).set_function(functools.partial(_count, directory, role))
     install_error_handlers(app)
     app.include_router(api)
     return app

@@ -36,10 +36,10 @@ from typing import Protocol
 
 import grpc
 
-from services.frontend import metrics
 from services.frontend.errors import SERVER_ERROR, ApiError, from_grpc, timed_out, unavailable
 from services.rpc import pb, pb_grpc
 from services.runtime.tls import GrpcTls, open_channel
+from services.telemetry import metrics
 
 log = logging.getLogger("rackserve.frontend")
 
@@ -131,6 +131,7 @@ class RequestState:
     transfer_bytes: int = 0  # the KV transfer of a disaggregated request, as the decode worker reported it
     transfer_s: float = 0.0
     transfer_backend: str | None = None
+    parent_traceparent: str | None = None  # the client's traceparent, the parent of our `request` span
 
     def __post_init__(self) -> None:
         if not self.timeline:
@@ -288,6 +289,7 @@ class Coordinator:
             prompt_token_ids=list(prompt_token_ids),
             params=params,
             traceparent=new_traceparent(traceparent),
+            parent_traceparent=traceparent,
             deadline_s=time.monotonic() + timeout_s,
             client_request_id=client_request_id or None,
         )
@@ -341,12 +343,17 @@ class Coordinator:
         for router in routers[first:] + routers[:first]:
             stub = pb_grpc.RouterStub(self.channels.get(router.endpoint))
             try:
-                return await stub.Route(
+                plan: pb.RoutePlan = await stub.Route(
                     request,
                     metadata=state.metadata(),
                     timeout=min(self.route_timeout_s, state.remaining_s()),
                 )
+                if last is not None:
+                    metrics.RETRIES.labels("router", "ok").inc()
+                return plan
             except grpc.aio.AioRpcError as e:
+                if last is not None:
+                    metrics.RETRIES.labels("router", "failed").inc()
                 metrics.WORKER_FAILURES.labels("router", e.code().name).inc()
                 last = from_grpc(e, f"router {router.worker_id}")
                 if e.code() == grpc.StatusCode.DEADLINE_EXCEEDED and state.deadline_s > time.monotonic():

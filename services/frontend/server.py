@@ -24,9 +24,11 @@ from services.engine.tokenizer import Tokenizer
 from services.frontend.app import DEFAULT_MAX_MODEL_LEN, FrontendConfig, create_app
 from services.frontend.auth import AuthConfig, load_api_keys
 from services.frontend.coordinator import ChannelPool, Coordinator
+from services.frontend.timeline import DEFAULT_TIMELINE_HISTORY, RequestObserver
 from services.rpc import pb
-from services.runtime.args import add_flag, add_security_arguments
+from services.runtime.args import add_flag, add_security_arguments, add_telemetry_arguments, switch
 from services.runtime.tls import GrpcTls
+from services.telemetry import tracing
 
 log = logging.getLogger("rackserve.frontend")
 
@@ -54,6 +56,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_flag(g, "--worker-id", "", "id in discovery (default: frontend-HOSTNAME-PID)")
     add_flag(g, "--lease-ttl-s", 3.0, "etcd lease TTL of the frontend's registration", float)
     add_flag(g, "--log-level", "info", "log level", choices=("debug", "info", "warning", "error"))
+    add_flag(g, "--request-log", "", "append one JSON line per finished request to this file (default: the "
+             "rackserve.requests logger on stderr)")  # fmt: skip
+    switch(g, "--log-prompts", "debug: put each request's prompt token ids in its request-log line")
+    add_flag(g, "--timeline-history", DEFAULT_TIMELINE_HISTORY,
+             "finished requests whose timeline GET /v1/requests/{id}/timeline still serves", int)  # fmt: skip
+    add_telemetry_arguments(parser, metrics_port=False)
     a = parser.add_argument_group("API keys and limits")
     add_flag(a, "--api-key", "", "require this Bearer key on /v1/* (comma-separated for several; prefer the env "
              "variable or --api-key-file, which stay out of `ps`)")  # fmt: skip
@@ -93,11 +101,14 @@ async def serve(args: argparse.Namespace) -> None:
     )
     if not config.auth.keys:
         log.warning("no API key configured: the API is open to anyone who can reach port %d", args.port)
+    worker_id = args.worker_id or f"{ROLE}-{socket.gethostname()}-{os.getpid()}"
+    tracing.configure(ROLE, worker_id, args.otlp_endpoint, args.otlp_batch_delay_ms)
     etcd_security = EtcdSecurity.from_args(args)
     directory = WorkerDirectory(args.etcd, roles=("router", "decode", "prefill"), security=etcd_security)
     await directory.start()
     coordinator = Coordinator(directory, ChannelPool(GrpcTls.from_args(args)))
-    app = create_app(config, tokenizer, directory, coordinator)
+    observer = RequestObserver(args.timeline_history, args.request_log, args.log_prompts)
+    app = create_app(config, tokenizer, directory, coordinator, observer)
     server = uvicorn.Server(
         uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level, access_log=False)
     )
@@ -109,7 +120,7 @@ async def serve(args: argparse.Namespace) -> None:
         host = socket.gethostname() if args.host in ("0.0.0.0", "::", "") else args.host
         log.info("frontend serving %r on http://%s:%d", config.served_model_name, args.host, port)
         info = pb.WorkerInfo(
-            worker_id=args.worker_id or f"{ROLE}-{socket.gethostname()}-{os.getpid()}",
+            worker_id=worker_id,
             role=ROLE,
             endpoint=f"{host}:{port}",
             model_name=config.served_model_name,
@@ -127,6 +138,7 @@ async def serve(args: argparse.Namespace) -> None:
             server.should_exit = True
             await serving
         await directory.close()
+        tracing.shutdown()
 
 
 async def _until_started(server: uvicorn.Server, serving: asyncio.Task[None]) -> None:

@@ -22,6 +22,7 @@ import sys
 import time
 
 import grpc
+from opentelemetry import trace
 
 from services.kvtransfer import KvSource, TransferConfig
 from services.rpc import pb, pb_grpc
@@ -35,7 +36,9 @@ from services.runtime.args import (
 from services.runtime.async_engine import AsyncEngine
 from services.runtime.errors import WorkerUnavailableError
 from services.runtime.host import ServiceHost, service_main
+from services.runtime.rpc import request_meta
 from services.runtime.worker import EngineWorker, run_engine_worker
+from services.telemetry import tracing
 
 log = logging.getLogger("rackserve.prefill")
 
@@ -65,6 +68,14 @@ class PrefillWorker(EngineWorker, pb_grpc.PrefillWorkerServicer):
         self, request: pb.PrefillRequest, context: grpc.aio.ServicerContext
     ) -> pb.PrefillResponse:
         request_id = self.request_id(request.request_id, context)
+        with tracing.server_span("prefill", request_meta(context).traceparent, request_id) as span:
+            response = await self._prefill(request_id, request, span)
+            tracing.set_attributes(span, {"rackserve.kv_blocks": len(response.kv.block_ids)})
+            return response
+
+    async def _prefill(
+        self, request_id: str, request: pb.PrefillRequest, span: trace.Span
+    ) -> pb.PrefillResponse:
         params = wire.sampling_params(request.params)
         prompt = list(request.token_ids)
         # one token only: the first one, drawn exactly as a local decode would draw it (same seed, index 0)
@@ -77,6 +88,7 @@ class PrefillWorker(EngineWorker, pb_grpc.PrefillWorkerServicer):
             raise WorkerUnavailableError(
                 f"worker {self.host.worker_id} drained before prefilling {request_id!r}"
             )
+        self.observe_prompt(span, request_id, timing, len(prompt), out.num_cached_tokens)
         finished = (
             out.finish_reason == "stop"
             or params.max_tokens == 1

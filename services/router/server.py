@@ -10,7 +10,7 @@ time-to-first-token estimate of services.router.cost_model). `--mode` bounds the
   auto    conditional disaggregation: the ttft policy compares prefilling on the decode worker with the best
           remote plan; the baselines use `--disagg-min-prompt-tokens`.
 The plan carries the winner's and the runner-up's score terms, the reason, and the estimated TTFT; decisions
-are counted by policy and reason (services.router.metrics, served on `--metrics-port` when set).
+are counted by policy and reason (services.telemetry.metrics, served on `--metrics-port`).
 
 This room must never hold request state: any number of routers can run side by side.
 """
@@ -21,17 +21,16 @@ import argparse
 import asyncio
 import contextlib
 import dataclasses
+import functools
 import logging
 import sys
 import time
 import uuid
 
 import grpc
-from prometheus_client import start_http_server
 
 from services.discovery import WorkerDirectory
 from services.discovery.etcd import Backoff
-from services.router import metrics
 from services.router.cost_model import CostSettings
 from services.router.policy import (
     DEFAULT_DISAGG_MIN_PROMPT_TOKENS,
@@ -53,7 +52,9 @@ from services.rpc import pb, pb_grpc
 from services.runtime.args import add_flag, add_service_arguments
 from services.runtime.errors import WorkerUnavailableError
 from services.runtime.host import ServiceHost, configure_logging, service_main
+from services.runtime.rpc import request_meta
 from services.runtime.tls import GrpcTls, open_channel
+from services.telemetry import metrics, tracing
 
 log = logging.getLogger("rackserve.router")
 
@@ -222,6 +223,31 @@ class Router(pb_grpc.RouterServicer):
     async def Route(  # noqa: N802 - gRPC method name
         self, request: pb.RouteRequest, context: grpc.aio.ServicerContext
     ) -> pb.RoutePlan:
+        """The plan, with its `route` span (reason and score terms) and its latency observed."""
+        started = time.monotonic()
+        with tracing.server_span("route", request_meta(context).traceparent, request.request_id) as span:
+            plan = self._route(request)
+            metrics.ROUTE_S.observe(time.monotonic() - started)
+            tracing.set_attributes(
+                span,
+                {
+                    "rackserve.route.reason": plan.reason,
+                    "rackserve.route.reason_code": plan.reason_code,
+                    "rackserve.route.policy": plan.policy,
+                    "rackserve.route.estimated_ttft_s": plan.estimated_ttft_s,
+                    "rackserve.route.decode_worker": plan.decode.worker_id,
+                    "rackserve.route.prefill_worker": plan.prefill.worker_id
+                    if plan.HasField("prefill")
+                    else None,
+                    "rackserve.prompt_tokens": len(request.token_ids),
+                    **{f"rackserve.route.score.{k}": v for k, v in plan.score_terms.items()},
+                    **{f"rackserve.route.runner_up.{k}": v for k, v in plan.runner_up_terms.items()},
+                },
+            )
+            return plan
+
+    def _route(self, request: pb.RouteRequest) -> pb.RoutePlan:
+        """One policy call over the router's state; the decision counted by policy, reason and shape."""
         query = RouteQuery(
             request_id=request.request_id or f"route-{uuid.uuid4().hex}",
             token_ids=list(request.token_ids),
@@ -250,6 +276,16 @@ class Router(pb_grpc.RouterServicer):
 
 def _flag(name: str) -> str:
     return "--" + name.replace("_", "-")
+
+
+def export_healthy_workers(directory: WorkerDirectory, roles: tuple[str, ...]) -> None:
+    """rackserve_healthy_workers{role}: read from this router's view of etcd at scrape time."""
+    for role in roles:
+        metrics.HEALTHY_WORKERS.labels(role).set_function(functools.partial(_count, directory, role))
+
+
+def _count(directory: WorkerDirectory, role: str) -> float:
+    return float(len(directory.workers(role)))
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -282,7 +318,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         g, "--reservation-grace-s", DEFAULT_ARRIVAL_GRACE_S,
         "a load report must be this much newer than a reservation to replace it", float,
     )  # fmt: skip
-    add_flag(g, "--metrics-port", 0, "serve Prometheus /metrics on this port (0: off)", int)
     t = parser.add_argument_group("ttft policy")
     add_flag(
         t, "--near-best-ratio", 0.05, "plans within this fraction of the best are spread by request id", float
@@ -334,15 +369,14 @@ async def serve(args: argparse.Namespace) -> None:
         reservation_grace_s=args.reservation_grace_s,
         failure_exclusion_s=args.suppress_s,
     )
-    if args.metrics_port:
-        start_http_server(args.metrics_port, addr=args.host)
-        metrics.INDEXED_BLOCKS.set_function(lambda: len(state.index))
+    metrics.INDEXED_BLOCKS.set_function(lambda: len(state.index))
     host = ServiceHost(args, ROLE, [SERVICE_NAME], GATED_METHODS)
     directory = WorkerDirectory(args.etcd, roles=WATCHED_ROLES, security=host.etcd_security)
     views = WorkerViews(directory, state, subscriber_id=host.worker_id, tls=host.tls)
     try:
         await directory.start()
         views.sync()
+        export_healthy_workers(directory, WATCHED_ROLES)
         pb_grpc.add_RouterServicer_to_server(Router(state), host.server)
         await host.start()
         await host.serve(host.worker_info())

@@ -39,7 +39,7 @@ def add_flag(
     group.add_argument(flag, type=type, default=value, choices=choices, help=f"{help} [env {env}]")
 
 
-def _switch(group: argparse._ArgumentGroup, flag: str, help: str) -> None:
+def switch(group: argparse._ArgumentGroup, flag: str, help: str) -> None:
     env = env_name(flag)
     on = os.environ.get(env, "").strip().lower() in ("1", "true", "yes", "on")
     group.add_argument(flag, action="store_true", default=on, help=f"{help} [env {env}=1]")
@@ -67,6 +67,7 @@ def add_service_arguments(parser: argparse.ArgumentParser) -> None:
     add_flag(g, "--health-port", 0, "also serve grpc.health.v1 alone, in plaintext, on this port (for "
              "Kubernetes gRPC probes, which cannot speak mutual TLS; 0: off)", int)  # fmt: skip
     add_security_arguments(parser)
+    add_telemetry_arguments(parser, metrics_port=True)
 
 
 def add_security_arguments(parser: argparse.ArgumentParser) -> None:
@@ -87,6 +88,17 @@ def add_security_arguments(parser: argparse.ArgumentParser) -> None:
     add_flag(g, "--etcd-password-file", "", "file holding the etcd user's password")
 
 
+def add_telemetry_arguments(parser: argparse.ArgumentParser, metrics_port: bool) -> None:
+    """Flags of metrics and tracing (services.telemetry); the frontend serves /metrics on its own port."""
+    g = parser.add_argument_group("telemetry")
+    if metrics_port:
+        add_flag(g, "--metrics-port", 0, "HTTP port of /metrics (0: an ephemeral port, registered in etcd; "
+                 "-1: off)", int)  # fmt: skip
+    add_flag(g, "--otlp-endpoint", "", "OpenTelemetry collector for traces, OTLP/gRPC, e.g. "
+             "http://otel-collector:4317 (empty: tracing off)")  # fmt: skip
+    add_flag(g, "--otlp-batch-delay-ms", 1000, "how often batched spans are exported", int)
+
+
 def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     """Flags of a worker that runs an engine (prefill and decode)."""
     g = parser.add_argument_group("engine")
@@ -98,7 +110,7 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     add_flag(g, "--max-num-seqs", 64, "sequences in one batch", int)
     add_flag(g, "--max-num-batched-tokens", 512, "token budget of one step (longer prompts are chunked)", int)
     add_flag(g, "--max-model-len", 0, "context length (0: the model's)", int)
-    _switch(g, "--no-prefix-caching", "turn the prefix cache off")
+    switch(g, "--no-prefix-caching", "turn the prefix cache off")
     add_flag(g, "--threads", 1, "torch CPU threads for this worker (0: torch's default)", int)
 
 

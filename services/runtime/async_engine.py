@@ -29,6 +29,7 @@ from services.engine.kv_cache import KvEvent, NoFreeBlocksError
 from services.engine.sampling import SamplingParams
 from services.engine.scheduler import RequestStatus
 from services.runtime.errors import DuplicateRequestError, EngineClosedError
+from services.telemetry import metrics
 
 log = logging.getLogger("rackserve.runtime.engine")
 
@@ -330,6 +331,7 @@ class AsyncEngine:
                         if not engine.requests[rid].finished:
                             engine.abort(rid)
                             items.append((rid, RuntimeError(f"engine step failed: {e}")))
+                metrics.ENGINE_STEP_S.labels(metrics.process_role).observe(time.monotonic() - t0)
                 items += [(o.request_id, o) for o in outs]
                 for rid in list(waiting):
                     req = engine.requests.get(rid)

@@ -33,6 +33,8 @@ from services.rpc import pb
 from services.runtime.args import topology, worker_id
 from services.runtime.rpc import AdmissionGate, RpcInterceptor
 from services.runtime.tls import GrpcTls, add_port
+from services.telemetry import metrics, tracing
+from services.telemetry.http import MetricsServer, start_metrics_server
 
 log = logging.getLogger("rackserve.runtime.host")
 
@@ -72,6 +74,9 @@ class ServiceHost:
         self.endpoint = f"{args.host}:{self.port}"
         self.registration: Registration | None = None
         self._signalled = asyncio.Event()
+        metrics.process_role = role
+        tracing.configure(role, self.worker_id, args.otlp_endpoint, args.otlp_batch_delay_ms)
+        self.metrics_server: MetricsServer | None = start_metrics_server(args.host, args.metrics_port)
 
     def worker_info(self, **fields: object) -> pb.WorkerInfo:
         """This process's WorkerInfo: identity, endpoint and topology, plus what the service adds."""
@@ -81,6 +86,7 @@ class ServiceHost:
             endpoint=self.endpoint,
             topology=topology(self.args),
             epoch=self.epoch_ms,
+            metrics_endpoint=self.metrics_server.endpoint if self.metrics_server is not None else "",
             **fields,  # type: ignore[arg-type]
         )
 
@@ -139,6 +145,10 @@ class ServiceHost:
         await self.server.stop(0)
         if self.health_server is not None:
             await self.health_server.stop(0)
+        if self.metrics_server is not None:
+            self.metrics_server.close()
+            self.metrics_server = None
+        tracing.shutdown()
 
 
 def configure_logging() -> None:

@@ -24,9 +24,10 @@ from services.engine.engine import LLMEngine
 from services.rpc import pb
 from services.runtime import wire
 from services.runtime.args import engine_config, model_path
-from services.runtime.async_engine import AsyncEngine, LoadStats
+from services.runtime.async_engine import AsyncEngine, LoadStats, RequestTiming
 from services.runtime.host import ServiceHost, configure_logging
 from services.runtime.rpc import request_meta
+from services.telemetry import metrics, tracing
 
 log = logging.getLogger("rackserve.runtime.worker")
 
@@ -40,6 +41,7 @@ class EngineWorker:
         self.engine = engine
         assert engine.engine is not None
         self.facts = engine.engine  # read-only here: fingerprint, kv_layout, max_model_len, model_config
+        metrics.export_engine(host.role, engine.stats)
 
     def request_id(self, given: str, context: grpc.aio.ServicerContext) -> str:
         """The message's request id, else the caller's x-request-id, else a fresh one."""
@@ -56,6 +58,35 @@ class EngineWorker:
             kv_dtype=wire.KV_DTYPE_NAMES[e.kv_layout.dtype],
             kv_bytes_per_token=wire.kv_bytes_per_token(e.kv_layout),
         )
+
+    def observe_prompt(
+        self, span: Any, request_id: str, timing: RequestTiming, prompt_tokens: int, cached_tokens: int
+    ) -> None:
+        """Metrics and span of a prompt this worker ran: its queue wait, its compute, its prefix-cache hits.
+
+        `span` (the RPC's server span) gets the numbers and two children, `queue_wait` and `compute`, placed
+        at the times the engine measured."""
+        role = self.host.role
+        metrics.QUEUE_S.labels(role).observe(timing.queue_s)
+        metrics.PREFILL_S.labels(role).observe(timing.compute_s)
+        metrics.PREFIX_CACHE_QUERIES.labels(role).inc(prompt_tokens)
+        metrics.PREFIX_CACHE_HITS.labels(role).inc(cached_tokens)
+        tracing.set_attributes(
+            span,
+            {
+                "rackserve.worker_id": self.host.worker_id,
+                "rackserve.prompt_tokens": prompt_tokens,
+                "rackserve.cached_tokens": cached_tokens,
+                "rackserve.queue_s": timing.queue_s,
+                "rackserve.compute_s": timing.compute_s,
+            },
+        )
+        if span.is_recording():
+            submitted = tracing.monotonic_to_unix_s(timing.submitted_s)
+            scheduled = submitted + timing.queue_s
+            rid = {tracing.REQUEST_ID: request_id}
+            tracing.child_span(span, "queue_wait", submitted, scheduled, rid)
+            tracing.child_span(span, "compute", scheduled, scheduled + timing.compute_s, rid)
 
     async def Subscribe(  # noqa: N802 - gRPC method name
         self, request: pb.SubscribeRequest, context: grpc.aio.ServicerContext

@@ -1,0 +1,241 @@
+"""Every Prometheus metric rackserve exports: each name, label and bucket lives here and nowhere else.
+
+Prefix `rackserve_`, histograms in seconds (DESIGN.md §7). Each service process imports this module and
+updates the metrics that belong to its role; the objects register in prometheus-client's default registry
+(once per process) and `/metrics` serves that registry — on the frontend's own HTTP port, on the small
+`--metrics-port` server of router, prefill and decode (services.telemetry.http). Deploy files
+(deploy/grafana, deploy/prometheus) name these metrics; tests scrape a running cluster to prove every name a
+dashboard or rule uses is exported.
+
+Labels stay low-cardinality: a role, an endpoint, a status, a backend, a reason with its numbers scrubbed —
+never a request id, a worker id or a prompt length.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable, Iterator
+from typing import Any
+
+from prometheus_client import CONTENT_TYPE_LATEST, REGISTRY, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+# Buckets that suit LLM serving: TTFT and end-to-end span milliseconds (cached, short) to minutes (long
+# generations on a CPU); token gaps and engine steps live between a millisecond and a few seconds.
+LATENCY_BUCKETS_S = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
+TOKEN_GAP_BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5)
+TRANSFER_BUCKETS_S = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10)
+# KV of a prompt: a few KiB (one block of a small model) to GiBs (a long prompt of a large model).
+TRANSFER_BYTES_BUCKETS = tuple(float(4**k * 1024) for k in range(0, 12))  # 1 KiB … 4 GiB
+
+ROLES = ("frontend", "router", "prefill", "decode")
+PHASES = ("queued", "routed", "prefilling", "transferring", "decoding", "migrating")
+
+# The role this process serves, a label on metrics observed deep in shared code (the engine thread) that
+# does not know which service it runs in. ServiceHost sets it once at start.
+process_role = "unknown"
+
+# ---- requests, at the frontend ------------------------------------------------------------------------------
+
+REQUESTS = Counter(
+    "rackserve_frontend_requests",
+    "Finished API requests by endpoint and status: the HTTP status sent, or for a stream that failed after "
+    "its headers, the status its error event carries; 499 = the client went away.",
+    ["endpoint", "status"],
+)
+REQUEST_ERRORS = Counter(
+    "rackserve_frontend_request_errors",
+    "Failed API requests by status and error type (the OpenAI error `code`, e.g. no_workers, timeout)",
+    ["status", "error_type"],
+)
+REQUESTS_IN_FLIGHT = Gauge(
+    "rackserve_frontend_requests_in_flight", "API requests being served now", ["endpoint"]
+)
+TTFT_S = Histogram(
+    "rackserve_time_to_first_token_seconds",
+    "From the request's arrival to the first generated token reaching the frontend",
+    buckets=LATENCY_BUCKETS_S,
+)
+INTER_TOKEN_S = Histogram(
+    "rackserve_inter_token_latency_seconds",
+    "Gap between consecutive generated tokens arriving at the frontend",
+    buckets=TOKEN_GAP_BUCKETS_S,
+)
+E2E_S = Histogram(
+    "rackserve_e2e_request_latency_seconds",
+    "From the request's arrival to its last token (successful generations only)",
+    buckets=LATENCY_BUCKETS_S,
+)
+PHASE_S = Histogram(
+    "rackserve_request_phase_seconds",
+    "Time a finished request spent in each coordinator phase (queued = arrival to routed)",
+    ["phase"],
+    buckets=LATENCY_BUCKETS_S,
+)
+OUTPUT_TOKENS_PER_REQUEST = Histogram(
+    "rackserve_request_generation_tokens",
+    "Generated tokens per finished request",
+    buckets=(1, 4, 16, 64, 128, 256, 512, 1024, 2048, 4096, 8192),
+)
+PROMPT_TOKENS = Counter("rackserve_prompt_tokens", "Prompt tokens of accepted requests")
+GENERATION_TOKENS = Counter("rackserve_generation_tokens", "Tokens generated and received by the frontend")
+CACHED_PROMPT_TOKENS = Counter(
+    "rackserve_cached_prompt_tokens", "Prompt tokens that a worker served from its prefix cache"
+)
+WORKER_FAILURES = Counter(
+    "rackserve_frontend_worker_failures",
+    "Failed calls to a router or worker, reported by the frontend",
+    ["role", "code"],
+)
+MIGRATIONS = Counter(
+    "rackserve_migrations",
+    "Requests moved to another worker after a failure, by cause and outcome (resumed | failed)",
+    ["cause", "outcome"],
+)
+RETRIES = Counter(
+    "rackserve_retries",
+    "Calls the frontend repeated on another router or worker, by role and outcome (ok | failed)",
+    ["role", "outcome"],
+)
+HEALTHY_WORKERS = Gauge(
+    "rackserve_healthy_workers",
+    "Workers live in discovery (registered, lease renewed, not suppressed) as this process sees them",
+    ["role"],
+)
+
+# ---- routing, at the router ---------------------------------------------------------------------------------
+
+# The names and labels of the router's policy metrics are the ones its policy code uses (`metrics.DECISIONS`,
+# …); `reason` is the plan's reason as a small set of words (numbers scrubbed, see reason_label).
+DECISIONS = Counter(
+    "rackserve_router_decisions",
+    "Routing decisions by policy, reason (cache_hit, least_queue, topology, local_prefill, …) and shape "
+    "(agg: the decode worker prefills; disagg: a prefill worker does)",
+    ["policy", "reason", "shape"],
+)
+NO_WORKER = Counter(
+    "rackserve_router_no_worker", "Route calls answered UNAVAILABLE: no eligible decode worker"
+)
+INDEXED_BLOCKS = Gauge(
+    "rackserve_router_indexed_blocks", "(worker, KV block) entries in the global prefix index"
+)
+INDEX_DROPPED_BLOCKS = Gauge(
+    "rackserve_router_index_dropped_blocks",
+    "Stored blocks not indexed since the router started because the index was at --index-max-blocks",
+)
+ROUTE_S = Histogram(
+    "rackserve_route_seconds", "Time the router took to answer one Route()", buckets=TRANSFER_BUCKETS_S
+)
+
+# ---- workers: queue, prefill, transfer, engine ----------------------------------------------------------------
+
+QUEUE_S = Histogram(
+    "rackserve_queue_seconds",
+    "Time a request waited before its first compute, by the role that queued it",
+    ["role"],
+    buckets=LATENCY_BUCKETS_S,
+)
+PREFILL_S = Histogram(
+    "rackserve_prefill_seconds",
+    "Prompt compute from first schedule to first token, by role (decode = aggregated local prefill)",
+    ["role"],
+    buckets=LATENCY_BUCKETS_S,
+)
+PREFIX_CACHE_QUERIES = Counter(
+    "rackserve_prefix_cache_queries",
+    "Prompt tokens looked up in a worker's prefix cache (requests it ran the prompt of)",
+    ["role"],
+)
+PREFIX_CACHE_HITS = Counter(
+    "rackserve_prefix_cache_hits", "Prompt tokens a worker found in its prefix cache", ["role"]
+)
+KV_TRANSFER_S = Histogram(
+    "rackserve_kv_transfer_seconds",
+    "One KV pull by a decode worker, measured from request to last byte, by backend",
+    ["backend"],
+    buckets=TRANSFER_BUCKETS_S,
+)
+KV_TRANSFER_BYTES = Histogram(
+    "rackserve_kv_transfer_bytes",
+    "Bytes of one KV pull on the wire (after transfer-only compression), by backend",
+    ["backend"],
+    buckets=TRANSFER_BYTES_BUCKETS,
+)
+KV_TRANSFER_BANDWIDTH = Gauge(
+    "rackserve_kv_transfer_bandwidth_gbps",
+    "Measured bandwidth of the last KV pull, GB/s (1e9 bytes per second), by backend",
+    ["backend"],
+)
+KV_TRANSFER_FAILURES = Counter(
+    "rackserve_kv_transfer_failures",
+    "KV pulls that failed, by reason (unavailable | data_loss | precondition)",
+    ["reason"],
+)
+ENGINE_STEP_S = Histogram(
+    "rackserve_engine_step_seconds",
+    "One engine step (a batch of decode rows and prefill chunks), by role: role=decode is the decode step",
+    ["role"],
+    buckets=TOKEN_GAP_BUCKETS_S,
+)
+
+# Read from the engine at scrape time (EngineCollector), so the hot path never updates them.
+REQUESTS_RUNNING = "rackserve_requests_running"
+REQUESTS_WAITING = "rackserve_requests_waiting"
+KV_USAGE_RATIO = "rackserve_kv_usage_ratio"
+KV_FREE_BLOCKS = "rackserve_kv_free_blocks"
+KV_TOTAL_BLOCKS = "rackserve_kv_total_blocks"
+BATCH_SIZE = "rackserve_batch_size"
+PREEMPTIONS = "rackserve_preemptions"
+
+
+class EngineCollector(Collector):
+    """The engine's gauges, read from its latest stats snapshot whenever Prometheus scrapes."""
+
+    def __init__(self) -> None:
+        self.role = ""
+        self.stats: Callable[[], Any] | None = None  # () -> EngineStats (duck-typed: no engine import here)
+
+    def collect(self) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
+        if self.stats is None:
+            return
+        s = self.stats()
+        gauges = (
+            (REQUESTS_RUNNING, "Requests in the engine's running batch", s.running),
+            (REQUESTS_WAITING, "Requests waiting to be scheduled", s.waiting),
+            (KV_USAGE_RATIO, "Fraction of KV cache blocks in use (0..1)", s.kv_usage),
+            (KV_FREE_BLOCKS, "KV cache blocks free now", s.free_blocks),
+            (KV_TOTAL_BLOCKS, "KV cache blocks in all", s.total_blocks),
+            (BATCH_SIZE, "Sequences in the last engine step", s.batch_size),
+        )
+        for name, doc, value in gauges:
+            family = GaugeMetricFamily(name, doc, labels=["role"])
+            family.add_metric([self.role], float(value))
+            yield family
+        preempted = CounterMetricFamily(
+            PREEMPTIONS, "Sequences preempted for lack of KV blocks", labels=["role"]
+        )
+        preempted.add_metric([self.role], float(s.preemptions))
+        yield preempted
+
+
+_engine_collector = EngineCollector()
+REGISTRY.register(_engine_collector)
+
+
+def export_engine(role: str, stats: Callable[[], Any]) -> None:
+    """Export this process's engine gauges, read from `stats()` at scrape time (one engine per process)."""
+    _engine_collector.role, _engine_collector.stats = role, stats
+
+
+_NUMBER = re.compile(r"\d+(?:\.\d+)?")
+
+
+def reason_label(reason: str) -> str:
+    """A RoutePlan reason as a label: numbers become N, so `prompt 300 >= 256 tokens` stays one series."""
+    return _NUMBER.sub("N", reason).strip()[:80] or "none"
+
+
+def exposition() -> tuple[bytes, str]:
+    """The body and content type of `/metrics`."""
+    return generate_latest(), CONTENT_TYPE_LATEST
