@@ -47,6 +47,20 @@ WORKER_FAILURES = Counter(
     ["role", "code"],
 )
 
+MIGRATIONS = Counter(
+    "rackserve_frontend_migrations",
+    "Requests moved off a failed worker, by cause (decode_failed, decode_stalled, prefill_failed, "
+    "prefill_stalled, transfer_failed), path (re-transfer, rebuild; none when it was refused) and outcome "
+    "(resumed, failed, limit_exceeded, deadline_exceeded)",
+    ["cause", "path", "outcome"],
+)
+MIGRATION_RECOVERY_S = Histogram(
+    "rackserve_frontend_migration_recovery_seconds",
+    "From a worker failing a request to the first token or chunk from its new worker, by path",
+    ["path"],
+    buckets=LATENCY_BUCKETS_S,
+)
+
 
 def exposition() -> tuple[bytes, str]:
     """The body and content type of `/metrics`."""

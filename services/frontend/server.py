@@ -22,7 +22,12 @@ import uvicorn
 from services.discovery import Registration, WorkerDirectory
 from services.engine.tokenizer import Tokenizer
 from services.frontend.app import DEFAULT_MAX_MODEL_LEN, FrontendConfig, create_app
-from services.frontend.coordinator import ChannelPool, Coordinator
+from services.frontend.coordinator import (
+    DEFAULT_MIGRATION_LIMIT,
+    DEFAULT_STALL_TIMEOUT_S,
+    ChannelPool,
+    Coordinator,
+)
 from services.rpc import pb
 from services.runtime.args import add_flag
 
@@ -49,6 +54,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         g, "--request-timeout-s", 600.0, "deadline of one request, from arrival to its last token", float
     )
     add_flag(g, "--max-body-bytes", 4 << 20, "largest request body accepted (413 above)", int)
+    add_flag(g, "--max-concurrent-requests", 256, "requests in flight before new ones get 429 with "
+             "Retry-After (0: no limit)", int)  # fmt: skip
+    add_flag(g, "--migration-limit", DEFAULT_MIGRATION_LIMIT, "times one request may move to another worker "
+             "after a failure before it fails with migration_limit_exceeded", int)  # fmt: skip
+    add_flag(g, "--worker-stall-timeout-s", DEFAULT_STALL_TIMEOUT_S, "a worker that sends nothing on a live "
+             "call for this long is treated as hung: reported, and the request migrates", float)  # fmt: skip
     add_flag(g, "--worker-id", "", "id in discovery (default: frontend-HOSTNAME-PID)")
     add_flag(g, "--lease-ttl-s", 3.0, "etcd lease TTL of the frontend's registration", float)
     add_flag(g, "--log-level", "info", "log level", choices=("debug", "info", "warning", "error"))
@@ -74,10 +85,16 @@ async def serve(args: argparse.Namespace) -> None:
         max_model_len=args.max_model_len,
         request_timeout_s=args.request_timeout_s,
         max_body_bytes=args.max_body_bytes,
+        max_concurrent_requests=args.max_concurrent_requests,
     )
     directory = WorkerDirectory(args.etcd, roles=("router", "decode", "prefill"))
     await directory.start()
-    coordinator = Coordinator(directory, ChannelPool())
+    coordinator = Coordinator(
+        directory,
+        ChannelPool(),
+        migration_limit=args.migration_limit,
+        stall_timeout_s=args.worker_stall_timeout_s,
+    )
     app = create_app(config, tokenizer, directory, coordinator)
     server = uvicorn.Server(
         uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level, access_log=False)

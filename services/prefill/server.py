@@ -8,6 +8,11 @@ and the publication stay until `Release` (the decode side's acknowledgement) or 
 `expires_unix_ms` (`--kv-ttl-s`) passes — whichever comes first frees both; released blocks stay in the prefix
 cache until evicted.
 
+The decode side acknowledges only when its request has finished, so the copy stays for a migration to
+re-transfer from while the stream runs; the frontend releases it when the request ends, and the TTL frees what
+both acks missed. `--debug-die-in prefill|transfer` (test-only) makes the process SIGKILL itself during a
+Prefill call or as the first pull of its KV begins: the chaos suite's exact-moment prefill faults.
+
 This room must never decode past the first token, and never hold blocks without a deadline.
 """
 
@@ -18,6 +23,8 @@ import asyncio
 import dataclasses
 import json
 import logging
+import os
+import signal
 import sys
 import time
 
@@ -43,6 +50,7 @@ ROLE = "prefill"
 SERVICE_NAME = "rackserve.v1.PrefillWorker"
 GATED_METHODS = (f"/{SERVICE_NAME}/Prefill",)
 DEFAULT_KV_TTL_S = 30.0
+DEBUG_DIE_IN = ("none", "prefill", "transfer")
 
 
 class PrefillWorker(EngineWorker, pb_grpc.PrefillWorkerServicer):
@@ -53,9 +61,13 @@ class PrefillWorker(EngineWorker, pb_grpc.PrefillWorkerServicer):
         source: KvSource,
         kv_ttl_s: float = DEFAULT_KV_TTL_S,
         kv_compress: str | None = None,
+        debug_die_in: str = "none",
     ) -> None:
         super().__init__(host, engine)
         self.source = source
+        self.debug_die_in = debug_die_in
+        if debug_die_in == "transfer":
+            source.debug_on_pull = lambda key: _die(f"a pull of {key} began")
         self.kv_ttl_s = kv_ttl_s
         self.kv_compress = kv_compress
         self._expiry: dict[str, asyncio.TimerHandle] = {}  # request id -> the timer that frees its held KV
@@ -67,6 +79,8 @@ class PrefillWorker(EngineWorker, pb_grpc.PrefillWorkerServicer):
         request_id = self.request_id(request.request_id, context)
         params = wire.sampling_params(request.params)
         prompt = list(request.token_ids)
+        if self.debug_die_in == "prefill":
+            _die(f"prefilling {request_id}")
         # one token only: the first one, drawn exactly as a local decode would draw it (same seed, index 0)
         first_only = dataclasses.replace(params, max_tokens=1)
         async with self.engine.generate(request_id, prompt, first_only, hold_kv=True) as stream:
@@ -168,12 +182,21 @@ class PrefillWorker(EngineWorker, pb_grpc.PrefillWorkerServicer):
             await self.engine.release(request_id)
 
 
+def _die(moment: str) -> None:
+    """--debug-die-in (test-only): a real SIGKILL of this process at a chosen moment."""
+    log.warning("--debug-die-in: SIGKILL while %s", moment)
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_service_arguments(parser)
     add_engine_arguments(parser)
     g = parser.add_argument_group("prefill")
     add_flag(g, "--kv-ttl-s", DEFAULT_KV_TTL_S, "how long produced KV stays held without a Release", float)
     add_kv_transfer_arguments(parser, ROLE)
+    t = parser.add_argument_group("testing (never in production)")
+    add_flag(t, "--debug-die-in", "none", "TEST ONLY: SIGKILL this process during its first Prefill call "
+             "(prefill) or as the first pull of its KV begins (transfer)", choices=DEBUG_DIE_IN)  # fmt: skip
 
 
 async def serve(args: argparse.Namespace) -> None:
@@ -181,7 +204,7 @@ async def serve(args: argparse.Namespace) -> None:
     compress = None if args.kv_compress == "none" else args.kv_compress
 
     def make(host: ServiceHost, engine: AsyncEngine) -> PrefillWorker:
-        return PrefillWorker(host, engine, source, args.kv_ttl_s, compress)
+        return PrefillWorker(host, engine, source, args.kv_ttl_s, compress, args.debug_die_in)
 
     try:
         await run_engine_worker(
