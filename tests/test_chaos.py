@@ -116,7 +116,9 @@ def url(cluster: LocalCluster, frontend: str) -> str:
 def add_worker(cluster: LocalCluster, module: str, worker_id: str, *flags: str) -> Proc:
     """Start one more real worker and wait until the routers can see it (it registered in etcd)."""
     role = module.split(".")[1]
-    proc = start_process(module, worker_id, cluster.etcd.url, cluster.log_dir, *WORKER_FLAGS, *flags)  # type: ignore[attr-defined]
+    engine_flags = WORKER_FLAGS if role in ("prefill", "decode") else []
+    log_dir = cluster.log_dir  # type: ignore[attr-defined]
+    proc = start_process(module, worker_id, cluster.etcd.url, log_dir, *engine_flags, *flags)
     cluster.procs[worker_id] = proc
 
     async def registered() -> None:
@@ -430,11 +432,13 @@ def test_a_router_killed_mid_batch_fails_no_request(cluster: LocalCluster) -> No
     cluster.procs["router-b"].popen.send_signal(signal.SIGKILL)  # no router at all: the local fallback
     outcomes = run(lambda: run_batch(url(cluster, "frontend-a")), 150)
     assert check_and_record(cluster, "every router SIGKILLed", outcomes)["identical"] == len(BATCH)
+    add_worker(cluster, "services.router.server", "router-c", "--mode", "disagg")
 
 
 @full_only
-def test_sigterm_drains_a_decode_worker_and_its_streams_move(cluster: LocalCluster) -> None:
-    draining = cluster.procs["decode-a"].popen
+def test_sigterm_drains_a_decode_worker_and_the_streams_it_cannot_finish_move(cluster: LocalCluster) -> None:
+    """With no drain grace, the worker aborts its streams as it stops; each resumes elsewhere, identical."""
+    draining = add_worker(cluster, "services.decode.server", "decode-drain", "--drain-grace-s", "0").popen
 
     async def term(progress: list[int]) -> None:
         await until(lambda: max(progress) >= 2)
@@ -442,7 +446,8 @@ def test_sigterm_drains_a_decode_worker_and_its_streams_move(cluster: LocalClust
 
     outcomes = run(lambda: run_batch(url(cluster, "frontend-a"), term), 150)
     assert draining.wait(30) == 0  # a graceful exit
-    assert check_and_record(cluster, "decode SIGTERM (drain)", outcomes)["identical"] == len(BATCH)
+    row = check_and_record(cluster, "decode SIGTERM, no grace (drain)", outcomes)
+    assert row["identical"] == len(BATCH)
 
 
 # ---- afterwards ----------------------------------------------------------------------------------------------
@@ -457,3 +462,36 @@ def test_no_prefill_worker_holds_leaked_kv_blocks_afterwards(cluster: LocalClust
         20,
     )
     assert load.free_blocks == load.total_blocks  # well before the KV TTL: every hold was released
+
+
+def test_sigterm_drains_router_prefill_and_frontend_without_failing_a_request(cluster: LocalCluster) -> None:
+    """Every service stops gracefully on SIGTERM: it leaves discovery, finishes what it has in flight (frontend
+    B allows no migration, so a stream it loses would fail), and exits 0."""
+    frontend = cluster.procs["frontend-b"].popen
+    prefill = cluster.procs["prefill-a"].popen
+    router = next(
+        p for i, p in sorted(cluster.procs.items()) if i.startswith("router") and p.popen.poll() is None
+    )
+
+    async def term(progress: list[int]) -> None:
+        await until(lambda: min(progress) >= 2)  # routed, prefilled, transferred: decoding
+        for proc in (router.popen, prefill, frontend):
+            proc.send_signal(signal.SIGTERM)
+
+    outcomes = run(lambda: run_batch(url(cluster, "frontend-b"), term, specs=BATCH[:2]), 150)
+    for o in outcomes:
+        assert o.error is None and o.tokens == REFERENCE[o.spec].tokens
+    assert [p.wait(30) for p in (router.popen, prefill, frontend)] == [0, 0, 0]
+
+    async def gone() -> list[str]:
+        from services.discovery import WorkerDirectory
+
+        d = WorkerDirectory(cluster.etcd.url, roles=("router", "prefill", "frontend"))
+        await d.start()
+        try:
+            return [w.worker_id for role in ("router", "prefill", "frontend") for w in d.workers(role)]
+        finally:
+            await d.close()
+
+    left = run(gone)
+    assert router.worker_id not in left and "prefill-a" not in left and "frontend-b" not in left

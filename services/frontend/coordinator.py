@@ -18,7 +18,8 @@ A broken call (reset, error status, a worker silent for `stall_timeout_s`, a str
 from/to worker, times — data the trace and metrics are built from) and starts the next attempt from the
 frozen state, excluding every worker that failed this request:
 - re-transfer: the prefill worker still holds the prompt's KV (the decode side acknowledges only when its
-  stream ends, and the coordinator releases it when the request ends) → Decode(kv, emitted) elsewhere;
+  stream ends, the coordinator extends the hold while the stream runs and releases it when the request ends)
+  → Decode(kv, emitted) elsewhere;
 - rebuild: otherwise → Decode(prompt, emitted) on a new worker, which prefills prompt + emitted itself; a
   prefill that failed before its first token is simply re-run through a new plan.
 Sampling at step i depends only on (seed, i, logits), so the continuation is the one the dead worker would have
@@ -189,6 +190,7 @@ class RequestState:
     transfer_backend: str | None = None
     migration_log: list[Migration] = field(default_factory=list)  # one entry per migration, in order
     held_kv: pb.KvHandle | None = None  # the prompt's KV a prefill worker holds for this request
+    hold_ttl_s: float = 0.0  # how long the prefill worker holds it per grant (what ExtendHold asks for)
 
     def __post_init__(self) -> None:
         if not self.timeline:
@@ -354,6 +356,7 @@ class Coordinator:
         self._router_turn = itertools.count()
         self._fallback_turn = itertools.count()
         self._background: set[asyncio.Task[None]] = set()
+        self._extending: set[str] = set()  # request ids with an ExtendHold in flight
 
     def new_request(
         self,
@@ -426,6 +429,7 @@ class Coordinator:
                 yield TokenBatch([first], state.finish_reason)
                 return
             state.held_kv = response.kv
+            state.hold_ttl_s = max(1.0, response.kv.expires_unix_ms / 1000 - time.time())
             yield TokenBatch([first])  # TTFT: the client has its first token before any KV moves
             state.advance(Phase.TRANSFERRING)
             decode = self._decode(state, state.plan.decode, response.kv)
@@ -563,6 +567,7 @@ class Coordinator:
                     state.finish(chunk.finish_reason or "stop", stop_reason)
                     yield TokenBatch(tokens, state.finish_reason, stop_reason)
                     return
+                self._keep_holding(state)
                 if tokens:
                     yield TokenBatch(tokens)
         except grpc.aio.AioRpcError as e:
@@ -671,6 +676,41 @@ class Coordinator:
         if alive.get(kv.producer_worker_id) != kv.producer_epoch:
             return None  # gone from discovery, or restarted (its blocks went with the old process)
         return kv
+
+    def _keep_holding(self, state: RequestState) -> None:
+        """While the stream runs, keep the prefill copy of the KV alive (ExtendHold, in the background) once
+        half its grant has passed, so a migration can still re-transfer rather than rebuild."""
+        kv = state.held_kv
+        if kv is None or not kv.producer_endpoint or state.request_id in self._extending:
+            return
+        if kv.expires_unix_ms / 1000 - time.time() > state.hold_ttl_s / 2:
+            return
+
+        async def extend() -> None:
+            stub = pb_grpc.PrefillWorkerStub(self.channels.get(kv.producer_endpoint))
+            try:
+                reply = await stub.ExtendHold(
+                    pb.ExtendHoldRequest(request_id=kv.request_id, ttl_s=state.hold_ttl_s),
+                    metadata=state.metadata(),
+                    timeout=RELEASE_TIMEOUT_S,
+                )
+            except grpc.aio.AioRpcError as e:
+                log.info("ExtendHold of %s on %s: %s", kv.request_id, kv.producer_worker_id, e.code().name)
+                if e.code() == grpc.StatusCode.UNIMPLEMENTED and state.held_kv is kv:
+                    state.held_kv = None  # an older worker: the TTL stands, a late migration rebuilds
+                return
+            finally:
+                self._extending.discard(state.request_id)
+            if state.held_kv is kv:
+                if reply.held and reply.expires_unix_ms > kv.expires_unix_ms:
+                    kv.expires_unix_ms = reply.expires_unix_ms
+                elif not reply.held:
+                    state.held_kv = None  # expired or released: nothing to re-transfer from
+
+        self._extending.add(state.request_id)
+        task = asyncio.get_running_loop().create_task(extend())
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
 
     def _migration_ended(self, state: RequestState, outcome: str) -> None:
         if not state.migration_log or state.migration_log[-1].outcome:
