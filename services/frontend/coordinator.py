@@ -84,6 +84,9 @@ WORKER_FAULTS = frozenset(
     }
 )
 
+# A live call the *worker* cancelled (its server stopping) is as much its failure as a reset: migrate it too.
+MIGRATABLE = WORKER_FAULTS | {grpc.StatusCode.CANCELLED}
+
 
 class WorkerView(Protocol):
     """What the coordinator needs from discovery (services.discovery.WorkerDirectory provides it)."""
@@ -515,7 +518,7 @@ class Coordinator:
                 error = ApiError(504, f"{peer} answered nothing for {timeout_s:g}s", "timeout_error",
                                  code="worker_stalled")  # fmt: skip
                 raise WorkerLost(worker, "prefill", "prefill_stalled", detail, error) from e
-            if e.code() not in WORKER_FAULTS:
+            if e.code() not in MIGRATABLE:
                 raise from_grpc(e, peer) from e
             raise WorkerLost(worker, "prefill", "prefill_failed", detail, from_grpc(e, peer)) from e
         state.cached_tokens = response.cached_tokens
@@ -582,7 +585,7 @@ class Coordinator:
                     producer, "prefill", "transfer_failed", detail, from_grpc(e, peer),
                     blame=e.code() == grpc.StatusCode.UNAVAILABLE,
                 ) from e  # fmt: skip
-            if e.code() not in WORKER_FAULTS:
+            if e.code() not in MIGRATABLE:
                 raise from_grpc(e, peer) from e
             raise WorkerLost(worker, "decode", "decode_failed", detail, from_grpc(e, peer)) from e
         except DecodeStreamBroken as e:
