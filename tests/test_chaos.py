@@ -45,7 +45,7 @@ from tests.support.cluster import (
 FULL = os.environ.get("RACKSERVE_CHAOS_FULL", "") == "1"
 MODEL = "SmolLM2-135M-Instruct"
 MAX_TOKENS = 20
-STALL_TIMEOUT_S = 6.0  # frontend A's --worker-stall-timeout-s: a SIGSTOPped worker is hung after this
+STALL_TIMEOUT_S = 10.0  # frontend A's --worker-stall-timeout-s: a SIGSTOPped worker is hung after this
 REQUEST_TIMEOUT_S = 90.0  # the frontends' deadline; every request must end (either way) before it
 KV_TTL_S = 20.0
 QUESTIONS = (
