@@ -104,7 +104,8 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalCluster]:
         ]
 
     expect = {"decode": 2, "prefill": 1, "router": 2, "frontend": 2}
-    with local_cluster(log_dir, start, expect) as c:
+    # seven processes start at once: on a shared 2-core box loading three models can take minutes
+    with local_cluster(log_dir, start, expect, startup_timeout_s=300) as c:
         c.log_dir = log_dir  # type: ignore[attr-defined]
         yield c
 
@@ -127,7 +128,7 @@ def add_worker(cluster: LocalCluster, module: str, worker_id: str, *flags: str) 
         d = WorkerDirectory(cluster.etcd.url, roles=(role,))
         await d.start()
         try:
-            deadline = time.monotonic() + 150
+            deadline = time.monotonic() + 300
             while not any(w.worker_id == worker_id for w in d.workers(role)):
                 assert proc.popen.poll() is None, proc.log_tail()
                 assert time.monotonic() < deadline, f"{worker_id} did not register"
@@ -135,7 +136,7 @@ def add_worker(cluster: LocalCluster, module: str, worker_id: str, *flags: str) 
         finally:
             await d.close()
 
-    run(registered, 170)
+    run(registered, 320)
     time.sleep(0.5)  # the routers' watches deliver the same event
     return proc
 
