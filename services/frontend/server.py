@@ -11,11 +11,14 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import logging
 import os
+import signal
 import socket
 import sys
 import time
+from collections.abc import Iterator
 
 import uvicorn
 
@@ -96,11 +99,15 @@ async def serve(args: argparse.Namespace) -> None:
         stall_timeout_s=args.worker_stall_timeout_s,
     )
     app = create_app(config, tokenizer, directory, coordinator)
-    server = uvicorn.Server(
+    server = _DrainingServer(
         uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level, access_log=False)
     )
     registration: Registration | None = None
-    serving = asyncio.get_running_loop().create_task(server.serve(), name="uvicorn")
+    loop = asyncio.get_running_loop()
+    stop = asyncio.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    serving = loop.create_task(server.serve(), name="uvicorn")
     try:
         await _until_started(server, serving)
         port = server.servers[0].sockets[0].getsockname()[1]
@@ -115,7 +122,13 @@ async def serve(args: argparse.Namespace) -> None:
             epoch=int(time.time() * 1000),
         )
         registration = await Registration.start(args.etcd, info, ttl_s=args.lease_ttl_s)
-        await serving  # until SIGINT/SIGTERM, which uvicorn handles by finishing in-flight requests
+        stopping = loop.create_task(stop.wait())
+        await asyncio.wait({serving, stopping}, return_when=asyncio.FIRST_COMPLETED)
+        stopping.cancel()
+        if stop.is_set():  # drain: leave discovery first, then let uvicorn finish the requests in flight
+            log.info("frontend draining: leaving discovery, finishing requests in flight")
+            await registration.close()
+            registration = None
     finally:
         if registration is not None:
             await registration.close()
@@ -123,6 +136,16 @@ async def serve(args: argparse.Namespace) -> None:
             server.should_exit = True
             await serving
         await directory.close()
+
+
+class _DrainingServer(uvicorn.Server):
+    """uvicorn without its own signal handling: `serve` drains on SIGTERM/SIGINT itself, so the process leaves
+    discovery and exits 0 (uvicorn's handler re-raises the signal after its shutdown, killing the process
+    before the registration is deleted)."""
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        yield
 
 
 async def _until_started(server: uvicorn.Server, serving: asyncio.Task[None]) -> None:
