@@ -451,6 +451,69 @@ def test_sigterm_drains_a_decode_worker_and_the_streams_it_cannot_finish_move(cl
     assert row["identical"] == len(BATCH)
 
 
+@full_only
+def test_extend_hold_keeps_prefill_kv_pullable_past_its_ttl_but_never_past_the_max_hold(
+    cluster: LocalCluster,
+) -> None:
+    """What lets a long stream still re-transfer: ExtendHold keeps the KV past --kv-ttl-s, up to --kv-max-hold-s."""
+    import grpc
+
+    from services.rpc import pb
+    from tests.support.cluster import greedy, token_ids
+
+    worker = add_worker(
+        cluster, "services.prefill.server", "prefill-hold", "--kv-ttl-s", "2", "--kv-max-hold-s", "6"
+    )
+    endpoint = cluster.endpoints["prefill-hold"] = next(
+        line.split(" on ")[-1].strip() for line in open(worker.log_path) if " serving on " in line
+    )
+    from services.engine.model_files import smollm2_gguf_path
+    from services.engine.tokenizer import Tokenizer
+
+    prompt = list(
+        Tokenizer.from_gguf(smollm2_gguf_path()).encode_chat([{"role": "user", "content": QUESTIONS[1]}])
+    )
+
+    async def body() -> tuple[list[int], pb.ExtendHoldResponse, pb.LoadSnapshot]:
+        async with grpc.aio.insecure_channel(endpoint) as channel:
+            stub = pb_grpc.PrefillWorkerStub(channel)
+            r = await stub.Prefill(
+                pb.PrefillRequest(request_id="hold-1", token_ids=prompt, params=greedy(8)), timeout=60
+            )
+            for _ in range(4):  # 4 s: twice the TTL
+                await asyncio.sleep(1.0)
+                ext = await stub.ExtendHold(pb.ExtendHoldRequest(request_id="hold-1", ttl_s=3.0), timeout=5)
+                assert ext.held
+            r.kv.expires_unix_ms = ext.expires_unix_ms
+            first = [r.first_token.token_id]
+            request = pb.DecodeRequest(
+                request_id="hold-1",
+                prompt_token_ids=prompt,
+                emitted_token_ids=first,
+                params=greedy(8),
+                kv=r.kv,
+            )
+            async with grpc.aio.insecure_channel(cluster.endpoints["decode-a"]) as dch:
+                chunks = [c async for c in pb_grpc.DecodeWorkerStub(dch).Decode(request, timeout=60)]
+            assert chunks[0].transfer_bytes > 0  # pulled, past the TTL
+            r2 = await stub.Prefill(
+                pb.PrefillRequest(request_id="hold-2", token_ids=prompt, params=greedy(8)), timeout=60
+            )
+            for _ in range(12):  # past the 6 s max hold, extensions stop helping
+                await asyncio.sleep(1.0)
+                last = await stub.ExtendHold(pb.ExtendHoldRequest(request_id="hold-2", ttl_s=3.0), timeout=5)
+                if not last.held:
+                    break
+            assert r2.kv.expires_unix_ms > 0
+        freed = await wait_for_load(
+            endpoint, pb_grpc.PrefillWorkerStub, lambda s: s.free_blocks == s.total_blocks, 10
+        )
+        return token_ids(chunks), last, freed
+
+    tokens, last, freed = run(body, 120)
+    assert tokens and not last.held and freed.free_blocks == freed.total_blocks
+
+
 # ---- afterwards ----------------------------------------------------------------------------------------------
 
 
