@@ -8,7 +8,7 @@ export HF_HUB_OFFLINE := 1
 export TRANSFORMERS_OFFLINE := 1
 export PYTHONUNBUFFERED := 1
 
-.PHONY: setup proto test lint typecheck unit bench gpu-check run clean images helm sim bench-cluster
+.PHONY: setup proto test lint typecheck unit bench gpu-check run clean images helm sim bench-cluster chaos
 
 setup: $(STAMP) proto
 
@@ -50,6 +50,10 @@ unit: setup
 	$(BIN)/pytest -q tests
 
 test: lint typecheck unit
+
+# Chaos: every fault of the suite (its core also runs in `make test`); writes the summary table to chaos.md.
+chaos: setup
+	RACKSERVE_CHAOS_FULL=1 RACKSERVE_CHAOS_TABLE=chaos.md $(BIN)/pytest -q -s tests/test_chaos.py
 
 # Benchmarks: slow, side by side with named peers; never part of `make test`.
 bench: setup

@@ -339,10 +339,15 @@ def test_decode_crash_after_3_tokens_reports_failure_and_ends_stream_with_error(
     assert report.worker_id == "decode-scripted" and "UNAVAILABLE" in report.cause
 
 
-def test_stream_cut_short_is_an_error_not_a_silent_end(scripted: ScriptedCluster) -> None:
+def test_stream_cut_short_every_time_fails_past_the_migration_limit_not_silently(
+    scripted: ScriptedCluster,
+) -> None:
+    # The scripted router always names the one scripted worker, which cuts every attempt after 3 tokens.
     r = httpx.post(f"{scripted.url}/v1/chat/completions", json=chat("[cut-after-3]"), timeout=10)
-    assert r.status_code == 502
-    assert r.json()["error"]["code"] == "worker_error"
+    assert r.status_code == 503
+    error = r.json()["error"]
+    assert error["code"] == "migration_limit_exceeded"
+    assert "after 3 tokens" in error["message"] and "--migration-limit 3" in error["message"]
 
 
 def test_client_disconnect_cancels_the_worker_call(scripted: ScriptedCluster) -> None:

@@ -286,8 +286,8 @@ def overview() -> Board:
         "Migrations and retries",
         [
             q(
-                f"sum by (cause, outcome) (increase(rackserve_migrations_total[{RI}]))",
-                "migration {{cause}} {{outcome}}",
+                f"sum by (cause, path, outcome) (increase(rackserve_migrations_total[{RI}]))",
+                "migration {{cause}} {{path}} {{outcome}}",
             ),
             q(
                 f"sum by (role, outcome) (increase(rackserve_retries_total[{RI}]))",

@@ -4,9 +4,12 @@ Two ways in. With `DecodeRequest.kv` unset (aggregated) it prefills the prompt (
 saw) itself, then decodes. With `kv` set (disaggregated) it checks the KvHandle against its own engine's layout
 (a mismatch is INVALID_ARGUMENT naming the field, never a reinterpretation), pulls the bytes from the producer
 through services.kvtransfer within `--kv-pull-timeout-s` over the first backend of `--kv-backend-preference`
-that both sides have (shm only on the same node), imports them, acknowledges with the producer's `Release` (in
-the background, with its own deadline), and decodes after `emitted_token_ids`. A pull that fails is UNAVAILABLE
-(producer gone, key expired, deadline) or DATA_LOSS (bytes differ from what was published), within the deadline.
+that both sides have (shm only on the same node), imports them, decodes after `emitted_token_ids`, and
+acknowledges with the producer's `Release` (in the background, with its own deadline) once the request has
+finished — not at the pull: while the stream runs, the producer's copy is what a migration re-transfers from
+if this worker dies (the frontend releases it too when the request ends; the TTL covers both acks lost). A pull
+that fails is UNAVAILABLE with a message starting `KV unavailable: ` (producer gone, key expired, deadline) or
+DATA_LOSS (bytes differ from what was published), within the deadline.
 
 Each engine output becomes one `DecodeChunk`; token indices count from the start of the whole output, so a
 request resumed with `emitted_token_ids` continues where it stopped. The first chunk of a pulled request reports
@@ -21,6 +24,8 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import os
+import signal
 import sys
 import time
 from collections.abc import AsyncIterator
@@ -39,9 +44,15 @@ from services.kvtransfer import (
 )
 from services.rpc import pb, pb_grpc
 from services.runtime import wire
-from services.runtime.args import add_engine_arguments, add_kv_transfer_arguments, add_service_arguments
+from services.runtime.args import (
+    add_engine_arguments,
+    add_flag,
+    add_kv_transfer_arguments,
+    add_service_arguments,
+)
 from services.runtime.async_engine import AsyncEngine, RequestTiming
 from services.runtime.errors import (
+    KV_UNAVAILABLE_PREFIX,
     KvDataLossError,
     KvPreconditionError,
     KvUnavailableError,
@@ -69,8 +80,10 @@ class DecodeWorker(EngineWorker, pb_grpc.DecodeWorkerServicer):
         preference: tuple[str, ...] = ("shm", "nixl", "tcp"),
         pull_timeout_s: float = 10.0,
         release_timeout_s: float = 2.0,
+        debug_die_after_tokens: int = 0,
     ) -> None:
         super().__init__(host, engine)
+        self.debug_die_after_tokens = debug_die_after_tokens
         self.sink = sink
         self.preference = preference
         self.pull_timeout_s = pull_timeout_s
@@ -90,6 +103,8 @@ class DecodeWorker(EngineWorker, pb_grpc.DecodeWorkerServicer):
         kv: KvExport | None = None
         pulled: Pulled | None = None
         traceparent = request_meta(context).traceparent
+        if self.debug_die_after_tokens and index >= self.debug_die_after_tokens:
+            self._die(request_id, index)  # a resumed request that already has N tokens: die at its start
         if request.HasField("kv"):
             with tracing.server_span("kv_transfer", traceparent, request_id) as span:
                 pulled = await self._pull(request_id, request.kv, len(request.prompt_token_ids), span)
@@ -121,6 +136,17 @@ class DecodeWorker(EngineWorker, pb_grpc.DecodeWorkerServicer):
                     first = False
                 index += len(out.new_token_ids)
                 yield chunk
+                if not out.finished and 0 < self.debug_die_after_tokens <= index:
+                    await asyncio.sleep(0.2)  # let the chunk leave, so the client sees exactly N tokens
+                    self._die(request_id, index)
+        if pulled is not None:
+            self._ack(request.kv)  # finished: the producer may free its copy
+
+    def _die(self, request_id: str, index: int) -> None:
+        """--debug-die-after-tokens (test-only): a real SIGKILL of this process, at an exact token index."""
+        log.warning("--debug-die-after-tokens %d: SIGKILL at token %d of %s",
+                    self.debug_die_after_tokens, index, request_id)  # fmt: skip
+        os.kill(os.getpid(), signal.SIGKILL)
 
     def _local_prefill_span(
         self, traceparent: str, request_id: str, timing: RequestTiming, out: RequestOutput
@@ -139,7 +165,7 @@ class DecodeWorker(EngineWorker, pb_grpc.DecodeWorkerServicer):
     async def _pull(
         self, request_id: str, handle: pb.KvHandle, num_prompt_tokens: int, span: trace.Span
     ) -> Pulled:
-        """Validate the handle, pull its bytes within the deadline, and acknowledge them to the producer."""
+        """Validate the handle and pull its bytes within the deadline (the ack waits for the stream's end)."""
         tracing.set_attributes(
             span,
             {
@@ -193,14 +219,13 @@ class DecodeWorker(EngineWorker, pb_grpc.DecodeWorkerServicer):
             raise KvDataLossError(f"KV of {request_id!r} from {handle.producer_worker_id}: {e}") from e
         except TransferError as e:
             raise KvUnavailableError(
-                f"KV of {request_id!r} from {handle.producer_worker_id} did not arrive "
+                f"{KV_UNAVAILABLE_PREFIX}KV of {request_id!r} from {handle.producer_worker_id} did not arrive "
                 f"({type(e).__name__}): {e}"
             ) from e
         log.info(
             "pulled KV of %s: %d tokens, %d bytes over %s in %.4fs (%.2f GB/s)",
             request_id, handle.num_tokens, pulled.bytes, pulled.backend, pulled.seconds, pulled.gb_per_s,
         )  # fmt: skip
-        self._ack(handle)
         return pulled
 
     def _ack(self, handle: pb.KvHandle) -> None:
@@ -240,6 +265,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_service_arguments(parser)
     add_engine_arguments(parser)
     add_kv_transfer_arguments(parser, ROLE)
+    g = parser.add_argument_group("testing (never in production)")
+    add_flag(g, "--debug-die-after-tokens", 0, "TEST ONLY: SIGKILL this process once a stream has sent this "
+             "many tokens (output index; 0: never) — the chaos suite's exact-index fault", int)  # fmt: skip
 
 
 async def serve(args: argparse.Namespace) -> None:
@@ -254,6 +282,7 @@ async def serve(args: argparse.Namespace) -> None:
             tuple(args.kv_backend_preference),
             args.kv_pull_timeout_s,
             args.kv_release_timeout_s,
+            args.debug_die_after_tokens,
         )
         workers.append(worker)
         return worker

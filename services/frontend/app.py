@@ -7,6 +7,10 @@ server-sent events. A streamed response waits for the first token before sending
 that fails before then (no worker, a worker refusing the request, the deadline) is an ordinary HTTP error with
 its status; after that, a failure ends the stream with an OpenAI-style error event. A client that goes away
 cancels the worker's call, streaming or not.
+
+Admission is bounded: past `max_concurrent_requests` requests in flight, a new one is answered at once with
+429 and `Retry-After` (errors.overloaded) instead of queueing without bound; every request admitted ends with
+its completion or an explicit error.
 """
 
 from __future__ import annotations
@@ -40,6 +44,7 @@ from services.frontend.errors import (
     bad_request,
     install_error_handlers,
     model_not_found,
+    overloaded,
 )
 from services.frontend.output import TextAssembler, TokenTexts, chat_logprobs, completion_logprobs
 from services.frontend.protocol import (
@@ -82,6 +87,7 @@ class FrontendConfig:
     max_body_bytes: int = 4 << 20
     # API keys and the per-key rate limit (services/frontend/auth.py); none: the API is open
     auth: AuthConfig = field(default_factory=AuthConfig)
+    max_concurrent_requests: int = 0  # requests in flight before new ones get 429 (0: no limit)
 
 
 class Frontend:
@@ -102,6 +108,7 @@ class Frontend:
         self.coordinator = coordinator
         self.token_texts = TokenTexts(tokenizer)
         self.created = int(time.time())
+        self.in_flight = 0
 
     def max_model_len(self) -> int:
         if self.config.max_model_len > 0:
@@ -174,8 +181,14 @@ class Frontend:
         fmt: ResponseFormat,
         body: GenerationRequest,
     ) -> Response:
+        limit = self.config.max_concurrent_requests
+        if limit and self.in_flight >= limit:
+            metrics.REQUESTS.labels(endpoint, "429").inc()
+            raise overloaded(f"the frontend is serving its limit of {limit} concurrent requests "
+                             "(--max-concurrent-requests); retry later")  # fmt: skip
         assembler = TextAssembler(self.tokenizer, state.prompt_token_ids, body.stop_strings())
         pieces = _pieces(self.coordinator, state, assembler)
+        self.in_flight += 1
         metrics.REQUESTS_IN_FLIGHT.labels(endpoint).inc()
         headers = {"x-request-id": state.request_id}
         try:
@@ -238,6 +251,7 @@ class Frontend:
     def _finished(
         self, endpoint: str, state: RequestState, status: int, error_type: str | None = None
     ) -> None:
+        self.in_flight -= 1
         metrics.REQUESTS_IN_FLIGHT.labels(endpoint).dec()
         metrics.REQUESTS.labels(endpoint, str(status)).inc()
         if status >= 400:

@@ -13,8 +13,20 @@ client's cursor into them, and the phase, with a timestamp per transition — th
 - disaggregated: Prefill(prompt) on the prefill worker (PREFILLING) → its first token goes to the client at
   once, so TTFT never waits for the KV transfer → Decode(kv=handle, emitted=[first]) on the decode worker
   (TRANSFERRING until its first chunk, which reports the transfer's bytes, seconds and backend) → DECODING.
-A failed worker is reported to the router and ends the request as FAILED; `_worker_lost` is where a later change
-resumes it on another worker from `emitted` instead.
+A broken call (reset, error status, a worker silent for `stall_timeout_s`, a stream that ends early) is a
+`WorkerLost`. `_migrate` reports the worker to every router at once, records a `Migration` (cause, path,
+from/to worker, times — data the trace and metrics are built from) and starts the next attempt from the
+frozen state, excluding every worker that failed this request:
+- re-transfer: the prefill worker still holds the prompt's KV (the decode side acknowledges only when its
+  stream ends, the coordinator extends the hold while the stream runs and releases it when the request ends)
+  → Decode(kv, emitted) elsewhere;
+- rebuild: otherwise → Decode(prompt, emitted) on a new worker, which prefills prompt + emitted itself; a
+  prefill that failed before its first token is simply re-run through a new plan.
+Sampling at step i depends only on (seed, i, logits), so the continuation is the one the dead worker would have
+produced; tokens are kept by index, so the client never sees a token twice or misses one. Past
+`migration_limit` migrations, or the request's deadline, the request fails with an error that names the
+failures. When no router answers, a local fallback plan (aggregated, round-robin over live decode workers)
+keeps requests flowing.
 
 This room deals in token ids only: text, stop strings and the HTTP shape belong to output.py and app.py.
 Every call it makes carries `x-request-id`, `traceparent` and a deadline.
@@ -36,8 +48,17 @@ from typing import Protocol
 
 import grpc
 
-from services.frontend.errors import SERVER_ERROR, ApiError, from_grpc, timed_out, unavailable
+from services.frontend.errors import (
+    RETRY_AFTER_S,
+    SERVER_ERROR,
+    SERVICE_UNAVAILABLE,
+    ApiError,
+    from_grpc,
+    timed_out,
+    unavailable,
+)
 from services.rpc import pb, pb_grpc
+from services.runtime.errors import KV_UNAVAILABLE_PREFIX
 from services.runtime.tls import GrpcTls, open_channel
 from services.telemetry import metrics
 
@@ -46,6 +67,12 @@ log = logging.getLogger("rackserve.frontend")
 ROUTE_TIMEOUT_S = 5.0  # one Route call; routing is an in-memory decision, so seconds mean the router is stuck
 REPORT_FAILURE_TIMEOUT_S = 2.0
 STUCK_ROUTER_SUPPRESS_S = 5.0  # a router that let a Route call time out is not asked again for this long
+FAILED_WORKER_SUPPRESS_S = 10.0  # this frontend's own view hides a failed worker this long (as routers do)
+DEFAULT_MIGRATION_LIMIT = 3  # migrations of one request before it fails (--migration-limit)
+DEFAULT_STALL_TIMEOUT_S = 30.0  # a worker silent this long on a live call is hung (--worker-stall-timeout-s)
+RELEASE_TIMEOUT_S = 2.0
+# A held KvHandle closer than this to its expiry is not worth a re-transfer: the pull would race the TTL.
+RETRANSFER_MIN_TTL_S = 2.0
 
 # Status codes after which the worker, not the request, is at fault: the router hears about it.
 WORKER_FAULTS = frozenset(
@@ -57,6 +84,9 @@ WORKER_FAULTS = frozenset(
         grpc.StatusCode.ABORTED,
     }
 )
+
+# A live call the *worker* cancelled (its server stopping) is as much its failure as a reset: migrate it too.
+MIGRATABLE = WORKER_FAULTS | {grpc.StatusCode.CANCELLED}
 
 
 class WorkerView(Protocol):
@@ -81,7 +111,7 @@ class Phase(enum.Enum):
 _MIDDLE = {Phase.MIGRATING, Phase.FAILED}
 ALLOWED_TRANSITIONS: dict[Phase, frozenset[Phase]] = {
     Phase.QUEUED: frozenset({Phase.ROUTED, Phase.FAILED}),
-    Phase.ROUTED: frozenset({Phase.PREFILLING, Phase.DECODING, Phase.FAILED}),
+    Phase.ROUTED: frozenset({Phase.PREFILLING, Phase.TRANSFERRING, Phase.DECODING, Phase.FAILED}),
     # The first token may already end the request (DONE straight from prefill).
     Phase.PREFILLING: frozenset({Phase.TRANSFERRING, Phase.DECODING, Phase.DONE} | _MIDDLE),
     Phase.TRANSFERRING: frozenset({Phase.DECODING} | _MIDDLE),
@@ -109,6 +139,37 @@ class TokenBatch:
 
 
 @dataclass
+class Migration:
+    """One move of a request to another worker: why, how, where from and to, and how long it took."""
+
+    cause: str  # decode_failed | decode_stalled | prefill_failed | prefill_stalled | transfer_failed
+    detail: str  # the failure as the coordinator saw it (status and message)
+    from_worker_id: str
+    from_role: str  # prefill | decode
+    at_token: int  # tokens emitted when it broke; the resumed worker continues at this index
+    start_unix_s: float
+    path: str = ""  # re-transfer (the prefill copy of the KV) | rebuild (prefill again)
+    to_worker_id: str = ""
+    end_unix_s: float | None = None  # when the first token (or chunk) of the new attempt arrived
+    outcome: str = ""  # resumed | failed
+
+    @property
+    def recovery_s(self) -> float | None:
+        return None if self.end_unix_s is None else self.end_unix_s - self.start_unix_s
+
+    def as_dict(self) -> dict[str, object]:
+        return {
+            "cause": self.cause,
+            "path": self.path,
+            "from": self.from_worker_id,
+            "to": self.to_worker_id,
+            "at_token": self.at_token,
+            "outcome": self.outcome,
+            "recovery_s": None if self.recovery_s is None else round(self.recovery_s, 6),
+        }
+
+
+@dataclass
 class RequestState:
     request_id: str
     prompt_token_ids: list[int]
@@ -132,6 +193,9 @@ class RequestState:
     transfer_s: float = 0.0
     transfer_backend: str | None = None
     parent_traceparent: str | None = None  # the client's traceparent, the parent of our `request` span
+    migration_log: list[Migration] = field(default_factory=list)  # one entry per migration, in order
+    held_kv: pb.KvHandle | None = None  # the prompt's KV a prefill worker holds for this request
+    hold_ttl_s: float = 0.0  # how long the prefill worker holds it per grant (what ExtendHold asks for)
 
     def __post_init__(self) -> None:
         if not self.timeline:
@@ -217,6 +281,7 @@ class RequestState:
             ),
             "route_reason": self.plan.reason if self.plan is not None else None,
             "migrations": self.migrations,
+            "migration_log": [m.as_dict() for m in self.migration_log],
             "timeline_s": [[p.value, round(t - start, 6)] for p, t in self.timeline],
             "start_unix_s": round(start, 6),
         }
@@ -262,18 +327,42 @@ class ChannelPool:
 
 
 class DecodeStreamBroken(Exception):
-    """A decode stream ended without its finished chunk."""
+    """A decode stream ended without its finished chunk, or skipped a token index."""
+
+
+class WorkerLost(Exception):
+    """A worker failed this request in a way another worker can make good: the coordinator migrates it."""
+
+    def __init__(
+        self, worker: pb.WorkerRef, role: str, cause: str, detail: str, error: ApiError, blame: bool = True
+    ) -> None:
+        super().__init__(f"{role} worker {worker.worker_id}: {detail}")
+        self.worker = worker
+        self.role = role
+        self.cause = cause
+        self.detail = detail
+        self.error = error  # what the client sees if the request cannot be migrated
+        self.blame = blame  # the worker itself is at fault (reported to the routers, excluded from now on)
 
 
 class Coordinator:
     def __init__(
-        self, directory: WorkerView, channels: ChannelPool, route_timeout_s: float = ROUTE_TIMEOUT_S
+        self,
+        directory: WorkerView,
+        channels: ChannelPool,
+        route_timeout_s: float = ROUTE_TIMEOUT_S,
+        migration_limit: int = DEFAULT_MIGRATION_LIMIT,
+        stall_timeout_s: float = DEFAULT_STALL_TIMEOUT_S,
     ) -> None:
         self.directory = directory
         self.channels = channels
         self.route_timeout_s = route_timeout_s
+        self.migration_limit = migration_limit
+        self.stall_timeout_s = stall_timeout_s
         self._router_turn = itertools.count()
+        self._fallback_turn = itertools.count()
         self._background: set[asyncio.Task[None]] = set()
+        self._extending: set[str] = set()  # request ids with an ExtendHold in flight
 
     def new_request(
         self,
@@ -295,51 +384,82 @@ class Coordinator:
         )
 
     async def generate(self, state: RequestState) -> AsyncGenerator[TokenBatch, None]:
-        """Drive `state` to DONE, yielding each batch of new tokens as it arrives.
+        """Drive `state` to DONE, yielding each batch of new tokens as it arrives, migrating it to another
+        worker when one fails.
 
         Raises ApiError (state FAILED) when it cannot; a consumer that stops early (a stop string) finishes
         the state first and then closes this generator, which cancels the worker's call."""
         try:
-            state.plan = await self._route(state)
-            state.advance(Phase.ROUTED)
-            if state.plan.HasField("prefill"):
-                response = await self._prefill(state, state.plan.prefill)
-                first = _emitted(response.first_token)
-                state.emitted.append(first)
-                state.first_token_arrived()
-                metrics.GENERATION_TOKENS.inc()
-                if response.finished:
-                    state.finish(response.finish_reason or "stop")
-                    yield TokenBatch([first], state.finish_reason)
+            while True:
+                try:
+                    async with contextlib.aclosing(self._attempt(state)) as batches:
+                        async for batch in batches:
+                            yield batch
                     return
-                yield TokenBatch([first])  # TTFT: the client has its first token before any KV moves
-                state.advance(Phase.TRANSFERRING)
-                decode = self._decode(state, state.plan.decode, response.kv)
-            else:
-                state.advance(Phase.PREFILLING)  # the decode worker runs the prompt itself
-                decode = self._decode(state, state.plan.decode)
-            async with contextlib.aclosing(decode) as batches:
-                async for batch in batches:
-                    yield batch
+                except WorkerLost as lost:
+                    self._migrate(state, lost)  # raises the client's error past the limit or deadline
         except ApiError as e:
+            if state.migration_log and not state.migration_log[-1].outcome:
+                self._migration_ended(state, "failed")
             state.fail(e.message)
             raise
         except (asyncio.CancelledError, GeneratorExit):
             state.fail("cancelled: the client went away")
             raise
+        finally:
+            self._release_held_kv(state)
 
-    async def _route(self, state: RequestState) -> pb.RoutePlan:
+    async def _attempt(self, state: RequestState) -> AsyncGenerator[TokenBatch, None]:
+        """One plan, run until the request finishes or a worker fails (WorkerLost)."""
+        migrating = state.phase is Phase.MIGRATING
+        kv = self._reusable_kv(state) if migrating else None
+        if migrating and kv is None:
+            self._release_held_kv(state)  # a rebuild will not pull it
+        # A remote prefill only runs a bare prompt: once tokens exist, the decode worker rebuilds (or pulls).
+        state.plan = await self._route(state, need_prefill=not state.emitted and kv is None)
+        state.advance(Phase.ROUTED)
+        if migrating:
+            m = state.migration_log[-1]
+            m.path = "re-transfer" if kv is not None else "rebuild"
+            m.to_worker_id = state.plan.decode.worker_id
+        if state.plan.HasField("prefill") and not state.emitted:
+            if migrating:
+                state.migration_log[-1].to_worker_id = state.plan.prefill.worker_id
+            response = await self._prefill(state, state.plan.prefill)
+            first = _emitted(response.first_token)
+            state.emitted.append(first)
+            state.first_token_arrived()
+            self._migration_ended(state, "resumed")
+            metrics.GENERATION_TOKENS.inc()
+            if response.finished:
+                state.finish(response.finish_reason or "stop")
+                yield TokenBatch([first], state.finish_reason)
+                return
+            state.held_kv = response.kv
+            state.hold_ttl_s = max(1.0, response.kv.expires_unix_ms / 1000 - time.time())
+            yield TokenBatch([first])  # TTFT: the client has its first token before any KV moves
+            state.advance(Phase.TRANSFERRING)
+            decode = self._decode(state, state.plan.decode, response.kv)
+        elif kv is not None:
+            state.advance(Phase.TRANSFERRING)  # the new decode worker pulls the prefill worker's copy
+            decode = self._decode(state, state.plan.decode, kv)
+        else:
+            state.advance(Phase.PREFILLING)  # the decode worker runs the prompt (and emitted tokens) itself
+            decode = self._decode(state, state.plan.decode)
+        async with contextlib.aclosing(decode) as batches:
+            async for batch in batches:
+                yield batch
+
+    async def _route(self, state: RequestState, need_prefill: bool = True) -> pb.RoutePlan:
         routers = self.directory.workers("router")
-        if not routers:
-            raise unavailable("no router is available (none registered in discovery)", code="no_routers")
-        first = next(self._router_turn) % len(routers)
         request = pb.RouteRequest(
             request_id=state.request_id,
             token_ids=state.prompt_token_ids,
             exclude_worker_ids=state.failed_worker_ids,
-            need_prefill=True,
+            need_prefill=need_prefill,
         )
         last: ApiError | None = None
+        first = next(self._router_turn) % len(routers) if routers else 0
         for router in routers[first:] + routers[:first]:
             stub = pb_grpc.RouterStub(self.channels.get(router.endpoint))
             try:
@@ -362,8 +482,30 @@ class Coordinator:
                 elif e.code() != grpc.StatusCode.UNAVAILABLE:
                     raise last from e
                 # Unreachable, or it knows no decode worker: another router may see the cluster differently.
-        assert last is not None
+        fallback = self._fallback_plan(state)
+        if fallback is not None:
+            return fallback
+        if last is None:
+            raise unavailable("no router is available (none registered in discovery)", code="no_routers")
         raise last
+
+    def _fallback_plan(self, state: RequestState) -> pb.RoutePlan | None:
+        """When no router answers (all dead, stuck or unregistered): an aggregated plan, round-robin over the
+        decode workers this frontend sees, so a router outage does not fail requests."""
+        failed = set(state.failed_worker_ids)
+        decodes = sorted(
+            (w for w in self.directory.workers("decode") if w.worker_id not in failed),
+            key=lambda w: w.worker_id,
+        )
+        if not decodes:
+            return None
+        chosen = decodes[next(self._fallback_turn) % len(decodes)]
+        log.warning("request %s: no router answered; local fallback plan on %s",
+                    state.request_id, chosen.worker_id)  # fmt: skip
+        ref = pb.WorkerRef(
+            worker_id=chosen.worker_id, endpoint=chosen.endpoint, role=chosen.role, epoch=chosen.epoch
+        )
+        return pb.RoutePlan(decode=ref, reason="agg: frontend fallback, no router answered; round_robin")
 
     async def _prefill(self, state: RequestState, worker: pb.WorkerRef) -> pb.PrefillResponse:
         """PREFILLING on a prefill worker: the first token and a KvHandle naming the blocks it holds for us."""
@@ -373,17 +515,21 @@ class Coordinator:
         )
         stub = pb_grpc.PrefillWorkerStub(self.channels.get(worker.endpoint))
         peer = f"prefill worker {worker.worker_id}"
+        timeout_s = min(self.stall_timeout_s, state.remaining_s())
         try:
             response: pb.PrefillResponse = await stub.Prefill(
-                request, metadata=state.metadata(), timeout=state.remaining_s()
+                request, metadata=state.metadata(), timeout=timeout_s
             )
         except grpc.aio.AioRpcError as e:
             metrics.WORKER_FAILURES.labels("prefill", e.code().name).inc()
-            if e.code() not in WORKER_FAULTS:
+            detail = f"{e.code().name}: {e.details()}"
+            if e.code() == grpc.StatusCode.DEADLINE_EXCEEDED and state.deadline_s > time.monotonic():
+                error = ApiError(504, f"{peer} answered nothing for {timeout_s:g}s", "timeout_error",
+                                 code="worker_stalled")  # fmt: skip
+                raise WorkerLost(worker, "prefill", "prefill_stalled", detail, error) from e
+            if e.code() not in MIGRATABLE:
                 raise from_grpc(e, peer) from e
-            raise self._worker_lost(
-                state, worker, f"{e.code().name}: {e.details()}", from_grpc(e, peer)
-            ) from e
+            raise WorkerLost(worker, "prefill", "prefill_failed", detail, from_grpc(e, peer)) from e
         state.cached_tokens = response.cached_tokens
         return response
 
@@ -402,9 +548,16 @@ class Coordinator:
         call = stub.Decode(request, metadata=state.metadata(), timeout=state.remaining_s())
         peer = f"decode worker {worker.worker_id}"
         last_arrival = time.monotonic()
+        first_chunk = True
         try:
-            async for chunk in call:
+            while True:
+                chunk = await self._next_chunk(state, call, worker, peer)
+                if chunk is None:
+                    raise DecodeStreamBroken(f"{peer} ended the stream before the request finished")
                 now = time.monotonic()
+                if first_chunk:
+                    first_chunk = False
+                    self._migration_ended(state, "resumed")
                 if state.phase in (Phase.PREFILLING, Phase.TRANSFERRING):
                     state.advance(Phase.DECODING)
                     if kv is None:
@@ -419,47 +572,191 @@ class Coordinator:
                     for _ in chunk.tokens:
                         metrics.INTER_TOKEN_S.observe(gap)
                 last_arrival = now
-                tokens = [_emitted(t) for t in chunk.tokens]
-                state.emitted.extend(tokens)
+                tokens = _keep_new(state, chunk.tokens, peer)
                 metrics.GENERATION_TOKENS.inc(len(tokens))
                 if chunk.finished:
                     stop_reason = chunk.stop_reason or None
                     state.finish(chunk.finish_reason or "stop", stop_reason)
                     yield TokenBatch(tokens, state.finish_reason, stop_reason)
                     return
-                yield TokenBatch(tokens)
-            raise DecodeStreamBroken(f"{peer} ended the stream before the request finished")
+                self._keep_holding(state)
+                if tokens:
+                    yield TokenBatch(tokens)
         except grpc.aio.AioRpcError as e:
             metrics.WORKER_FAILURES.labels("decode", e.code().name).inc()
-            if e.code() not in WORKER_FAULTS:
+            detail = f"{e.code().name}: {e.details()}"
+            if kv is not None and first_chunk and _is_transfer_failure(e):
+                # The pull failed, not the decode worker: the prefill copy is gone (or bad), so rebuild.
+                state.held_kv = None
+                producer = pb.WorkerRef(worker_id=kv.producer_worker_id, endpoint=kv.producer_endpoint,
+                                        role="prefill", epoch=kv.producer_epoch)  # fmt: skip
+                raise WorkerLost(
+                    producer, "prefill", "transfer_failed", detail, from_grpc(e, peer),
+                    blame=e.code() == grpc.StatusCode.UNAVAILABLE,
+                ) from e  # fmt: skip
+            if e.code() not in MIGRATABLE:
                 raise from_grpc(e, peer) from e
-            raise self._worker_lost(
-                state, worker, f"{e.code().name}: {e.details()}", from_grpc(e, peer)
-            ) from e
+            raise WorkerLost(worker, "decode", "decode_failed", detail, from_grpc(e, peer)) from e
         except DecodeStreamBroken as e:
             metrics.WORKER_FAILURES.labels("decode", "STREAM_ENDED").inc()
-            raise self._worker_lost(
-                state, worker, str(e), ApiError(502, str(e), SERVER_ERROR, code="worker_error")
-            ) from e
+            error = ApiError(502, str(e), SERVER_ERROR, code="worker_error")
+            raise WorkerLost(worker, "decode", "decode_failed", str(e), error) from e
         finally:
             if not call.done():
-                call.cancel()  # the client went away or a stop string ended it: the worker drops the request
+                call.cancel()  # the client went away, a stop string ended it, or the worker hung
 
-    def _worker_lost(
-        self, state: RequestState, worker: pb.WorkerRef, cause: str, error: ApiError
-    ) -> ApiError:
-        """A worker failed mid-request: tell the router at once (in the background, the client's
-        error does not wait for it) and return the client's error. Migration — resuming on another worker
-        from `state.emitted` — belongs here and is a later change; until then the request fails."""
-        state.failed_worker_ids.append(worker.worker_id)
-        log.warning("request %s: %s worker %s failed: %s", state.request_id, worker.role or "a",
-                    worker.worker_id, cause)  # fmt: skip
-        task = asyncio.get_running_loop().create_task(self._report_failure(state, worker.worker_id, cause))
+    async def _next_chunk(
+        self,
+        state: RequestState,
+        call: grpc.aio.UnaryStreamCall,  # type: ignore[type-arg]
+        worker: pb.WorkerRef,
+        peer: str,
+    ) -> pb.DecodeChunk | None:
+        """The next chunk, None at the end of the stream; a worker silent for stall_timeout_s is hung."""
+        timeout_s = min(self.stall_timeout_s, state.remaining_s())
+        try:
+            chunk = await asyncio.wait_for(call.read(), timeout_s)
+        except TimeoutError as e:
+            call.cancel()
+            state.remaining_s()  # the request's own deadline: 504, not a migration
+            metrics.WORKER_FAILURES.labels("decode", "STALLED").inc()
+            detail = f"no chunk for {timeout_s:g}s"
+            error = ApiError(504, f"{peer} sent nothing for {timeout_s:g}s", "timeout_error",
+                             code="worker_stalled")  # fmt: skip
+            raise WorkerLost(worker, "decode", "decode_stalled", detail, error) from e
+        if chunk is grpc.aio.EOF:
+            return None
+        assert isinstance(chunk, pb.DecodeChunk)
+        return chunk
+
+    # ---- migration --------------------------------------------------------------------------------------
+
+    def _migrate(self, state: RequestState, lost: WorkerLost) -> None:
+        """Record the failure, tell the routers, and freeze the request for its next attempt — or raise the
+        client's error when the request may not move again."""
+        now = time.time()
+        if state.migration_log and not state.migration_log[-1].outcome:
+            self._migration_ended(state, "failed")  # the previous move broke before it resumed
+        if lost.blame:
+            state.failed_worker_ids.append(lost.worker.worker_id)
+            task = asyncio.get_running_loop().create_task(
+                self._report_failure(state, lost.worker.worker_id, f"{lost.cause}: {lost.detail}")
+            )
+            self._background.add(task)
+            task.add_done_callback(self._background.discard)
+        log.warning("request %s: %s worker %s failed after %d tokens (%s): %s", state.request_id, lost.role,
+                    lost.worker.worker_id, len(state.emitted), lost.cause, lost.detail)  # fmt: skip
+        causes = [m.cause for m in state.migration_log] + [lost.cause]
+        if state.migrations >= self.migration_limit:
+            metrics.MIGRATIONS.labels(lost.cause, "none", "limit_exceeded").inc()
+            raise ApiError(
+                503,
+                f"request {state.request_id} failed after {len(state.emitted)} tokens: {lost.error.message}; "
+                f"it was moved to another worker {state.migrations} times (--migration-limit "
+                f"{self.migration_limit}), failures: {', '.join(causes)}",
+                SERVICE_UNAVAILABLE,
+                code="migration_limit_exceeded",
+                headers={"Retry-After": str(RETRY_AFTER_S)},
+            ) from lost
+        if state.deadline_s <= time.monotonic():
+            metrics.MIGRATIONS.labels(lost.cause, "none", "deadline_exceeded").inc()
+            raise timed_out(
+                f"request {state.request_id} ran past its deadline after {len(state.emitted)} tokens; "
+                f"last failure: {lost.error.message}"
+            ) from lost
+        state.migrations += 1
+        state.migration_log.append(
+            Migration(
+                cause=lost.cause,
+                detail=lost.detail,
+                from_worker_id=lost.worker.worker_id,
+                from_role=lost.role,
+                at_token=len(state.emitted),
+                start_unix_s=now,
+            )
+        )
+        state.advance(Phase.MIGRATING)
+
+    def _reusable_kv(self, state: RequestState) -> pb.KvHandle | None:
+        """The prefill copy of the prompt's KV, if its holder is alive and the hold outlasts a pull."""
+        kv = state.held_kv
+        if kv is None or kv.producer_worker_id in state.failed_worker_ids:
+            return None
+        if kv.expires_unix_ms and kv.expires_unix_ms / 1000 - time.time() < RETRANSFER_MIN_TTL_S:
+            return None
+        alive = {w.worker_id: w.epoch for w in self.directory.workers("prefill")}
+        if alive.get(kv.producer_worker_id) != kv.producer_epoch:
+            return None  # gone from discovery, or restarted (its blocks went with the old process)
+        return kv
+
+    def _keep_holding(self, state: RequestState) -> None:
+        """While the stream runs, keep the prefill copy of the KV alive (ExtendHold, in the background) once
+        half its grant has passed, so a migration can still re-transfer rather than rebuild."""
+        kv = state.held_kv
+        if kv is None or not kv.producer_endpoint or state.request_id in self._extending:
+            return
+        if kv.expires_unix_ms / 1000 - time.time() > state.hold_ttl_s / 2:
+            return
+
+        async def extend() -> None:
+            stub = pb_grpc.PrefillWorkerStub(self.channels.get(kv.producer_endpoint))
+            try:
+                reply = await stub.ExtendHold(
+                    pb.ExtendHoldRequest(request_id=kv.request_id, ttl_s=state.hold_ttl_s),
+                    metadata=state.metadata(),
+                    timeout=RELEASE_TIMEOUT_S,
+                )
+            except grpc.aio.AioRpcError as e:
+                log.info("ExtendHold of %s on %s: %s", kv.request_id, kv.producer_worker_id, e.code().name)
+                if e.code() == grpc.StatusCode.UNIMPLEMENTED and state.held_kv is kv:
+                    state.held_kv = None  # an older worker: the TTL stands, a late migration rebuilds
+                return
+            finally:
+                self._extending.discard(state.request_id)
+            if state.held_kv is kv:
+                if reply.held and reply.expires_unix_ms > kv.expires_unix_ms:
+                    kv.expires_unix_ms = reply.expires_unix_ms
+                elif not reply.held:
+                    state.held_kv = None  # expired or released: nothing to re-transfer from
+
+        self._extending.add(state.request_id)
+        task = asyncio.get_running_loop().create_task(extend())
         self._background.add(task)
         task.add_done_callback(self._background.discard)
-        if state.emitted:
-            error.message += f" (after {len(state.emitted)} tokens; the request was not resumed elsewhere)"
-        return error
+
+    def _migration_ended(self, state: RequestState, outcome: str) -> None:
+        if not state.migration_log or state.migration_log[-1].outcome:
+            return
+        m = state.migration_log[-1]
+        m.outcome, m.end_unix_s = outcome, time.time()
+        metrics.MIGRATIONS.labels(m.cause, m.path or "none", outcome).inc()
+        if outcome == "resumed" and m.recovery_s is not None:
+            metrics.MIGRATION_RECOVERY_S.labels(m.path).observe(m.recovery_s)
+
+    def _release_held_kv(self, state: RequestState) -> None:
+        """Let the prefill worker free the prompt's KV (idempotent there; its TTL covers a lost Release)."""
+        kv, state.held_kv = state.held_kv, None
+        if kv is None or not kv.producer_endpoint:
+            return
+
+        async def release() -> None:
+            stub = pb_grpc.PrefillWorkerStub(self.channels.get(kv.producer_endpoint))
+            try:
+                await stub.Release(
+                    pb.ReleaseRequest(request_id=kv.request_id),
+                    metadata=state.metadata(),
+                    timeout=RELEASE_TIMEOUT_S,
+                )
+            except grpc.aio.AioRpcError as e:
+                log.info("Release of %s to %s: %s (its TTL frees it)", kv.request_id, kv.producer_worker_id,
+                         e.code().name)  # fmt: skip
+
+        try:
+            task = asyncio.get_running_loop().create_task(release())
+        except RuntimeError:  # no running loop (a generator finalized at shutdown): the TTL frees it
+            return
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
 
     async def _report_failure(self, state: RequestState, worker_id: str, cause: str) -> None:
         report = pb.FailureReport(worker_id=worker_id, request_id=state.request_id, cause=cause)
@@ -471,13 +768,40 @@ class Coordinator:
             except grpc.aio.AioRpcError as e:
                 log.warning("router %s did not take the failure report: %s", router.worker_id, e.code().name)
 
-        # Every router keeps its own view of the workers, so every router hears about it.
+        # Every router keeps its own view of the workers, so every router hears about it; so does this
+        # frontend's own view, which the fallback plan uses.
+        self.directory.suppress(worker_id, FAILED_WORKER_SUPPRESS_S)
         await asyncio.gather(*(tell(r) for r in self.directory.workers("router")))
 
     async def close(self) -> None:
-        """Let pending failure reports finish (each has its own deadline)."""
+        """Let pending failure reports and releases finish (each has its own deadline)."""
         if self._background:
             await asyncio.gather(*self._background, return_exceptions=True)
+
+
+def _keep_new(state: RequestState, tokens: Sequence[pb.Token], peer: str) -> list[EmittedToken]:
+    """Append the tokens past what `state` already has, by index: a resumed worker may repeat none, but a
+    token index seen before is dropped rather than sent twice, and a gap is the worker's fault."""
+    new = []
+    for t in tokens:
+        if t.index < len(state.emitted):
+            if state.emitted[t.index].token_id != t.token_id:
+                log.warning("request %s: %s sent token %d at index %d, already had %d", state.request_id,
+                            peer, t.token_id, t.index, state.emitted[t.index].token_id)  # fmt: skip
+            continue
+        if t.index > len(state.emitted):
+            raise DecodeStreamBroken(f"{peer} skipped from token index {len(state.emitted)} to {t.index}")
+        token = _emitted(t)
+        state.emitted.append(token)
+        new.append(token)
+    return new
+
+
+def _is_transfer_failure(e: grpc.aio.AioRpcError) -> bool:
+    """The decode worker could not get the KV it was handed (its own health is not in question)."""
+    if e.code() in (grpc.StatusCode.DATA_LOSS, grpc.StatusCode.FAILED_PRECONDITION):
+        return True
+    return e.code() == grpc.StatusCode.UNAVAILABLE and (e.details() or "").startswith(KV_UNAVAILABLE_PREFIX)
 
 
 def _emitted(token: pb.Token) -> EmittedToken:

@@ -78,6 +78,11 @@ def unavailable(message: str, code: str = "no_workers") -> ApiError:
     return ApiError(503, message, SERVICE_UNAVAILABLE, None, code, {"Retry-After": str(RETRY_AFTER_S)})
 
 
+def overloaded(message: str) -> ApiError:
+    """429: this frontend is at its admission limit; the request was not started."""
+    return ApiError(429, message, "rate_limit_error", None, "overloaded", {"Retry-After": str(RETRY_AFTER_S)})
+
+
 def timed_out(message: str) -> ApiError:
     return ApiError(504, message, TIMEOUT, None, "timeout")
 

@@ -11,11 +11,14 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import logging
 import os
+import signal
 import socket
 import sys
 import time
+from collections.abc import Iterator
 
 import uvicorn
 
@@ -23,7 +26,12 @@ from services.discovery import EtcdSecurity, Registration, WorkerDirectory
 from services.engine.tokenizer import Tokenizer
 from services.frontend.app import DEFAULT_MAX_MODEL_LEN, FrontendConfig, create_app
 from services.frontend.auth import AuthConfig, load_api_keys
-from services.frontend.coordinator import ChannelPool, Coordinator
+from services.frontend.coordinator import (
+    DEFAULT_MIGRATION_LIMIT,
+    DEFAULT_STALL_TIMEOUT_S,
+    ChannelPool,
+    Coordinator,
+)
 from services.frontend.timeline import DEFAULT_TIMELINE_HISTORY, RequestObserver
 from services.rpc import pb
 from services.runtime.args import add_flag, add_security_arguments, add_telemetry_arguments, switch
@@ -53,6 +61,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         g, "--request-timeout-s", 600.0, "deadline of one request, from arrival to its last token", float
     )
     add_flag(g, "--max-body-bytes", 4 << 20, "largest request body accepted (413 above)", int)
+    add_flag(g, "--max-concurrent-requests", 256, "requests in flight before new ones get 429 with "
+             "Retry-After (0: no limit)", int)  # fmt: skip
+    add_flag(g, "--migration-limit", DEFAULT_MIGRATION_LIMIT, "times one request may move to another worker "
+             "after a failure before it fails with migration_limit_exceeded", int)  # fmt: skip
+    add_flag(g, "--worker-stall-timeout-s", DEFAULT_STALL_TIMEOUT_S, "a worker that sends nothing on a live "
+             "call for this long is treated as hung: reported, and the request migrates", float)  # fmt: skip
     add_flag(g, "--worker-id", "", "id in discovery (default: frontend-HOSTNAME-PID)")
     add_flag(g, "--lease-ttl-s", 3.0, "etcd lease TTL of the frontend's registration", float)
     add_flag(g, "--log-level", "info", "log level", choices=("debug", "info", "warning", "error"))
@@ -98,6 +112,7 @@ async def serve(args: argparse.Namespace) -> None:
         auth=AuthConfig(
             load_api_keys(args.api_key, args.api_key_file), args.rate_limit_rps, args.rate_limit_burst
         ),
+        max_concurrent_requests=args.max_concurrent_requests,
     )
     if not config.auth.keys:
         log.warning("no API key configured: the API is open to anyone who can reach port %d", args.port)
@@ -106,14 +121,23 @@ async def serve(args: argparse.Namespace) -> None:
     etcd_security = EtcdSecurity.from_args(args)
     directory = WorkerDirectory(args.etcd, roles=("router", "decode", "prefill"), security=etcd_security)
     await directory.start()
-    coordinator = Coordinator(directory, ChannelPool(GrpcTls.from_args(args)))
+    coordinator = Coordinator(
+        directory,
+        ChannelPool(GrpcTls.from_args(args)),
+        migration_limit=args.migration_limit,
+        stall_timeout_s=args.worker_stall_timeout_s,
+    )
     observer = RequestObserver(args.timeline_history, args.request_log, args.log_prompts)
     app = create_app(config, tokenizer, directory, coordinator, observer)
-    server = uvicorn.Server(
+    server = _DrainingServer(
         uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level, access_log=False)
     )
     registration: Registration | None = None
-    serving = asyncio.get_running_loop().create_task(server.serve(), name="uvicorn")
+    loop = asyncio.get_running_loop()
+    stop = asyncio.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    serving = loop.create_task(server.serve(), name="uvicorn")
     try:
         await _until_started(server, serving)
         port = server.servers[0].sockets[0].getsockname()[1]
@@ -130,7 +154,13 @@ async def serve(args: argparse.Namespace) -> None:
         registration = await Registration.start(
             args.etcd, info, ttl_s=args.lease_ttl_s, security=etcd_security
         )
-        await serving  # until SIGINT/SIGTERM, which uvicorn handles by finishing in-flight requests
+        stopping = loop.create_task(stop.wait())
+        await asyncio.wait({serving, stopping}, return_when=asyncio.FIRST_COMPLETED)
+        stopping.cancel()
+        if stop.is_set():  # drain: leave discovery first, then let uvicorn finish the requests in flight
+            log.info("frontend draining: leaving discovery, finishing requests in flight")
+            await registration.close()
+            registration = None
     finally:
         if registration is not None:
             await registration.close()
@@ -139,6 +169,16 @@ async def serve(args: argparse.Namespace) -> None:
             await serving
         await directory.close()
         tracing.shutdown()
+
+
+class _DrainingServer(uvicorn.Server):
+    """uvicorn without its own signal handling: `serve` drains on SIGTERM/SIGINT itself, so the process leaves
+    discovery and exits 0 (uvicorn's handler re-raises the signal after its shutdown, killing the process
+    before the registration is deleted)."""
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        yield
 
 
 async def _until_started(server: uvicorn.Server, serving: asyncio.Task[None]) -> None:

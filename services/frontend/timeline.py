@@ -171,11 +171,6 @@ def _observe_phases(record: dict[str, Any]) -> None:
         metrics.PHASE_S.labels(phase["phase"]).observe(phase["duration_s"])
     if record["phase"] == Phase.DONE.value:
         metrics.OUTPUT_TOKENS_PER_REQUEST.observe(record["completion_tokens"])
-    migrating = [p for p in record["phases"] if p["phase"] == Phase.MIGRATING.value]
-    for i in range(len(migrating)):
-        cause = _migration_cause(record, i)
-        outcome = "resumed" if record["phase"] == Phase.DONE.value else "failed"
-        metrics.MIGRATIONS.labels(cause, outcome).inc()
 
 
 def _emit_spans(state: RequestState, record: dict[str, Any]) -> None:
@@ -245,6 +240,7 @@ def _emit_spans(state: RequestState, record: dict[str, Any]) -> None:
                 p_start,
                 p_end,
                 {**rid, "rackserve.migration.cause": _migration_cause(record, migrations),
+                 "rackserve.migration.path": str((_nth(record, migrations) or {}).get("path", "")),
                  "rackserve.migration.record": json.dumps(_nth(record, migrations), default=str)},
             )  # fmt: skip
             migrations += 1
@@ -252,12 +248,8 @@ def _emit_spans(state: RequestState, record: dict[str, Any]) -> None:
 
 
 def _migration_records(state: RequestState) -> list[Any]:
-    """The coordinator's migration records, when it keeps them (a list on the state)."""
-    for name in ("migration_records", "migration_log", "migrations"):
-        value = getattr(state, name, None)
-        if isinstance(value, list):
-            return value
-    return []
+    """The coordinator's migration records (cause, path, from/to worker, times), one per MIGRATING phase."""
+    return list(state.migration_log)
 
 
 def _plain(record: Any) -> Any:

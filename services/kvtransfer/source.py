@@ -17,6 +17,7 @@ import os
 import socket
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -68,6 +69,9 @@ class KvSource:
         self.endpoint = f"{config.advertise_host or host}:{port}"
         self._accept = asyncio.get_running_loop().create_task(self._accept_loop())
         self._test_stall_after_bytes: int | None = None
+        # Test-only fault hook (the prefill worker's --debug-die-in transfer): called with the key as a pull
+        # of it begins, before any reply — a real fault injected at an exact moment of the transfer.
+        self.debug_on_pull: Callable[[str], None] | None = None
 
     @classmethod
     async def start(cls, config: TransferConfig | None = None) -> KvSource:
@@ -253,6 +257,8 @@ class KvSource:
                 await protocol.send_message(conn, {"ok": False, "error": "unavailable", "detail": backend})
                 return
             pub.pins += 1
+            if self.debug_on_pull is not None:
+                self.debug_on_pull(key)
             await protocol.send_message(conn, reply)
             if backend == TCP:
                 await self._send_payload(conn, pub.view)

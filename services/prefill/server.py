@@ -8,6 +8,12 @@ and the publication stay until `Release` (the decode side's acknowledgement) or 
 `expires_unix_ms` (`--kv-ttl-s`) passes — whichever comes first frees both; released blocks stay in the prefix
 cache until evicted.
 
+The decode side acknowledges only when its request has finished, so the copy stays for a migration to
+re-transfer from while the stream runs; the frontend keeps it alive past the TTL with `ExtendHold` while the
+stream runs (never past `--kv-max-hold-s` from the prefill) and releases it when the request ends; the TTL
+frees what every ack missed. `--debug-die-in prefill|transfer` (test-only) makes the process SIGKILL itself during a
+Prefill call or as the first pull of its KV begins: the chaos suite's exact-moment prefill faults.
+
 This room must never decode past the first token, and never hold blocks without a deadline.
 """
 
@@ -18,6 +24,8 @@ import asyncio
 import dataclasses
 import json
 import logging
+import os
+import signal
 import sys
 import time
 
@@ -46,6 +54,8 @@ ROLE = "prefill"
 SERVICE_NAME = "rackserve.v1.PrefillWorker"
 GATED_METHODS = (f"/{SERVICE_NAME}/Prefill",)
 DEFAULT_KV_TTL_S = 30.0
+DEFAULT_KV_MAX_HOLD_S = 600.0  # ExtendHold never keeps a request's KV longer than this after its prefill
+DEBUG_DIE_IN = ("none", "prefill", "transfer")
 
 
 class PrefillWorker(EngineWorker, pb_grpc.PrefillWorkerServicer):
@@ -56,9 +66,16 @@ class PrefillWorker(EngineWorker, pb_grpc.PrefillWorkerServicer):
         source: KvSource,
         kv_ttl_s: float = DEFAULT_KV_TTL_S,
         kv_compress: str | None = None,
+        debug_die_in: str = "none",
+        kv_max_hold_s: float = DEFAULT_KV_MAX_HOLD_S,
     ) -> None:
         super().__init__(host, engine)
         self.source = source
+        self.kv_max_hold_s = max(kv_max_hold_s, kv_ttl_s)
+        self._held_since: dict[str, float] = {}  # request id -> when its hold began (time.time())
+        self.debug_die_in = debug_die_in
+        if debug_die_in == "transfer":
+            source.debug_on_pull = lambda key: _die(f"a pull of {key} began")
         self.kv_ttl_s = kv_ttl_s
         self.kv_compress = kv_compress
         self._expiry: dict[str, asyncio.TimerHandle] = {}  # request id -> the timer that frees its held KV
@@ -78,6 +95,8 @@ class PrefillWorker(EngineWorker, pb_grpc.PrefillWorkerServicer):
     ) -> pb.PrefillResponse:
         params = wire.sampling_params(request.params)
         prompt = list(request.token_ids)
+        if self.debug_die_in == "prefill":
+            _die(f"prefilling {request_id}")
         # one token only: the first one, drawn exactly as a local decode would draw it (same seed, index 0)
         first_only = dataclasses.replace(params, max_tokens=1)
         async with self.engine.generate(request_id, prompt, first_only, hold_kv=True) as stream:
@@ -115,7 +134,7 @@ class PrefillWorker(EngineWorker, pb_grpc.PrefillWorkerServicer):
             ticket = self.source.publish(
                 request_id,
                 export.data,
-                self.kv_ttl_s,  # our own timer (_hold) retracts it at expires_unix_ms; this is the backstop
+                self.kv_max_hold_s,  # our own timer (_hold) retracts it first; this is the backstop
                 compress=self.kv_compress,
                 kv_dtype=wire.KV_DTYPE_NAMES[layout.dtype],
                 head_dim=layout.head_dim,
@@ -152,7 +171,22 @@ class PrefillWorker(EngineWorker, pb_grpc.PrefillWorkerServicer):
         await self._release(request.request_id)
         return pb.Empty()
 
+    async def ExtendHold(  # noqa: N802 - gRPC method name
+        self, request: pb.ExtendHoldRequest, context: grpc.aio.ServicerContext
+    ) -> pb.ExtendHoldResponse:
+        """Push a held request's expiry to now + ttl_s, never past kv_max_hold_s after its prefill."""
+        timer = self._expiry.get(request.request_id)
+        if timer is None:
+            return pb.ExtendHoldResponse(held=False)
+        if request.ttl_s <= 0:
+            raise ValueError(f"ttl_s must be positive, got {request.ttl_s}")
+        until_s = min(time.time() + request.ttl_s, self._held_since[request.request_id] + self.kv_max_hold_s)
+        timer.cancel()
+        self._expiry[request.request_id] = self._expire_at(request.request_id, until_s)
+        return pb.ExtendHoldResponse(held=True, expires_unix_ms=int(until_s * 1000))
+
     async def _release(self, request_id: str) -> None:
+        self._held_since.pop(request_id, None)
         timer = self._expiry.pop(request_id, None)
         if timer is not None:
             timer.cancel()
@@ -161,6 +195,12 @@ class PrefillWorker(EngineWorker, pb_grpc.PrefillWorkerServicer):
 
     def _hold(self, request_id: str) -> int:
         """Free the request's blocks kv_ttl_s from now unless released first; returns that time, unix ms."""
+        now = time.time()
+        self._held_since[request_id] = now
+        self._expiry[request_id] = self._expire_at(request_id, now + self.kv_ttl_s)
+        return int((now + self.kv_ttl_s) * 1000)
+
+    def _expire_at(self, request_id: str, unix_s: float) -> asyncio.TimerHandle:
         loop = asyncio.get_running_loop()
 
         def expire() -> None:
@@ -168,16 +208,21 @@ class PrefillWorker(EngineWorker, pb_grpc.PrefillWorkerServicer):
             self._expiring.add(task)
             task.add_done_callback(self._expiring.discard)
 
-        self._expiry[request_id] = loop.call_later(self.kv_ttl_s, expire)
-        return int((time.time() + self.kv_ttl_s) * 1000)
+        return loop.call_later(max(0.0, unix_s - time.time()), expire)
 
     async def _expire(self, request_id: str) -> None:
+        since = self._held_since.pop(request_id, None)
         if self._expiry.pop(request_id, None) is not None:
-            log.info(
-                "held KV of %r expired after %.1fs without a Release; freeing it", request_id, self.kv_ttl_s
-            )
+            held_s = time.time() - since if since is not None else self.kv_ttl_s
+            log.info("held KV of %r expired after %.1fs without a Release; freeing it", request_id, held_s)
             self.source.retract(request_id)
             await self.engine.release(request_id)
+
+
+def _die(moment: str) -> None:
+    """--debug-die-in (test-only): a real SIGKILL of this process at a chosen moment."""
+    log.warning("--debug-die-in: SIGKILL while %s", moment)
+    os.kill(os.getpid(), signal.SIGKILL)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -185,7 +230,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_engine_arguments(parser)
     g = parser.add_argument_group("prefill")
     add_flag(g, "--kv-ttl-s", DEFAULT_KV_TTL_S, "how long produced KV stays held without a Release", float)
+    add_flag(g, "--kv-max-hold-s", DEFAULT_KV_MAX_HOLD_S, "the longest ExtendHold may keep produced KV held "
+             "after its prefill", float)  # fmt: skip
     add_kv_transfer_arguments(parser, ROLE)
+    t = parser.add_argument_group("testing (never in production)")
+    add_flag(t, "--debug-die-in", "none", "TEST ONLY: SIGKILL this process during its first Prefill call "
+             "(prefill) or as the first pull of its KV begins (transfer)", choices=DEBUG_DIE_IN)  # fmt: skip
 
 
 async def serve(args: argparse.Namespace) -> None:
@@ -193,7 +243,9 @@ async def serve(args: argparse.Namespace) -> None:
     compress = None if args.kv_compress == "none" else args.kv_compress
 
     def make(host: ServiceHost, engine: AsyncEngine) -> PrefillWorker:
-        return PrefillWorker(host, engine, source, args.kv_ttl_s, compress)
+        return PrefillWorker(
+            host, engine, source, args.kv_ttl_s, compress, args.debug_die_in, args.kv_max_hold_s
+        )
 
     try:
         await run_engine_worker(

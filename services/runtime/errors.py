@@ -26,6 +26,11 @@ class DuplicateRequestError(ValueError):
     """A request id that is already live on this worker."""
 
 
+# How a KvUnavailableError's message starts, so a caller can tell "the KV did not arrive" (rebuild it) from "the
+# worker is unavailable" (go elsewhere): both are UNAVAILABLE on the wire.
+KV_UNAVAILABLE_PREFIX = "KV unavailable: "
+
+
 class KvUnavailableError(WorkerUnavailableError):
     """The KV a request names could not be fetched in time (producer gone, key expired, deadline passed): the
     caller should rebuild it (re-prefill) or try another pair."""

@@ -90,8 +90,16 @@ WORKER_FAILURES = Counter(
 )
 MIGRATIONS = Counter(
     "rackserve_migrations",
-    "Requests moved to another worker after a failure, by cause and outcome (resumed | failed)",
-    ["cause", "outcome"],
+    "Requests moved off a failed worker, by cause (decode_failed, decode_stalled, prefill_failed, "
+    "prefill_stalled, transfer_failed), path (re-transfer, rebuild; none when it was refused) and outcome "
+    "(resumed, failed, limit_exceeded, deadline_exceeded)",
+    ["cause", "path", "outcome"],
+)
+MIGRATION_RECOVERY_S = Histogram(
+    "rackserve_migration_recovery_seconds",
+    "From a worker failing a request to the first token or chunk from its new worker, by path",
+    ["path"],
+    buckets=LATENCY_BUCKETS_S,
 )
 RETRIES = Counter(
     "rackserve_retries",

@@ -70,7 +70,10 @@ def start_process(module: str, worker_id: str, etcd_url: str, log_dir: str, *ext
 
 @contextmanager
 def local_cluster(
-    log_dir: str, start: Callable[[str], list[Proc]], expect: dict[str, int]
+    log_dir: str,
+    start: Callable[[str], list[Proc]],
+    expect: dict[str, int],
+    startup_timeout_s: float = STARTUP_TIMEOUT_S,
 ) -> Iterator[LocalCluster]:
     """A real etcd, the processes `start(etcd_url)` launches, and a wait until `expect[role]` of each registered."""
     with EtcdServer(data_dir=os.path.join(log_dir, "etcd")) as etcd:
@@ -83,13 +86,13 @@ def local_cluster(
                 await d.start()
                 try:
                     for role, n in expect.items():
-                        for info in await d.wait_for(role, n, STARTUP_TIMEOUT_S):
+                        for info in await d.wait_for(role, n, startup_timeout_s):
                             c.infos[info.worker_id] = info
                             c.endpoints[info.worker_id] = info.endpoint
                 finally:
                     await d.close()
 
-            run(wait_registered, STARTUP_TIMEOUT_S + 10)
+            run(wait_registered, startup_timeout_s + 10)
             yield c
         except BaseException:
             for p in procs.values():
