@@ -203,37 +203,32 @@ def test_waterfall_draws_one_bar_per_phase_on_a_shared_axis() -> None:
 # end-of-request hook in a process of its own (tracing is process-wide), exporting to a real receiver.
 MIGRATED_REQUEST = r"""
 import sys, time
-from dataclasses import dataclass
-from prometheus_client import generate_latest
-from services.frontend.coordinator import Phase, RequestState
+from services.frontend.coordinator import Migration, Phase, RequestState
 from services.frontend.timeline import RequestObserver
 from services.rpc import pb
 from services.telemetry import tracing
 
-@dataclass
-class Migration:
-    cause: str
-    from_worker: str
-    to_worker: str
-
 tracing.configure("frontend", "test", sys.argv[1], batch_delay_ms=50)
 state = RequestState("req-migrated", [1, 2, 3], pb.SamplingParams(seed=1), traceparent=sys.argv[2],
                      deadline_s=time.monotonic() + 60)
-state.migration_records = [Migration("UNAVAILABLE: decode worker crashed", "decode-a", "decode-b")]
+migration = Migration("decode_failed", "UNAVAILABLE: decode worker crashed", "decode-a", "decode", 3, time.time())
 for phase in (Phase.ROUTED, Phase.PREFILLING, Phase.DECODING, Phase.MIGRATING, Phase.ROUTED, Phase.DECODING):
     time.sleep(0.01)
     state.advance(phase)
+    if phase is Phase.MIGRATING:
+        state.migration_log.append(migration)
+migration.path, migration.to_worker_id, migration.outcome = "re-transfer", "decode-b", "resumed"
+migration.end_unix_s = time.time()
 state.emitted = []
 state.finish("stop")
 observer = RequestObserver(history=10)
 observer.finished("chat_completions", state, 200)
 print(observer.timelines.get("req-migrated")["phases"])
 tracing.shutdown()
-sys.stdout.write(generate_latest().decode())
 """
 
 
-def test_a_migrated_request_gets_a_migration_span_and_counts_as_resumed() -> None:
+def test_a_migrated_request_gets_a_migration_span_with_its_cause_and_path() -> None:
     trace_id, span_id = "0af7651916cd43dd8448eb211c80319c", "b7ad6b7169203331"
     with trace_receiver() as (receiver, endpoint):
         run = subprocess.run(
@@ -248,7 +243,8 @@ def test_a_migrated_request_gets_a_migration_span_and_counts_as_resumed() -> Non
     request = by_name["request"]
     assert (request["trace_id"], request["span_id"]) == (trace_id, span_id)  # the id the workers were sent
     assert all(s["parent_span_id"] == span_id for s in spans if s["name"] != "request")
-    assert by_name["migration"]["attributes"]["rackserve.migration.cause"] == "UNAVAILABLE"
-    assert "decode-b" in by_name["migration"]["attributes"]["rackserve.migration.record"]
+    attributes = by_name["migration"]["attributes"]
+    assert attributes["rackserve.migration.cause"] == "decode_failed"
+    assert attributes["rackserve.migration.path"] == "re-transfer"
+    assert "decode-b" in attributes["rackserve.migration.record"]
     assert "'migrating'" in run.stdout
-    assert 'rackserve_migrations_total{cause="UNAVAILABLE",outcome="resumed"} 1.0' in run.stdout
