@@ -63,9 +63,10 @@ def _lines(proc: Proc) -> list[dict[str, Any]]:
     out = []
     with open(proc.log_path, errors="replace") as f:
         for line in f:
-            at = line.find('{"event": "request_finished"')
-            if at >= 0:
-                out.append(json.loads(line[at:]))
+            if (
+                "request_finished" in line
+            ):  # the rackserve.requests logger's line: prefix, then the JSON record
+                out.append(json.loads(line[line.index("{") :]))
     return out
 
 
