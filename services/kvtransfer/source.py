@@ -20,9 +20,7 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
-import numpy as np
-
-from . import protocol, shm
+from . import buffers, protocol, shm
 from .nixl import NixlAgent, open_agent_if_enabled
 from .ticket import NIXL, SHM, TCP, Published, TransferConfig, TransferTicket, checksum_of, node_id
 
@@ -45,10 +43,6 @@ class _Publication:
     pins: int = 0
     retracted: bool = False
     expiry: asyncio.TimerHandle | None = field(default=None, repr=False)
-
-
-def _address_of(view: memoryview) -> int:
-    return int(np.frombuffer(view, dtype=np.uint8).ctypes.data)
 
 
 class KvSource:
@@ -106,9 +100,11 @@ class KvSource:
         kv_dtype: str = "fp32",
         head_dim: int = 0,
     ) -> Published:
-        """Make `payload` pullable under `key` for `ttl_s` seconds. Without shm the payload is not copied: keep
-        it unchanged until retracted. compress="nvfp4"|"fp8" ships it quantized along head_dim (kv_dtype is its
-        element type) and the sink hands back the dequantized bytes in the same dtype."""
+        """Make `payload` pullable under `key` for `ttl_s` seconds. With shm it is copied into a segment; with
+        NIXL (and no shm) from 2 MiB up into huge-page memory (NIXL reads it ~25 % faster than 4 KiB pages);
+        otherwise it is not copied: keep it unchanged until retracted. compress="nvfp4"|"fp8" ships it
+        quantized along head_dim (kv_dtype is its element type) and the sink hands back the dequantized bytes
+        in the same dtype."""
         if self._closed:
             raise RuntimeError("KvSource is closed")
         if key in self._pubs:
@@ -129,6 +125,11 @@ class KvSource:
             segment = shm.Segment(self.config.shm_dir, f"{shm.PREFIX}{os.getpid()}-{uuid.uuid4().hex}", view)
             view.release()
             view, owner = segment.view(), segment
+        elif self._nixl is not None and len(view) >= buffers.HUGE_PAGE_BYTES:
+            staged = buffers.allocate(len(view))
+            staged[:] = view  # one memcpy
+            view.release()
+            view, owner = staged, staged
         expires_unix_ms = int((time.time() + ttl_s) * 1000)
         pub = _Publication(
             key,
@@ -144,7 +145,7 @@ class KvSource:
         if segment is not None:
             backends[SHM] = self.node_id
         if self._nixl is not None and len(view) > 0:
-            pub.addr = _address_of(view)
+            pub.addr = buffers.address_of(view)
             pub.nixl_reg, pub.nixl_md = self._nixl.submit(self._nixl.register, pub.addr, len(view)).result()
             backends[NIXL] = self._nixl.name
         pub.expiry = asyncio.get_running_loop().call_later(ttl_s, self._expire, key, pub)
@@ -183,7 +184,7 @@ class KvSource:
             self._free(pub)
 
     def _free(self, pub: _Publication) -> None:
-        segment, reg = pub.segment, pub.nixl_reg
+        segment, reg, owner = pub.segment, pub.nixl_reg, pub.owner
         if segment is not None:
             segment.unlink()  # the name goes now; the mapping after NIXL lets go of it
         with contextlib.suppress(BufferError):  # a slice still alive in a finished send; GC frees it
@@ -191,7 +192,7 @@ class KvSource:
         pub.owner = None
         if reg is not None and self._nixl is not None and not self._nixl.closed:
 
-            def release() -> None:
+            def release(keep: Any = owner) -> None:  # the memory outlives its registration
                 assert self._nixl is not None
                 self._nixl.deregister(reg)
                 if segment is not None:
