@@ -134,10 +134,19 @@ class NixlAgent:
         self._cached.clear()
 
     def prepare_read(
-        self, local: tuple[int, int], remote_addr: int, peer_md: bytes, chunk_bytes: int, notif: bytes
+        self,
+        local: tuple[int, int],
+        remote_addr: int,
+        peer_md: bytes,
+        chunk_bytes: int,
+        notif: bytes,
+        reused: tuple[int, int, object] | None = None,
     ) -> ChunkedRead:
         """Load the peer's metadata and prepare READs of [remote_addr, +local size) into `local`, one transfer
-        per chunk of chunk_bytes (registering `local` here unless register_cached covers it)."""
+        per chunk of chunk_bytes. `local` is registered for this read only, unless it lies in `reused` (addr,
+        size, owner: a caller's receive buffer, kept registered by register_cached) — one hop for all of it."""
+        if reused is not None:
+            self.register_cached(*reused)
         peer = self.load_peer(peer_md)
         addr, size = local
         cached = any(a <= addr and addr + size <= a + n for a, n in self._cached)

@@ -41,6 +41,7 @@ from .ticket import (
 
 log = logging.getLogger("rackserve.kvtransfer")
 Buffer = bytearray | memoryview
+MAX_IDLE_PER_PRODUCER = 8  # control connections kept open per producer between pulls
 
 
 class KvSink:
@@ -51,6 +52,9 @@ class KvSink:
         self._nixl = nixl
         self.node_id = node_id()
         self._peers: set[str] = set()
+        self._idle: dict[
+            str, list[tuple[socket.socket, float]]
+        ] = {}  # producer endpoint -> (conn, idle since)
 
     @classmethod
     async def start(cls, config: TransferConfig | None = None) -> KvSink:
@@ -122,18 +126,11 @@ class KvSink:
         self, ticket: TransferTicket, backend: str, view: memoryview, keepalive: object, checksum: Checksum
     ) -> bool:
         """Fill `view`; True when `checksum` has already been fed every byte (NIXL verifies while reading)."""
-        loop = asyncio.get_running_loop()
-        host, _, port = ticket.endpoint.rpartition(":")
-        sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
-        protocol.tune(sock, self.config.socket_buffer_bytes)
+        sock, reply = await self._open(ticket, backend)
+        reusable = False
         try:
-            try:
-                await loop.sock_connect(sock, (host.strip("[]"), int(port)))
-                await protocol.send_message(sock, {"op": "open", "key": ticket.key, "backend": backend})
-                reply = await protocol.recv_message(sock)
-            except (OSError, ValueError) as exc:
-                raise TransferPeerGone(f"producer {ticket.endpoint} unreachable: {exc}") from exc
             if not reply.get("ok"):
+                reusable = True
                 error = reply.get("error")
                 if error == "not_found":
                     raise TransferNotFound(f"producer {ticket.endpoint} does not hold {ticket.key!r}")
@@ -147,12 +144,13 @@ class KvSink:
                 verified = False
                 if backend == TCP:
                     await protocol.recv_exactly(sock, view)
-                    return False
-                if backend == SHM:
+                elif backend == SHM:
                     await asyncio.to_thread(shm.copy_out, self.config.shm_dir, reply["shm"], view)
                 else:
                     verified = await self._nixl_read(ticket, reply["nixl"], view, keepalive, checksum)
-                await protocol.send_message(sock, {"op": "done"})
+                if backend != TCP:
+                    await protocol.send_message(sock, {"op": "done"})
+                reusable = True
                 return verified
             except FileNotFoundError as exc:
                 raise TransferNotFound(f"shm segment for {ticket.key!r} is gone: {exc}") from exc
@@ -161,7 +159,46 @@ class KvSink:
                     f"producer {ticket.endpoint} went away during {ticket.key} over {backend}: {exc}"
                 ) from exc
         finally:
+            idle = self._idle.setdefault(ticket.endpoint, [])
+            if reusable and len(idle) < MAX_IDLE_PER_PRODUCER:  # the producer waits for the next open on it
+                idle.append((sock, time.monotonic()))
+            else:  # mid-exchange (error, deadline, cancel): closing it unpins the payload on the producer
+                sock.close()
+
+    async def _open(self, ticket: TransferTicket, backend: str) -> tuple[socket.socket, dict[str, Any]]:
+        """Send the open and read the reply, on an idle connection to this producer if one is kept (a stale
+        one — the producer closed it or restarted — is dropped and the open retried on a new connection)."""
+        idle = self._idle.get(ticket.endpoint, [])
+        while idle:
+            sock, since = idle.pop()
+            if time.monotonic() - since > self.config.control_idle_s / 2:  # the producer may be closing it
+                sock.close()
+                continue
+            try:
+                return sock, await self._exchange_open(sock, ticket, backend)
+            except (OSError, ValueError):
+                sock.close()
+            except BaseException:
+                sock.close()
+                raise
+        loop = asyncio.get_running_loop()
+        host, _, port = ticket.endpoint.rpartition(":")
+        sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
+        protocol.tune(sock, self.config.socket_buffer_bytes)
+        try:
+            await loop.sock_connect(sock, (host.strip("[]"), int(port)))
+            return sock, await self._exchange_open(sock, ticket, backend)
+        except (OSError, ValueError) as exc:
             sock.close()
+            raise TransferPeerGone(f"producer {ticket.endpoint} unreachable: {exc}") from exc
+        except BaseException:
+            sock.close()
+            raise
+
+    @staticmethod
+    async def _exchange_open(sock: socket.socket, ticket: TransferTicket, backend: str) -> dict[str, Any]:
+        await protocol.send_message(sock, {"op": "open", "key": ticket.key, "backend": backend})
+        return await protocol.recv_message(sock)
 
     async def _nixl_read(
         self,
@@ -179,9 +216,10 @@ class KvSink:
             return True
         chunk = self.config.nixl_chunk_bytes if checksum.kind != "none" else len(view)
         try:
+            reused = None
             if keepalive is not None:  # the caller's reused buffer: register all of it, once
                 whole = memoryview(keepalive).cast("B")  # type: ignore[arg-type]
-                await nixl.call(nixl.register_cached, buffers.address_of(whole), len(whole), keepalive)
+                reused = (buffers.address_of(whole), len(whole), keepalive)
             read = await nixl.call(
                 nixl.prepare_read,
                 (buffers.address_of(view), len(view)),
@@ -189,6 +227,7 @@ class KvSink:
                 base64.b64decode(info["md"]),
                 chunk,
                 ticket.key.encode(),
+                reused,
             )
         except TransferError:
             raise
@@ -227,6 +266,10 @@ class KvSink:
         return True
 
     async def close(self) -> None:
+        for conns in self._idle.values():
+            for sock, _ in conns:
+                sock.close()
+        self._idle.clear()
         if self._nixl is not None:
             nixl = self._nixl
             for peer in list(self._peers):

@@ -221,21 +221,35 @@ class KvSource:
             task.add_done_callback(self._conns.discard)
 
     async def _serve(self, conn: socket.socket) -> None:
+        """Serve pulls on one control connection, one after another: a sink keeps its connection for the next
+        pull (no connect per pull) until it has been idle for control_idle_s."""
+        try:
+            timeout = 10.0  # the first open comes right after connect
+            while await self._serve_one(conn, timeout):
+                timeout = self.config.control_idle_s
+        finally:
+            conn.close()
+
+    async def _serve_one(self, conn: socket.socket, timeout: float) -> bool:
+        """One pull: open, reply, data or the sink's read, done. True when the connection may serve another."""
         pub: _Publication | None = None
         nixl_reader = False
         try:
-            async with asyncio.timeout(10):
-                msg = await protocol.recv_message(conn)
+            try:
+                async with asyncio.timeout(timeout):
+                    msg = await protocol.recv_message(conn)
+            except ConnectionResetError:
+                return False  # the sink closed its idle connection
             key, backend = str(msg.get("key")), str(msg.get("backend"))
             if msg.get("op") != "open":
                 await protocol.send_message(
                     conn, {"ok": False, "error": "bad_request", "detail": "expected open"}
                 )
-                return
+                return False
             pub = self._pubs.get(key)
             if pub is None:
                 await protocol.send_message(conn, {"ok": False, "error": "not_found", "detail": key})
-                return
+                return True
             reply: dict[str, Any] = {
                 "ok": True,
                 "size": len(pub.view),
@@ -252,20 +266,22 @@ class KvSource:
                 }
             elif backend != TCP:
                 await protocol.send_message(conn, {"ok": False, "error": "unavailable", "detail": backend})
-                return
+                return True
             pub.pins += 1
             await protocol.send_message(conn, reply)
             if backend == TCP:
                 await self._send_payload(conn, pub.view)
-                return
+                return True
             if backend == NIXL:
                 nixl_reader = True
                 self._nixl_readers += 1
                 self._ensure_progress()
             async with asyncio.timeout(self.config.max_pin_s):
-                await protocol.recv_message(conn)  # "done", or EOF when the reader goes away
+                done = await protocol.recv_message(conn)  # "done", or EOF when the reader goes away
+            return done.get("op") == "done"
         except (OSError, ValueError, TimeoutError) as exc:
             log.debug("KV pull connection ended: %s", exc)
+            return False
         finally:
             if nixl_reader:
                 self._nixl_readers -= 1
@@ -273,7 +289,6 @@ class KvSource:
                 pub.pins -= 1
                 if pub.retracted and pub.pins == 0:
                     self._free(pub)
-            conn.close()
 
     async def _send_payload(self, conn: socket.socket, view: memoryview) -> None:
         loop = asyncio.get_running_loop()

@@ -43,6 +43,7 @@ class TransferConfig:
     tcp_chunk_bytes: int = 4 << 20
     socket_buffer_bytes: int = 4 << 20
     max_pin_s: float = 60.0  # a consumer holding a key longer than this loses its pin
+    control_idle_s: float = 30.0  # a control connection idle this long between pulls is closed (both sides)
 
     def __post_init__(self) -> None:
         unknown = [b for b in self.backends if b not in BACKENDS]
