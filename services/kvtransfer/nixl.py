@@ -3,7 +3,9 @@
 One NIXL agent per process side, and every call into it runs on one dedicated thread (the agent is created
 without NIXL's thread-safety locks). NIXL's progress thread is off by default: it busy-polls most of a core.
 Instead the sink polls check_xfer_state from its event loop, and the source polls notifications while a pull is
-open (connection setup needs the source to make progress). Agents are torn down explicitly and in reverse
+open (connection setup needs the source to make progress). A pull is one prepared READ per chunk
+(prep_xfer_dlist + make_prepped_xfer, all set up in one call on the agent thread); on one host UCX's cma
+copies inside the post, which releases the GIL, so the sink hashes chunk i while the agent thread reads i+1. Agents are torn down explicitly and in reverse
 order of creation, also at interpreter exit: a NIXL agent destroyed during interpreter teardown can segfault.
 
 This module must never choose what to transfer or when to free it; source.py and sink.py decide that.
