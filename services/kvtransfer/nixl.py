@@ -5,8 +5,9 @@ without NIXL's thread-safety locks). NIXL's progress thread is off by default: i
 Instead the sink polls check_xfer_state from its event loop, and the source polls notifications while a pull is
 open (connection setup needs the source to make progress). A pull is one prepared READ per chunk
 (prep_xfer_dlist + make_prepped_xfer, all set up in one call on the agent thread); on one host UCX's cma
-copies inside the post, which releases the GIL, so the sink hashes chunk i while the agent thread reads i+1. Agents are torn down explicitly and in reverse
-order of creation, also at interpreter exit: a NIXL agent destroyed during interpreter teardown can segfault.
+copies inside the post, which releases the GIL, so the sink hashes chunk i while the agent thread reads i+1.
+Agents are torn down explicitly and in reverse order of creation, also at interpreter exit: a NIXL agent
+destroyed during interpreter teardown can segfault.
 
 This module must never choose what to transfer or when to free it; source.py and sink.py decide that.
 The `ucx-py` bindings are not used: they are not installable from PyPI; NIXL is UCX underneath.
@@ -176,6 +177,14 @@ class NixlAgent:
     def post(self, read: ChunkedRead, i: int) -> str:
         """Start chunk i: 'DONE' when the backend finished it inline (UCX cma on one host), else 'PROC'."""
         return self.agent.transfer(read.handles[i])
+
+    def post_prepared(self, prepared: concurrent.futures.Future[ChunkedRead], i: int) -> str:
+        """post() for a read whose prepare_read was submitted just before (so it has finished by now)."""
+        return self.post(prepared.result(timeout=0), i)
+
+    def finish_prepared(self, prepared: concurrent.futures.Future[ChunkedRead]) -> None:
+        if prepared.done() and not prepared.cancelled() and prepared.exception() is None:
+            self.finish_read(prepared.result())
 
     def check(self, read: ChunkedRead, i: int) -> str:
         return self.agent.check_xfer_state(read.handles[i])

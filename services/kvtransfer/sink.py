@@ -215,26 +215,32 @@ class KvSink:
         if len(view) == 0:
             return True
         chunk = self.config.nixl_chunk_bytes if checksum.kind != "none" else len(view)
+        reused = None
+        if keepalive is not None:  # the caller's reused buffer: register all of it, once
+            whole = memoryview(keepalive).cast("B")  # type: ignore[arg-type]
+            reused = (buffers.address_of(whole), len(whole), keepalive)
+        prepared = nixl.submit(
+            nixl.prepare_read,
+            (buffers.address_of(view), len(view)),
+            int(info["addr"]),
+            base64.b64decode(info["md"]),
+            chunk,
+            ticket.key.encode(),
+            reused,
+        )
+        # Queued right behind the preparation, so the agent thread starts reading without a round trip back to
+        # this loop; a failed preparation fails every post with its error.
+        posts = [nixl.submit(nixl.post_prepared, prepared, i) for i in range(0, -(-len(view) // chunk))]
         try:
-            reused = None
-            if keepalive is not None:  # the caller's reused buffer: register all of it, once
-                whole = memoryview(keepalive).cast("B")  # type: ignore[arg-type]
-                reused = (buffers.address_of(whole), len(whole), keepalive)
-            read = await nixl.call(
-                nixl.prepare_read,
-                (buffers.address_of(view), len(view)),
-                int(info["addr"]),
-                base64.b64decode(info["md"]),
-                chunk,
-                ticket.key.encode(),
-                reused,
-            )
-        except TransferError:
-            raise
-        except Exception as exc:
+            read = await asyncio.wrap_future(prepared)
+        except BaseException as exc:
+            for post in posts:
+                post.cancel()
+            nixl.submit(nixl.finish_prepared, prepared)  # a preparation that completes after a cancel
+            if isinstance(exc, TransferError) or not isinstance(exc, Exception):
+                raise
             raise nixl.classify(exc) from exc
         self._peers.add(read.peer)
-        posts = [nixl.submit(nixl.post, read, i) for i in range(len(read.chunks))]  # run in order
         try:
             for i, (offset, size) in enumerate(read.chunks):
                 state = await asyncio.wrap_future(posts[i])
