@@ -342,6 +342,20 @@ def test_control_connection_serves_consecutive_pulls_and_a_closed_idle_one_is_re
     asyncio.run(go())
 
 
+def test_concurrent_pulls_on_one_sink_each_get_their_own_bytes() -> None:
+    async def go() -> None:
+        source = await KvSource.start(TransferConfig())
+        sink = await KvSink.start(TransferConfig(nixl_chunk_bytes=1 * MiB))
+        tickets = [source.publish(f"c{i}", payload(3 * MiB + i, 30 + i), ttl_s=30) for i in range(4)]
+        for backend in sink.supported:  # four at once per backend: chunked NIXL reads interleave on one agent
+            got = await asyncio.gather(*(sink.pull(t, 10.0, backend=backend) for t in tickets))
+            assert [bytes(g.data) for g in got] == [payload(3 * MiB + i, 30 + i) for i in range(4)]
+        await sink.close()
+        await source.close()
+
+    asyncio.run(go())
+
+
 def test_close_frees_every_publication() -> None:
     async def go() -> None:
         source = await KvSource.start(TransferConfig())
