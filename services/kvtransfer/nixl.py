@@ -142,7 +142,6 @@ class NixlAgent:
         remote_addr: int,
         peer_md: bytes,
         chunk_bytes: int,
-        notif: bytes,
         reused: tuple[int, int, object] | None = None,
     ) -> ChunkedRead:
         """Load the peer's metadata and prepare READs of [remote_addr, +local size) into `local`, one transfer
@@ -162,11 +161,10 @@ class NixlAgent:
             read.remote = self.agent.prep_xfer_dlist(
                 peer, [(remote_addr + o, n, 0) for o, n in read.chunks], "DRAM"
             )
-            last = len(read.chunks) - 1
+            # No notification: a READ with one is not DONE until the target's agent makes progress (the
+            # source polls only every nixl_source_poll_s); the control channel's "done" tells the source.
             read.handles = [
-                self.agent.make_prepped_xfer(
-                    "READ", read.local, [i], read.remote, [i], notif if i == last else b""
-                )
+                self.agent.make_prepped_xfer("READ", read.local, [i], read.remote, [i])
                 for i in range(len(read.chunks))
             ]
         except Exception:

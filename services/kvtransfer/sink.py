@@ -225,7 +225,6 @@ class KvSink:
             int(info["addr"]),
             base64.b64decode(info["md"]),
             chunk,
-            ticket.key.encode(),
             reused,
         )
         # Queued right behind the preparation, so the agent thread starts reading without a round trip back to

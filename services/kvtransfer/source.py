@@ -307,13 +307,17 @@ class KvSource:
             self._progress = asyncio.get_running_loop().create_task(self._progress_loop())
 
     async def _progress_loop(self) -> None:
-        # Without NIXL's progress thread, the source must make progress for a reader's connection setup.
+        # Without NIXL's progress thread, the source must make progress for a reader's connection setup (the
+        # READs themselves are one-sided). That happens in the first polls, so the pause doubles up to a cap:
+        # polling every millisecond for a whole pull took CPU from the copy on a small machine.
         assert self._nixl is not None
+        pause = self.config.nixl_source_poll_s
         while self._nixl_readers > 0 and not self._nixl.closed:
             notifs = await self._nixl.call(self._nixl.drain_notifs)
             if notifs:
                 log.debug("NIXL notifications: %s", notifs)
-            await asyncio.sleep(self.config.nixl_source_poll_s)
+            await asyncio.sleep(pause)
+            pause = min(2 * pause, self.config.nixl_source_poll_max_s)
 
     async def close(self) -> None:
         """Stop serving, free every publication, tear NIXL down. Idempotent."""

@@ -36,7 +36,8 @@ class TransferConfig:
     # NIXL's own progress thread busy-polls most of a core; off by default, the asyncio loop polls instead.
     nixl_progress_thread: bool = False
     nixl_poll_s: float = 0.0005  # sink: pause between check_xfer_state polls
-    nixl_source_poll_s: float = 0.001  # source: pause between progress polls while a NIXL pull is open
+    nixl_source_poll_s: float = 0.001  # source: first pause between progress polls while a NIXL pull is open
+    nixl_source_poll_max_s: float = 0.05  # ... doubling up to this
     nixl_chunk_bytes: int = 8 << 20  # NIXL READs of a checked payload: hash chunk i while chunk i+1 is read
     nixl_log_level: str = "WARN"  # NIXL_LOG_LEVEL for the process, unless already set
     shm_dir: str = "/dev/shm"
