@@ -31,6 +31,7 @@ from services.kvtransfer import (
 )
 from services.kvtransfer import shm as shm_mod
 from services.kvtransfer.nixl import load_nixl
+from services.kvtransfer.ticket import Checksum, checksum_of
 
 try:
     load_nixl()
@@ -47,9 +48,9 @@ def payload(size: int, seed: int) -> bytes:
 
 
 # --- a producer in its own process, driven over a pipe ---
-def _producer_main(conn: Any, stall_after_bytes: int | None) -> None:
+def _producer_main(conn: Any, stall_after_bytes: int | None, config: TransferConfig | None) -> None:
     async def serve() -> None:
-        source = await KvSource.start(TransferConfig())
+        source = await KvSource.start(config or TransferConfig())
         source._test_stall_after_bytes = stall_after_bytes
         loop = asyncio.get_running_loop()
         while True:
@@ -70,10 +71,10 @@ def _producer_main(conn: Any, stall_after_bytes: int | None) -> None:
 
 
 class Producer:
-    def __init__(self, stall_after_bytes: int | None = None) -> None:
+    def __init__(self, stall_after_bytes: int | None = None, config: TransferConfig | None = None) -> None:
         ctx = mp.get_context("spawn")
         self.conn, child = ctx.Pipe()
-        self.proc = ctx.Process(target=_producer_main, args=(child, stall_after_bytes), daemon=True)
+        self.proc = ctx.Process(target=_producer_main, args=(child, stall_after_bytes, config), daemon=True)
         self.proc.start()
 
     def call(self, *cmd: Any) -> Any:
@@ -108,9 +109,15 @@ def producer() -> Iterator[Producer]:
     p.stop()
 
 
-def pull(ticket: TransferTicket, backend: str, deadline_s: float = 20.0, **kw: Any) -> Any:
+def pull(
+    ticket: TransferTicket,
+    backend: str,
+    deadline_s: float = 20.0,
+    config: TransferConfig | None = None,
+    **kw: Any,
+) -> Any:
     async def go() -> Any:
-        sink = await KvSink.start(TransferConfig())
+        sink = await KvSink.start(config or TransferConfig())
         try:
             return await sink.pull(ticket, deadline_s, backend=backend, **kw)
         finally:
@@ -150,6 +157,63 @@ def test_flipped_byte_is_integrity_error(producer: Producer, backend: str) -> No
     producer.call("flip", f"flip-{backend}", 12345)
     with pytest.raises(TransferIntegrityError, match="checksum"):
         pull(ticket, backend)
+
+
+needs_nixl = pytest.mark.skipif(not HAVE_NIXL, reason="nixl-cu12 missing")
+
+
+@needs_nixl
+def test_nixl_chunked_check_catches_a_flipped_byte_in_the_last_chunk(producer: Producer) -> None:
+    size = 5 * MiB + 123  # chunks of 1 MiB: the flip lands in the sixth, partial chunk
+    ticket = producer.publish("flip-late", size)
+    assert ticket.checksum.startswith("xxh3:")
+    producer.call("flip", "flip-late", size - 7)
+    with pytest.raises(TransferIntegrityError, match="checksum"):
+        pull(ticket, NIXL, config=TransferConfig(nixl_chunk_bytes=1 * MiB))
+
+
+@pytest.mark.parametrize("check", ["xxh3", "crc32", "none"])
+def test_checksum_fed_in_pieces_equals_the_one_shot_value_and_changes_with_one_bit(check: str) -> None:
+    data = bytearray(payload(3 * MiB + 5, 9))
+    pieces = Checksum(check)
+    for start in range(0, len(data), 1 * MiB):
+        pieces.update(memoryview(data)[start : start + 1 * MiB])
+    assert pieces.hexdigest() == checksum_of(data, check)
+    data[-1] ^= 1
+    assert (checksum_of(data, check) != pieces.hexdigest()) == (check != "none")
+
+
+def test_nixl_only_producer_serves_payloads_across_chunk_and_page_boundaries() -> None:
+    p = Producer(config=TransferConfig(backends=(TCP, NIXL), nixl_chunk_bytes=1 * MiB))
+    try:
+        for i, size in enumerate((1 * KiB, 2 * MiB, 5 * MiB + 123)):  # unstaged, one huge page, partial chunk
+            ticket = p.publish(f"staged-{size}", size, seed=20 + i)
+            assert SHM not in ticket.backends
+            for backend in [TCP, NIXL] if HAVE_NIXL else [TCP]:
+                got = pull(ticket, backend, config=TransferConfig(nixl_chunk_bytes=1 * MiB))
+                assert got.bytes == size and bytes(got.data) == payload(size, 20 + i)
+    finally:
+        p.stop()
+
+
+@needs_nixl
+def test_sink_pulls_from_a_restarted_producer_after_pulling_from_its_predecessor() -> None:
+    async def go() -> None:
+        sink = await KvSink.start(TransferConfig())
+        buf = bytearray(4 * MiB)  # one reused, registered receive buffer across both producers
+        try:
+            for generation in range(2):
+                p = Producer(config=TransferConfig(backends=(TCP, NIXL)))
+                try:
+                    ticket = p.publish("same-key", 3 * MiB, seed=generation)
+                    got = await sink.pull(ticket, 20.0, backend=NIXL, into=buf)
+                    assert bytes(got.data) == payload(3 * MiB, generation)
+                finally:
+                    p.stop()
+        finally:
+            await sink.close()
+
+    asyncio.run(go())
 
 
 def test_ticket_promising_more_bytes_than_published_is_integrity_error(producer: Producer) -> None:
@@ -255,6 +319,37 @@ def test_retract_during_a_pull_frees_only_after_the_reader_is_done() -> None:
             await task
         await asyncio.sleep(0.2)  # the reader's connection closes; the source frees on the unpin
         assert own_segments() == []
+        await sink.close()
+        await source.close()
+
+    asyncio.run(go())
+
+
+def test_control_connection_serves_consecutive_pulls_and_a_closed_idle_one_is_replaced() -> None:
+    async def go() -> None:
+        source = await KvSource.start(TransferConfig(backends=(TCP,), control_idle_s=0.3))
+        sink = await KvSink.start(TransferConfig(backends=(TCP,)))  # keeps its idle connections far longer
+        ticket = source.publish("again", payload(64 * KiB, 4), ttl_s=30)
+        for _ in range(3):
+            assert bytes((await sink.pull(ticket, 5.0)).data) == payload(64 * KiB, 4)
+        assert len(source._conns) == 1  # one connection served all three pulls
+        await asyncio.sleep(0.8)  # the producer closes it as idle; the sink still holds its end
+        assert len(source._conns) == 0
+        assert bytes((await sink.pull(ticket, 5.0)).data) == payload(64 * KiB, 4)
+        await sink.close()
+        await source.close()
+
+    asyncio.run(go())
+
+
+def test_concurrent_pulls_on_one_sink_each_get_their_own_bytes() -> None:
+    async def go() -> None:
+        source = await KvSource.start(TransferConfig())
+        sink = await KvSink.start(TransferConfig(nixl_chunk_bytes=1 * MiB))
+        tickets = [source.publish(f"c{i}", payload(3 * MiB + i, 30 + i), ttl_s=30) for i in range(4)]
+        for backend in sink.supported:  # four at once per backend: chunked NIXL reads interleave on one agent
+            got = await asyncio.gather(*(sink.pull(t, 10.0, backend=backend) for t in tickets))
+            assert [bytes(g.data) for g in got] == [payload(3 * MiB + i, 30 + i) for i in range(4)]
         await sink.close()
         await source.close()
 

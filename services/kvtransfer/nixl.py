@@ -3,8 +3,11 @@
 One NIXL agent per process side, and every call into it runs on one dedicated thread (the agent is created
 without NIXL's thread-safety locks). NIXL's progress thread is off by default: it busy-polls most of a core.
 Instead the sink polls check_xfer_state from its event loop, and the source polls notifications while a pull is
-open (connection setup needs the source to make progress). Agents are torn down explicitly and in reverse
-order of creation, also at interpreter exit: a NIXL agent destroyed during interpreter teardown can segfault.
+open (connection setup needs the source to make progress). A pull is one prepared READ per chunk
+(prep_xfer_dlist + make_prepped_xfer, all set up in one call on the agent thread); on one host UCX's cma
+copies inside the post, which releases the GIL, so the sink hashes chunk i while the agent thread reads i+1.
+Agents are torn down explicitly and in reverse order of creation, also at interpreter exit: a NIXL agent
+destroyed during interpreter teardown can segfault.
 
 This module must never choose what to transfer or when to free it; source.py and sink.py decide that.
 The `ucx-py` bindings are not used: they are not installable from PyPI; NIXL is UCX underneath.
@@ -46,6 +49,18 @@ def load_nixl(log_level: str = "WARN") -> Any:
     nlog.propagate = True
     nlog.setLevel({"TRACE": 10, "DEBUG": 10, "INFO": 20, "WARN": 30, "ERROR": 40}.get(log_level.upper(), 30))
     return nixl_cu12
+
+
+class ChunkedRead:
+    """One pull's prepared NIXL READs, one per chunk (offset, bytes); owned by the agent thread."""
+
+    def __init__(self, peer: str, reg: Any, chunks: list[tuple[int, int]]) -> None:
+        self.peer = peer
+        self.reg = reg
+        self.chunks = chunks
+        self.local: Any = None
+        self.remote: Any = None
+        self.handles: list[Any] = []
 
 
 class NixlAgent:
@@ -121,32 +136,71 @@ class NixlAgent:
             self.agent.deregister_memory(reg)
         self._cached.clear()
 
-    def start_read(self, local: tuple[int, int], remote: tuple[int, int], peer: str, notif: bytes) -> Any:
-        """Post a READ of `remote` from `peer` into `local` (registered here unless register_cached covers
-        it); returns (handle, reg or None, state)."""
-        cached = any(a <= local[0] and local[0] + local[1] <= a + n for a, n in self._cached)
-        reg = None if cached else self.agent.register_memory([(local[0], local[1], 0, "")], "DRAM")
+    def prepare_read(
+        self,
+        local: tuple[int, int],
+        remote_addr: int,
+        peer_md: bytes,
+        chunk_bytes: int,
+        reused: tuple[int, int, object] | None = None,
+    ) -> ChunkedRead:
+        """Load the peer's metadata and prepare READs of [remote_addr, +local size) into `local`, one transfer
+        per chunk of chunk_bytes. `local` is registered for this read only, unless it lies in `reused` (addr,
+        size, owner: a caller's receive buffer, kept registered by register_cached) — one hop for all of it."""
+        if reused is not None:
+            self.register_cached(*reused)
+        peer = self.load_peer(peer_md)
+        addr, size = local
+        cached = any(a <= addr and addr + size <= a + n for a, n in self._cached)
+        reg = None if cached else self.agent.register_memory([(addr, size, 0, "")], "DRAM")
+        read = ChunkedRead(
+            peer, reg, [(off, min(chunk_bytes, size - off)) for off in range(0, size, chunk_bytes)]
+        )
         try:
-            ldesc = self.agent.get_xfer_descs([(local[0], local[1], 0)], "DRAM")
-            rdesc = self.agent.get_xfer_descs([(remote[0], remote[1], 0)], "DRAM")
-            handle = self.agent.initialize_xfer("READ", ldesc, rdesc, peer, notif)
-            state = self.agent.transfer(handle)
+            read.local = self.agent.prep_xfer_dlist("", [(addr + o, n, 0) for o, n in read.chunks], "DRAM")
+            read.remote = self.agent.prep_xfer_dlist(
+                peer, [(remote_addr + o, n, 0) for o, n in read.chunks], "DRAM"
+            )
+            # No notification: a READ with one is not DONE until the target's agent makes progress (the
+            # source polls only every nixl_source_poll_s); the control channel's "done" tells the source.
+            read.handles = [
+                self.agent.make_prepped_xfer("READ", read.local, [i], read.remote, [i])
+                for i in range(len(read.chunks))
+            ]
         except Exception:
-            if reg is not None:
-                self.agent.deregister_memory(reg)
+            self.finish_read(read)
             raise
-        return handle, reg, state
+        return read
 
-    def check(self, handle: Any) -> str:
-        return self.agent.check_xfer_state(handle)
+    def post(self, read: ChunkedRead, i: int) -> str:
+        """Start chunk i: 'DONE' when the backend finished it inline (UCX cma on one host), else 'PROC'."""
+        return self.agent.transfer(read.handles[i])
 
-    def finish_read(self, handle: Any, reg: Any) -> None:
-        try:
-            self.agent.release_xfer_handle(handle)
-        except Exception as exc:  # an in-flight transfer that cannot be cancelled; the agent frees it later
-            log.debug("NIXL release_xfer_handle: %s", exc)
-        if reg is not None:
-            self.agent.deregister_memory(reg)
+    def post_prepared(self, prepared: concurrent.futures.Future[ChunkedRead], i: int) -> str:
+        """post() for a read whose prepare_read was submitted just before (so it has finished by now)."""
+        return self.post(prepared.result(timeout=0), i)
+
+    def finish_prepared(self, prepared: concurrent.futures.Future[ChunkedRead]) -> None:
+        if prepared.done() and not prepared.cancelled() and prepared.exception() is None:
+            self.finish_read(prepared.result())
+
+    def check(self, read: ChunkedRead, i: int) -> str:
+        return self.agent.check_xfer_state(read.handles[i])
+
+    def finish_read(self, read: ChunkedRead) -> None:
+        for handle in read.handles:
+            try:
+                self.agent.release_xfer_handle(handle)
+            except (
+                Exception
+            ) as exc:  # an in-flight transfer that cannot be cancelled; the agent frees it later
+                log.debug("NIXL release_xfer_handle: %s", exc)
+        for dlist in (read.local, read.remote):
+            if dlist is not None:
+                self.agent.release_dlist_handle(dlist)
+        if read.reg is not None:
+            self.agent.deregister_memory(read.reg)
+        read.handles, read.local, read.remote, read.reg = [], None, None, None
 
     def classify(self, exc: BaseException) -> Exception:
         kind = type(exc).__name__

@@ -4,6 +4,7 @@
     source -> sink  {"ok": true, "size": N, "checksum": ..., <backend fields>}  or  {"ok": false, "error": ...}
     tcp:       N raw payload bytes follow the reply on the same connection
     shm, nixl: the sink reads through the side channel, then sends {"op": "done"}; closing also unpins
+    then the next {"op": "open"} may follow on the same connection (the sink keeps idle ones per producer)
 
 The open pins the payload on the source until done or disconnect, so a retract or TTL expiry never frees memory
 under a reader. This module only frames messages; it must never hold payloads or know about backends.

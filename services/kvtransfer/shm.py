@@ -13,6 +13,8 @@ import mmap
 import os
 import re
 
+from .buffers import advise_hugepages
+
 log = logging.getLogger("rackserve.kvtransfer")
 PREFIX = "rackserve-kv-"
 _NAME = re.compile(rf"^{PREFIX}(\d+)-[0-9a-f]+$")
@@ -34,6 +36,7 @@ class Segment:
             os.unlink(self.path)
             raise
         os.close(fd)
+        advise_hugepages(self.map)  # honoured only where tmpfs offers huge pages (shmem_enabled, huge=)
         self.map[: self.size] = payload
 
     def view(self) -> memoryview:
