@@ -45,9 +45,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         default="auto",
         choices=["agg", "disagg", "auto"],
         help="the router's disaggregation mode: agg (decode prefills), disagg (always remote prefill), "
-        "auto (remote prefill for prompts of at least --disagg-min-prompt-tokens)",
+        "auto (the router's cost model picks remote or local prefill per request)",
     )
-    p.add_argument("--disagg-min-prompt-tokens", type=int, default=256, help="auto mode's threshold")
+    p.add_argument(
+        "--disagg-min-prompt-tokens",
+        type=int,
+        default=256,
+        help="auto mode's prompt-length rule for the baseline policies",
+    )
     p.add_argument("--ready-timeout-s", type=float, default=180.0)
     p.add_argument("--quiet", action="store_true", help="don't stream the services' logs")
     p.add_argument(
