@@ -88,8 +88,21 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalCluster]:
             ),  # fmt: skip
             start_process("services.decode.server", "decode-a", etcd_url, log_dir, *WORKER_FLAGS),
             start_process("services.decode.server", "decode-b", etcd_url, log_dir, *WORKER_FLAGS),
-            start_process("services.router.server", "router-a", etcd_url, log_dir, "--mode", "disagg"),
-            start_process("services.router.server", "router-b", etcd_url, log_dir, "--mode", "disagg"),
+            # round-robin placement: each fault's freshly added worker must get its share of the batch, where
+            # the TTFT policy would rightly prefer the warm workers holding the prompts' prefixes
+            *(
+                start_process(
+                    "services.router.server",
+                    r,
+                    etcd_url,
+                    log_dir,
+                    "--mode",
+                    "disagg",
+                    "--policy",
+                    "round_robin",
+                )
+                for r in ("router-a", "router-b")
+            ),
             start_process("services.frontend.server", "frontend-a", etcd_url, log_dir, *fe),
             start_process(
                 "services.frontend.server",
@@ -434,7 +447,7 @@ def test_a_router_killed_mid_batch_fails_no_request(cluster: LocalCluster) -> No
     cluster.procs["router-b"].popen.send_signal(signal.SIGKILL)  # no router at all: the local fallback
     outcomes = run(lambda: run_batch(url(cluster, "frontend-a")), 150)
     assert check_and_record(cluster, "every router SIGKILLed", outcomes)["identical"] == len(BATCH)
-    add_worker(cluster, "services.router.server", "router-c", "--mode", "disagg")
+    add_worker(cluster, "services.router.server", "router-c", "--mode", "disagg", "--policy", "round_robin")
 
 
 @full_only
