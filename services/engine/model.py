@@ -2,9 +2,9 @@
 
 One file, top to bottom: rotary embeddings, RMSNorm, attention (fused QKV, GQA, paged KV), SwiGLU feed-forward
 (fused gate/up), the decoder, and the attention metadata a step hands it. Speed on CPU comes from a few
-deliberate choices: all tokens of a step go through each projection as one matrix; decode attention is two
-batched matmuls over K/V gathered once per layer from the blocks (SDPA is slow on CPU for a single query);
-softmax runs in fp32 whatever the model dtype.
+deliberate choices: all tokens of a step go through each projection as one matrix; decode attention gathers
+K/V once per layer from the blocks and runs SDPA's flash CPU kernel over them (GQA, a boolean context mask),
+which softmaxes in fp32 whatever the model dtype.
 
 This room knows nothing about requests, scheduling or where the weights came from.
 """
