@@ -237,3 +237,45 @@ def test_block_hash_is_chained_deterministic_and_ignores_partial_blocks():
     # a fixed value: the router, the workers and the simulator must agree across processes and releases
     # pinned: changing the definition silently would split the cluster's view of what is cached
     assert block_hash(ROOT_HASH, [1, 2, 3, 4]) == block_hash(0, (1, 2, 3, 4)) == 0x18B2_C1FB_9F5E_FAEE
+
+
+def test_batched_decode_over_scattered_blocks_equals_full_prefill_of_each_sequence():
+    """The decode attention path (paged gather, padded context, boolean mask, SDPA) gives each sequence the hidden
+    state a causal prefill of its whole token list gives, for sequences of different lengths whose blocks are
+    scattered through the cache."""
+    from services.engine.model import AttnMetadata, PagedKvCache, PrefillSegment, Transformer
+
+    loaded = tiny_llama(seed=2)
+    model = Transformer(loaded.config, loaded.weights, torch.float32)
+    bs = 4
+    kv = PagedKvCache(loaded.config, num_blocks=32, block_size=bs, dtype=torch.float32)
+    g = torch.Generator().manual_seed(0)
+    seqs = [torch.randint(0, 256, (n,), generator=g).tolist() for n in (13, 6, 22)]
+    tables = [[30, 2, 17, 5], [9, 21], [1, 28, 11, 3, 24, 7]]  # deliberately out of order
+
+    def slots(table: list[int], positions: range) -> list[int]:
+        return [table[p // bs] * bs + p % bs for p in positions]
+
+    for seq, table in zip(seqs, tables, strict=True):  # prefill all but the last token of each sequence
+        n = len(seq) - 1
+        meta = AttnMetadata(
+            slot_mapping=torch.tensor(slots(table, range(n))), prefills=[PrefillSegment(0, n)]
+        )
+        model(torch.tensor(seq[:n]), torch.arange(n), meta, kv)
+    nb = max(-(-len(s) // bs) for s in seqs)
+    lens = torch.tensor([len(s) for s in seqs])
+    last_slots = [slots(t, range(len(s) - 1, len(s)))[0] for s, t in zip(seqs, tables, strict=True)]
+    meta = AttnMetadata(
+        slot_mapping=torch.tensor(last_slots),
+        decode_rows=torch.arange(len(seqs)),
+        decode_ctx_rows=kv.gather_index(torch.tensor([t + [0] * (nb - len(t)) for t in tables])),
+        decode_mask=(torch.arange(nb * bs)[None, :] < lens[:, None])[:, None, None, :],
+    )
+    decoded = model(torch.tensor([s[-1] for s in seqs]), lens - 1, meta, kv)
+
+    fresh = PagedKvCache(loaded.config, num_blocks=32, block_size=bs, dtype=torch.float32)
+    for i, seq in enumerate(seqs):
+        n = len(seq)
+        full = AttnMetadata(slot_mapping=torch.arange(n), prefills=[PrefillSegment(0, n)])
+        ref = model(torch.tensor(seq), torch.arange(n), full, fresh)[-1]
+        torch.testing.assert_close(decoded[i], ref, rtol=1e-5, atol=1e-5)

@@ -305,7 +305,7 @@ class LLMEngine:
                 torch.tensor([t + [0] * (nb - len(t)) for t in decode_tables])
             )
             valid = torch.arange(nb * bs)[None, :] < torch.tensor(decode_lens)[:, None]
-            meta.decode_mask = torch.zeros(valid.shape).masked_fill(~valid, float("-inf"))[None, :, None, :]
+            meta.decode_mask = valid[:, None, None, :]
         hidden = self.model(torch.tensor(tokens), torch.tensor(positions), meta, self.kv)
         if not sample_rows:
             return {}

@@ -2,9 +2,9 @@
 
 One file, top to bottom: rotary embeddings, RMSNorm, attention (fused QKV, GQA, paged KV), SwiGLU feed-forward
 (fused gate/up), the decoder, and the attention metadata a step hands it. Speed on CPU comes from a few
-deliberate choices: all tokens of a step go through each projection as one matrix; decode attention is two
-batched matmuls over K/V gathered once per layer from the blocks (SDPA is slow on CPU for a single query);
-softmax runs in fp32 whatever the model dtype.
+deliberate choices: all tokens of a step go through each projection as one matrix; decode attention gathers
+K/V once per layer from the blocks and runs SDPA's flash CPU kernel over them (GQA, a boolean context mask),
+which softmaxes in fp32 whatever the model dtype.
 
 This room knows nothing about requests, scheduling or where the weights came from.
 """
@@ -51,11 +51,20 @@ def rope_inv_freq(config: ModelConfig, rope_freqs: torch.Tensor | None = None) -
     return torch.where(is_mid, mid, scaled)
 
 
+def rope_tables(inv_freq: torch.Tensor, max_context: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Full-width cos and sign-folded sin per position, [max_context, head_dim] float32, so that rotating is
+    `x * cos + rotate_half(x) * sin` with rotate_half a plain roll: [x1, x2] -> [x2, x1]."""
+    angles = torch.outer(torch.arange(max_context, dtype=torch.float32), inv_freq)
+    cos, sin = angles.cos(), angles.sin()
+    return torch.cat((cos, cos), dim=-1), torch.cat((-sin, sin), dim=-1)
+
+
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x: [T, heads, head_dim] in rotate-half layout; cos/sin: [T, 1, head_dim // 2] float32."""
-    half = x.shape[-1] // 2
-    x1, x2 = x[..., :half].float(), x[..., half:].float()
-    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).to(x.dtype)
+    """x: [T, heads, head_dim] in rotate-half layout; cos/sin: [T, 1, head_dim] from rope_tables.
+
+    Bit-equal to cat(x1 cos - x2 sin, x2 cos + x1 sin) (negating sin is exact) in a third of the ops."""
+    xf = x.float()
+    return (xf * cos + xf.roll(x.shape[-1] // 2, dims=-1) * sin).to(x.dtype)
 
 
 # ------------------------------------------------------------------------------------------- paged KV
@@ -126,7 +135,7 @@ class AttnMetadata:
     slot_mapping: torch.Tensor  # [T] block * block_size + offset of each new token
     decode_rows: torch.Tensor | None = None  # [B] rows of the step that are single-token decodes
     decode_ctx_rows: torch.Tensor | None = None  # [kv_heads * B * nb] gather index of their block tables
-    decode_mask: torch.Tensor | None = None  # [1, B, 1, nb * block_size] additive (0 / -inf), float32
+    decode_mask: torch.Tensor | None = None  # [B, 1, 1, nb * block_size] bool, True where a key is in context
     prefills: list[PrefillSegment] = field(default_factory=list)
 
 
@@ -283,19 +292,16 @@ class Attention(nn.Module):
         v_cache.view(self.n_kv, -1, self.hd).index_copy_(1, meta.slot_mapping, v.transpose(0, 1))
 
         out = torch.empty(T, self.n_heads, self.hd, dtype=x.dtype)
-        g = self.n_heads // self.n_kv
         if meta.decode_rows is not None:
             assert meta.decode_ctx_rows is not None and meta.decode_mask is not None
             B, L = meta.decode_rows.shape[0], meta.decode_mask.shape[-1]
             all_decode = B == T  # the common steady state: skip the row gather and scatter
-            qd = q if all_decode else q[meta.decode_rows]
-            qd = qd.reshape(B, self.n_kv, g, self.hd).transpose(0, 1).reshape(-1, g, self.hd)
-            kd = k_cache.index_select(0, meta.decode_ctx_rows).view(self.n_kv * B, L, self.hd)
-            vd = v_cache.index_select(0, meta.decode_ctx_rows).view(self.n_kv * B, L, self.hd)
-            scores = torch.bmm(qd, kd.transpose(1, 2)).view(self.n_kv, B, g, L).float()
-            scores = scores * self.scale + meta.decode_mask
-            probs = torch.softmax(scores, dim=-1).to(x.dtype).view(-1, g, L)
-            od = torch.bmm(probs, vd).view(self.n_kv, B, g, self.hd).transpose(0, 1)
+            qd = (q if all_decode else q[meta.decode_rows]).unsqueeze(2)  # [B, heads, 1, head_dim]
+            kd = k_cache.index_select(0, meta.decode_ctx_rows).view(self.n_kv, B, L, self.hd).transpose(0, 1)
+            vd = v_cache.index_select(0, meta.decode_ctx_rows).view(self.n_kv, B, L, self.hd).transpose(0, 1)
+            od = F.scaled_dot_product_attention(
+                qd, kd, vd, attn_mask=meta.decode_mask, enable_gqa=True, scale=self.scale
+            )
             if all_decode:
                 return self.wo(od.reshape(T, self.n_heads * self.hd))
             out[meta.decode_rows] = od.reshape(B, self.n_heads, self.hd)
@@ -365,9 +371,9 @@ class Transformer(nn.Module):
         head = self.embed.weight if cfg.tie_embeddings else dense(w, "lm_head")
         self.lm_head = make_linear(head, None, dtype, "none")
         inv = rope_inv_freq(cfg, dense(w, "rope_freqs") if "rope_freqs" in w else None)
-        angles = torch.outer(torch.arange(cfg.max_context, dtype=torch.float32), inv)
-        self.register_buffer("rope_cos", angles.cos(), persistent=False)
-        self.register_buffer("rope_sin", angles.sin(), persistent=False)
+        cos, sin = rope_tables(inv, cfg.max_context)
+        self.register_buffer("rope_cos", cos, persistent=False)
+        self.register_buffer("rope_sin", sin, persistent=False)
 
     @torch.inference_mode()
     def forward(
