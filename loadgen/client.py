@@ -98,7 +98,8 @@ def phases_from_timeline(body: dict[str, Any]) -> dict[str, float] | None:
         if isinstance(step, list | tuple) and len(step) == 2:
             pairs.append((str(step[0]), float(step[1])))
         elif isinstance(step, dict) and "phase" in step:
-            pairs.append((str(step["phase"]), float(step.get("t_s", step.get("t", 0.0)))))
+            t = step.get("t_s", step.get("t"))
+            pairs.append((str(step["phase"]), float(t) if t is not None else 0.0))
     for (phase, t), (_, t_next) in zip(pairs, pairs[1:], strict=False):
         if phase in bucket:
             out[bucket[phase]] += max(0.0, t_next - t)

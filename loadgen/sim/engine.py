@@ -20,6 +20,7 @@ Same workload, config and seed → the same results, bit for bit (no wall clock,
 
 from __future__ import annotations
 
+import functools
 import heapq
 import math
 from collections import Counter, OrderedDict, deque
@@ -211,9 +212,9 @@ class Simulator:
         for spec, hs in zip(specs, hashes, strict=True):
             r = Req(spec, hs, spec.arrival_s, input_tokens=spec.input_tokens)
             self.reqs.append(r)
-            self.at(spec.arrival_s, lambda r=r: self._arrive(r))
+            self.at(spec.arrival_s, functools.partial(self._arrive, r))
         for t, wid in self.cfg.failures:
-            self.at(t, lambda wid=wid: self._fail_worker(wid))
+            self.at(t, functools.partial(self._fail_worker, wid))
         while self._events:
             t, _, fn = heapq.heappop(self._events)
             self.now = t
