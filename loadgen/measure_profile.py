@@ -9,7 +9,8 @@ One cluster, router in `auto` mode: prompts shorter than the threshold are prefi
             → base + per-sequence + per-context-token step time
   transfer  first gap after the first token of a disaggregated request (prefill → decode hand-off) minus a
             normal decode gap, over the prompt's KV bytes → GB/s (one host: every link class gets this value)
-Other helpers share these 2 cores, so every number here is noisy; the profile records when and how it was taken.
+Both workers share this machine's cores with anything else running, so the profile records when it was taken and
+the load average then; measure on a quiet machine.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import statistics
 import time
 
@@ -93,8 +95,8 @@ def profile_from(m: dict, when: str) -> dict:
         "name": "cpu_smollm2",
         "source": (
             f"measured on this machine's real cluster ({when}; `rackserve up`, 1 prefill + 1 decode worker, "
-            "bf16, 1 torch thread each) by loadgen/measure_profile.py; noisy: the 2 CPU cores were shared with "
-            "other work"
+            f"bf16, 1 torch thread each) by loadgen/measure_profile.py; load average {os.getloadavg()[0]:.1f} "
+            "when it finished"
         ),
         "model": "SmolLM2-135M-Instruct (30 layers, 3 KV heads x 64, bf16 KV 22.5 KiB/token)",
         "block_size": BLOCK_SIZE,

@@ -85,7 +85,8 @@ def main() -> None:
         os.makedirs(d, exist_ok=True)
         rep.save_json(r, os.path.join(d, "report.json"))
     lines = [
-        f"Real CPU cluster vs simulator ({len(specs)} Mooncake requests scaled 1/32, {when}; noisy shared CPU)\n"
+        f"Real CPU cluster vs simulator ({len(specs)} Mooncake requests scaled 1/32, {when}; "
+        f"load average {os.getloadavg()[0]:.1f})\n"
     ]
     lines.append(rep.compare_markdown([reports[n] for n in names], names))
     lines.append("\nPredicted (simulated) vs measured:\n")
