@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import functools
 import json
 import logging
 import secrets
@@ -441,10 +440,6 @@ class CompletionFormat:
         return self._completion([choice], usage)
 
 
-def _count(directory: WorkerView, role: str) -> float:
-    return float(len(directory.workers(role)))
-
-
 def _finish(reason: str | None) -> FinishReason | None:
     """The worker's finish reason as OpenAI names it (anything unexpected reads as "stop")."""
     if reason is None:
@@ -573,8 +568,7 @@ def create_app(
     app.state.config = config
     app.state.guard = Guard(config.auth)
     app.state.frontend = Frontend(config, tokenizer, directory, coordinator, observer)
-    for role in ("router", "prefill", "decode"):
-        metrics.HEALTHY_WORKERS.labels(role).set_function(functools.partial(_count, directory, role))
+    metrics.export_healthy_workers(directory, ("router", "prefill", "decode"))
     install_error_handlers(app)
     app.include_router(api)
     return app

@@ -21,7 +21,6 @@ import argparse
 import asyncio
 import contextlib
 import dataclasses
-import functools
 import logging
 import sys
 import time
@@ -278,16 +277,6 @@ def _flag(name: str) -> str:
     return "--" + name.replace("_", "-")
 
 
-def export_healthy_workers(directory: WorkerDirectory, roles: tuple[str, ...]) -> None:
-    """rackserve_healthy_workers{role}: read from this router's view of etcd at scrape time."""
-    for role in roles:
-        metrics.HEALTHY_WORKERS.labels(role).set_function(functools.partial(_count, directory, role))
-
-
-def _count(directory: WorkerDirectory, role: str) -> float:
-    return float(len(directory.workers(role)))
-
-
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_service_arguments(parser)
     g = parser.add_argument_group("router")
@@ -376,7 +365,7 @@ async def serve(args: argparse.Namespace) -> None:
     try:
         await directory.start()
         views.sync()
-        export_healthy_workers(directory, WATCHED_ROLES)
+        metrics.export_healthy_workers(directory, WATCHED_ROLES)
         pb_grpc.add_RouterServicer_to_server(Router(state), host.server)
         await host.start()
         await host.serve(host.worker_info())

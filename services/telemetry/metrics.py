@@ -13,9 +13,10 @@ never a request id, a worker id or a prompt length.
 
 from __future__ import annotations
 
+import functools
 import re
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import Any, Protocol
 
 from prometheus_client import CONTENT_TYPE_LATEST, REGISTRY, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
@@ -237,6 +238,20 @@ def export_engine(role: str, stats: Callable[[], Any]) -> None:
 
 
 _NUMBER = re.compile(r"\d+(?:\.\d+)?")
+
+
+class _Discovery(Protocol):
+    def workers(self, role: str) -> list[Any]: ...
+
+
+def export_healthy_workers(directory: _Discovery, roles: tuple[str, ...]) -> None:
+    """rackserve_healthy_workers{role}: read from this process's view of discovery at scrape time."""
+    for role in roles:
+        HEALTHY_WORKERS.labels(role).set_function(functools.partial(_count_workers, directory, role))
+
+
+def _count_workers(directory: _Discovery, role: str) -> float:
+    return float(len(directory.workers(role)))
 
 
 def reason_label(reason: str) -> str:
