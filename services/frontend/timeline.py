@@ -16,7 +16,6 @@ Nothing here runs while a request is in flight: the request path only timestamps
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import logging
 import threading
@@ -69,7 +68,6 @@ def timeline_record(
                 "reason": plan.reason if plan is not None else None,
                 "score_terms": dict(plan.score_terms) if plan is not None else {},
             },
-            "migration_records": [_plain(m) for m in _migration_records(state)],
         }
     )
     if state.transfer_backend:
@@ -247,25 +245,8 @@ def _emit_spans(state: RequestState, record: dict[str, Any]) -> None:
     span.end(end_time=tracing.unix_ns(end))
 
 
-def _migration_records(state: RequestState) -> list[Any]:
-    """The coordinator's migration records (cause, path, from/to worker, times), one per MIGRATING phase."""
-    return list(state.migration_log)
-
-
-def _plain(record: Any) -> Any:
-    if dataclasses.is_dataclass(record) and not isinstance(record, type):
-        return {k: _plain(v) for k, v in dataclasses.asdict(record).items()}
-    if isinstance(record, dict):
-        return {str(k): _plain(v) for k, v in record.items()}
-    if isinstance(record, (list, tuple)):
-        return [_plain(v) for v in record]
-    if isinstance(record, (str, int, float, bool)) or record is None:
-        return record
-    return getattr(record, "value", None) or str(record)
-
-
 def _nth(record: dict[str, Any], i: int) -> Any:
-    records = record.get("migration_records") or []
+    records = record.get("migration_log") or []  # the coordinator's Migration.as_dict() per migration
     return records[i] if i < len(records) else None
 
 
