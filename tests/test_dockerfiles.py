@@ -9,7 +9,6 @@ import http.server
 import os
 import re
 import shutil
-import socket
 import subprocess
 import sys
 import threading
@@ -20,6 +19,8 @@ from pathlib import Path
 import grpc
 import pytest
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+
+from tests.support.etcd import free_port
 
 ROOT = Path(__file__).resolve().parent.parent
 DOCKER = ROOT / "deploy" / "docker"
@@ -146,12 +147,6 @@ def test_worker_image_has_cuda_torch_nixl_and_rdma_userspace() -> None:
 # ---- the healthcheck script against real servers ------------------------------------------------------------
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def run_healthcheck(role: str, env: dict[str, str]) -> subprocess.CompletedProcess[str]:
     """The script as the image runs it, with PID 1's command line faked through a tiny wrapper."""
     wrapper = (
@@ -195,7 +190,7 @@ def test_healthcheck_follows_the_frontends_health_endpoint(http_health: tuple[in
     assert run_healthcheck("frontend", env).returncode == 0
     status[0] = 503
     assert run_healthcheck("frontend", env).returncode == 1
-    env["RACKSERVE_PORT"] = str(_free_port())  # nothing listening
+    env["RACKSERVE_PORT"] = str(free_port())  # nothing listening
     assert run_healthcheck("frontend", env).returncode == 1
 
 

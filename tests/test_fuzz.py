@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import socket
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -22,6 +21,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from services.runtime.tls import GrpcTls
 from tests.support.certs import SERVER_NAME, make_ca_and_leaf, tls_flags
 from tests.support.cluster import WORKER_FLAGS, local_cluster, start_process
+from tests.support.etcd import free_port
 
 KEY = "sk-fuzz-0c41d7"
 MODEL = "SmolLM2-135M-Instruct"
@@ -37,18 +37,12 @@ class SecureCluster:
     certs: dict[str, str]
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SecureCluster]:
     log_dir = tmp_path_factory.mktemp("fuzz")
     certs = make_ca_and_leaf(tmp_path_factory.mktemp("certs"))
     tls = tls_flags(certs)
-    health_port = _free_port()
+    health_port = free_port()
 
     def start(etcd_url: str) -> list:
         return [

@@ -5,7 +5,6 @@ from __future__ import annotations
 import concurrent.futures
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -13,18 +12,14 @@ import time
 import httpx
 import pytest
 
+from tests.support.etcd import free_port
+
 FRANCE = [{"role": "user", "content": "What is the capital of France?"}]
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 @pytest.fixture(scope="module")
 def cluster():
-    port = _free_port()
+    port = free_port()
     cmd = [sys.executable, "-m", "services.cli", "up", "--port", str(port), "--dtype", "float32"]
     cmd += ["--prefill", "1", "--decode", "1", "--quiet"]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
