@@ -239,14 +239,16 @@ def test_block_hash_is_chained_deterministic_and_ignores_partial_blocks():
     assert block_hash(ROOT_HASH, [1, 2, 3, 4]) == block_hash(0, (1, 2, 3, 4)) == 0x18B2_C1FB_9F5E_FAEE
 
 
-def test_batched_decode_over_scattered_blocks_equals_full_prefill_of_each_sequence():
-    """The decode attention path (paged gather, padded context, boolean mask, SDPA) gives each sequence the hidden
-    state a causal prefill of its whole token list gives, for sequences of different lengths whose blocks are
-    scattered through the cache."""
+@pytest.mark.parametrize("fused", [False, True], ids=["torch", "fused-cpu-kernels"])
+def test_batched_decode_over_scattered_blocks_equals_full_prefill_of_each_sequence(fused: bool):
+    """The decode attention path (torch: paged gather, padded context, boolean mask, SDPA; fused: the C++ kernel
+    reading the blocks in place) gives each sequence the hidden state a causal prefill of its whole token list
+    gives, for sequences of different lengths whose blocks are scattered through the cache."""
     from services.engine.model import AttnMetadata, PagedKvCache, PrefillSegment, Transformer
 
     loaded = tiny_llama(seed=2)
-    model = Transformer(loaded.config, loaded.weights, torch.float32)
+    model = Transformer(loaded.config, loaded.weights, torch.float32, cpu_kernels=fused)
+    assert model.fused == fused
     bs = 4
     kv = PagedKvCache(loaded.config, num_blocks=32, block_size=bs, dtype=torch.float32)
     g = torch.Generator().manual_seed(0)
@@ -268,8 +270,8 @@ def test_batched_decode_over_scattered_blocks_equals_full_prefill_of_each_sequen
     meta = AttnMetadata(
         slot_mapping=torch.tensor(last_slots),
         decode_rows=torch.arange(len(seqs)),
-        decode_ctx_rows=kv.gather_index(torch.tensor([t + [0] * (nb - len(t)) for t in tables])),
-        decode_mask=(torch.arange(nb * bs)[None, :] < lens[:, None])[:, None, None, :],
+        decode_tables=torch.tensor([t + [0] * (nb - len(t)) for t in tables], dtype=torch.int32),
+        decode_lens=lens.to(torch.int32),
     )
     decoded = model(torch.tensor([s[-1] for s in seqs]), lens - 1, meta, kv)
 

@@ -80,6 +80,9 @@ class EngineConfig:
     max_model_len: int = 0  # 0: the model's context length
     enable_prefix_caching: bool = True
     num_threads: int = 0  # 0: leave torch's default
+    cpu_kernels: bool = (
+        True  # fused CPU kernels (engine/cpu_ops.py) for bf16 where they build; False: torch ops
+    )
     nvfp4_cache_dequantized: bool = False
     extra: dict[str, Any] = field(default_factory=dict)
 

@@ -126,7 +126,14 @@ class LLMEngine:
                 )
                 quant_id = f"{loaded.quantization}:{QUANT_RECIPE_ID}"
         self.fingerprint = model_fingerprint(loaded.config, loaded.weights, quant_id)
-        self.model = Transformer(loaded.config, loaded.weights, self.dtype, cfg.quant, **kw)
+        self.model = Transformer(
+            loaded.config,
+            loaded.weights,
+            self.dtype,
+            cfg.quant,
+            cpu_kernels=None if cfg.cpu_kernels else False,
+            **kw,
+        )
         self.tokenizer = tokenizer if tokenizer is not None else _load_tokenizer(loaded)
         self.max_model_len = min(cfg.max_model_len or loaded.config.max_context, loaded.config.max_context)
 
@@ -301,11 +308,10 @@ class LLMEngine:
         if decode_rows:
             nb = max(len(t) for t in decode_tables)
             meta.decode_rows = torch.tensor(decode_rows)
-            meta.decode_ctx_rows = self.kv.gather_index(
-                torch.tensor([t + [0] * (nb - len(t)) for t in decode_tables])
+            meta.decode_tables = torch.tensor(
+                [t + [0] * (nb - len(t)) for t in decode_tables], dtype=torch.int32
             )
-            valid = torch.arange(nb * bs)[None, :] < torch.tensor(decode_lens)[:, None]
-            meta.decode_mask = valid[:, None, None, :]
+            meta.decode_lens = torch.tensor(decode_lens, dtype=torch.int32)
         hidden = self.model(torch.tensor(tokens), torch.tensor(positions), meta, self.kv)
         if not sample_rows:
             return {}

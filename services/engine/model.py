@@ -20,6 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from services.engine import cpu_ops
 from services.engine.config import ModelConfig
 from services.engine.loader import Weights
 
@@ -70,6 +71,12 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 # ------------------------------------------------------------------------------------------- paged KV
 
 
+def layer_rows(block_ids: torch.Tensor, num_kv_heads: int, num_blocks: int) -> torch.Tensor:
+    """Rows of one layer's [kv_heads * num_blocks, block_size, head_dim] K or V view that hold these blocks."""
+    heads = torch.arange(num_kv_heads)[:, None] * num_blocks
+    return (heads + block_ids.reshape(1, -1)).reshape(-1)
+
+
 class PagedKvCache:
     """K and V of all layers in fixed-size blocks: one tensor [layers, 2, kv_heads, blocks, block_size, head_dim].
 
@@ -95,8 +102,7 @@ class PagedKvCache:
 
     def gather_index(self, block_ids: torch.Tensor) -> torch.Tensor:
         """Rows of a layer's K/V view holding these blocks, head-major: [kv_heads * len(block_ids)]."""
-        heads = torch.arange(self.num_kv_heads)[:, None] * self.num_blocks
-        return (heads + block_ids.reshape(1, -1)).reshape(-1)
+        return layer_rows(block_ids, self.num_kv_heads, self.num_blocks)
 
     def read_blocks(self, block_ids: torch.Tensor) -> torch.Tensor:
         """Copy out whole blocks: [n, layers, 2, kv_heads, block_size, head_dim] (the export order)."""
@@ -134,9 +140,20 @@ class PrefillSegment:
 class AttnMetadata:
     slot_mapping: torch.Tensor  # [T] block * block_size + offset of each new token
     decode_rows: torch.Tensor | None = None  # [B] rows of the step that are single-token decodes
-    decode_ctx_rows: torch.Tensor | None = None  # [kv_heads * B * nb] gather index of their block tables
-    decode_mask: torch.Tensor | None = None  # [B, 1, 1, nb * block_size] bool, True where a key is in context
+    decode_tables: torch.Tensor | None = None  # int32 [B, nb] their block tables, padded with block 0
+    decode_lens: torch.Tensor | None = None  # int32 [B] their context lengths, the new token included
     prefills: list[PrefillSegment] = field(default_factory=list)
+    _gather: tuple[torch.Tensor, torch.Tensor] | None = field(default=None, init=False, repr=False)
+
+    def decode_gather(self, k_cache: torch.Tensor, num_kv_heads: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """For the torch path, once per step: the gather index of the decode rows' blocks in a layer's K/V view
+        ([kv_heads * B * nb], see layer_rows) and the [B, 1, 1, nb * block_size] mask of keys in context."""
+        if self._gather is None:
+            assert self.decode_tables is not None and self.decode_lens is not None
+            rows = layer_rows(self.decode_tables.long(), num_kv_heads, k_cache.shape[0] // num_kv_heads)
+            keys = torch.arange(self.decode_tables.shape[1] * k_cache.shape[1])
+            self._gather = rows, (keys[None, :] < self.decode_lens[:, None])[:, None, None, :]
+        return self._gather
 
 
 # ------------------------------------------------------------------------------------------------ layers
@@ -286,25 +303,73 @@ class Attention(nn.Module):
         qk = apply_rope(qk.reshape(T, self.n_heads + self.n_kv, self.hd), cos, sin)  # q and k in one pass
         q, k = qk.split([self.n_heads, self.n_kv], dim=1)
         v = v.reshape(T, self.n_kv, self.hd)
-        bs = k_cache.shape[1]
         # write the step's K/V: the layer view as [kv_heads, slots, head_dim], indexed by flat slot
         k_cache.view(self.n_kv, -1, self.hd).index_copy_(1, meta.slot_mapping, k.transpose(0, 1))
         v_cache.view(self.n_kv, -1, self.hd).index_copy_(1, meta.slot_mapping, v.transpose(0, 1))
 
         out = torch.empty(T, self.n_heads, self.hd, dtype=x.dtype)
         if meta.decode_rows is not None:
-            assert meta.decode_ctx_rows is not None and meta.decode_mask is not None
-            B, L = meta.decode_rows.shape[0], meta.decode_mask.shape[-1]
+            ctx_rows, mask = meta.decode_gather(k_cache, self.n_kv)
+            B, L = meta.decode_rows.shape[0], mask.shape[-1]
             all_decode = B == T  # the common steady state: skip the row gather and scatter
             qd = (q if all_decode else q[meta.decode_rows]).unsqueeze(2)  # [B, heads, 1, head_dim]
-            kd = k_cache.index_select(0, meta.decode_ctx_rows).view(self.n_kv, B, L, self.hd).transpose(0, 1)
-            vd = v_cache.index_select(0, meta.decode_ctx_rows).view(self.n_kv, B, L, self.hd).transpose(0, 1)
-            od = F.scaled_dot_product_attention(
-                qd, kd, vd, attn_mask=meta.decode_mask, enable_gqa=True, scale=self.scale
-            )
+            kd = k_cache.index_select(0, ctx_rows).view(self.n_kv, B, L, self.hd).transpose(0, 1)
+            vd = v_cache.index_select(0, ctx_rows).view(self.n_kv, B, L, self.hd).transpose(0, 1)
+            od = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=mask, enable_gqa=True, scale=self.scale)
             if all_decode:
                 return self.wo(od.reshape(T, self.n_heads * self.hd))
             out[meta.decode_rows] = od.reshape(B, self.n_heads, self.hd)
+        self._prefill_attention(q, k, v, meta, k_cache, v_cache, out)
+        return self.wo(out.view(T, self.n_heads * self.hd))
+
+    def forward_fused(
+        self,
+        x: torch.Tensor,
+        positions: torch.Tensor,
+        meta: AttnMetadata,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        cos_table: torch.Tensor,
+        sin_table: torch.Tensor,
+    ) -> torch.Tensor:
+        """forward() on the fused CPU kernels (cpu_ops): rotary + KV write in one call, decode attention read
+        from the blocks where they lie; prefill segments still run SDPA over the same q/k/v."""
+        T = x.shape[0]
+        nq, nkv = self.n_heads * self.hd, self.n_kv * self.hd
+        qkv = self.wqkv(x).contiguous()
+        cpu_ops.rope_store(
+            qkv, positions, cos_table, sin_table, k_cache, v_cache, meta.slot_mapping, self.n_heads, self.n_kv
+        )
+        q = qkv[:, :nq]
+        if meta.decode_rows is not None:
+            assert meta.decode_tables is not None and meta.decode_lens is not None
+            all_decode = meta.decode_rows.shape[0] == T
+            od = cpu_ops.paged_decode_attention(
+                q if all_decode else q[meta.decode_rows],
+                k_cache, v_cache, meta.decode_tables, meta.decode_lens, self.n_heads, self.n_kv, self.scale,
+            )  # fmt: skip
+            if all_decode:
+                return self.wo(od)
+        out = torch.empty(T, self.n_heads, self.hd, dtype=x.dtype)
+        if meta.decode_rows is not None:
+            out[meta.decode_rows] = od.view(-1, self.n_heads, self.hd)
+        k = qkv[:, nq : nq + nkv].view(T, self.n_kv, self.hd)
+        v = qkv[:, nq + nkv :].view(T, self.n_kv, self.hd)
+        self._prefill_attention(q.view(T, self.n_heads, self.hd), k, v, meta, k_cache, v_cache, out)
+        return self.wo(out.view(T, nq))
+
+    def _prefill_attention(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        meta: AttnMetadata,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        out: torch.Tensor,
+    ) -> None:
+        """SDPA for each prefill segment of the step, into its rows of out ([T, heads, head_dim])."""
+        bs = k_cache.shape[1]
         for seg in meta.prefills:
             # SDPA takes its fast (and transformers-identical) CPU path only for 4-D inputs: [1, heads, n, hd]
             qs = q[seg.start : seg.end].transpose(0, 1)[None]
@@ -326,7 +391,6 @@ class Attention(nn.Module):
                     qs, ks, vs, attn_mask=mask, enable_gqa=True, scale=self.scale
                 )
             out[seg.start : seg.end] = o[0].transpose(0, 1)
-        return self.wo(out.view(T, self.n_heads * self.hd))
 
 
 class FeedForward(nn.Module):
@@ -340,6 +404,9 @@ class FeedForward(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.w_gate_up(x).split(self.ffn, dim=-1)
         return self.w_down(F.silu(gate) * up)
+
+    def forward_fused(self, x: torch.Tensor) -> torch.Tensor:
+        return self.w_down(cpu_ops.silu_mul(self.w_gate_up(x).contiguous()))
 
 
 class Block(nn.Module):
@@ -359,10 +426,21 @@ class Transformer(nn.Module):
     rope_sin: torch.Tensor
 
     def __init__(
-        self, cfg: ModelConfig, w: Weights, dtype: torch.dtype = torch.float32, quant: str = "none", **kw
+        self,
+        cfg: ModelConfig,
+        w: Weights,
+        dtype: torch.dtype = torch.float32,
+        quant: str = "none",
+        cpu_kernels: bool | None = None,
+        **kw,
     ):
         super().__init__()
         self.config, self.dtype, self.quant = cfg, dtype, quant
+        # The fused CPU kernels (cpu_ops) where they build. None (auto) uses them for bf16 only: fp32 is the
+        # reference dtype, pinned to transformers at 1e-4 on logits, which the kernels' different summation
+        # order in RMSNorm would exceed over 30 layers (~3e-4); True uses them for fp32 too; False never.
+        wanted = dtype == torch.bfloat16 if cpu_kernels is None else cpu_kernels
+        self.fused = wanted and cpu_ops.supports(dtype, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim)
         self.embed = nn.Embedding(cfg.vocab_size, cfg.hidden_size, _weight=dense(w, "embed_tokens").to(dtype))
         self.embed.weight.requires_grad_(False)
         self.blocks = nn.ModuleList(Block(cfg, w, i, dtype, quant, **kw) for i in range(cfg.num_layers))
@@ -381,12 +459,33 @@ class Transformer(nn.Module):
     ) -> torch.Tensor:
         """Hidden states after the final norm for every token of the step: [T, hidden]."""
         x = self.embed(tokens)
+        if self.fused and x.device.type == "cpu" and kv.dtype == x.dtype:
+            return self._forward_fused(x, positions, meta, kv)
         cos = self.rope_cos[positions].unsqueeze(1)
         sin = self.rope_sin[positions].unsqueeze(1)
         for i, blk in enumerate(cast(list[Block], self.blocks)):
             x = x + blk.attn(blk.attn_norm(x), cos, sin, meta, kv.k[i], kv.v[i])
             x = x + blk.ffn(blk.ffn_norm(x))
         return self.norm(x)
+
+    def _forward_fused(
+        self, x: torch.Tensor, positions: torch.Tensor, meta: AttnMetadata, kv: PagedKvCache
+    ) -> torch.Tensor:
+        """The same layers on the fused kernels. x is the residual stream, updated in place; each residual add
+        is fused with the norm that follows it (the next layer's input norm, or the final norm)."""
+        blocks = cast(list[Block], self.blocks)
+        norms = [n for b in blocks for n in (b.attn_norm, b.ffn_norm)][1:] + [
+            self.norm
+        ]  # ffn_0, attn_1, ffn_1, …
+        positions = positions.contiguous()
+        h = cpu_ops.rms_norm(x, blocks[0].attn_norm.weight, blocks[0].attn_norm.eps)
+        for i, blk in enumerate(blocks):
+            a = blk.attn.forward_fused(h, positions, meta, kv.k[i], kv.v[i], self.rope_cos, self.rope_sin)
+            h = cpu_ops.add_rms_norm(x, a, norms[2 * i].weight, norms[2 * i].eps)
+            h = cpu_ops.add_rms_norm(
+                x, blk.ffn.forward_fused(h), norms[2 * i + 1].weight, norms[2 * i + 1].eps
+            )
+        return h
 
     @torch.inference_mode()
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -112,6 +112,7 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     add_flag(g, "--max-model-len", 0, "context length (0: the model's)", int)
     switch(g, "--no-prefix-caching", "turn the prefix cache off")
     add_flag(g, "--threads", 1, "torch CPU threads for this worker (0: torch's default)", int)
+    switch(g, "--no-cpu-kernels", "run the model on plain torch ops instead of the fused CPU kernels")
 
 
 KV_BACKENDS = (
@@ -170,6 +171,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         max_model_len=args.max_model_len,
         enable_prefix_caching=not args.no_prefix_caching,
         num_threads=args.threads,
+        cpu_kernels=not args.no_cpu_kernels,
     )
 
 
