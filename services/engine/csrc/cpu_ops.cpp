@@ -129,6 +129,12 @@ void rope_store(T* qkv, int64_t tokens, const int64_t* positions, const float* c
     }
 }
 
+template <typename T>
+inline void prefetch(const T* p, int64_t elems) {
+    const char* c = reinterpret_cast<const char*>(p);
+    for (int64_t off = 0; off < elems * static_cast<int64_t>(sizeof(T)); off += 64) __builtin_prefetch(c + off);
+}
+
 // Attention inner loops for one K or V row against the `group` query heads that share it. The generic versions
 // are plain loops; with AVX-512 and a head dim that is a multiple of 16 known at compile time, the row is
 // converted once into registers and each head's dot product is FMAs plus one horizontal add.
@@ -220,9 +226,12 @@ void paged_decode_attention(const T* q, int64_t q_stride, const T* k_cache, cons
                 scores.resize(group * n);
                 for (int64_t j = 0; j < group; ++j)
                     for (int64_t i = 0; i < hd; ++i) qf[j * hd + i] = to_f(q[b * q_stride + (g * group + j) * hd + i]);
+                const int64_t block_elems = block_size * hd;
                 for (int64_t t0 = 0; t0 < n; t0 += block_size) {  // block by block: no division per token
-                    const T* kb = kh + static_cast<int64_t>(table[t0 / block_size]) * block_size * hd;
+                    const T* kb = kh + static_cast<int64_t>(table[t0 / block_size]) * block_elems;
                     const int64_t m = n - t0 < block_size ? n - t0 : block_size;
+                    if (t0 + block_size < n)  // blocks are scattered: fetch the next one while this one computes
+                        prefetch(kh + static_cast<int64_t>(table[t0 / block_size + 1]) * block_elems, block_elems);
                     for (int64_t o = 0; o < m; ++o)
                         RowOps<T, HD>::scores(qf.data(), group, hd, kb + o * hd, scores.data() + t0 + o, n, scale);
                 }
@@ -242,8 +251,10 @@ void paged_decode_attention(const T* q, int64_t q_stride, const T* k_cache, cons
                 }
                 std::fill(acc.begin(), acc.end(), 0.f);
                 for (int64_t t0 = 0; t0 < n; t0 += block_size) {
-                    const T* vb = vh + static_cast<int64_t>(table[t0 / block_size]) * block_size * hd;
+                    const T* vb = vh + static_cast<int64_t>(table[t0 / block_size]) * block_elems;
                     const int64_t m = n - t0 < block_size ? n - t0 : block_size;
+                    if (t0 + block_size < n)
+                        prefetch(vh + static_cast<int64_t>(table[t0 / block_size + 1]) * block_elems, block_elems);
                     for (int64_t o = 0; o < m; ++o)
                         RowOps<T, HD>::accumulate(acc.data(), group, hd, vb + o * hd, scores.data() + t0 + o, n);
                 }
@@ -279,13 +290,15 @@ void paged_decode_attention(const T* q, int64_t q_stride, const T* k_cache, cons
 template <typename T>
 void silu_mul(const T* gate_up, T* out, int64_t rows, int64_t f) {
     constexpr int64_t kChunk = 256;
-#pragma omp parallel for if (rows >= kParallelRows)
+    const int64_t chunks = (f + kChunk - 1) / kChunk;
+#pragma omp parallel for collapse(2) if (rows * f >= 4096)
     for (int64_t r = 0; r < rows; ++r) {
-        const T* g = gate_up + r * 2 * f;
-        const T* u = g + f;
-        T* o = out + r * f;
-        float a[kChunk], b[kChunk];
-        for (int64_t c = 0; c < f; c += kChunk) {
+        for (int64_t ci = 0; ci < chunks; ++ci) {
+            const int64_t c = ci * kChunk;
+            const T* g = gate_up + r * 2 * f;
+            const T* u = g + f;
+            T* o = out + r * f;
+            float a[kChunk], b[kChunk];
             const int64_t len = f - c < kChunk ? f - c : kChunk;
 #pragma omp simd
             for (int64_t i = 0; i < len; ++i) a[i] = to_f(g[c + i]);
