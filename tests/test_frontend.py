@@ -19,7 +19,6 @@ import re
 import subprocess
 import sys
 import threading
-import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -38,6 +37,7 @@ from services.frontend.coordinator import ChannelPool, Coordinator
 from services.frontend.output import TextAssembler
 from services.frontend.server import DEFAULT_MODEL_NAME, load_tokenizer
 from services.rpc import pb, pb_grpc
+from tests.support.cluster import wait_frontend_ready
 from tests.support.etcd import EtcdServer, free_port
 
 REPO = Path(__file__).resolve().parents[1]
@@ -405,25 +405,17 @@ def stop_all(processes: list[subprocess.Popen[bytes]]) -> None:
 def wait_healthy(
     url: str, processes: list[subprocess.Popen[bytes]], log_dir: Path, roles: tuple[str, ...] = ()
 ) -> None:
-    """Until GET /health answers and shows at least one worker of each of `roles`."""
-    deadline = time.monotonic() + STARTUP_TIMEOUT_S
-    last = "no answer"
-    while time.monotonic() < deadline:
-        dead = [p.args for p in processes if p.poll() is not None]
-        if dead:
-            break
-        try:
-            r = httpx.get(f"{url}/health", timeout=1)
-            workers = r.json()["workers"]
-            if r.status_code == 200 and all(workers.get(role, 0) >= 1 for role in roles):
-                return
-            last = r.text
-        except httpx.HTTPError as e:
-            last = repr(e)
-        time.sleep(0.2)
-    logs = "\n".join(f"--- {f.name}\n{f.read_text(errors='replace')[-3000:]}" for f in log_dir.glob("*.log"))
-    stop_all(processes)
-    raise RuntimeError(f"cluster at {url} not ready (last: {last}; exited: {dead})\n{logs}")
+    """Until GET /health answers and shows at least one worker of each of `roles`; else stop all, with logs."""
+    try:
+        wait_frontend_ready(
+            url, roles, STARTUP_TIMEOUT_S, lambda: [p.args for p in processes if p.poll() is not None]
+        )
+    except RuntimeError as exc:
+        logs = "\n".join(
+            f"--- {f.name}\n{f.read_text(errors='replace')[-3000:]}" for f in log_dir.glob("*.log")
+        )
+        stop_all(processes)
+        raise RuntimeError(f"{exc}\n{logs}") from exc
 
 
 # ---- rig 2: the real frontend process, etcd, and nothing else ------------------------------------------------

@@ -28,7 +28,14 @@ import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
 from services.frontend.server import DEFAULT_MODEL_NAME
-from tests.support.cluster import WORKER_FLAGS, LocalCluster, Proc, local_cluster, start_process
+from tests.support.cluster import (
+    WORKER_FLAGS,
+    LocalCluster,
+    Proc,
+    local_cluster,
+    start_process,
+    wait_frontend_ready,
+)
 from tests.support.etcd import free_port
 from tests.support.otlp import TraceReceiver, trace_receiver
 from tests.test_telemetry import PROMETHEUS, dashboard_exprs, metric_names, rule_exprs
@@ -80,22 +87,8 @@ def _cluster(log_dir: Path, receiver: TraceReceiver, otlp_endpoint: str) -> Iter
 
     with local_cluster(str(log_dir), start, {"router": 1, "prefill": 1, "decode": 1, "frontend": 1}) as c:
         url = f"http://{c.endpoints['frontend-a']}"
-        _wait_ready(url)
+        wait_frontend_ready(url, ("router", "prefill", "decode"), 60.0)
         yield Rig(c, url, receiver, request_log, log_dir)
-
-
-def _wait_ready(url: str, timeout_s: float = 60.0) -> None:
-    """Until the frontend sees a router, a prefill and a decode worker."""
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        try:
-            workers = httpx.get(f"{url}/health", timeout=2).json()["workers"]
-            if all(workers.get(role, 0) >= 1 for role in ("router", "prefill", "decode")):
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.2)
-    raise AssertionError(f"{url} never saw the whole cluster")
 
 
 def chat(

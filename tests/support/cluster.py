@@ -12,12 +12,14 @@ import asyncio
 import os
 import subprocess
 import sys
+import time
 from collections.abc import Awaitable, Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 import grpc
+import httpx
 
 from services.discovery import WorkerDirectory
 from services.rpc import pb, pb_grpc
@@ -49,6 +51,31 @@ class LocalCluster:
     procs: dict[str, Proc]
     endpoints: dict[str, str] = field(default_factory=dict)
     infos: dict[str, pb.WorkerInfo] = field(default_factory=dict)
+
+
+def wait_frontend_ready(
+    url: str,
+    roles: tuple[str, ...] = (),
+    timeout_s: float = STARTUP_TIMEOUT_S,
+    exited: Callable[[], list[Any]] = lambda: [],
+) -> None:
+    """Until the frontend's GET /health answers 200 and counts at least one worker of each of `roles`; raises
+    RuntimeError with the last answer, or as soon as `exited()` names a process that died."""
+    deadline = time.monotonic() + timeout_s
+    last = "no answer"
+    while time.monotonic() < deadline:
+        dead = exited()
+        if dead:
+            raise RuntimeError(f"{url} not ready: exited {dead} (last: {last})")
+        try:
+            r = httpx.get(f"{url}/health", timeout=2)
+            if r.status_code == 200 and all(r.json()["workers"].get(role, 0) >= 1 for role in roles):
+                return
+            last = r.text
+        except (httpx.HTTPError, ValueError, KeyError) as e:
+            last = repr(e)
+        time.sleep(0.2)
+    raise RuntimeError(f"{url} not ready within {timeout_s}s (last: {last})")
 
 
 def run(body: Callable[[], Awaitable[T]], timeout_s: float = 60.0) -> T:
