@@ -1,9 +1,10 @@
 """The consumer side of KV transfer: a decode worker pulls a published payload named by a TransferTicket, over
-the backend the pair agreed on, and gets it back only once its size and checksum match the ticket.
+the backend the pair agreed on, and gets it back only once it matches the ticket.
 
 One KvSink per decode worker process, used from its asyncio loop. Every pull has a deadline and ends in a
-verified Pulled or one of the typed errors in errors.py. This module must never hand back unverified bytes and
-never wait past the deadline — a dead producer is an error, not a hang.
+verified Pulled or one of the typed errors in errors.py. TCP and shm pulls verify the published checksum; NIXL
+pulls the size and the publication (serial), and the checksum too with nixl_verify_checksum. This module must
+never hand back unverified bytes and never wait past the deadline — a dead producer is an error, not a hang.
 """
 
 from __future__ import annotations
