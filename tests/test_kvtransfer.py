@@ -41,6 +41,7 @@ except Exception:
 
 BACKENDS = [TCP, SHM, pytest.param(NIXL, marks=pytest.mark.skipif(not HAVE_NIXL, reason="nixl-cu12 missing"))]
 KiB, MiB = 1 << 10, 1 << 20
+needs_nixl_mark = pytest.mark.skipif(not HAVE_NIXL, reason="nixl-cu12 missing")
 
 
 def payload(size: int, seed: int) -> bytes:
@@ -59,6 +60,9 @@ def _producer_main(conn: Any, stall_after_bytes: int | None, config: TransferCon
                 key, size, seed, ttl_s = args
                 t = source.publish(key, payload(size, seed), ttl_s)
                 conn.send((t.to_json(), t.agent_metadata))
+            elif cmd == "retract":
+                source.retract(*args)
+                conn.send(None)
             elif cmd == "flip":
                 source._flip_byte_for_test(*args)
                 conn.send(None)
@@ -155,11 +159,21 @@ def test_unknown_key_is_transfer_not_found(producer: Producer, backend: str) -> 
 def test_flipped_byte_is_integrity_error(producer: Producer, backend: str) -> None:
     ticket = producer.publish(f"flip-{backend}", 1 * MiB)
     producer.call("flip", f"flip-{backend}", 12345)
+    with pytest.raises(TransferIntegrityError, match="checksum"):  # NIXL verifies it when asked to
+        pull(ticket, backend, config=TransferConfig(nixl_verify_checksum=True))
+
+
+@needs_nixl_mark
+def test_nixl_pull_by_default_checks_size_and_publication_not_the_checksum(producer: Producer) -> None:
+    ticket = producer.publish("flip-default", 1 * MiB, seed=5)
+    producer.call("flip", "flip-default", 12345)  # a producer bug: bytes changed after publish
+    got = pull(ticket, NIXL)  # the default NIXL check leaves this to the transport (README: KV transfer)
+    assert got.bytes == 1 * MiB and bytes(got.data) != payload(1 * MiB, 5)
     with pytest.raises(TransferIntegrityError, match="checksum"):
-        pull(ticket, backend)
+        pull(ticket, TCP)  # TCP and shm pulls always verify the checksum
 
 
-needs_nixl = pytest.mark.skipif(not HAVE_NIXL, reason="nixl-cu12 missing")
+needs_nixl = needs_nixl_mark
 
 
 @needs_nixl
@@ -169,7 +183,7 @@ def test_nixl_chunked_check_catches_a_flipped_byte_in_the_last_chunk(producer: P
     assert ticket.checksum.startswith("xxh3:")
     producer.call("flip", "flip-late", size - 7)
     with pytest.raises(TransferIntegrityError, match="checksum"):
-        pull(ticket, NIXL, config=TransferConfig(nixl_chunk_bytes=1 * MiB))
+        pull(ticket, NIXL, config=TransferConfig(nixl_chunk_bytes=1 * MiB, nixl_verify_checksum=True))
 
 
 @pytest.mark.parametrize("check", ["xxh3", "crc32", "none"])
@@ -418,3 +432,95 @@ def test_compressed_pull_returns_the_dtype_back_within_the_quantization_error(
     back = torch.frombuffer(got.data, dtype=torch.float32).view_as(kv)
     rel = ((back - kv).norm() / kv.norm()).item()
     assert rel < max_rel_err
+
+
+# --- NIXL pulls that READ before the producer's reply ---
+@needs_nixl
+def test_eager_nixl_pull_of_a_retracted_or_republished_key_is_not_found_never_stale_bytes() -> None:
+    p = Producer(config=TransferConfig(backends=(TCP, NIXL), checksum="none"))  # nothing but size to check
+    try:
+        gone = p.publish("gone", 4 * MiB, seed=1)
+        old = p.publish("reused", 4 * MiB, seed=2)
+        assert gone.nixl_addr and gone.serial and gone.serial != old.serial
+        p.call("retract", "gone")
+        p.call("retract", "reused")
+        new = p.publish("reused", 4 * MiB, seed=3)  # same key and size, new bytes
+
+        async def go() -> None:
+            sink = await KvSink.start(TransferConfig())
+            try:
+                assert sink._may_read_eagerly(gone, 20.0)  # the READ starts before the reply
+                for stale in (gone, old):
+                    with pytest.raises(TransferNotFound):
+                        await sink.pull(stale, 20.0, backend=NIXL)
+                got = await sink.pull(new, 20.0, backend=NIXL)  # the refused pulls left the sink usable
+                assert bytes(got.data) == payload(4 * MiB, 3)
+            finally:
+                await sink.close()
+
+        asyncio.run(go())
+    finally:
+        p.stop()
+
+
+@needs_nixl
+def test_nixl_pull_waits_for_the_reply_when_the_ticket_lacks_the_region_or_expires_within_the_deadline(
+    producer: Producer,
+) -> None:
+    ticket = producer.publish("ordered", 3 * MiB, seed=8)
+    old_style = dataclasses.replace(ticket, nixl_addr=0, serial="")  # a ticket from an older producer
+    short = producer.publish("short-ttl", 3 * MiB, seed=9, ttl_s=2.0)
+
+    async def go() -> None:
+        sink = await KvSink.start(TransferConfig())
+        try:
+            assert not sink._may_read_eagerly(old_style, 20.0) and not sink._may_read_eagerly(short, 20.0)
+            assert bytes((await sink.pull(old_style, 20.0, backend=NIXL)).data) == payload(3 * MiB, 8)
+            assert bytes((await sink.pull(short, 20.0, backend=NIXL)).data) == payload(3 * MiB, 9)
+        finally:
+            await sink.close()
+
+    asyncio.run(go())
+
+
+@needs_nixl
+def test_eager_nixl_pull_releases_its_pin_so_a_retract_frees_the_segment() -> None:
+    async def go() -> None:
+        source = await KvSource.start(TransferConfig())  # tcp, shm, nixl: NIXL reads the shm segment
+        sink = await KvSink.start(TransferConfig())
+        ticket = source.publish("pinned-eager", payload(2 * MiB, 6), ttl_s=30)
+        assert sink._may_read_eagerly(ticket, 5.0)
+        assert bytes((await sink.pull(ticket, 5.0, backend=NIXL)).data) == payload(2 * MiB, 6)
+        for _ in range(50):  # the "done" reaches the source's loop
+            await asyncio.sleep(0.01)
+            if all(pub.pins == 0 for pub in source._pubs.values()):
+                break
+        source.retract("pinned-eager")
+        assert own_segments() == []  # no reader holds it: freed at once
+        await sink.close()
+        await source.close()
+
+    asyncio.run(go())
+
+
+def test_checked_nixl_read_ends_in_short_pieces_and_covers_the_payload_once() -> None:
+    from services.kvtransfer.sink import read_chunks
+
+    for size, chunk in (
+        (64 * MiB, 8 * MiB),
+        (5 * MiB + 123, 1 * MiB),
+        (3 * MiB, 8 * MiB),
+        (8 * MiB, 8 * MiB),
+    ):
+        pieces = read_chunks(size, chunk)
+        assert [o for o, _ in pieces] == [sum(n for _, n in pieces[:i]) for i in range(len(pieces))]
+        assert sum(n for _, n in pieces) == size and all(0 < n <= chunk for _, n in pieces)
+    assert [n // MiB for _, n in read_chunks(64 * MiB, 8 * MiB)] == [8] * 7 + [4, 2, 1, 1]
+
+
+def test_ticket_from_a_newer_producer_with_unknown_fields_still_parses() -> None:
+    ticket = TransferTicket(key="k", size=3, checksum="none", endpoint="127.0.0.1:1", backends={TCP: "x"})
+    text = ticket.to_json()[:-1] + ',"field_from_the_future":1}'
+    assert TransferTicket.from_json(text) == ticket
+    with pytest.raises(ValueError, match="not a transfer ticket"):
+        TransferTicket.from_json("[1, 2]")

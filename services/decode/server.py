@@ -271,7 +271,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 async def serve(args: argparse.Namespace) -> None:
-    sink = await KvSink.start(TransferConfig(backends=tuple(args.kv_backends), host=args.host))
+    sink = await KvSink.start(
+        TransferConfig(
+            backends=tuple(args.kv_backends),
+            host=args.host,
+            nixl_verify_checksum=args.kv_nixl_verify_checksum,
+        )
+    )
     workers: list[DecodeWorker] = []
 
     def make(host: ServiceHost, engine: AsyncEngine) -> DecodeWorker:

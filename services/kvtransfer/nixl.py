@@ -141,11 +141,11 @@ class NixlAgent:
         local: tuple[int, int],
         remote_addr: int,
         peer_md: bytes,
-        chunk_bytes: int,
+        chunks: list[tuple[int, int]],
         reused: tuple[int, int, object] | None = None,
     ) -> ChunkedRead:
         """Load the peer's metadata and prepare READs of [remote_addr, +local size) into `local`, one transfer
-        per chunk of chunk_bytes. `local` is registered for this read only, unless it lies in `reused` (addr,
+        per chunk (offset, bytes). `local` is registered for this read only, unless it lies in `reused` (addr,
         size, owner: a caller's receive buffer, kept registered by register_cached) — one hop for all of it."""
         if reused is not None:
             self.register_cached(*reused)
@@ -153,9 +153,7 @@ class NixlAgent:
         addr, size = local
         cached = any(a <= addr and addr + size <= a + n for a, n in self._cached)
         reg = None if cached else self.agent.register_memory([(addr, size, 0, "")], "DRAM")
-        read = ChunkedRead(
-            peer, reg, [(off, min(chunk_bytes, size - off)) for off in range(0, size, chunk_bytes)]
-        )
+        read = ChunkedRead(peer, reg, chunks)
         try:
             read.local = self.agent.prep_xfer_dlist("", [(addr + o, n, 0) for o, n in read.chunks], "DRAM")
             read.remote = self.agent.prep_xfer_dlist(

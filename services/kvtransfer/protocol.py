@@ -1,13 +1,16 @@
 """The control channel every pull starts with: length-prefixed JSON messages over one TCP connection.
 
-    sink -> source  {"op": "open", "key": ..., "backend": "tcp"|"shm"|"nixl"}
-    source -> sink  {"ok": true, "size": N, "checksum": ..., <backend fields>}  or  {"ok": false, "error": ...}
+    sink -> source  {"op": "open", "key": ..., "backend": "tcp"|"shm"|"nixl"[, "eager": true]}
+    source -> sink  {"ok": true, "size": N, "checksum": ..., "serial": ..., <backend fields>}
+                    or  {"ok": false, "error": ...}
     tcp:       N raw payload bytes follow the reply on the same connection
     shm, nixl: the sink reads through the side channel, then sends {"op": "done"}; closing also unpins
     then the next {"op": "open"} may follow on the same connection (the sink keeps idle ones per producer)
 
 The open pins the payload on the source until done or disconnect, so a retract or TTL expiry never frees memory
-under a reader. This module only frames messages; it must never hold payloads or know about backends.
+under a reader. An eager NIXL reader (the ticket names the region) starts its READ as it sends the open and keeps
+the bytes only if the reply names the ticket's serial: held at the open means never freed since publish.
+This module only frames messages; it must never hold payloads or know about backends.
 """
 
 from __future__ import annotations

@@ -1,15 +1,17 @@
 """The consumer side of KV transfer: a decode worker pulls a published payload named by a TransferTicket, over
-the backend the pair agreed on, and gets it back only once its size and checksum match the ticket.
+the backend the pair agreed on, and gets it back only once it matches the ticket.
 
 One KvSink per decode worker process, used from its asyncio loop. Every pull has a deadline and ends in a
-verified Pulled or one of the typed errors in errors.py. This module must never hand back unverified bytes and
-never wait past the deadline — a dead producer is an error, not a hang.
+verified Pulled or one of the typed errors in errors.py. TCP and shm pulls verify the published checksum; NIXL
+pulls the size and the publication (serial), and the checksum too with nixl_verify_checksum. This module must
+never hand back unverified bytes and never wait past the deadline — a dead producer is an error, not a hang.
 """
 
 from __future__ import annotations
 
 import asyncio
 import base64
+import concurrent.futures
 import logging
 import socket
 import time
@@ -82,7 +84,8 @@ class KvSink:
         backend: str | None = None,
         into: Buffer | None = None,
     ) -> Pulled:
-        """Fetch the ticket's payload within deadline_s seconds (backend: default `choose(ticket)`). `into`, if
+        """Fetch the ticket's payload within deadline_s seconds (backend: default `choose(ticket)`) and verify it:
+        the size always, the published checksum over TCP and shm (NIXL: see nixl_verify_checksum). `into`, if
         given, receives the wire bytes (at least ticket.size long; reusing one avoids page faults per pull, and
         NIXL keeps it registered). Without it the payload lands in a fresh huge-page-backed buffer."""
         backend = backend or self.choose(ticket)
@@ -93,11 +96,17 @@ class KvSink:
         view = (
             memoryview(into).cast("B")[: ticket.size] if into is not None else buffers.allocate(ticket.size)
         )
-        checksum = Checksum(checksum_kind(ticket.checksum))
+        kind = checksum_kind(ticket.checksum)
+        if backend == NIXL and not self.config.nixl_verify_checksum:
+            kind = "none"  # size and publication serial only (TransferConfig.nixl_verify_checksum)
+        checksum = Checksum(kind)
         t0 = time.perf_counter()
         try:
             async with asyncio.timeout(deadline_s):
-                verified = await self._fetch(ticket, backend, view, into, checksum)
+                if backend == NIXL and self._may_read_eagerly(ticket, deadline_s):
+                    verified = await self._fetch_nixl_eager(ticket, view, into, checksum)
+                else:
+                    verified = await self._fetch(ticket, backend, view, into, checksum)
                 if not verified:
                     await _update_in_slices(checksum, view, self.config.nixl_chunk_bytes)
         except TimeoutError as exc:
@@ -106,7 +115,7 @@ class KvSink:
             ) from exc
         seconds = time.perf_counter() - t0
         got = checksum.hexdigest()
-        if got != ticket.checksum:
+        if checksum.kind != "none" and got != ticket.checksum:
             raise TransferIntegrityError(
                 f"{ticket.key}: checksum {got} on arrival, producer published {ticket.checksum}"
             )
@@ -129,17 +138,8 @@ class KvSink:
         sock, reply = await self._open(ticket, backend)
         reusable = False
         try:
-            if not reply.get("ok"):
-                reusable = True
-                error = reply.get("error")
-                if error == "not_found":
-                    raise TransferNotFound(f"producer {ticket.endpoint} does not hold {ticket.key!r}")
-                raise TransferUnavailable(f"producer refused {backend} for {ticket.key!r}: {reply}")
-            if reply.get("size") != ticket.size or reply.get("checksum") != ticket.checksum:
-                raise TransferIntegrityError(
-                    f"{ticket.key}: producer now holds {reply.get('size')} bytes / {reply.get('checksum')}, "
-                    f"the ticket says {ticket.size} / {ticket.checksum}"
-                )
+            reusable = not reply.get("ok")  # a refusal ends the exchange cleanly
+            _check_reply(ticket, backend, reply)
             try:
                 verified = False
                 if backend == TCP:
@@ -147,7 +147,8 @@ class KvSink:
                 elif backend == SHM:
                     await asyncio.to_thread(shm.copy_out, self.config.shm_dir, reply["shm"], view)
                 else:
-                    verified = await self._nixl_read(ticket, reply["nixl"], view, keepalive, checksum)
+                    addr, md = int(reply["nixl"]["addr"]), base64.b64decode(reply["nixl"]["md"])
+                    verified = await self._nixl_read(ticket, addr, md, view, keepalive, checksum)
                 if backend != TCP:
                     await protocol.send_message(sock, {"op": "done"})
                 reusable = True
@@ -159,15 +160,102 @@ class KvSink:
                     f"producer {ticket.endpoint} went away during {ticket.key} over {backend}: {exc}"
                 ) from exc
         finally:
-            idle = self._idle.setdefault(ticket.endpoint, [])
-            if reusable and len(idle) < MAX_IDLE_PER_PRODUCER:  # the producer waits for the next open on it
-                idle.append((sock, time.monotonic()))
-            else:  # mid-exchange (error, deadline, cancel): closing it unpins the payload on the producer
-                sock.close()
+            self._put_back(ticket, sock, reusable)
 
-    async def _open(self, ticket: TransferTicket, backend: str) -> tuple[socket.socket, dict[str, Any]]:
+    def _put_back(self, ticket: TransferTicket, sock: socket.socket, reusable: bool) -> None:
+        idle = self._idle.setdefault(ticket.endpoint, [])
+        if reusable and len(idle) < MAX_IDLE_PER_PRODUCER:  # the producer waits for the next open on it
+            idle.append((sock, time.monotonic()))
+        else:  # mid-exchange (error, deadline, cancel): closing it unpins the payload on the producer
+            sock.close()
+
+    def _may_read_eagerly(self, ticket: TransferTicket, deadline_s: float) -> bool:
+        """Whether a NIXL pull may READ before the producer's reply: the ticket names the registered region
+        and its publication, and the payload is not due to expire while this pull may still be reading (a READ
+        that races an expiry is refused all the same, but across nodes it would touch a deregistered region)."""
+        expires_in_s = ticket.expires_unix_ms / 1000 - time.time() if ticket.expires_unix_ms else float("inf")
+        return (
+            self.config.nixl_eager_read
+            and ticket.nixl_addr != 0
+            and bool(ticket.serial)
+            and bool(ticket.agent_metadata)
+            and expires_in_s > deadline_s
+        )
+
+    async def _fetch_nixl_eager(
+        self, ticket: TransferTicket, view: memoryview, keepalive: object, checksum: Checksum
+    ) -> bool:
+        """A NIXL pull without waiting for the open's reply: the open goes out, the READ of the ticket's region
+        starts at once, and the reply is read while the bytes arrive. The bytes count only if the reply says
+        the producer holds this very publication (same serial, size, checksum): a publication still held when
+        the open arrives was never freed since the ticket was issued, and the open pins it until our done, so
+        the region stayed valid for the whole READ. Otherwise the READ's bytes (or its error) are discarded
+        and the reply's refusal is raised — a payload that is gone is TransferNotFound, never data."""
+        read = self._nixl_start(ticket.nixl_addr, ticket.agent_metadata, view, keepalive, checksum)
+        try:
+            sock, reused = await self._send_open(ticket, NIXL, eager=True)  # while the agent thread reads
+        except BaseException:
+            read.release()
+            raise
+        reusable = False
+        reply_task = asyncio.ensure_future(protocol.recv_message(sock))
+        read_task = asyncio.ensure_future(self._nixl_complete(ticket, read, checksum))
+        read_task.add_done_callback(lambda _: read.release())
+        try:
+            # A refusal ends the READ at once: a producer that does not hold the key does not make the NIXL
+            # progress a first READ from this sink needs, so waiting for the READ would only wait for the deadline.
+            await asyncio.wait((reply_task, read_task), return_when=asyncio.FIRST_COMPLETED)
+            try:
+                reply = await reply_task
+            except (OSError, ValueError) as exc:
+                if not reused:
+                    raise TransferPeerGone(
+                        f"producer {ticket.endpoint} went away during {ticket.key}"
+                    ) from exc
+                # A kept connection the producer had closed: confirm on a fresh one (held now means held since
+                # the ticket was issued; the new pin covers the rest of the READ).
+                sock.close()
+                sock, reply = await self._open(ticket, NIXL, eager=True)
+            if not reply.get("ok"):
+                reusable = True
+            _check_reply(ticket, NIXL, reply)
+            await read_task  # its error, if any, now stands: the producer held this publication throughout
+            try:
+                await protocol.send_message(sock, {"op": "done"})
+            except OSError as exc:
+                raise TransferPeerGone(f"producer {ticket.endpoint} went away after {ticket.key}") from exc
+            reusable = True
+            return True
+        finally:
+            for task in (reply_task, read_task):
+                task.add_done_callback(_discard_outcome)  # a refused READ's error is no unhandled one
+                task.cancel()
+            self._put_back(ticket, sock, reusable)
+
+    async def _open(
+        self, ticket: TransferTicket, backend: str, eager: bool = False
+    ) -> tuple[socket.socket, dict[str, Any]]:
         """Send the open and read the reply, on an idle connection to this producer if one is kept (a stale
         one — the producer closed it or restarted — is dropped and the open retried on a new connection)."""
+        while True:
+            sock, reused = await self._send_open(ticket, backend, eager)
+            try:
+                return sock, await protocol.recv_message(sock)
+            except (OSError, ValueError) as exc:
+                sock.close()
+                if not reused:
+                    raise TransferPeerGone(f"producer {ticket.endpoint} unreachable: {exc}") from exc
+            except BaseException:
+                sock.close()
+                raise
+
+    async def _send_open(
+        self, ticket: TransferTicket, backend: str, eager: bool = False
+    ) -> tuple[socket.socket, bool]:
+        """Send an open on a kept idle connection to the producer (True: reused) or on a new one."""
+        msg: dict[str, Any] = {"op": "open", "key": ticket.key, "backend": backend}
+        if eager:
+            msg["eager"] = True
         idle = self._idle.get(ticket.endpoint, [])
         while idle:
             sock, since = idle.pop()
@@ -175,8 +263,9 @@ class KvSink:
                 sock.close()
                 continue
             try:
-                return sock, await self._exchange_open(sock, ticket, backend)
-            except (OSError, ValueError):
+                await protocol.send_message(sock, msg)
+                return sock, True
+            except OSError:
                 sock.close()
             except BaseException:
                 sock.close()
@@ -187,7 +276,8 @@ class KvSink:
         protocol.tune(sock, self.config.socket_buffer_bytes)
         try:
             await loop.sock_connect(sock, (host.strip("[]"), int(port)))
-            return sock, await self._exchange_open(sock, ticket, backend)
+            await protocol.send_message(sock, msg)
+            return sock, False
         except (OSError, ValueError) as exc:
             sock.close()
             raise TransferPeerGone(f"producer {ticket.endpoint} unreachable: {exc}") from exc
@@ -195,79 +285,79 @@ class KvSink:
             sock.close()
             raise
 
-    @staticmethod
-    async def _exchange_open(sock: socket.socket, ticket: TransferTicket, backend: str) -> dict[str, Any]:
-        await protocol.send_message(sock, {"op": "open", "key": ticket.key, "backend": backend})
-        return await protocol.recv_message(sock)
-
     async def _nixl_read(
         self,
         ticket: TransferTicket,
-        info: dict[str, Any],
+        remote_addr: int,
+        peer_md: bytes,
         view: memoryview,
         keepalive: object,
         checksum: Checksum,
     ) -> bool:
         """READ the payload in chunks, all posted at once; the checksum takes chunk i while the agent thread is
         still reading chunk i+1 (UCX cma copies inline in the post), so the check overlaps the copy."""
+        read = self._nixl_start(remote_addr, peer_md, view, keepalive, checksum)
+        try:
+            return await self._nixl_complete(ticket, read, checksum)
+        finally:
+            read.release()
+
+    def _nixl_start(
+        self,
+        remote_addr: int,
+        peer_md: bytes,
+        view: memoryview,
+        keepalive: object,
+        checksum: Checksum,
+    ) -> _PendingRead:
+        """Submit the READ's preparation and every chunk's post to the agent thread, and return at once."""
         nixl = self._nixl
         assert nixl is not None
-        if len(view) == 0:
-            return True
         chunk = self.config.nixl_chunk_bytes if checksum.kind != "none" else len(view)
+        chunks = read_chunks(len(view), chunk) if len(view) else []
         reused = None
-        if keepalive is not None:  # the caller's reused buffer: register all of it, once
+        if keepalive is not None and chunks:  # the caller's reused buffer: register all of it, once
             whole = memoryview(keepalive).cast("B")  # type: ignore[arg-type]
             reused = (buffers.address_of(whole), len(whole), keepalive)
-        prepared = nixl.submit(
-            nixl.prepare_read,
-            (buffers.address_of(view), len(view)),
-            int(info["addr"]),
-            base64.b64decode(info["md"]),
-            chunk,
-            reused,
-        )
+        prepared = None
+        if chunks:
+            prepared = nixl.submit(
+                nixl.prepare_read, (buffers.address_of(view), len(view)), remote_addr, peer_md, chunks, reused
+            )
         # Queued right behind the preparation, so the agent thread starts reading without a round trip back to
         # this loop; a failed preparation fails every post with its error.
-        posts = [nixl.submit(nixl.post_prepared, prepared, i) for i in range(0, -(-len(view) // chunk))]
+        posts = [nixl.submit(nixl.post_prepared, prepared, i) for i in range(len(chunks))]
+        return _PendingRead(nixl, prepared, posts, chunks, view)
+
+    async def _nixl_complete(self, ticket: TransferTicket, read: _PendingRead, checksum: Checksum) -> bool:
+        """Wait for each chunk of a started READ and feed it to the checksum as it lands."""
+        nixl, view = read.nixl, read.view
+        if read.prepared is None:
+            return True
         try:
-            read = await asyncio.wrap_future(prepared)
-        except BaseException as exc:
-            for post in posts:
-                post.cancel()
-            nixl.submit(nixl.finish_prepared, prepared)  # a preparation that completes after a cancel
-            if isinstance(exc, TransferError) or not isinstance(exc, Exception):
+            prepared = await asyncio.wrap_future(read.prepared)
+        except Exception as exc:
+            if isinstance(exc, TransferError):
                 raise
             raise nixl.classify(exc) from exc
-        self._peers.add(read.peer)
+        self._peers.add(prepared.peer)
         try:
             for i, (offset, size) in enumerate(read.chunks):
-                state = await asyncio.wrap_future(posts[i])
+                state = await asyncio.wrap_future(read.posts[i])
                 while state == "PROC":
                     await asyncio.sleep(self.config.nixl_poll_s)
-                    state = await nixl.call(nixl.check, read, i)
+                    state = await nixl.call(nixl.check, prepared, i)
                 if state != "DONE":
                     raise TransferPeerGone(f"NIXL READ of {ticket.key} ended in state {state}")
                 checksum.update(view[offset : offset + size])
-        except TransferError:
-            raise
-        except asyncio.CancelledError:
+        except (TransferError, asyncio.CancelledError):
             raise
         except Exception as exc:
             err = nixl.classify(exc)
             if isinstance(err, TransferPeerGone):
-                nixl.submit(nixl.forget_peer, read.peer)
-                self._peers.discard(read.peer)
+                nixl.submit(nixl.forget_peer, prepared.peer)
+                self._peers.discard(prepared.peer)
             raise err from exc
-        finally:
-            for post in posts:
-                post.cancel()  # the ones not started yet (a failure or the deadline came first)
-
-            # Ordered on the agent thread after every post; `view` stays referenced until the handles go.
-            def finish(keep: memoryview = view) -> None:
-                nixl.finish_read(read)
-
-            nixl.submit(finish)
         return True
 
     async def close(self) -> None:
@@ -281,6 +371,75 @@ class KvSink:
                 nixl.submit(nixl.forget_peer, peer)
             self._peers.clear()
             await asyncio.to_thread(nixl.close)
+
+
+class _PendingRead:
+    """A NIXL READ handed to the agent thread: its preparation and one post per chunk. release() (once) drops
+    the posts not started yet and frees the handles behind every started one; `view` lives until then."""
+
+    def __init__(
+        self,
+        nixl: NixlAgent,
+        prepared: concurrent.futures.Future[Any] | None,
+        posts: list[concurrent.futures.Future[Any]],
+        chunks: list[tuple[int, int]],
+        view: memoryview,
+    ) -> None:
+        self.nixl, self.prepared, self.posts, self.chunks, self.view = nixl, prepared, posts, chunks, view
+        self.released = False
+
+    def release(self) -> None:
+        if self.released:
+            return
+        self.released = True
+        for post in self.posts:
+            post.cancel()  # the ones not started yet (a failure or the deadline came first)
+        prepared, view = self.prepared, self.view
+        if prepared is not None:
+
+            def finish(keep: memoryview = view) -> None:  # ordered on the agent thread after every post
+                self.nixl.finish_prepared(prepared)
+
+            self.nixl.submit(finish)
+
+
+def _discard_outcome(task: asyncio.Future[Any]) -> None:
+    if not task.cancelled():
+        task.exception()
+
+
+def read_chunks(size: int, chunk_bytes: int) -> list[tuple[int, int]]:
+    """(offset, bytes) of a checked READ: chunks of chunk_bytes, the last one split in halves down to an
+    eighth, so the hash of the final piece — the only one not overlapped with reading — is short."""
+    if size <= chunk_bytes:
+        return [(0, size)]
+    body = (size - 1) // chunk_bytes * chunk_bytes  # whole chunks before the last (partial or full) one
+    out = [(off, chunk_bytes) for off in range(0, body, chunk_bytes)]
+    off, piece = body, chunk_bytes // 2
+    while size - off > piece > 0 and piece >= chunk_bytes // 8:
+        out.append((off, piece))
+        off += piece
+        piece //= 2
+    out.append((off, size - off))
+    return out
+
+
+def _check_reply(ticket: TransferTicket, backend: str, reply: dict[str, Any]) -> None:
+    """Raise the typed error for a refused open or for a producer that now holds another publication."""
+    if not reply.get("ok"):
+        if reply.get("error") == "not_found":
+            raise TransferNotFound(f"producer {ticket.endpoint} does not hold {ticket.key!r}")
+        raise TransferUnavailable(f"producer refused {backend} for {ticket.key!r}: {reply}")
+    if ticket.serial and reply.get("serial") != ticket.serial:
+        raise TransferNotFound(
+            f"producer {ticket.endpoint} no longer holds the publication of {ticket.key!r} this ticket names "
+            f"(serial {ticket.serial}; it now holds {reply.get('serial')})"
+        )
+    if reply.get("size") != ticket.size or reply.get("checksum") != ticket.checksum:
+        raise TransferIntegrityError(
+            f"{ticket.key}: producer now holds {reply.get('size')} bytes / {reply.get('checksum')}, "
+            f"the ticket says {ticket.size} / {ticket.checksum}"
+        )
 
 
 async def _update_in_slices(checksum: Checksum, view: memoryview, slice_bytes: int) -> None:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import contextlib
+import itertools
 import logging
 import os
 import socket
@@ -37,6 +38,7 @@ class _Publication:
     encoding: str
     raw_size: int
     expires_unix_ms: int
+    serial: str
     segment: shm.Segment | None = None
     nixl_reg: Any = None
     nixl_md: bytes = b""
@@ -58,6 +60,7 @@ class KvSource:
         self._nixl_readers = 0
         self._progress: asyncio.Task[None] | None = None
         self._closed = False
+        self._serials = (f"{uuid.uuid4().hex[:12]}-{n}" for n in itertools.count(1))
         self.node_id = node_id()
         host, port = listener.getsockname()[:2]
         self.endpoint = f"{config.advertise_host or host}:{port}"
@@ -143,6 +146,7 @@ class KvSource:
             encoding,
             raw_size,
             expires_unix_ms,
+            next(self._serials),
             segment,
         )
         backends = {TCP: self.endpoint}
@@ -164,6 +168,8 @@ class KvSource:
             encoding=encoding,
             raw_size=raw_size,
             expires_unix_ms=expires_unix_ms,
+            serial=pub.serial,
+            nixl_addr=pub.addr if pub.nixl_reg is not None else 0,
             agent_metadata=pub.nixl_md,
         )
 
@@ -259,15 +265,14 @@ class KvSource:
                 "size": len(pub.view),
                 "checksum": pub.checksum,
                 "encoding": pub.encoding,
+                "serial": pub.serial,
             }
             if backend == SHM and pub.segment is not None:
                 reply["shm"] = pub.segment.name
             elif backend == NIXL and pub.nixl_reg is not None and self._nixl is not None:
-                reply["nixl"] = {
-                    "addr": pub.addr,
-                    "agent": self._nixl.name,
-                    "md": base64.b64encode(pub.nixl_md).decode(),
-                }
+                reply["nixl"] = {"addr": pub.addr, "agent": self._nixl.name}
+                if not msg.get("eager"):  # an eager reader took the metadata from its ticket
+                    reply["nixl"]["md"] = base64.b64encode(pub.nixl_md).decode()
             elif backend != TCP:
                 await protocol.send_message(conn, {"ok": False, "error": "unavailable", "detail": backend})
                 return True

@@ -147,6 +147,10 @@ def add_kv_transfer_arguments(parser: argparse.ArgumentParser, role: str) -> Non
             "backend order to pull with (shm only when the producer is on this node)", _backend_list,
         )  # fmt: skip
         add_flag(g, "--kv-pull-timeout-s", 10.0, "deadline of one KV pull", float)
+        switch(
+            g, "--kv-nixl-verify-checksum", "verify the producer's checksum on NIXL pulls too (default: size and "
+            "publication only; TCP and shm pulls always verify it)",
+        )  # fmt: skip
         add_flag(
             g, "--kv-release-timeout-s", 2.0, "deadline of the Release (ack) sent to the producer", float
         )
