@@ -276,6 +276,7 @@ async def serve(args: argparse.Namespace) -> None:
             backends=tuple(args.kv_backends),
             host=args.host,
             nixl_verify_checksum=args.kv_nixl_verify_checksum,
+            nixl_lanes=args.kv_nixl_lanes,
         )
     )
     workers: list[DecodeWorker] = []

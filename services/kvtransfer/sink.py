@@ -15,6 +15,7 @@ import concurrent.futures
 import logging
 import socket
 import time
+from dataclasses import dataclass
 from typing import Any
 
 from . import buffers, protocol, shm
@@ -49,11 +50,15 @@ MAX_IDLE_PER_PRODUCER = 8  # control connections kept open per producer between 
 class KvSink:
     """Pulls KV payloads. Create with `await KvSink.start(config)`."""
 
-    def __init__(self, config: TransferConfig, nixl: NixlAgent | None) -> None:
+    def __init__(
+        self, config: TransferConfig, nixl: NixlAgent | None, lanes: list[NixlAgent] | None = None
+    ) -> None:
         self.config = config
         self._nixl = nixl
+        # every agent a large READ is split over: the main one first, then the extra lanes
+        self._lanes = [nixl, *(lanes or [])] if nixl is not None else []
         self.node_id = node_id()
-        self._peers: set[str] = set()
+        self._peers: dict[NixlAgent, set[str]] = {}  # peers each agent has loaded
         self._idle: dict[
             str, list[tuple[socket.socket, float]]
         ] = {}  # producer endpoint -> (conn, idle since)
@@ -64,7 +69,16 @@ class KvSink:
         nixl = open_agent_if_enabled(
             "sink", NIXL in config.backends, config.nixl_progress_thread, config.nixl_log_level
         )
-        return cls(config, nixl)
+        lanes: list[NixlAgent] = []
+        if nixl is not None:
+            for i in range(1, config.nixl_lanes):
+                lane = open_agent_if_enabled(
+                    f"sink-lane{i}", True, config.nixl_progress_thread, config.nixl_log_level
+                )
+                if lane is None:
+                    break
+                lanes.append(lane)
+        return cls(config, nixl, lanes)
 
     @property
     def supported(self) -> list[str]:
@@ -310,54 +324,67 @@ class KvSink:
         keepalive: object,
         checksum: Checksum,
     ) -> _PendingRead:
-        """Submit the READ's preparation and every chunk's post to the agent thread, and return at once."""
-        nixl = self._nixl
-        assert nixl is not None
-        chunk = self.config.nixl_chunk_bytes if checksum.kind != "none" else len(view)
-        chunks = read_chunks(len(view), chunk) if len(view) else []
+        """Split the READ into one contiguous part per lane (one part below nixl_lane_min_bytes or when the
+        checksum is verified), and submit each part's preparation and chunk posts to its lane's agent thread;
+        return at once."""
+        # A checked READ stays on one lane: its chunks are hashed in payload order while later ones are read,
+        # and a second lane's bytes would all wait for the first lane's hashing (measured slower, not faster).
+        split = len(view) >= self.config.nixl_lane_min_bytes and checksum.kind == "none"
+        lanes = self._lanes if split else self._lanes[:1]
+        step = -(-len(view) // len(lanes) // 4096) * 4096  # page-aligned parts
+        bounds = (
+            [(start, min(step, len(view) - start)) for start in range(0, len(view), step)]
+            if len(view)
+            else []
+        )
         reused = None
-        if keepalive is not None and chunks:  # the caller's reused buffer: register all of it, once
+        if (
+            keepalive is not None and bounds
+        ):  # the caller's reused buffer: each agent registers all of it, once
             whole = memoryview(keepalive).cast("B")  # type: ignore[arg-type]
             reused = (buffers.address_of(whole), len(whole), keepalive)
-        prepared = None
-        if chunks:
-            prepared = nixl.submit(
-                nixl.prepare_read, (buffers.address_of(view), len(view)), remote_addr, peer_md, chunks, reused
-            )
-        # Queued right behind the preparation, so the agent thread starts reading without a round trip back to
-        # this loop; a failed preparation fails every post with its error.
-        posts = [nixl.submit(nixl.post_prepared, prepared, i) for i in range(len(chunks))]
-        return _PendingRead(nixl, prepared, posts, chunks, view)
+        parts = []
+        for nixl, (start, size) in zip(lanes, bounds, strict=False):
+            chunk = self.config.nixl_chunk_bytes if checksum.kind != "none" else size
+            chunks = read_chunks(size, chunk)
+            local = (buffers.address_of(view) + start, size)
+            prepared = nixl.submit(nixl.prepare_read, local, remote_addr + start, peer_md, chunks, reused)
+            # Queued right behind the preparation, so the agent thread starts reading without a round trip back
+            # to this loop; a failed preparation fails every post with its error.
+            posts = [nixl.submit(nixl.post_prepared, prepared, i) for i in range(len(chunks))]
+            parts.append(_LanePart(nixl, start, prepared, posts, chunks))
+        return _PendingRead(parts, view)
 
     async def _nixl_complete(self, ticket: TransferTicket, read: _PendingRead, checksum: Checksum) -> bool:
-        """Wait for each chunk of a started READ and feed it to the checksum as it lands."""
-        nixl, view = read.nixl, read.view
-        if read.prepared is None:
-            return True
-        try:
-            prepared = await asyncio.wrap_future(read.prepared)
-        except Exception as exc:
-            if isinstance(exc, TransferError):
+        """Wait for each chunk of a started READ, lane by lane in payload order, feeding it to the checksum as
+        it lands (the later lanes keep reading meanwhile)."""
+        view = read.view
+        for part in read.parts:
+            nixl = part.nixl
+            try:
+                prepared = await asyncio.wrap_future(part.prepared)
+            except Exception as exc:
+                if isinstance(exc, TransferError):
+                    raise
+                raise nixl.classify(exc) from exc
+            self._peers.setdefault(nixl, set()).add(prepared.peer)
+            try:
+                for i, (offset, size) in enumerate(part.chunks):
+                    state = await asyncio.wrap_future(part.posts[i])
+                    while state == "PROC":
+                        await asyncio.sleep(self.config.nixl_poll_s)
+                        state = await nixl.call(nixl.check, prepared, i)
+                    if state != "DONE":
+                        raise TransferPeerGone(f"NIXL READ of {ticket.key} ended in state {state}")
+                    checksum.update(view[part.start + offset : part.start + offset + size])
+            except (TransferError, asyncio.CancelledError):
                 raise
-            raise nixl.classify(exc) from exc
-        self._peers.add(prepared.peer)
-        try:
-            for i, (offset, size) in enumerate(read.chunks):
-                state = await asyncio.wrap_future(read.posts[i])
-                while state == "PROC":
-                    await asyncio.sleep(self.config.nixl_poll_s)
-                    state = await nixl.call(nixl.check, prepared, i)
-                if state != "DONE":
-                    raise TransferPeerGone(f"NIXL READ of {ticket.key} ended in state {state}")
-                checksum.update(view[offset : offset + size])
-        except (TransferError, asyncio.CancelledError):
-            raise
-        except Exception as exc:
-            err = nixl.classify(exc)
-            if isinstance(err, TransferPeerGone):
-                nixl.submit(nixl.forget_peer, prepared.peer)
-                self._peers.discard(prepared.peer)
-            raise err from exc
+            except Exception as exc:
+                err = nixl.classify(exc)
+                if isinstance(err, TransferPeerGone):
+                    nixl.submit(nixl.forget_peer, prepared.peer)
+                    self._peers.get(nixl, set()).discard(prepared.peer)
+                raise err from exc
         return True
 
     async def close(self) -> None:
@@ -365,42 +392,47 @@ class KvSink:
             for sock, _ in conns:
                 sock.close()
         self._idle.clear()
-        if self._nixl is not None:
-            nixl = self._nixl
-            for peer in list(self._peers):
+        for nixl in reversed(self._lanes):
+            for peer in self._peers.pop(nixl, set()):
                 nixl.submit(nixl.forget_peer, peer)
-            self._peers.clear()
             await asyncio.to_thread(nixl.close)
 
 
-class _PendingRead:
-    """A NIXL READ handed to the agent thread: its preparation and one post per chunk. release() (once) drops
-    the posts not started yet and frees the handles behind every started one; `view` lives until then."""
+@dataclass
+class _LanePart:
+    """One lane's share of a READ: bytes [start, start + its chunks) of the payload, on that lane's agent."""
 
-    def __init__(
-        self,
-        nixl: NixlAgent,
-        prepared: concurrent.futures.Future[Any] | None,
-        posts: list[concurrent.futures.Future[Any]],
-        chunks: list[tuple[int, int]],
-        view: memoryview,
-    ) -> None:
-        self.nixl, self.prepared, self.posts, self.chunks, self.view = nixl, prepared, posts, chunks, view
+    nixl: NixlAgent
+    start: int
+    prepared: concurrent.futures.Future[Any]
+    posts: list[concurrent.futures.Future[Any]]
+    chunks: list[tuple[int, int]]  # (offset from start, bytes)
+
+
+class _PendingRead:
+    """A NIXL READ handed to the lanes' agent threads: per lane, its preparation and one post per chunk.
+    release() (once) drops the posts not started yet and frees the handles behind every started one; `view`
+    lives until then."""
+
+    def __init__(self, parts: list[_LanePart], view: memoryview) -> None:
+        self.parts, self.view = parts, view
         self.released = False
 
     def release(self) -> None:
         if self.released:
             return
         self.released = True
-        for post in self.posts:
-            post.cancel()  # the ones not started yet (a failure or the deadline came first)
-        prepared, view = self.prepared, self.view
-        if prepared is not None:
+        view = self.view
+        for part in self.parts:
+            for post in part.posts:
+                post.cancel()  # the ones not started yet (a failure or the deadline came first)
 
-            def finish(keep: memoryview = view) -> None:  # ordered on the agent thread after every post
-                self.nixl.finish_prepared(prepared)
+            def finish(
+                part: _LanePart = part, keep: memoryview = view
+            ) -> None:  # after every post of the lane
+                part.nixl.finish_prepared(part.prepared)
 
-            self.nixl.submit(finish)
+            part.nixl.submit(finish)
 
 
 def _discard_outcome(task: asyncio.Future[Any]) -> None:

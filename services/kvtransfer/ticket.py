@@ -42,6 +42,11 @@ class TransferConfig:
     nixl_poll_s: float = 0.0005  # sink: pause between check_xfer_state polls
     nixl_source_poll_s: float = 0.001  # source: first pause between progress polls while a NIXL pull is open
     nixl_source_poll_max_s: float = 0.05  # ... doubling up to this
+    # Sink: agents (each with its own thread and UCX connection) that split one large NIXL READ into contiguous
+    # parts read in parallel. On one host cma copies in the reader's thread, so one lane is bounded by one
+    # core's copy speed; two reach ~1.5x a memcpy here. 1: a single agent.
+    nixl_lanes: int = 2
+    nixl_lane_min_bytes: int = 8 << 20  # payloads smaller than this use one lane
     nixl_chunk_bytes: int = 8 << 20  # NIXL READs of a checked payload: hash chunk i while chunk i+1 is read
     # NIXL pulls start the READ from the ticket's address and metadata while the open is still on its way,
     # and hand the bytes back only once the producer's reply confirms the same publication was held (see
@@ -60,6 +65,8 @@ class TransferConfig:
             raise ValueError(f"TransferConfig.backends: unknown {unknown}; known: {list(BACKENDS)}")
         if self.checksum not in CHECKSUMS:
             raise ValueError(f"TransferConfig.checksum must be one of {CHECKSUMS}, got {self.checksum!r}")
+        if self.nixl_lanes < 1:
+            raise ValueError(f"TransferConfig.nixl_lanes must be at least 1, got {self.nixl_lanes}")
         if self.nixl_chunk_bytes <= 0:
             raise ValueError(f"TransferConfig.nixl_chunk_bytes must be positive, got {self.nixl_chunk_bytes}")
         if TCP not in self.backends:

@@ -122,6 +122,13 @@ KV_BACKENDS = (
 )  # services.kvtransfer's names; not imported here (it loads numpy and NIXL)
 
 
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
+
+
 def _backend_list(text: str) -> tuple[str, ...]:
     names = tuple(b.strip() for b in text.split(",") if b.strip())
     unknown = [b for b in names if b not in KV_BACKENDS]
@@ -153,6 +160,9 @@ def add_kv_transfer_arguments(parser: argparse.ArgumentParser, role: str) -> Non
         )  # fmt: skip
         add_flag(
             g, "--kv-release-timeout-s", 2.0, "deadline of the Release (ack) sent to the producer", float
+        )
+        add_flag(
+            g, "--kv-nixl-lanes", 2, "NIXL agents (threads) a large pull is split over; 1: one", _positive_int
         )
 
 
