@@ -310,3 +310,51 @@ def test_a_stalled_then_killed_prefill_worker_fails_the_decode_within_the_pull_d
     assert "TransferPeerGone" in (kill_err.details() or "")  # type: ignore[union-attr]
     # no hang: each ends within the decode worker's pull deadline (plus process slack on 2 shared cores)
     assert stall_s < PULL_TIMEOUT_S + 5 and kill_s < PULL_TIMEOUT_S + 5
+
+
+def test_bf16_workers_on_the_fused_cpu_kernels_decode_the_same_tokens_agg_and_disagg_over_nixl(
+    tmp_path_factory: pytest.TempPathFactory, prompts: list[list[int]]
+) -> None:
+    """The default serving dtype: bf16 workers, whose model runs on the fused CPU kernels, hand KV over NIXL and
+    the decode side continues exactly as if it had prefilled the prompt itself."""
+    log_dir = str(tmp_path_factory.mktemp("disagg-bf16"))
+    flags = ["--dtype", "bfloat16", "--kv-cache-bytes", str(24 << 20), "--threads", "1"]
+
+    def start(etcd_url: str) -> list[Proc]:
+        return [
+            start_process("services.prefill.server", "prefill-bf16", etcd_url, log_dir, *flags),
+            start_process(
+                "services.decode.server",
+                "decode-bf16",
+                etcd_url,
+                log_dir,
+                *flags,
+                "--kv-backend-preference",
+                "nixl",
+            ),  # fmt: skip
+        ]
+
+    with local_cluster(log_dir, start, {"decode": 1, "prefill": 1}) as c:
+        decode_ep, prefill_ep = c.endpoints["decode-bf16"], c.endpoints["prefill-bf16"]
+
+        async def body() -> tuple[list[list[int]], list[list[int]]]:
+            agg, disagg = [], []
+            async with grpc.aio.insecure_channel(decode_ep) as channel:
+                stub = pb_grpc.DecodeWorkerStub(channel)
+                for i, prompt in enumerate(prompts[:2]):
+                    request = pb.DecodeRequest(
+                        request_id=f"bf16-agg-{i}", prompt_token_ids=prompt, params=greedy(MAX_TOKENS)
+                    )
+                    agg.append(token_ids([c async for c in stub.Decode(request, timeout=RPC_TIMEOUT_S)]))
+            for i, prompt in enumerate(prompts[:2]):
+                response = await prefill(prefill_ep, f"bf16-disagg-{i}", prompt)
+                chunks = await decode_with_kv(decode_ep, f"bf16-disagg-{i}", prompt, response)
+                assert chunks[0].transfer_backend == "nixl"
+                disagg.append([response.first_token.token_id, *token_ids(chunks)])
+            return agg, disagg
+
+        agg, disagg = run(body)
+        logs = {p.worker_id: open(p.log_path).read() for p in c.procs.values()}
+    assert all(len(tokens) > 4 for tokens in agg)  # real answers (they may end at EOS before MAX_TOKENS)
+    assert disagg == agg
+    assert all("fused CPU kernels loaded" in text for text in logs.values())
