@@ -2,8 +2,8 @@
 
 One module-scoped cluster: a prefill worker offering every backend, three decode workers each forced onto one
 backend by `--kv-backend-preference` (tcp, shm, nixl), and a router in `--mode disagg`. Everything runs
-SmolLM2-135M in float32 with one torch thread per process. The last two tests kill processes (a decode worker,
-then the prefill worker), so they run last, in file order.
+SmolLM2-135M in float32 with one torch thread per process. The two tests after it kill processes (a decode
+worker, then the prefill worker), so they run in file order; the last test starts its own bf16 pair.
 """
 
 from __future__ import annotations
