@@ -474,17 +474,13 @@ class Transformer(nn.Module):
         """The same layers on the fused kernels. x is the residual stream, updated in place; each residual add
         is fused with the norm that follows it (the next layer's input norm, or the final norm)."""
         blocks = cast(list[Block], self.blocks)
-        norms = [n for b in blocks for n in (b.attn_norm, b.ffn_norm)][1:] + [
-            self.norm
-        ]  # ffn_0, attn_1, ffn_1, …
         positions = positions.contiguous()
         h = cpu_ops.rms_norm(x, blocks[0].attn_norm.weight, blocks[0].attn_norm.eps)
         for i, blk in enumerate(blocks):
             a = blk.attn.forward_fused(h, positions, meta, kv.k[i], kv.v[i], self.rope_cos, self.rope_sin)
-            h = cpu_ops.add_rms_norm(x, a, norms[2 * i].weight, norms[2 * i].eps)
-            h = cpu_ops.add_rms_norm(
-                x, blk.ffn.forward_fused(h), norms[2 * i + 1].weight, norms[2 * i + 1].eps
-            )
+            h = cpu_ops.add_rms_norm(x, a, blk.ffn_norm.weight, blk.ffn_norm.eps)
+            after = blocks[i + 1].attn_norm if i + 1 < len(blocks) else self.norm
+            h = cpu_ops.add_rms_norm(x, blk.ffn.forward_fused(h), after.weight, after.eps)
         return h
 
     @torch.inference_mode()
