@@ -177,14 +177,17 @@ def _ptr(t: torch.Tensor) -> int:
     return t.data_ptr()
 
 
-def _check(t: torch.Tensor, dtype: torch.dtype, name: str) -> None:
-    if t.dtype != dtype or not t.is_contiguous() or t.device.type != "cpu":
-        raise ValueError(f"{name}: need a contiguous CPU {dtype} tensor, got {t.dtype} {tuple(t.stride())}")
+def _check(t: torch.Tensor, dtype: torch.dtype | None, name: str) -> None:
+    """A contiguous CPU tensor of `dtype` (None: of a dtype the kernels compute in, fp32 or bf16)."""
+    ok_dtype = t.dtype in _DTYPE_CODE if dtype is None else t.dtype == dtype
+    if not ok_dtype or not t.is_contiguous() or t.device.type != "cpu":
+        want = dtype or "float32/bfloat16"
+        raise ValueError(f"{name}: need a contiguous CPU {want} tensor, got {t.dtype} {tuple(t.stride())}")
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """RMSNorm of the rows of x ([rows, hidden]) with an fp32 weight; same dtype out."""
-    _check(x, x.dtype, "x")
+    _check(x, None, "x")
     _check(weight, torch.float32, "weight")
     out = torch.empty_like(x)
     _lib().rs_rms_norm(_DTYPE_CODE[x.dtype], _ptr(x), _ptr(weight), _ptr(out), x.shape[0], x.shape[1], eps)
@@ -195,7 +198,7 @@ def add_rms_norm(
     residual: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps: float
 ) -> torch.Tensor:
     """residual += delta (in place, rounded to its dtype), then RMSNorm of the new residual."""
-    _check(residual, residual.dtype, "residual")
+    _check(residual, None, "residual")
     _check(delta, residual.dtype, "delta")
     _check(weight, torch.float32, "weight")
     out = torch.empty_like(residual)
@@ -220,10 +223,12 @@ def rope_store(
     """Rotate q and k of qkv ([tokens, (nh + 2 nkv) * hd]) in place by their positions (cos/sin: rope_tables),
     and write each token's k and v into the layer's paged cache ([nkv * blocks, block_size, hd]) at its slot."""
     hd = cos.shape[1]
-    _check(qkv, qkv.dtype, "qkv")
+    _check(qkv, None, "qkv")
     _check(k_cache, qkv.dtype, "k_cache")
     _check(v_cache, qkv.dtype, "v_cache")
     _check(positions, torch.int64, "positions")
+    _check(cos, torch.float32, "cos")
+    _check(sin, torch.float32, "sin")
     _check(slots, torch.int64, "slots")
     num_slots = k_cache.numel() // (num_kv_heads * hd)
     _lib().rs_rope_store(
@@ -267,7 +272,7 @@ def paged_decode_attention(
 
 def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     """silu(gate) * up for gate_up = [rows, 2 f] (gate | up); returns [rows, f]."""
-    _check(gate_up, gate_up.dtype, "gate_up")
+    _check(gate_up, None, "gate_up")
     f = gate_up.shape[1] // 2
     out = torch.empty(gate_up.shape[0], f, dtype=gate_up.dtype)
     _lib().rs_silu_mul(_DTYPE_CODE[gate_up.dtype], _ptr(gate_up), _ptr(out), gate_up.shape[0], f)
