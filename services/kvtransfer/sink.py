@@ -54,8 +54,7 @@ class KvSink:
         self, config: TransferConfig, nixl: NixlAgent | None, lanes: list[NixlAgent] | None = None
     ) -> None:
         self.config = config
-        self._nixl = nixl
-        # every agent a large READ is split over: the main one first, then the extra lanes
+        # the NIXL agents a large READ is split over (empty: no NIXL); the first serves every other READ
         self._lanes = [nixl, *(lanes or [])] if nixl is not None else []
         self.node_id = node_id()
         self._peers: dict[NixlAgent, set[str]] = {}  # peers each agent has loaded
@@ -83,7 +82,7 @@ class KvSink:
     @property
     def supported(self) -> list[str]:
         out = [b for b in self.config.backends if b != NIXL]
-        return [*out, NIXL] if self._nixl is not None else out
+        return [*out, NIXL] if self._lanes else out
 
     def choose(
         self, ticket: TransferTicket, preference: list[str] | tuple[str, ...] = DEFAULT_PREFERENCE
@@ -331,12 +330,7 @@ class KvSink:
         # and a second lane's bytes would all wait for the first lane's hashing (measured slower, not faster).
         split = len(view) >= self.config.nixl_lane_min_bytes and checksum.kind == "none"
         lanes = self._lanes if split else self._lanes[:1]
-        step = -(-len(view) // len(lanes) // 4096) * 4096  # page-aligned parts
-        bounds = (
-            [(start, min(step, len(view) - start)) for start in range(0, len(view), step)]
-            if len(view)
-            else []
-        )
+        bounds = lane_bounds(len(view), len(lanes))
         reused = None
         if (
             keepalive is not None and bounds
@@ -427,9 +421,8 @@ class _PendingRead:
             for post in part.posts:
                 post.cancel()  # the ones not started yet (a failure or the deadline came first)
 
-            def finish(
-                part: _LanePart = part, keep: memoryview = view
-            ) -> None:  # after every post of the lane
+            # ordered on the lane's agent thread after every post of the lane; `view` stays referenced till then
+            def finish(part: _LanePart = part, keep: memoryview = view) -> None:
                 part.nixl.finish_prepared(part.prepared)
 
             part.nixl.submit(finish)
@@ -438,6 +431,15 @@ class _PendingRead:
 def _discard_outcome(task: asyncio.Future[Any]) -> None:
     if not task.cancelled():
         task.exception()
+
+
+def lane_bounds(size: int, lanes: int) -> list[tuple[int, int]]:
+    """(start, bytes) of each lane's contiguous part of a `size`-byte READ: page-aligned starts, the last part
+    ragged; fewer parts than lanes when the payload is too small to give each a page, none when it is empty."""
+    if size == 0:
+        return []
+    step = -(-size // lanes // 4096) * 4096
+    return [(start, min(step, size - start)) for start in range(0, size, step)]
 
 
 def read_chunks(size: int, chunk_bytes: int) -> list[tuple[int, int]]:
