@@ -13,6 +13,7 @@ from typing import Any
 SUPPORTED_ARCHITECTURES = ("llama",)  # Llama 2/3, SmolLM and Qwen2-style layouts map onto this
 SUPPORTED_DTYPES = ("float32", "bfloat16")
 SUPPORTED_QUANT = ("none", "nvfp4")
+ATTENTION_BACKENDS = ("auto", "torch", "triton")  # auto: Triton paged attention on CUDA, torch ops elsewhere
 
 
 class ModelLoadError(ValueError):
@@ -74,7 +75,7 @@ class EngineConfig:
     quant: str = "none"  # none | nvfp4
     block_size: int = 16  # tokens per KV block
     num_kv_blocks: int = 0  # 0: size from kv_cache_bytes
-    kv_cache_bytes: int = 1 << 30
+    kv_cache_bytes: int = 0  # 0: 1 GiB on CPU; on CUDA what gpu_memory_utilization leaves (engine/device.py)
     max_num_seqs: int = 64  # admission limit: sequences in one batch
     max_num_batched_tokens: int = 512  # token budget of one step (chunked prefill)
     max_model_len: int = 0  # 0: the model's context length
@@ -84,6 +85,10 @@ class EngineConfig:
         True  # fused CPU kernels (engine/cpu_ops.py) for bf16 where they build; False: torch ops
     )
     nvfp4_cache_dequantized: bool = False
+    device: str = "auto"  # auto | cpu | cuda | cuda:N (engine/device.py); auto = CUDA when one is visible
+    gpu_memory_utilization: float = 0.9  # share of the GPU's memory for weights + activations + KV blocks
+    enforce_eager: bool = False  # True: no CUDA graphs for decode steps
+    attention_backend: str = "auto"  # one of ATTENTION_BACKENDS
     extra: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -93,5 +98,14 @@ class EngineConfig:
             raise ValueError(f"quant must be one of {SUPPORTED_QUANT}, got {self.quant!r}")
         if self.block_size <= 0 or self.block_size & (self.block_size - 1):
             raise ValueError(f"block_size must be a positive power of two, got {self.block_size}")
+        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
+        if self.attention_backend not in ATTENTION_BACKENDS:
+            raise ValueError(
+                f"attention_backend must be one of {ATTENTION_BACKENDS}, got {self.attention_backend!r}"
+            )
+        from services.engine.device import parse_device_spec
+
+        parse_device_spec(self.device)  # a malformed spec fails here, before any weight is read
         if self.max_num_batched_tokens < self.block_size:
             raise ValueError("max_num_batched_tokens must be at least block_size")

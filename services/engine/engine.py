@@ -14,15 +14,20 @@ import os
 import time
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
 from services.engine.config import EngineConfig, ModelConfig
+from services.engine.device import plan_kv_memory, resolve_device
 from services.engine.kv_cache import BlockManager, KvEvent, NoFreeBlocksError
 from services.engine.loader import LoadedModel, load_model, model_fingerprint
 from services.engine.model import AttnMetadata, PagedKvCache, PrefillSegment, Transformer
 from services.engine.sampling import Sampled, SamplingParams, sample_batch
 from services.engine.scheduler import Request, RequestStatus, Scheduler, SchedulerOutput
+
+if TYPE_CHECKING:
+    from services.engine.cuda_graphs import DecodeGraphs
 
 log = logging.getLogger("rackserve.engine")
 
@@ -46,9 +51,15 @@ class KvLayout:
     block_size: int
     dtype: str
     layout: str = PagedKvCache.LAYOUT
+    # where the cache lives ("cpu" or "cuda"). Exported bytes are the same whatever the device (the staged
+    # paths: TCP, shm, NIXL from host memory), so a CPU/GPU pair may exchange them; only device-direct handles
+    # (CUDA IPC, NIXL VRAM) need the same kind on both ends, and they check it with same_device=True.
+    device_kind: str = "cpu"
 
-    def check_compatible(self, other: KvLayout) -> None:
+    def check_compatible(self, other: KvLayout, same_device: bool = False) -> None:
         for name in self.__dataclass_fields__:
+            if name == "device_kind" and not same_device:
+                continue
             mine, theirs = getattr(self, name), getattr(other, name)
             if mine != theirs:
                 raise KvMismatchError(
@@ -62,7 +73,15 @@ class KvExport:
 
     layout: KvLayout
     token_ids: list[int]
-    data: bytes
+    data: (
+        bytes | torch.Tensor
+    )  # host bytes (staged), or the blocks tensor of export_kv_blocks (device-direct)
+
+    @property
+    def nbytes(self) -> int:
+        if isinstance(self.data, torch.Tensor):
+            return self.data.numel() * self.data.element_size()
+        return len(self.data)
 
     @property
     def num_blocks(self) -> int:
@@ -104,6 +123,9 @@ class LLMEngine:
         tokenizer: object | None = None,
     ) -> None:
         self.config = cfg = config or EngineConfig()
+        self.device = device = resolve_device(
+            cfg.device
+        )  # before any weight is read: a missing GPU fails fast
         if cfg.num_threads:
             torch.set_num_threads(cfg.num_threads)
         loaded = model if isinstance(model, LoadedModel) else load_model(model)
@@ -116,7 +138,10 @@ class LLMEngine:
             from services.engine.nvfp4 import QUANT_RECIPE_ID
 
             quant_id = QUANT_RECIPE_ID
-            kw = {"cache_dequantized": cfg.nvfp4_cache_dequantized}
+            kw = {"cache_dequantized": cfg.nvfp4_cache_dequantized and device.type == "cpu"}
+            if device.type == "cuda":
+                # packed weights stay packed in HBM (no dequantized copy); FP4 tensor cores where the GPU has them
+                kw["w4a4"] = torch.cuda.get_device_capability(device) >= (10, 0)
             if loaded.quantization != "none":
                 # a pre-quantized checkpoint runs as it was quantized: its bytes are never requantized
                 log.info(
@@ -126,20 +151,39 @@ class LLMEngine:
                 )
                 quant_id = f"{loaded.quantization}:{QUANT_RECIPE_ID}"
         self.fingerprint = model_fingerprint(loaded.config, loaded.weights, quant_id)
+        self.attention_backend = _attention_backend(cfg.attention_backend, device)
         self.model = Transformer(
             loaded.config,
             loaded.weights,
             self.dtype,
             cfg.quant,
             cpu_kernels=None if cfg.cpu_kernels else False,
+            device=device,
+            triton_decode=self.attention_backend == "triton",
             **kw,
         )
+        self.weight_bytes = _weight_bytes(self.model)
+        log.info(
+            "model on %s: %.3f GiB of weights (%s, quant %s), attention %s",
+            device, self.weight_bytes / (1 << 30), cfg.dtype, cfg.quant, self.attention_backend,
+        )  # fmt: skip
         self.tokenizer = tokenizer if tokenizer is not None else _load_tokenizer(loaded)
         self.max_model_len = min(cfg.max_model_len or loaded.config.max_context, loaded.config.max_context)
 
         per_block = PagedKvCache.bytes_per_block(loaded.config, cfg.block_size, self.dtype)
-        num_blocks = cfg.num_kv_blocks or max(1, cfg.kv_cache_bytes // per_block)
-        self.kv = PagedKvCache(loaded.config, num_blocks, cfg.block_size, self.dtype)
+        num_blocks = cfg.num_kv_blocks or max(1, (cfg.kv_cache_bytes or 1 << 30) // per_block)
+        if device.type == "cuda" and not cfg.num_kv_blocks and not cfg.kv_cache_bytes:
+            # on a GPU the cache takes what is left of --gpu-memory-utilization after weights and activations
+            peak = self._profile_activation_bytes(loaded.config, cfg)
+            plan = plan_kv_memory(device, cfg.gpu_memory_utilization, self.weight_bytes, peak, per_block)
+            num_blocks = plan.kv_blocks
+            log.info("%s", plan.describe())
+        scratch = 1 if device.type == "cuda" else 0
+        self.kv = PagedKvCache(loaded.config, num_blocks, cfg.block_size, self.dtype, device, scratch)
+        log.info(
+            "paged KV cache on %s: %d blocks of %d tokens, %.3f GiB",
+            device, num_blocks, cfg.block_size, num_blocks * per_block / (1 << 30),
+        )  # fmt: skip
         self.blocks = BlockManager(num_blocks, cfg.block_size, cfg.enable_prefix_caching)
         self.scheduler = Scheduler(self.blocks, cfg.max_num_seqs, cfg.max_num_batched_tokens)
         self.requests: dict[str, Request] = {}
@@ -150,6 +194,7 @@ class LLMEngine:
             head_dim=loaded.config.head_dim,
             block_size=cfg.block_size,
             dtype=cfg.dtype,
+            device_kind=device.type,
         )
         self._eos_ids = set(getattr(self.tokenizer, "stop_token_ids", ()) or ())
         if loaded.config.eos_token_id is not None:
@@ -157,6 +202,40 @@ class LLMEngine:
         self._prefix_hits = self._prefix_queries = self._preemptions = 0
         self._step_s = 0.0
         self._last_batch = 0
+        self.graphs: DecodeGraphs | None = None
+        if device.type == "cuda" and not cfg.enforce_eager and self.attention_backend == "triton":
+            from services.engine.cuda_graphs import DecodeGraphs
+
+            t0 = time.perf_counter()
+            self.graphs = DecodeGraphs(self.model, self.kv, self.max_model_len, cfg.max_num_seqs)
+            log.info(
+                "CUDA graphs captured for decode batch sizes %s in %.1f s (--enforce-eager turns them off)",
+                self.graphs.buckets, time.perf_counter() - t0,
+            )  # fmt: skip
+
+    @torch.inference_mode()
+    def _profile_activation_bytes(self, mc: ModelConfig, cfg: EngineConfig) -> int:
+        """Peak activation memory of the largest step: one prefill of max_num_batched_tokens tokens into a
+        throw-away cache, plus the logits and sampling buffers of a full batch. Leaves the allocator empty."""
+        dev = self.device
+        n = min(cfg.max_num_batched_tokens, self.max_model_len)
+        nb = -(-n // cfg.block_size)
+        scratch = PagedKvCache(mc, nb, cfg.block_size, self.dtype, dev)
+        torch.cuda.synchronize(dev)
+        torch.cuda.reset_peak_memory_stats(dev)
+        before = torch.cuda.memory_allocated(dev)
+        meta = AttnMetadata(slot_mapping=torch.arange(n, device=dev), prefills=[PrefillSegment(0, n)])
+        hidden = self.model(
+            torch.zeros(n, dtype=torch.long, device=dev), torch.arange(n, device=dev), meta, scratch
+        )
+        logits = self.model.logits(hidden[-min(n, cfg.max_num_seqs) :])
+        del hidden, logits
+        torch.cuda.synchronize(dev)
+        peak = torch.cuda.max_memory_allocated(dev) - before
+        sampling = 3 * cfg.max_num_seqs * mc.vocab_size * 4  # processed logits, probabilities, noise (fp32)
+        del scratch
+        torch.cuda.empty_cache()
+        return peak + sampling
 
     # ------------------------------------------------------------------------------------------ requests
     def add_request(
@@ -271,9 +350,19 @@ class LLMEngine:
                 del self.requests[req.request_id]
         return out
 
+    def _h2d(self, values: list[int], dtype: torch.dtype = torch.long) -> torch.Tensor:
+        """A host list as a tensor on the engine's device: pinned and asynchronous on CUDA (the copy is queued on
+        the stream ahead of the kernels that read it, so the step never waits for it)."""
+        if self.device.type == "cpu":
+            return torch.tensor(values, dtype=dtype)
+        return torch.tensor(values, dtype=dtype, pin_memory=True).to(self.device, non_blocking=True)
+
     @torch.inference_mode()
     def _execute(self, decision: SchedulerOutput) -> dict[str, Sampled]:
-        """The runner: one forward pass over every chunk of the step, then sampling where chunks end a sequence."""
+        """The runner: one forward pass over every chunk of the step, then sampling where chunks end a sequence.
+
+        Metadata is built on the host and copied to the device once per tensor; a step of single-token decodes
+        only replays a captured CUDA graph when one fits (cuda_graphs.py)."""
         bs = self.kv.block_size
         tokens: list[int] = []
         positions: list[int] = []
@@ -299,23 +388,31 @@ class LLMEngine:
             elif a == 0:
                 prefills.append(PrefillSegment(row, row + chunk.num_tokens))
             else:
-                rows = self.kv.gather_index(torch.tensor(table))
-                prefills.append(PrefillSegment(row, row + chunk.num_tokens, rows, torch.arange(a, b)))
+                rows = self.kv.gather_index(self._h2d(table))
+                qpos = torch.arange(a, b, device=self.device)
+                prefills.append(PrefillSegment(row, row + chunk.num_tokens, rows, qpos))
             if chunk.samples:
                 sample_rows.append(row + chunk.num_tokens - 1)
                 sample_reqs.append(req)
-        meta = AttnMetadata(slot_mapping=torch.tensor(slots), prefills=prefills)
-        if decode_rows:
-            nb = max(len(t) for t in decode_tables)
-            meta.decode_rows = torch.tensor(decode_rows)
-            meta.decode_tables = torch.tensor(
-                [t + [0] * (nb - len(t)) for t in decode_tables], dtype=torch.int32
-            )
-            meta.decode_lens = torch.tensor(decode_lens, dtype=torch.int32)
-        hidden = self.model(torch.tensor(tokens), torch.tensor(positions), meta, self.kv)
-        if not sample_rows:
+        nb = max((len(t) for t in decode_tables), default=0)
+        padded_tables = [t + [t[0]] * (nb - len(t)) for t in decode_tables]  # padding: any valid block id
+        logits: torch.Tensor | None = None
+        if self.graphs is not None and not prefills and self.graphs.fits(len(tokens), nb):
+            logits = self.graphs.run(tokens, positions, slots, padded_tables, decode_lens)
+        else:
+            meta = AttnMetadata(slot_mapping=self._h2d(slots), prefills=prefills)
+            if decode_rows:
+                meta.decode_rows = self._h2d(decode_rows)
+                meta.decode_tables = self._h2d([x for t in padded_tables for x in t], torch.int32).view(
+                    -1, nb
+                )
+                meta.decode_lens = self._h2d(decode_lens, torch.int32)
+            hidden = self.model(self._h2d(tokens), self._h2d(positions), meta, self.kv)
+            if sample_rows:
+                picked = hidden if len(sample_rows) == hidden.shape[0] else hidden[self._h2d(sample_rows)]
+                logits = self.model.logits(picked)
+        if logits is None:
             return {}
-        logits = self.model.logits(hidden[torch.tensor(sample_rows)])
         for i, req in enumerate(sample_reqs):  # hold back end-of-sequence until min_tokens is reached
             if len(req.output_ids) < req.params.min_tokens:
                 suppress = list(self._eos_ids | set(req.params.stop_token_ids))
@@ -372,22 +469,40 @@ class LLMEngine:
             raise ValueError(
                 f"request {request_id!r} has {req.num_computed_tokens} computed tokens, asked for {n}"
             )
+        data = self.export_kv_blocks(request_id, n)
+        # staged: device blocks come to host memory here, so every byte transport (TCP, shm, NIXL DRAM) works
+        return KvExport(self.kv_layout, req.all_ids[:n], data.cpu().view(torch.uint8).numpy().tobytes())
+
+    def export_kv_blocks(self, request_id: str, num_tokens: int | None = None) -> torch.Tensor:
+        """The blocks covering a live or held request's first num_tokens computed tokens, copied out on the
+        engine's device: [n, layers, 2, kv_heads, block_size, head_dim] (the export order). A device-direct
+        transfer (CUDA IPC) shares this tensor; export_kv stages it to host bytes."""
+        req = self.requests.get(request_id)
+        if req is None:
+            raise KeyError(f"no live or held request {request_id!r}")
+        n = req.num_computed_tokens if num_tokens is None else num_tokens
+        if n > req.num_computed_tokens or n <= 0:
+            raise ValueError(
+                f"request {request_id!r} has {req.num_computed_tokens} computed tokens, asked for {n}"
+            )
         nblocks = -(-n // self.kv.block_size)
-        data = self.kv.read_blocks(torch.tensor(req.block_ids[:nblocks]))
-        return KvExport(self.kv_layout, req.all_ids[:n], data.view(torch.uint8).numpy().tobytes())
+        return self.kv.read_blocks(self._h2d(req.block_ids[:nblocks]))
 
     def _import_into(self, req: Request, kv: KvExport) -> None:
-        self.kv_layout.check_compatible(kv.layout)
+        self.kv_layout.check_compatible(kv.layout, same_device=isinstance(kv.data, torch.Tensor))
         n = len(kv.token_ids)
         if req.all_ids[:n] != kv.token_ids:
             raise KvMismatchError("KV payload covers different tokens than the request's prompt and output")
         if n >= req.num_tokens + 1 or n == 0:
             raise KvMismatchError(f"KV payload covers {n} tokens; the request has {req.num_tokens}")
         nblocks = kv.num_blocks
-        if len(kv.data) != nblocks * self.kv.block_bytes:
+        size = kv.nbytes
+        if size != nblocks * self.kv.block_bytes:
             raise KvMismatchError(
-                f"KV payload has {len(kv.data)} bytes, {nblocks} blocks need {nblocks * self.kv.block_bytes}"
+                f"KV payload has {size} bytes, {nblocks} blocks need {nblocks * self.kv.block_bytes}"
             )
+        if isinstance(kv.data, torch.Tensor) and kv.data.dtype != self.kv.dtype:
+            raise KvMismatchError(f"KV blocks are {kv.data.dtype}, this engine's cache is {self.kv.dtype}")
         if n == req.num_tokens:
             # a step must compute at least the last token to produce logits: keep all but that token
             n -= 1
@@ -396,10 +511,39 @@ class LLMEngine:
         except NoFreeBlocksError as e:
             raise NoFreeBlocksError(f"cannot import KV for {req.request_id!r}: {e}") from e
         shape = (nblocks, *self.kv.data.shape[:3], self.kv.block_size, self.kv.data.shape[-1])
-        src = torch.frombuffer(bytearray(kv.data), dtype=torch.uint8).view(self.kv.dtype).view(shape)
-        self.kv.write_blocks(torch.tensor(ids), src)
+        if isinstance(kv.data, torch.Tensor):  # device-direct (CUDA IPC): blocks already on a device
+            src = kv.data.to(self.device).view(shape)
+        else:  # staged bytes: pinned host copy, then one upload
+            src = torch.frombuffer(bytearray(kv.data), dtype=torch.uint8).view(self.kv.dtype).view(shape)
+            if self.device.type == "cuda":
+                src = src.pin_memory().to(self.device, non_blocking=True)
+        self.kv.write_blocks(self._h2d(ids), src)
         req.block_ids = ids
         req.num_computed_tokens = n
+
+
+def _attention_backend(wanted: str, device: torch.device) -> str:
+    """auto: the Triton paged kernel on CUDA (where Triton imports), torch ops elsewhere. "triton" on a CPU runs
+    Triton's interpreter (TRITON_INTERPRET=1) — for tests, far too slow to serve."""
+    if wanted == "torch" or (wanted == "auto" and device.type != "cuda"):
+        return "torch"
+    from services.engine import triton_attention
+
+    if not triton_attention.available():
+        if wanted == "triton":
+            raise RuntimeError(
+                "attention backend 'triton' was asked for, but Triton cannot run here "
+                "(not installed, or no CUDA device and TRITON_INTERPRET is not set)"
+            )
+        log.warning("Triton is unavailable on %s: decode attention runs on torch ops (gather + SDPA)", device)
+        return "torch"
+    return "triton"
+
+
+def _weight_bytes(model: torch.nn.Module) -> int:
+    from services.engine.nvfp4 import weight_memory_bytes
+
+    return weight_memory_bytes(model)
 
 
 def _load_tokenizer(loaded: LoadedModel) -> object | None:

@@ -11,8 +11,10 @@ This room knows nothing about requests, scheduling or where the weights came fro
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, cast
 
@@ -22,10 +24,12 @@ from torch import nn
 
 from services.engine import cpu_ops
 from services.engine.config import ModelConfig
-from services.engine.loader import Weights
 
 if TYPE_CHECKING:
     from services.engine.nvfp4 import NVFP4Tensor
+
+# the loaded weights by canonical name (loader.Weights), or the same seen through _OnDevice
+Weights = Mapping[str, "torch.Tensor | NVFP4Tensor"]
 
 log = logging.getLogger("rackserve.engine")
 
@@ -73,7 +77,7 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 
 def layer_rows(block_ids: torch.Tensor, num_kv_heads: int, num_blocks: int) -> torch.Tensor:
     """Rows of one layer's [kv_heads * num_blocks, block_size, head_dim] K or V view that hold these blocks."""
-    heads = torch.arange(num_kv_heads)[:, None] * num_blocks
+    heads = torch.arange(num_kv_heads, device=block_ids.device)[:, None] * num_blocks
     return (heads + block_ids.reshape(1, -1)).reshape(-1)
 
 
@@ -88,14 +92,28 @@ class PagedKvCache:
 
     LAYOUT = "layer,kv,kv_head,token,head_dim"  # order of one exported block
 
-    def __init__(self, config: ModelConfig, num_blocks: int, block_size: int, dtype: torch.dtype):
-        self.num_blocks = num_blocks
+    def __init__(
+        self,
+        config: ModelConfig,
+        num_blocks: int,
+        block_size: int,
+        dtype: torch.dtype,
+        device: torch.device | str = "cpu",
+        scratch_blocks: int = 0,
+    ):
+        # scratch_blocks extra blocks past the ones the BlockManager hands out: padded rows of a CUDA-graph decode
+        # step write their K/V there, so padding never touches a real sequence's cache.
+        self.num_blocks = num_blocks + scratch_blocks  # the block dimension of the tensor (the row stride)
+        self.usable_blocks = num_blocks
+        self.scratch_block = num_blocks if scratch_blocks else None
         self.block_size = block_size
         self.num_kv_heads = config.num_kv_heads
         self.dtype = dtype
+        self.device = torch.device(device)
         self.data = torch.zeros(
-            config.num_layers, 2, config.num_kv_heads, num_blocks, block_size, config.head_dim, dtype=dtype
-        )
+            config.num_layers, 2, config.num_kv_heads, self.num_blocks, block_size, config.head_dim,
+            dtype=dtype, device=self.device,
+        )  # fmt: skip
         # per layer: [kv_heads * blocks, block_size, head_dim]; row h * num_blocks + b is head h of block b
         self.k = [self.data[i, 0].view(-1, block_size, config.head_dim) for i in range(config.num_layers)]
         self.v = [self.data[i, 1].view(-1, block_size, config.head_dim) for i in range(config.num_layers)]
@@ -151,7 +169,7 @@ class AttnMetadata:
         if self._gather is None:
             assert self.decode_tables is not None and self.decode_lens is not None
             rows = layer_rows(self.decode_tables.long(), num_kv_heads, k_cache.shape[0] // num_kv_heads)
-            keys = torch.arange(self.decode_tables.shape[1] * k_cache.shape[1])
+            keys = torch.arange(self.decode_tables.shape[1] * k_cache.shape[1], device=k_cache.device)
             self._gather = rows, (keys[None, :] < self.decode_lens[:, None])[:, None, None, :]
         return self._gather
 
@@ -165,6 +183,32 @@ def dense(w: Weights, name: str) -> torch.Tensor:
     if not isinstance(t, torch.Tensor):
         raise ValueError(f"{name} must be a dense tensor, the checkpoint holds it quantized")
     return t
+
+
+class _OnDevice(Mapping[str, "torch.Tensor | NVFP4Tensor"]):
+    """A view of the loaded weights that hands each one out on the model's device (NVFP4 parts field by field)."""
+
+    def __init__(self, w: Weights, device: torch.device):
+        self._w, self._device = w, device
+
+    def __getitem__(self, name: str) -> torch.Tensor | NVFP4Tensor:
+        t = self._w[name]
+        if isinstance(t, torch.Tensor):
+            return t.to(self._device)
+        if t.packed.device == self._device:
+            return t
+        return dataclasses.replace(
+            t,
+            packed=t.packed.to(self._device),
+            scales=t.scales.to(self._device),
+            global_scale=t.global_scale.to(self._device),
+        )
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._w)
+
+    def __len__(self) -> int:
+        return len(self._w)
 
 
 class RMSNorm(nn.Module):
@@ -266,11 +310,12 @@ def make_fused_linear(
     packed = cast("list[NVFP4Tensor]", parts)
     fused = fuse_rows(packed)
     cache = bool(kw.get("cache_dequantized", False))
+    w4a4 = bool(kw.get("w4a4", False))
     if fused is not None:
-        return NVFP4Linear(fused, bias, cache_dequantized=cache)
+        return NVFP4Linear(fused, bias, cache_dequantized=cache, w4a4=w4a4)
     biases = bias.split([w.shape[0] for w in packed]) if bias is not None else [None] * len(packed)
     return ConcatLinear(
-        [NVFP4Linear(w, b, cache_dequantized=cache) for w, b in zip(packed, biases, strict=True)]
+        [NVFP4Linear(w, b, cache_dequantized=cache, w4a4=w4a4) for w, b in zip(packed, biases, strict=True)]
     )
 
 
@@ -287,6 +332,7 @@ class Attention(nn.Module):
         self.wqkv = make_fused_linear(qkv, bias, dtype, quant, **kw)
         self.wo = make_fused_linear([w[f"{prefix}.o_proj"]], None, dtype, quant, **kw)
         self.scale = 1.0 / math.sqrt(self.hd)
+        self.triton_decode = False  # set by Transformer: decode attention through the Triton paged kernel
 
     def forward(
         self,
@@ -307,8 +353,20 @@ class Attention(nn.Module):
         k_cache.view(self.n_kv, -1, self.hd).index_copy_(1, meta.slot_mapping, k.transpose(0, 1))
         v_cache.view(self.n_kv, -1, self.hd).index_copy_(1, meta.slot_mapping, v.transpose(0, 1))
 
-        out = torch.empty(T, self.n_heads, self.hd, dtype=x.dtype)
-        if meta.decode_rows is not None:
+        out = torch.empty(T, self.n_heads, self.hd, dtype=x.dtype, device=x.device)
+        if meta.decode_rows is not None and self.triton_decode:
+            from services.engine import triton_attention
+
+            assert meta.decode_tables is not None and meta.decode_lens is not None
+            all_decode = meta.decode_rows.shape[0] == T
+            od = triton_attention.paged_decode_attention(
+                (q if all_decode else q[meta.decode_rows]).contiguous(),
+                k_cache, v_cache, meta.decode_tables, meta.decode_lens, self.n_kv, self.scale,
+            )  # fmt: skip
+            if all_decode:
+                return self.wo(od.reshape(T, self.n_heads * self.hd))
+            out[meta.decode_rows] = od
+        elif meta.decode_rows is not None:
             ctx_rows, mask = meta.decode_gather(k_cache, self.n_kv)
             B, L = meta.decode_rows.shape[0], mask.shape[-1]
             all_decode = B == T  # the common steady state: skip the row gather and scatter
@@ -386,7 +444,7 @@ class Attention(nn.Module):
                 L = seg.ctx_rows.shape[0] // self.n_kv * bs
                 ks = k_cache.index_select(0, seg.ctx_rows).view(1, self.n_kv, L, self.hd)
                 vs = v_cache.index_select(0, seg.ctx_rows).view(1, self.n_kv, L, self.hd)
-                mask = torch.arange(L)[None, :] <= seg.positions[:, None]
+                mask = torch.arange(L, device=q.device)[None, :] <= seg.positions[:, None]
                 o = F.scaled_dot_product_attention(
                     qs, ks, vs, attn_mask=mask, enable_gqa=True, scale=self.scale
                 )
@@ -432,14 +490,22 @@ class Transformer(nn.Module):
         dtype: torch.dtype = torch.float32,
         quant: str = "none",
         cpu_kernels: bool | None = None,
+        device: torch.device | str = "cpu",
+        triton_decode: bool = False,
         **kw,
     ):
         super().__init__()
         self.config, self.dtype, self.quant = cfg, dtype, quant
+        self.device = torch.device(device)
+        # each weight is moved to the device as its layer is built, so the device never holds a second copy and
+        # NVFP4 weights are quantized where they will be used (Triton on CUDA)
+        w = _OnDevice(w, self.device)
         # The fused CPU kernels (cpu_ops) where they build. None (auto) uses them for bf16 only: fp32 is the
         # reference dtype, pinned to transformers at 1e-4 on logits, which the kernels' different summation
         # order in RMSNorm would exceed over 30 layers (~3e-4); True uses them for fp32 too; False never.
-        wanted = dtype == torch.bfloat16 if cpu_kernels is None else cpu_kernels
+        wanted = (
+            dtype == torch.bfloat16 if cpu_kernels is None else cpu_kernels
+        ) and self.device.type == "cpu"
         self.fused = wanted and cpu_ops.supports(dtype, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim)
         self.embed = nn.Embedding(cfg.vocab_size, cfg.hidden_size, _weight=dense(w, "embed_tokens").to(dtype))
         self.embed.weight.requires_grad_(False)
@@ -449,9 +515,11 @@ class Transformer(nn.Module):
         head = self.embed.weight if cfg.tie_embeddings else dense(w, "lm_head")
         self.lm_head = make_linear(head, None, dtype, "none")
         inv = rope_inv_freq(cfg, dense(w, "rope_freqs") if "rope_freqs" in w else None)
-        cos, sin = rope_tables(inv, cfg.max_context)
-        self.register_buffer("rope_cos", cos, persistent=False)
-        self.register_buffer("rope_sin", sin, persistent=False)
+        cos, sin = rope_tables(inv.cpu(), cfg.max_context)
+        self.register_buffer("rope_cos", cos.to(self.device), persistent=False)
+        self.register_buffer("rope_sin", sin.to(self.device), persistent=False)
+        for blk in cast(list[Block], self.blocks):
+            blk.attn.triton_decode = triton_decode
 
     @torch.inference_mode()
     def forward(

@@ -37,6 +37,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     p.add_argument(
+        "--device", default="auto", help="workers' device: auto (CUDA when visible), cpu, cuda or cuda:N"
+    )
+    p.add_argument(
+        "--gpu-memory-utilization", type=float, default=0.9,
+        help="share of the GPU for all the workers on it together (each gets its part: workers share one GPU)",
+    )  # fmt: skip
+    p.add_argument(
         "--threads", type=int, default=1, help="torch threads per worker (pin them on small machines)"
     )
     p.add_argument("--kv-cache-bytes", type=int, default=256 << 20, help="KV cache per worker")
@@ -136,6 +143,9 @@ class Cluster:
         common = ["--etcd", self.etcd_url]
         engine = ["--dtype", a.dtype, "--threads", str(a.threads), "--kv-cache-bytes", str(a.kv_cache_bytes)]
         engine += ["--model", a.model] if a.model else []
+        # every worker uses the same device; on one GPU they split its memory instead of each taking 90 %
+        share = a.gpu_memory_utilization / max(1, a.prefill + a.decode)
+        engine += ["--device", a.device, "--gpu-memory-utilization", f"{share:.4f}"]
         routing = ["--mode", a.mode, "--disagg-min-prompt-tokens", str(a.disagg_min_prompt_tokens)]
         self.spawn("router", base + ["router", *common, *routing])
         for i in range(a.prefill):

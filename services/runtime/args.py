@@ -14,7 +14,7 @@ import socket
 from collections.abc import Callable
 from typing import Any
 
-from services.engine.config import SUPPORTED_DTYPES, SUPPORTED_QUANT, EngineConfig
+from services.engine.config import ATTENTION_BACKENDS, SUPPORTED_DTYPES, SUPPORTED_QUANT, EngineConfig
 
 ENV_PREFIX = "RACKSERVE_"
 TOPOLOGY_LABELS = ("node", "rack", "zone")
@@ -106,13 +106,21 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     add_flag(g, "--dtype", "bfloat16", "weights and KV dtype", choices=SUPPORTED_DTYPES)
     add_flag(g, "--quant", "none", "weight quantization", choices=SUPPORTED_QUANT)
     add_flag(g, "--block-size", 16, "tokens per KV block", int)
-    add_flag(g, "--kv-cache-bytes", 1 << 30, "memory for the paged KV cache", int)
+    add_flag(g, "--kv-cache-bytes", 0, "memory for the paged KV cache (0: 1 GiB on CPU; on a GPU what "
+             "--gpu-memory-utilization leaves after the weights and the activation peak)", int)  # fmt: skip
     add_flag(g, "--max-num-seqs", 64, "sequences in one batch", int)
     add_flag(g, "--max-num-batched-tokens", 512, "token budget of one step (longer prompts are chunked)", int)
     add_flag(g, "--max-model-len", 0, "context length (0: the model's)", int)
     switch(g, "--no-prefix-caching", "turn the prefix cache off")
     add_flag(g, "--threads", 1, "torch CPU threads for this worker (0: torch's default)", int)
     switch(g, "--no-cpu-kernels", "run the model on plain torch ops instead of the fused CPU kernels")
+    add_flag(g, "--device", "auto", "where the engine computes: auto (CUDA when visible), cpu, cuda or cuda:N; "
+             "asking for a GPU that is not there fails at start-up")  # fmt: skip
+    add_flag(g, "--gpu-memory-utilization", 0.9, "share of the GPU's memory for weights, activations and the "
+             "KV cache", float)  # fmt: skip
+    switch(g, "--enforce-eager", "no CUDA graphs: run every decode step eagerly")
+    add_flag(g, "--attention-backend", "auto", "decode attention: auto (Triton paged kernel on CUDA), torch, "
+             "triton", choices=ATTENTION_BACKENDS)  # fmt: skip
 
 
 KV_BACKENDS = (
@@ -186,6 +194,10 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         enable_prefix_caching=not args.no_prefix_caching,
         num_threads=args.threads,
         cpu_kernels=not args.no_cpu_kernels,
+        device=args.device,
+        gpu_memory_utilization=args.gpu_memory_utilization,
+        enforce_eager=args.enforce_eager,
+        attention_backend=args.attention_backend,
     )
 
 
