@@ -273,10 +273,21 @@ def test_rendered_env_parses_with_the_services_real_flags(role: str, monkeypatch
         assert (
             args.quant == "nvfp4" and args.kv_cache_bytes == 64424509440 and args.no_prefix_caching is False
         )
+        assert args.device == "cuda", "a pool given GPUs must compute on them, not fall back to the CPU"
         assert args.kv_backends == ("nixl", "tcp", "shm") and args.health_port == 50052
         assert args.tls_ca_file == "/etc/rackserve/tls/ca.crt"
     if role == "frontend":
         assert args.rate_limit_rps == 20.0 and args.api_key_file == "/etc/rackserve/api-keys/keys"
+
+
+def test_cpu_pools_keep_device_auto_and_an_explicit_device_wins() -> None:
+    objs = render()
+    for role in ("prefill", "decode"):
+        env = env_of(container(find(objs, "Deployment", f"rs-rackserve-{role}"), role))
+        assert env.get("RACKSERVE_DEVICE") == "auto"
+    objs = render("-f", str(GPU_PROFILE), "--set", "decode.engine.device=cuda:1")
+    env = env_of(container(find(objs, "Deployment", "rs-rackserve-decode"), "decode"))
+    assert env["RACKSERVE_DEVICE"] == "cuda:1"
 
 
 def test_engine_values_carry_the_cli_flag_names() -> None:
