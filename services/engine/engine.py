@@ -73,9 +73,9 @@ class KvExport:
 
     layout: KvLayout
     token_ids: list[int]
-    data: (
-        bytes | torch.Tensor
-    )  # host bytes (staged), or the blocks tensor of export_kv_blocks (device-direct)
+    # host bytes (staged), or the blocks tensor of export_kv_blocks (device-direct)
+    data: bytes | torch.Tensor
+    device_blocks: torch.Tensor | None = None  # export_kv on a GPU: the same blocks, still on the device
 
     @property
     def nbytes(self) -> int:
@@ -470,8 +470,10 @@ class LLMEngine:
                 f"request {request_id!r} has {req.num_computed_tokens} computed tokens, asked for {n}"
             )
         data = self.export_kv_blocks(request_id, n)
-        # staged: device blocks come to host memory here, so every byte transport (TCP, shm, NIXL DRAM) works
-        return KvExport(self.kv_layout, req.all_ids[:n], data.cpu().view(torch.uint8).numpy().tobytes())
+        # staged: device blocks come to host memory here, so every byte transport (TCP, shm, NIXL DRAM) works;
+        # on a GPU the device copy rides along for a same-node reader (cuda_ipc)
+        host = data.cpu().view(torch.uint8).numpy().tobytes()
+        return KvExport(self.kv_layout, req.all_ids[:n], host, data if data.is_cuda else None)
 
     def export_kv_blocks(self, request_id: str, num_tokens: int | None = None) -> torch.Tensor:
         """The blocks covering a live or held request's first num_tokens computed tokens, copied out on the

@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import concurrent.futures
+import json
 import logging
 import socket
 import time
@@ -29,6 +30,7 @@ from .errors import (
 )
 from .nixl import NixlAgent, open_agent_if_enabled
 from .ticket import (
+    CUDA_IPC,
     DEFAULT_PREFERENCE,
     NIXL,
     SHM,
@@ -81,13 +83,15 @@ class KvSink:
 
     @property
     def supported(self) -> list[str]:
-        out = [b for b in self.config.backends if b != NIXL]
+        out = [b for b in self.config.backends if b not in (NIXL, CUDA_IPC)]
+        if CUDA_IPC in self.config.backends and _cuda_visible():
+            out.append(CUDA_IPC)
         return [*out, NIXL] if self._lanes else out
 
     def choose(
         self, ticket: TransferTicket, preference: list[str] | tuple[str, ...] = DEFAULT_PREFERENCE
     ) -> str:
-        same_node = ticket.backends.get(SHM) == self.node_id
+        same_node = self.node_id in (ticket.backends.get(SHM), ticket.backends.get(CUDA_IPC))
         return choose_backend(preference, ticket.backends, self.supported, same_node)
 
     async def pull(
@@ -104,6 +108,8 @@ class KvSink:
         backend = backend or self.choose(ticket)
         if backend not in self.supported:
             raise TransferUnavailable(f"backend {backend!r} is not enabled on this sink ({self.supported})")
+        if backend == CUDA_IPC:
+            return await self._pull_cuda_ipc(ticket, deadline_s)
         if into is not None and len(memoryview(into)) < ticket.size:
             raise ValueError(f"into holds {len(memoryview(into))} bytes, the payload needs {ticket.size}")
         view = (
@@ -143,6 +149,54 @@ class KvSink:
                 )
         log.debug("pulled %s: %d bytes over %s in %.4fs", ticket.key, ticket.size, backend, seconds)
         return Pulled(data=data, bytes=ticket.size, seconds=seconds, backend=backend)
+
+    async def _pull_cuda_ipc(self, ticket: TransferTicket, deadline_s: float) -> Pulled:
+        """GPU to GPU on one node: pin the producer's device copy (the open), map it by its IPC handle, copy it
+        into this process's own device memory, wait for the copy, unpin (done). The data is a device tensor
+        (raw, never encoded: compression is for the wire, and no wire is crossed)."""
+        from . import cuda_ipc
+
+        if not ticket.device_handle:
+            raise TransferUnavailable(f"{ticket.key}: the producer offered no device copy for cuda_ipc")
+        t0 = time.perf_counter()
+        try:
+            async with asyncio.timeout(deadline_s):
+                sock, reply = await self._open(ticket, CUDA_IPC)
+                reusable = not reply.get("ok")
+                try:
+                    _check_reply(ticket, CUDA_IPC, reply)
+                    import torch
+
+                    def copy() -> Any:
+                        remote = cuda_ipc.open_described(json.loads(ticket.device_handle))
+                        local = remote.clone()  # device-to-device; the mapping goes when `remote` does
+                        torch.cuda.synchronize(local.device)
+                        return local
+
+                    try:
+                        data = await asyncio.to_thread(copy)
+                    except cuda_ipc.CudaIpcUnavailable as exc:
+                        raise TransferUnavailable(f"{ticket.key}: cuda_ipc: {exc}") from exc
+                    await protocol.send_message(sock, {"op": "done"})
+                    reusable = True
+                except OSError as exc:
+                    raise TransferPeerGone(
+                        f"producer {ticket.endpoint} went away during {ticket.key} over cuda_ipc: {exc}"
+                    ) from exc
+                finally:
+                    self._put_back(ticket, sock, reusable)
+        except TimeoutError as exc:
+            raise TransferTimeout(
+                f"pull of {ticket.key} over cuda_ipc missed its {deadline_s}s deadline"
+            ) from exc
+        nbytes = data.numel() * data.element_size()
+        if nbytes != ticket.raw_size:
+            raise TransferIntegrityError(
+                f"{ticket.key}: device copy has {nbytes} bytes, ticket says {ticket.raw_size}"
+            )
+        seconds = time.perf_counter() - t0
+        log.debug("pulled %s: %d bytes over cuda_ipc in %.4fs", ticket.key, nbytes, seconds)
+        return Pulled(data=data, bytes=nbytes, seconds=seconds, backend=CUDA_IPC)
 
     async def _fetch(
         self, ticket: TransferTicket, backend: str, view: memoryview, keepalive: object, checksum: Checksum
@@ -426,6 +480,15 @@ class _PendingRead:
                 part.nixl.finish_prepared(part.prepared)
 
             part.nixl.submit(finish)
+
+
+def _cuda_visible() -> bool:
+    """torch with a GPU in this process (torch is imported only here, and only when cuda_ipc is enabled)."""
+    try:
+        import torch
+    except ImportError:
+        return False
+    return bool(torch.cuda.is_available())
 
 
 def _discard_outcome(task: asyncio.Future[Any]) -> None:

@@ -13,6 +13,7 @@ import asyncio
 import base64
 import contextlib
 import itertools
+import json
 import logging
 import os
 import socket
@@ -24,7 +25,17 @@ from typing import Any
 
 from . import buffers, protocol, shm
 from .nixl import NixlAgent, open_agent_if_enabled
-from .ticket import NIXL, SHM, TCP, Published, TransferConfig, TransferTicket, checksum_of, node_id
+from .ticket import (
+    CUDA_IPC,
+    NIXL,
+    SHM,
+    TCP,
+    Published,
+    TransferConfig,
+    TransferTicket,
+    checksum_of,
+    node_id,
+)
 
 log = logging.getLogger("rackserve.kvtransfer")
 
@@ -43,6 +54,7 @@ class _Publication:
     nixl_reg: Any = None
     nixl_md: bytes = b""
     addr: int = 0
+    device_copy: Any = None  # cuda_ipc: the device tensor readers map by IPC handle (kept alive until freed)
     pins: int = 0
     retracted: bool = False
     expiry: asyncio.TimerHandle | None = field(default=None, repr=False)
@@ -106,12 +118,14 @@ class KvSource:
         compress: str | None = None,
         kv_dtype: str = "fp32",
         head_dim: int = 0,
+        device_payload: Any = None,
     ) -> Published:
         """Make `payload` pullable under `key` for `ttl_s` seconds. With shm it is copied into a segment; with
         NIXL (and no shm) from 2 MiB up into huge-page memory (NIXL reads it ~25 % faster than 4 KiB pages);
         otherwise it is not copied: keep it unchanged until retracted. compress="nvfp4"|"fp8" ships it
         quantized along head_dim (kv_dtype is its element type) and the sink hands back the dequantized bytes
-        in the same dtype."""
+        in the same dtype. device_payload, a CUDA tensor holding the same (raw) bytes, is offered to same-node
+        readers by CUDA IPC handle when cuda_ipc is enabled: they copy GPU to GPU and never touch the host bytes."""
         if self._closed:
             raise RuntimeError("KvSource is closed")
         if key in self._pubs:
@@ -152,6 +166,13 @@ class KvSource:
         backends = {TCP: self.endpoint}
         if segment is not None:
             backends[SHM] = self.node_id
+        device_handle = ""
+        if CUDA_IPC in self.config.backends and getattr(device_payload, "is_cuda", False):
+            from . import cuda_ipc
+
+            device_handle = json.dumps(cuda_ipc.describe(device_payload), separators=(",", ":"))
+            pub.device_copy = device_payload
+            backends[CUDA_IPC] = self.node_id
         if self._nixl is not None and len(view) > 0:
             pub.addr = buffers.address_of(view)
             pub.nixl_reg, pub.nixl_md = self._nixl.submit(self._nixl.register, pub.addr, len(view)).result()
@@ -171,6 +192,7 @@ class KvSource:
             serial=pub.serial,
             nixl_addr=pub.addr if pub.nixl_reg is not None else 0,
             agent_metadata=pub.nixl_md,
+            device_handle=device_handle,
         )
 
     def retract(self, key: str) -> None:
@@ -194,6 +216,7 @@ class KvSource:
             self._free(pub)
 
     def _free(self, pub: _Publication) -> None:
+        pub.device_copy = None  # its device memory returns to torch's allocator once no IPC reader holds it
         segment, reg, owner = pub.segment, pub.nixl_reg, pub.owner
         if segment is not None:
             segment.unlink()  # the name goes now; the mapping after NIXL lets go of it
@@ -273,6 +296,8 @@ class KvSource:
                 reply["nixl"] = {"addr": pub.addr, "agent": self._nixl.name}
                 if not msg.get("eager"):  # an eager reader took the metadata from its ticket
                     reply["nixl"]["md"] = base64.b64encode(pub.nixl_md).decode()
+            elif backend == CUDA_IPC and pub.device_copy is not None:
+                reply["cuda_ipc"] = True  # the handle travelled in the ticket; this open pins the device copy
             elif backend != TCP:
                 await protocol.send_message(conn, {"ok": False, "error": "unavailable", "detail": backend})
                 return True

@@ -11,13 +11,16 @@ import json
 import socket
 import zlib
 from dataclasses import dataclass, field
+from typing import Any
 
 import xxhash
 
-TCP, SHM, NIXL = "tcp", "shm", "nixl"
-BACKENDS = (SHM, NIXL, TCP)
-# Same node first (one copy through the page cache), then NIXL (one-sided READ; RDMA across nodes), TCP last.
-DEFAULT_PREFERENCE = (SHM, NIXL, TCP)
+TCP, SHM, NIXL, CUDA_IPC = "tcp", "shm", "nixl", "cuda_ipc"
+BACKENDS = (CUDA_IPC, SHM, NIXL, TCP)
+# Same node first — GPU to GPU by CUDA IPC handle when both caches are on GPUs, else one copy through the page
+# cache —, then NIXL (one-sided READ; RDMA across nodes), TCP last.
+DEFAULT_PREFERENCE = (CUDA_IPC, SHM, NIXL, TCP)
+SAME_NODE_ONLY = (CUDA_IPC, SHM)
 CHECKSUMS = ("xxh3", "crc32", "none")
 ENCODINGS = ("raw", "nvfp4", "fp8")
 
@@ -132,6 +135,9 @@ class TransferTicket:
     # again gets a new serial, so a reader holding the old ticket is refused instead of reading the new bytes.
     serial: str = ""
     nixl_addr: int = 0  # the registered payload's address in the producer (0: not registered with NIXL)
+    # cuda_ipc: the producer's device copy of the payload (kvtransfer/cuda_ipc.describe, as JSON); "" when the
+    # producer's KV is not on a GPU
+    device_handle: str = ""
     agent_metadata: bytes = field(default=b"", repr=False)
 
     def to_json(self) -> str:
@@ -158,7 +164,7 @@ Published = TransferTicket
 class Pulled:
     """A payload that arrived, verified: its bytes (decoded if it was encoded), wire bytes and time taken."""
 
-    data: bytearray | memoryview
+    data: Any  # bytearray | memoryview; a device tensor (torch.Tensor) over cuda_ipc
     bytes: int  # on the wire
     seconds: float
     backend: str
@@ -184,7 +190,7 @@ def choose_backend(
     consumer_supported: list[str] | tuple[str, ...] | set[str],
     same_node: bool,
 ) -> str:
-    """The first backend in `preference` that both sides have; shm only when both run on the same node.
+    """The first backend in `preference` that both sides have; shm and cuda_ipc only on the same node.
     Raises TransferUnavailable when none fits (TCP is always available on a source, so it means TCP was left
     out of `preference` or `consumer_supported`)."""
     from .errors import TransferUnavailable
@@ -192,7 +198,7 @@ def choose_backend(
     for backend in preference:
         if backend not in producer_advertised or backend not in consumer_supported:
             continue
-        if backend == SHM and not same_node:
+        if backend in SAME_NODE_ONLY and not same_node:
             continue
         return backend
     raise TransferUnavailable(

@@ -131,6 +131,7 @@ class PrefillWorker(EngineWorker, pb_grpc.PrefillWorkerServicer):
                 lambda e: (list(e.requests[request_id].block_ids), e.export_kv(request_id))
             )
             layout = self.facts.kv_layout
+            assert isinstance(export.data, bytes)  # export_kv stages to host bytes
             ticket = self.source.publish(
                 request_id,
                 export.data,
@@ -138,6 +139,7 @@ class PrefillWorker(EngineWorker, pb_grpc.PrefillWorkerServicer):
                 compress=self.kv_compress,
                 kv_dtype=wire.KV_DTYPE_NAMES[layout.dtype],
                 head_dim=layout.head_dim,
+                device_payload=export.device_blocks,  # GPU caches: offered to same-node readers (cuda_ipc)
             )
         except BaseException:
             await self._release(request_id)  # nothing will be pulled; free the blocks now, not at the TTL

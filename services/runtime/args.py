@@ -124,6 +124,7 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 KV_BACKENDS = (
+    "cuda_ipc",
     "shm",
     "nixl",
     "tcp",
@@ -151,15 +152,16 @@ def add_kv_transfer_arguments(parser: argparse.ArgumentParser, role: str) -> Non
     """Flags of the KV transfer engine: what a prefill worker offers, how a decode worker pulls."""
     g = parser.add_argument_group("kv transfer")
     add_flag(
-        g, "--kv-backends", ("tcp", "shm", "nixl"), "transfer backends to open (NIXL skipped if it cannot load)",
+        g, "--kv-backends", ("tcp", "shm", "nixl", "cuda_ipc"),
+        "transfer backends to open (NIXL skipped if it cannot load; cuda_ipc used only between GPU caches)",
         _backend_list,
     )  # fmt: skip
     if role == "prefill":
         add_flag(g, "--kv-compress", "none", "transfer-only KV compression", choices=("none", "fp8", "nvfp4"))
     if role == "decode":
         add_flag(
-            g, "--kv-backend-preference", ("shm", "nixl", "tcp"),
-            "backend order to pull with (shm only when the producer is on this node)", _backend_list,
+            g, "--kv-backend-preference", ("cuda_ipc", "shm", "nixl", "tcp"),
+            "backend order to pull with (cuda_ipc and shm only when the producer is on this node)", _backend_list,
         )  # fmt: skip
         add_flag(g, "--kv-pull-timeout-s", 10.0, "deadline of one KV pull", float)
         switch(
