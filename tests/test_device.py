@@ -68,7 +68,9 @@ def test_a_decode_worker_asked_for_cuda_exits_at_start_with_the_reason():
 
 
 def test_staged_kv_bytes_cross_devices_but_device_handles_need_the_same_kind():
-    base = dict(model_fingerprint="f", num_layers=2, num_kv_heads=2, head_dim=16, block_size=16, dtype="float32")
+    base = dict(
+        model_fingerprint="f", num_layers=2, num_kv_heads=2, head_dim=16, block_size=16, dtype="float32"
+    )
     cpu, gpu = KvLayout(**base, device_kind="cpu"), KvLayout(**base, device_kind="cuda")
     cpu.check_compatible(gpu)  # host bytes: the same format whichever device wrote them
     with pytest.raises(KvMismatchError, match="device_kind mismatch"):

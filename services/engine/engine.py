@@ -529,7 +529,7 @@ def _attention_backend(wanted: str, device: torch.device) -> str:
     Triton's interpreter (TRITON_INTERPRET=1) — for tests, far too slow to serve."""
     if wanted == "torch" or (wanted == "auto" and device.type != "cuda"):
         return "torch"
-    from services.engine import triton_attention
+    import services.engine.triton_attention as triton_attention
 
     if not triton_attention.available():
         if wanted == "triton":

@@ -355,7 +355,7 @@ class Attention(nn.Module):
 
         out = torch.empty(T, self.n_heads, self.hd, dtype=x.dtype, device=x.device)
         if meta.decode_rows is not None and self.triton_decode:
-            from services.engine import triton_attention
+            import services.engine.triton_attention as triton_attention
 
             assert meta.decode_tables is not None and meta.decode_lens is not None
             all_decode = meta.decode_rows.shape[0] == T

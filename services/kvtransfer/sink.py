@@ -154,7 +154,7 @@ class KvSink:
         """GPU to GPU on one node: pin the producer's device copy (the open), map it by its IPC handle, copy it
         into this process's own device memory, wait for the copy, unpin (done). The data is a device tensor
         (raw, never encoded: compression is for the wire, and no wire is crossed)."""
-        from . import cuda_ipc
+        from services.kvtransfer import cuda_ipc
 
         if not ticket.device_handle:
             raise TransferUnavailable(f"{ticket.key}: the producer offered no device copy for cuda_ipc")

@@ -168,7 +168,7 @@ class KvSource:
             backends[SHM] = self.node_id
         device_handle = ""
         if CUDA_IPC in self.config.backends and getattr(device_payload, "is_cuda", False):
-            from . import cuda_ipc
+            from services.kvtransfer import cuda_ipc
 
             device_handle = json.dumps(cuda_ipc.describe(device_payload), separators=(",", ":"))
             pub.device_copy = device_payload
