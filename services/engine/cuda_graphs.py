@@ -86,7 +86,7 @@ class DecodeGraphs:
         n = len(tokens)
         b = next(x for x in self.buckets if x >= n)
         nb = len(tables[0])
-        host = torch.empty(4 * n + n * nb, dtype=torch.long, pin_memory=True)
+        host = torch.empty(4 * n + n * nb, dtype=torch.long, pin_memory=self.kv.device.type == "cuda")
         host[:n] = torch.tensor(tokens)
         host[n : 2 * n] = torch.tensor(positions)
         host[2 * n : 3 * n] = torch.tensor(slots)
