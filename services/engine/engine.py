@@ -388,9 +388,12 @@ class LLMEngine:
             elif a == 0:
                 prefills.append(PrefillSegment(row, row + chunk.num_tokens))
             else:
-                rows = self.kv.gather_index(self._h2d(table))
+                ids = self._h2d(table)
                 qpos = torch.arange(a, b, device=self.device)
-                prefills.append(PrefillSegment(row, row + chunk.num_tokens, rows, qpos))
+                seg = PrefillSegment(row, row + chunk.num_tokens, self.kv.gather_index(ids), qpos)
+                if self.attention_backend == "triton":
+                    seg.block_table, seg.start_pos = ids.to(torch.int32), a
+                prefills.append(seg)
             if chunk.samples:
                 sample_rows.append(row + chunk.num_tokens - 1)
                 sample_reqs.append(req)

@@ -152,6 +152,9 @@ class PrefillSegment:
     end: int
     ctx_rows: torch.Tensor | None = None
     positions: torch.Tensor | None = None
+    # for the Triton backend: the sequence's block table (int32) and the position of the chunk's first token
+    block_table: torch.Tensor | None = None
+    start_pos: int = 0
 
 
 @dataclass
@@ -429,6 +432,15 @@ class Attention(nn.Module):
         """SDPA for each prefill segment of the step, into its rows of out ([T, heads, head_dim])."""
         bs = k_cache.shape[1]
         for seg in meta.prefills:
+            if self.triton_decode and seg.block_table is not None:
+                # chunked prefill / prefix hit: the chunk's K/V are in the cache already; read the blocks in place
+                import services.engine.triton_attention as triton_attention
+
+                out[seg.start : seg.end] = triton_attention.paged_prefill_attention(
+                    q[seg.start : seg.end].contiguous(), k_cache, v_cache, seg.block_table, seg.start_pos,
+                    self.scale, self.n_kv,
+                )  # fmt: skip
+                continue
             # SDPA takes its fast (and transformers-identical) CPU path only for 4-D inputs: [1, heads, n, hd]
             qs = q[seg.start : seg.end].transpose(0, 1)[None]
             if seg.ctx_rows is None:
