@@ -10,7 +10,6 @@ This room never runs the model and never downloads anything.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 from dataclasses import dataclass
@@ -19,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
+import xxhash
 
 from services.engine.config import ModelConfig, ModelLoadError, RopeScaling
 
@@ -342,8 +342,13 @@ def load_hf_dir(path: str | os.PathLike[str]) -> LoadedModel:
 
 
 def model_fingerprint(config: ModelConfig, weights: Weights, quant_id: str = "none") -> str:
-    """Hash of config + weights + quantization; KV from a model with another fingerprint is refused."""
-    h = hashlib.sha256()
+    """Hash of config + weights + quantization; KV from a model with another fingerprint is refused.
+
+    The same on every device: floating weights are hashed as float32 values (converted where they live, so a
+    GPU-resident model is converted on the GPU), integers as their bytes. xxh3-128 rather than a cryptographic
+    hash: this is a compatibility check, and an 8B model's 32 GB of float32 hash in seconds, not half a minute."""
+    h = xxhash.xxh3_128()
+    h.update(b"rackserve-fingerprint/2\0")
     h.update(config.canonical_json().encode())
     h.update(b"\0quant=" + quant_id.encode())
     for name in sorted(weights):
@@ -351,6 +356,8 @@ def model_fingerprint(config: ModelConfig, weights: Weights, quant_id: str = "no
         parts = [w] if isinstance(w, torch.Tensor) else [w.packed, w.scales, w.global_scale.reshape(1)]
         h.update(f"\0{name}:{tuple(w.shape)}\0".encode())
         for t in parts:
-            t = t.detach().contiguous()
-            h.update(t.to(torch.float32).numpy().tobytes() if t.is_floating_point() else t.numpy().tobytes())
+            t = t.detach()
+            if t.is_floating_point():
+                t = t.to(torch.float32)
+            h.update(t.contiguous().cpu().numpy().data.cast("B"))
     return h.hexdigest()[:32]
