@@ -253,6 +253,12 @@ def test_available_under_the_interpreter(interpreted):
     assert interpreted[1]["available"] is True
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-device answer")
+def test_not_available_without_a_device_or_the_interpreter(monkeypatch):
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    assert ta.available() is False
+
+
 @pytest.mark.parametrize("name", NONPOISON)
 def test_decode_matches_the_torch_reference(interpreted, name):
     inputs, outputs = interpreted

@@ -225,9 +225,12 @@ def _next_pow2(n: int) -> int:
     return 1 << max(0, (n - 1).bit_length())
 
 
-def _tile(block_size: int) -> int:
-    # several blocks per tile: fewer loop trips, and a dot at least 16 wide even for block_size 8
-    return max(64, block_size)
+def _tile(head_dim: int, dtype: torch.dtype) -> int:
+    """Keys per loop trip. Tokens are addressed one by one (table -> row -> offset), so a tile need not line up
+    with blocks: it is sized to keep one K or V tile near 16 KiB (pipelined loads keep a few in shared memory),
+    and at least 16 wide for tl.dot."""
+    elem = torch.empty(0, dtype=dtype).element_size()
+    return max(16, min(64, 16384 // (head_dim * elem)))
 
 
 def _upcast(dtype: torch.dtype) -> bool:
@@ -308,7 +311,7 @@ def paged_decode_attention(
     elif out.shape != q.shape or out.dtype != q.dtype or out.stride(-1) != 1:
         raise ValueError(f"out must be {tuple(q.shape)} {q.dtype}, contiguous in head_dim")
     group = num_heads // num_kv_heads
-    tile = _tile(block_size)
+    tile = _tile(head_dim, q.dtype)
     max_context = block_tables.shape[1] * block_size
     splits = choose_num_splits(B, num_kv_heads, max_context) if num_splits is None else num_splits
     if splits < 1:
@@ -380,6 +383,6 @@ def paged_prefill_attention(
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
         out.stride(0), out.stride(1), n, start_pos, k_cache.shape[0] // num_kv_heads, scale * LOG2E,
         GROUP=num_heads // num_kv_heads, HEAD_DIM=head_dim, BLOCK_SIZE=block_size, BLOCK_M=block_m,
-        TILE=_tile(block_size), UPCAST=_upcast(q.dtype),
+        TILE=_tile(head_dim, q.dtype), UPCAST=_upcast(q.dtype),
     )  # fmt: skip
     return out
