@@ -229,8 +229,7 @@ def _tile(head_dim: int, dtype: torch.dtype) -> int:
     """Keys per loop trip. Tokens are addressed one by one (table -> row -> offset), so a tile need not line up
     with blocks: it is sized to keep one K or V tile near 16 KiB (pipelined loads keep a few in shared memory),
     and at least 16 wide for tl.dot."""
-    elem = torch.empty(0, dtype=dtype).element_size()
-    return max(16, min(64, 16384 // (head_dim * elem)))
+    return max(16, min(64, 16384 // (head_dim * dtype.itemsize)))
 
 
 def _upcast(dtype: torch.dtype) -> bool:
@@ -252,6 +251,10 @@ def _check_cache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
         raise ValueError(f"q dtype {q.dtype} not supported (fp32, bf16, fp16)")
     if k_cache.dtype != q.dtype or v_cache.dtype != q.dtype:
         raise ValueError(f"q is {q.dtype} but the cache is {k_cache.dtype}/{v_cache.dtype}")
+    if q.dim() != 3:
+        raise ValueError(f"q must be [tokens, num_heads, head_dim], got {tuple(q.shape)}")
+    if k_cache.device != q.device or v_cache.device != q.device:
+        raise ValueError(f"q is on {q.device} but the cache is on {k_cache.device}/{v_cache.device}")
     if k_cache.dim() != 3 or k_cache.shape != v_cache.shape:
         raise ValueError("k/v caches must be one layer's [kv_heads * blocks, block_size, head_dim] views")
     rows, block_size, head_dim = k_cache.shape
