@@ -12,6 +12,7 @@ so the kernels run in one child process (this file run as a script) on inputs th
 
 from __future__ import annotations
 
+import importlib.util
 import math
 import os
 import subprocess
@@ -20,11 +21,13 @@ from pathlib import Path
 
 import pytest
 import torch
+import torch.nn.functional as F
 
-pytest.importorskip("triton")
+triton = pytest.importorskip("triton")
 
 from services.engine import triton_attention as ta  # noqa: E402
-from services.engine.model import layer_rows  # noqa: E402
+from services.engine.config import ModelConfig  # noqa: E402
+from services.engine.model import AttnMetadata, PagedKvCache, layer_rows  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -164,6 +167,46 @@ def prefill_cases() -> dict[str, dict]:
     }
 
 
+def engine_step() -> dict:
+    """Layer 1 of the engine's own PagedKvCache (SmolLM2's attention shape, bf16) with the inputs a step hands the
+    kernels: decode tables padded with block 0 as engine.py pads them (block 0 is another sequence's here), and a
+    prefill chunk after a cached prefix. `expected` is what model.py's torch path (SDPA) computes from them."""
+    cfg = ModelConfig(architecture="llama", num_layers=2, hidden_size=576, num_heads=9, num_kv_heads=3,
+                      head_dim=64, intermediate_size=1536, vocab_size=64, rope_theta=1e4, rms_norm_eps=1e-5,
+                      max_context=256, tie_embeddings=True)  # fmt: skip
+    kv = PagedKvCache(cfg, num_blocks=24, block_size=16, dtype=torch.bfloat16)
+    kv.data.copy_(torch.randn(kv.data.shape, generator=gen(60)))
+    tables, lens = [[5, 17, 2], [0], [11, 3, 20, 7, 13]], [40, 16, 70]
+    meta = AttnMetadata(
+        slot_mapping=torch.zeros(0, dtype=torch.int64),
+        decode_tables=torch.tensor([t + [0] * (5 - len(t)) for t in tables], dtype=torch.int32),
+        decode_lens=torch.tensor(lens, dtype=torch.int32),
+    )
+    k, v, scale = kv.k[1], kv.v[1], 1 / 8
+    q = torch.randn(3, 9, 64, generator=gen(61)).to(torch.bfloat16)
+    rows, mask = meta.decode_gather(k, 3)
+    kd, vd = (c.index_select(0, rows).view(3, 3, 80, 64).transpose(0, 1) for c in (k, v))
+    decode = F.scaled_dot_product_attention(
+        q[:, :, None], kd, vd, attn_mask=mask, enable_gqa=True, scale=scale
+    )
+    # prefill: tokens 40..69 of the third sequence, after a 40-token cached prefix
+    ctx_rows, positions = kv.gather_index(torch.tensor(tables[2])), torch.arange(40, 70)
+    qp = torch.randn(30, 9, 64, generator=gen(62)).to(torch.bfloat16)
+    kp, vp = (c.index_select(0, ctx_rows).view(1, 3, 80, 64) for c in (k, v))
+    causal = torch.arange(80)[None, :] <= positions[:, None]
+    prefill = F.scaled_dot_product_attention(
+        qp.transpose(0, 1)[None], kp, vp, attn_mask=causal, enable_gqa=True, scale=scale
+    )
+    return dict(
+        decode=dict(q=q, k_cache=k, v_cache=v, block_tables=meta.decode_tables, seq_lens=meta.decode_lens,
+                    num_kv_heads=3, scale=scale),
+        prefill=dict(q=qp, k_cache=k, v_cache=v, block_table=torch.tensor(tables[2], dtype=torch.int32),
+                     start_pos=40, scale=scale, num_kv_heads=3),
+        expected_decode=decode[:, :, 0],
+        expected_prefill=prefill[0].transpose(0, 1),
+    )  # fmt: skip
+
+
 # ------------------------------------------------------------------------------------------------ reference
 
 
@@ -218,13 +261,18 @@ def run_interpreted(inputs_path: Path, outputs_path: Path) -> None:
     out["into_out"] = (wide, returned.data_ptr() == wide.data_ptr())
     for name, case in inputs["prefill"].items():
         out["prefill"][name] = triton_attention.paged_prefill_attention(**case)  # type: ignore[index]
+    step = inputs["engine"]
+    out["engine"] = (
+        triton_attention.paged_decode_attention(**step["decode"]),
+        triton_attention.paged_prefill_attention(**step["prefill"]),
+    )
     torch.save(out, outputs_path)
 
 
 @pytest.fixture(scope="module")
 def interpreted(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("triton_attention")
-    inputs = {"decode": decode_cases(), "prefill": prefill_cases()}
+    inputs = {"decode": decode_cases(), "prefill": prefill_cases(), "engine": engine_step()}
     torch.save(inputs, tmp / "inputs.pt")
     env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(REPO))
     proc = subprocess.run(
@@ -251,6 +299,12 @@ NONPOISON = [n for n in decode_cases() if not n.startswith("poison")]
 
 def test_available_under_the_interpreter(interpreted):
     assert interpreted[1]["available"] is True
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-device answer")
+def test_not_available_without_a_device_or_the_interpreter(monkeypatch):
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    assert ta.available() is False
 
 
 @pytest.mark.parametrize("name", NONPOISON)
@@ -304,6 +358,15 @@ def test_prefill_matches_the_causal_torch_reference(interpreted, name):
     torch.testing.assert_close(got.float(), reference_prefill(**case), **tolerance(got.dtype))
 
 
+def test_kernels_agree_with_the_engines_torch_path_on_its_own_cache_and_metadata(interpreted):
+    inputs, outputs = interpreted
+    step = inputs["engine"]
+    decode, prefill = outputs["engine"]
+    tol = tolerance(torch.bfloat16)
+    torch.testing.assert_close(decode.float(), step["expected_decode"].float(), **tol)
+    torch.testing.assert_close(prefill.float(), step["expected_prefill"].float(), **tol)
+
+
 def test_choose_num_splits_depends_on_shape_only_and_stays_a_power_of_two():
     assert ta.choose_num_splits(1, 8, 512) == 1  # short context: one pass
     assert ta.choose_num_splits(64, 8, 32768) == 1  # 512 programs already fill the GPU
@@ -321,15 +384,53 @@ def test_choose_num_splits_depends_on_shape_only_and_stays_a_power_of_two():
         (dict(cache_dtype=torch.float16), "cache is torch.float16"),
         (dict(heads=8), "num_heads 8"),
         (dict(table_dtype=torch.int64), "int32"),
+        (dict(flat_q=True), r"q must be \[tokens, num_heads, head_dim\]"),
     ],
 )
 def test_unsupported_inputs_are_refused_by_name(change, message):
     bs, hd, heads = change.get("block_size", 16), change.get("head_dim", 64), change.get("heads", 9)
-    q = torch.zeros(2, heads, hd)
+    q = torch.zeros(2, heads * hd) if change.get("flat_q") else torch.zeros(2, heads, hd)
     k = torch.zeros(3 * 4, bs, hd, dtype=change.get("cache_dtype", torch.float32))
     tables = torch.zeros(2, 2, dtype=change.get("table_dtype", torch.int32))
     with pytest.raises(ValueError, match=message):
         ta.paged_decode_attention(q, k, k, tables, torch.ones(2, dtype=torch.int32), 3, 0.125)
+
+
+def compile_for_sm90(fn, pointers: dict[str, str], constexprs: dict):
+    """Ahead-of-time compile for an H100 (sm_90) with Triton's bundled ptxas: no GPU needed, unlike a launch."""
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    sig = {
+        n: "constexpr" if n in constexprs else pointers.get(n, "fp32" if n == "qk_scale" else "i32")
+        for n in fn.arg_names
+    }
+    src = ASTSource(fn=fn, signature=sig, constexprs=constexprs)
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4, "num_stages": 3})
+
+
+def test_kernels_compile_for_sm90_within_every_gpus_shared_memory():
+    """The interpreter never lowers to PTX; this does, for SmolLM2's bf16 shapes. 99 KiB is the smallest
+    per-block shared memory of sm_80+ parts (sm_86/89), so a launch cannot fail for lack of it."""
+    if importlib.util.find_spec("triton.backends.nvidia") is None:
+        pytest.skip("triton built without the NVIDIA backend")
+    io = {n: "*bf16" for n in ("Q", "K", "V", "OUT")}
+    part = {"M_PART": "*fp32", "L_PART": "*fp32", "ACC_PART": "*fp32"}
+    tile = ta._tile(64, torch.bfloat16)
+    common = dict(GROUP=3, GROUP_PAD=16, HEAD_DIM=64, BLOCK_SIZE=16, TILE=tile, FP32=False, UPCAST=False)
+    kernels = [
+        (ta._decode_kernel, io | {"TABLES": "*i32", "LENS": "*i32"} | part,
+         common | dict(NUM_SPLITS=1, SPLIT=False)),
+        (ta._decode_kernel, io | {"TABLES": "*i32", "LENS": "*i32"} | part,
+         common | dict(NUM_SPLITS=8, SPLIT=True)),
+        (ta._reduce_splits_kernel, part | {"OUT": "*bf16"}, dict(NUM_SPLITS=8, SPLITS_PAD=8, HEAD_DIM=64)),
+        (ta._prefill_kernel, io | {"TABLE": "*i32"},
+         dict(GROUP=3, HEAD_DIM=64, BLOCK_SIZE=16, BLOCK_M=64, TILE=tile, FP32=False, UPCAST=False)),
+    ]  # fmt: skip
+    for fn, pointers, constexprs in kernels:
+        compiled = compile_for_sm90(fn, pointers, constexprs)
+        assert compiled.asm["cubin"], fn.__name__
+        assert compiled.metadata.shared <= 99 * 1024, (fn.__name__, compiled.metadata.shared)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")

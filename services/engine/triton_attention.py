@@ -58,14 +58,18 @@ def _jit(fn):  # type: ignore[no-untyped-def]
 
 
 @_jit
-def _dot(a, b, UPCAST: tl.constexpr):
-    """a @ b with fp32 accumulation (and true fp32 products for fp32 inputs, never TF32).
+def _dot(a, b, FP32: tl.constexpr, UPCAST: tl.constexpr):
+    """a @ b with fp32 accumulation: true fp32 products for fp32 inputs (never TF32), tensor cores for 16-bit.
 
     Triton's interpreter multiplies bf16 tiles as their raw uint16 bits, so under TRITON_INTERPRET=1 bf16 operands
     are widened first: bf16 x bf16 products are exact in fp32, so this is the tensor-core dot's math."""
     if UPCAST:
-        return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
-    return tl.dot(a, b, input_precision="ieee")
+        c = tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
+    elif FP32:
+        c = tl.dot(a, b, input_precision="ieee")
+    else:
+        c = tl.dot(a, b)
+    return c
 
 
 @_jit
@@ -74,7 +78,8 @@ def _decode_kernel(
     stride_qb, stride_qh, stride_kr, stride_kt, stride_vr, stride_vt, stride_tb, stride_ob, stride_oh,
     num_blocks, split_len, qk_scale,
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-    TILE: tl.constexpr, NUM_SPLITS: tl.constexpr, SPLIT: tl.constexpr, UPCAST: tl.constexpr,
+    TILE: tl.constexpr, NUM_SPLITS: tl.constexpr, SPLIT: tl.constexpr, FP32: tl.constexpr,
+    UPCAST: tl.constexpr,
 ):  # fmt: skip
     """One (sequence, KV head[, split]): online softmax over its keys for the whole query group."""
     b = tl.program_id(0)
@@ -112,7 +117,7 @@ def _decode_kernel(
         k = tl.load(
             K + (row * stride_kr + tok * stride_kt)[:, None] + offs_d[None, :], mask=valid[:, None], other=0.0
         )
-        scores = _dot(q, tl.trans(k), UPCAST) * qk_scale  # log2 units
+        scores = _dot(q, tl.trans(k), FP32, UPCAST) * qk_scale  # log2 units
         scores = tl.where(valid[None, :], scores, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(scores, 1))
         alpha = tl.exp2(m_i - m_new)
@@ -121,7 +126,7 @@ def _decode_kernel(
         v = tl.load(
             V + (row * stride_vr + tok * stride_vt)[:, None] + offs_d[None, :], mask=valid[:, None], other=0.0
         )
-        acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, UPCAST)
+        acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, FP32, UPCAST)
         m_i = m_new
     if SPLIT:
         # partials [B, heads, NUM_SPLITS(, head_dim)], unnormalised; an empty split leaves m=-inf, l=0, acc=0
@@ -166,7 +171,7 @@ def _prefill_kernel(
     stride_qt, stride_qh, stride_kr, stride_kt, stride_vr, stride_vt, stride_ot, stride_oh,
     num_tokens, start_pos, num_blocks, qk_scale,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_M: tl.constexpr,
-    TILE: tl.constexpr, UPCAST: tl.constexpr,
+    TILE: tl.constexpr, FP32: tl.constexpr, UPCAST: tl.constexpr,
 ):  # fmt: skip
     """BLOCK_M queries of one head, causal over the cached prefix and the chunk (already in the cache)."""
     mblk = tl.program_id(0)
@@ -197,7 +202,7 @@ def _prefill_kernel(
         k = tl.load(
             K + (row * stride_kr + tok * stride_kt)[:, None] + offs_d[None, :], mask=valid[:, None], other=0.0
         )
-        scores = _dot(q, tl.trans(k), UPCAST) * qk_scale
+        scores = _dot(q, tl.trans(k), FP32, UPCAST) * qk_scale
         # key 0 is visible to every row (padding rows too), so no row's max stays -inf
         visible = valid[None, :] & (pos[None, :] <= q_pos[:, None])
         scores = tl.where(visible, scores, float("-inf"))
@@ -208,7 +213,7 @@ def _prefill_kernel(
         v = tl.load(
             V + (row * stride_vr + tok * stride_vt)[:, None] + offs_d[None, :], mask=valid[:, None], other=0.0
         )
-        acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, UPCAST)
+        acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, FP32, UPCAST)
         m_i = m_new
     out = acc / l_i[:, None]
     tl.store(
@@ -225,9 +230,11 @@ def _next_pow2(n: int) -> int:
     return 1 << max(0, (n - 1).bit_length())
 
 
-def _tile(block_size: int) -> int:
-    # several blocks per tile: fewer loop trips, and a dot at least 16 wide even for block_size 8
-    return max(64, block_size)
+def _tile(head_dim: int, dtype: torch.dtype) -> int:
+    """Keys per loop trip. Tokens are addressed one by one (table -> row -> offset), so a tile need not line up
+    with blocks: it is sized to keep one K or V tile near 16 KiB (pipelined loads keep a few in shared memory),
+    and at least 16 wide for tl.dot."""
+    return max(16, min(64, 16384 // (head_dim * dtype.itemsize)))
 
 
 def _upcast(dtype: torch.dtype) -> bool:
@@ -249,6 +256,10 @@ def _check_cache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
         raise ValueError(f"q dtype {q.dtype} not supported (fp32, bf16, fp16)")
     if k_cache.dtype != q.dtype or v_cache.dtype != q.dtype:
         raise ValueError(f"q is {q.dtype} but the cache is {k_cache.dtype}/{v_cache.dtype}")
+    if q.dim() != 3:
+        raise ValueError(f"q must be [tokens, num_heads, head_dim], got {tuple(q.shape)}")
+    if k_cache.device != q.device or v_cache.device != q.device:
+        raise ValueError(f"q is on {q.device} but the cache is on {k_cache.device}/{v_cache.device}")
     if k_cache.dim() != 3 or k_cache.shape != v_cache.shape:
         raise ValueError("k/v caches must be one layer's [kv_heads * blocks, block_size, head_dim] views")
     rows, block_size, head_dim = k_cache.shape
@@ -308,7 +319,7 @@ def paged_decode_attention(
     elif out.shape != q.shape or out.dtype != q.dtype or out.stride(-1) != 1:
         raise ValueError(f"out must be {tuple(q.shape)} {q.dtype}, contiguous in head_dim")
     group = num_heads // num_kv_heads
-    tile = _tile(block_size)
+    tile = _tile(head_dim, q.dtype)
     max_context = block_tables.shape[1] * block_size
     splits = choose_num_splits(B, num_kv_heads, max_context) if num_splits is None else num_splits
     if splits < 1:
@@ -317,7 +328,7 @@ def paged_decode_attention(
     split_len = math.ceil(math.ceil(max_context / splits) / tile) * tile
     common = dict(
         GROUP=group, GROUP_PAD=max(GROUP_ROWS, _next_pow2(group)), HEAD_DIM=head_dim, BLOCK_SIZE=block_size,
-        TILE=tile, NUM_SPLITS=splits, UPCAST=_upcast(q.dtype),
+        TILE=tile, NUM_SPLITS=splits, FP32=q.dtype == torch.float32, UPCAST=_upcast(q.dtype),
     )  # fmt: skip
     args = (
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
@@ -374,12 +385,13 @@ def paged_prefill_attention(
         raise ValueError(f"out must be {tuple(q.shape)} {q.dtype}, contiguous in head_dim")
     if n == 0:
         return out
-    block_m = 16 if n <= 16 else 64
+    # 64 query rows per program, fewer for short chunks and for wide fp32 rows (keeps shared memory < 99 KiB)
+    block_m = 16 if n <= 16 else 32 if head_dim * q.dtype.itemsize > 512 else 64
     _prefill_kernel[(triton.cdiv(n, block_m), num_heads)](
         q, k_cache, v_cache, block_table, out,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
         out.stride(0), out.stride(1), n, start_pos, k_cache.shape[0] // num_kv_heads, scale * LOG2E,
         GROUP=num_heads // num_kv_heads, HEAD_DIM=head_dim, BLOCK_SIZE=block_size, BLOCK_M=block_m,
-        TILE=_tile(block_size), UPCAST=_upcast(q.dtype),
+        TILE=_tile(head_dim, q.dtype), FP32=q.dtype == torch.float32, UPCAST=_upcast(q.dtype),
     )  # fmt: skip
     return out
