@@ -20,7 +20,9 @@ from loadgen.workload import TOKEN_HI, TOKEN_LO, RequestSpec
 
 TRACE_BLOCK_TOKENS = 512
 # The trace ships inside the package (loadgen/traces/README.md names its origin and licence).
-DEFAULT_TRACE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "traces", "mooncake_synthetic_trace.jsonl")
+DEFAULT_TRACE = os.path.join(
+    os.path.dirname(os.path.abspath(__file__)), "traces", "mooncake_synthetic_trace.jsonl"
+)
 
 
 def load_records(path: str = DEFAULT_TRACE, limit: int | None = None) -> list[dict]:

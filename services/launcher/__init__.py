@@ -21,6 +21,9 @@ import urllib.error
 import urllib.request
 from dataclasses import dataclass, field
 
+from services.engine.config import SUPPORTED_DTYPES, EngineConfig
+from services.router.policy import DEFAULT_MODE, MODES
+
 ROLES = ("router", "prefill", "decode", "frontend")
 
 
@@ -35,15 +38,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--model", default="", help="a .gguf file or a Hugging Face directory (default: SmolLM2-135M)"
     )
-    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    p.add_argument("--dtype", default=EngineConfig.dtype, choices=SUPPORTED_DTYPES)
     p.add_argument(
         "--threads", type=int, default=1, help="torch threads per worker (pin them on small machines)"
     )
     p.add_argument("--kv-cache-bytes", type=int, default=256 << 20, help="KV cache per worker")
     p.add_argument(
         "--mode",
-        default="auto",
-        choices=["agg", "disagg", "auto"],
+        default=DEFAULT_MODE,
+        choices=MODES,
         help="the router's disaggregation mode: agg (decode prefills), disagg (always remote prefill), "
         "auto (the router's cost model picks remote or local prefill per request)",
     )
