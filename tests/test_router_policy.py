@@ -51,7 +51,7 @@ def D(worker_id: str, **kw: object) -> WorkerState:  # noqa: N802
     return WorkerState(worker_id, "decode", epoch=1, **kw)  # type: ignore[arg-type]
 
 
-# ------------------------------------------------------------------------------------ the seed's A-vs-B case
+# ------------------------------------------------------------------------------------ cache vs queue (A cached, B idle)
 
 
 @pytest.mark.parametrize(
@@ -398,7 +398,7 @@ def test_every_weight_is_a_flag_that_reaches_the_policy() -> None:
     )
     policy = policy_from_args(args)
     assert policy.name == "dynamo_kv" and policy.mode == "agg"
-    assert policy.overlap_weight == 4.0  # type: ignore[attr-defined]
+    assert policy.options.overlap_weight == 4.0
     assert policy.settings.prefill_tokens_per_s == 1000.0
     flags = parser.format_help()
     for name in CostSettings.__dataclass_fields__:
