@@ -32,6 +32,7 @@ from pathlib import Path
 import grpc
 
 from services.discovery import WorkerDirectory
+from services.engine.config import SUPPORTED_DTYPES
 from services.rpc import pb, pb_grpc
 from tests.support.etcd import EtcdServer
 
@@ -215,7 +216,7 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="one wave per cell")
     parser.add_argument("--concurrency", type=int, default=2)
     parser.add_argument("--rounds", type=int, default=2)
-    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    parser.add_argument("--dtype", default="float32", choices=SUPPORTED_DTYPES)
     args = parser.parse_args()
     if args.quick:
         args.rounds = 1

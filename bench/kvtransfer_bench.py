@@ -12,7 +12,7 @@ Writes a markdown report to stdout and to bench/results/kvtransfer.md:
    xxh3; NIXL pulls check the size and the publication, so NIXL's default is the "none" row.
    NIXL is measured from two producers: one with `--kv-backends tcp,nixl` (the payload staged in huge pages,
    as for a cross-node pool) and one with the default tcp,shm,nixl (NIXL then reads the shm segment).
-2. The figure the issue asks for: NIXL / memcpy at 64 MiB (target >= 0.8). Every timed pull is followed by one
+2. The headline figure: NIXL / memcpy at 64 MiB (target >= 0.8). Every timed pull is followed by one
    single-process memcpy of the same size, so both see the same machine load; the ratio is the median of
    those pairs, with its quartiles as the noise.
 3. Loopback limits in the same run: copy out of a /dev/shm mapping, a plain blocking socket.

@@ -6,7 +6,7 @@ Writes a markdown report to stdout and to bench/results/nvfp4.md:
 
 1. Relative Frobenius error ||Q(x) - x|| / ||x|| on seeded 1024x4096 tensors (Gaussian, Student-t df=3 and
    df=1.5, Gaussian with 0.1 % of entries x50) for NVFP4, NVFP4 without the tensor scale (g_e = 1), MXFP4
-   (E8M0 scale per 32, OCP rule) and FP4 with one FP32 scale per tensor, next to NVFP4.md's numbers.
+   (E8M0 scale per 32, OCP rule) and FP4 with one FP32 scale per tensor, next to docs/nvfp4.md's numbers.
 2. CPU quantize throughput (input bytes / time) next to a torch memcpy of the same bytes in the same run.
 
 The model-level comparison (perplexity, token agreement) belongs to the engine benchmark.
@@ -27,7 +27,7 @@ from services.engine.nvfp4.recipe import dequantize, e2m1_codes, e2m1_values, qu
 ROWS, COLS = 1024, 4096
 RESULTS = Path(__file__).resolve().parent / "results" / "nvfp4.md"
 
-# NVFP4.md's table, measured with an independent implementation: scheme -> distribution -> error.
+# docs/nvfp4.md's table, measured with an independent implementation: scheme -> distribution -> error.
 NVFP4_MD = {
     "NVFP4 (E4M3 per 16 + FP32 per tensor)": (0.095, 0.091, 0.028, 0.074),
     "NVFP4 without the tensor scale": (0.095, 0.091, 0.666, 0.074),
@@ -149,7 +149,7 @@ def report() -> str:
             "# NVFP4 benchmark",
             f"`python -m bench.nvfp4_bench` — {env}.",
             "## Quantization error, relative Frobenius ||Q(x)-x|| / ||x||, 1024x4096, seeded",
-            "Each cell: this run (NVFP4.md's independent measurement).",
+            "Each cell: this run (docs/nvfp4.md's independent measurement).",
             error_table(),
             "## CPU quantize throughput (torch reference, input bytes / median time)",
             "Memcpy is `Tensor.copy_` of the same bytes in the same run; the ratio is the figure to compare.",

@@ -37,7 +37,7 @@ def add_workload_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--user-len", default="uniform:20:80", help="text: tokens per user turn")
     g.add_argument("--system-prompt-tokens", type=int, default=200, help="text: shared system prompt length")
     g.add_argument("--system-prompts", type=int, default=1, help="text: distinct system prompts")
-    g.add_argument("--trace", default=None, help="mooncake: the trace .jsonl (default: the copy in loadgen/traces)")
+    g.add_argument("--trace", default=None, help="mooncake: the trace .jsonl (default: loadgen/traces/)")
     g.add_argument("--trace-limit", type=int, default=None, help="mooncake: first N records")
     g.add_argument("--scale", type=int, default=32, help="mooncake: 512-token blocks become 512/scale tokens")
     g.add_argument("--output-scale", type=float, default=1.0, help="mooncake: divide output lengths by this")

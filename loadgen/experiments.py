@@ -4,7 +4,7 @@
    4 prefill + 4 decode workers, router mode auto) at the trace's rate and at 2x: goodput under SLO, TTFT
    p50/p99, prefix hit rate; and at 2x in mode disagg, where only the prefill placement differs.
    The TTFT policy also runs with a prefill-rate estimate 30% off either way.
-2. The seed's counter-examples as named scenarios:
+2. Routing's counter-examples (docs/routing.md) as named scenarios:
    hot_prefix_long_queue  A holds the prompt's prefix but has a queue, B is idle and cold (cache-only loses)
    near_vs_far_cache      the prefix is cached on two prefill workers, one across racks (topology matters)
    burst_same_prefix      100 requests with one new prefix at once (min-TTFT scatters it unless queued

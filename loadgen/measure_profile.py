@@ -28,6 +28,7 @@ from loadgen.client import LoadGenerator, RunConfig
 from loadgen.local import rackserve_up
 from loadgen.sim.profile import PROFILE_DIR
 from loadgen.workload import Lengths, synthetic
+from services.router.cost_model import SAME_NODE, SAME_RACK, SAME_ZONE
 
 MODEL = "SmolLM2-135M-Instruct"
 # SmolLM2-135M: 30 layers, 3 KV heads of 64; bf16 K and V → 30*3*64*2*2 bytes per token
@@ -110,7 +111,7 @@ def profile_from(m: dict, when: str) -> dict:
         "decode_per_seq_s": round(f["decode_per_seq_s"], 6),
         "decode_per_ctx_token_s": f["decode_per_ctx_token_s"],
         "max_batch": 64,
-        "links": {"same_node": link, "same_rack": link, "cross_rack": link},
+        "links": {SAME_NODE: link, SAME_RACK: link, SAME_ZONE: link},
         "workers_per_node": 64,
         "nodes_per_rack": 1,
         "notes": "one host: all link classes carry the measured same-host hand-off rate (KV bytes over the "

@@ -158,10 +158,6 @@ def summarize(
     }
 
 
-def results_of(report: dict[str, Any]) -> list[RequestResult]:
-    return [RequestResult(**r) for r in report["requests"]]
-
-
 def save_json(report: dict[str, Any], path: str) -> None:
     with open(path, "w") as f:
         json.dump(report, f, indent=1)

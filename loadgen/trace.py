@@ -19,20 +19,15 @@ import numpy as np
 from loadgen.workload import TOKEN_HI, TOKEN_LO, RequestSpec
 
 TRACE_BLOCK_TOKENS = 512
-_REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-_TRACE_CANDIDATES = (
-    os.path.join(_REPO, "shared/data/traces/mooncake_synthetic_trace.jsonl"),
-    os.path.join(os.path.dirname(_REPO), "shared/data/traces/mooncake_synthetic_trace.jsonl"),
-    "/work/shared/data/traces/mooncake_synthetic_trace.jsonl",
-)
-DEFAULT_TRACE = os.environ.get("RACKSERVE_MOONCAKE_TRACE") or next(
-    (p for p in _TRACE_CANDIDATES if os.path.exists(p)), _TRACE_CANDIDATES[1]
+# The trace ships inside the package (loadgen/traces/README.md names its origin and licence).
+DEFAULT_TRACE = os.path.join(
+    os.path.dirname(os.path.abspath(__file__)), "traces", "mooncake_synthetic_trace.jsonl"
 )
 
 
 def load_records(path: str = DEFAULT_TRACE, limit: int | None = None) -> list[dict]:
     if not os.path.exists(path):
-        raise FileNotFoundError(f"no trace at {path} (set --trace or RACKSERVE_MOONCAKE_TRACE)")
+        raise FileNotFoundError(f"no trace at {path} (pass --trace PATH)")
     out = []
     with open(path) as f:
         for line in f:

@@ -1,8 +1,8 @@
 """Discovery against a real etcd: registrations, leases, watches, and what happens when etcd or a worker dies.
 
 Every test starts its own etcd (tests/support/etcd.py); worker processes are real subprocesses killed with real
-signals. Time bounds here are behavioural deadlines from DESIGN.md §4 (a graceful exit is seen at once, a crash
-within the lease TTL), not performance measurements.
+signals. Time bounds here are behavioural deadlines from docs/design.md, "Discovery" (a graceful exit is seen at
+once, a crash within the lease TTL), not performance measurements.
 """
 
 from __future__ import annotations

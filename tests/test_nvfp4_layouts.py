@@ -1,4 +1,4 @@
-"""The 128x4 swizzled block-scale layout of NVFP4.md, checked against its offset formula by hand.
+"""The 128x4 swizzled block-scale layout of docs/nvfp4.md, checked against its offset formula by hand.
 
 Expected offsets are computed by hand from
 offset(m, k) = (m//128)·nKt·512 + (k//4)·512 + (m%32)·16 + ((m%128)//32)·4 + k%4.

@@ -1,6 +1,6 @@
-"""The NVFP4 recipe (services/engine/nvfp4/recipe.py) pinned byte for byte on NVFP4.md's edge cases.
+"""The NVFP4 recipe (services/engine/nvfp4/recipe.py) pinned byte for byte on docs/nvfp4.md's edge cases.
 
-Every expected byte below was worked out by hand from NVFP4.md, not produced by the implementation. Most cases
+Every expected byte below was worked out by hand from docs/nvfp4.md, not produced by the implementation. Most cases
 put an "anchor" block [2688, 0, ...] first so that amax = 2688 and g_e = 2688 / 2688 = 1 exactly; then a block
 whose amax is 6·m gets v = fl(6m · fl(1/6)) = m (the product is m·(1 + 1.8e-8), inside half an ulp), its
 E4M3 scale is e4m3(m), and when that scale is a power of two y = x / s is exact, so E2M1 ties land exactly.

@@ -7,6 +7,7 @@ prefix index, load reports — and asserts who is chosen and why.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 from collections import Counter
 
 import pytest
@@ -15,14 +16,17 @@ from services.engine.block_hash import block_hashes
 from services.router.cost_model import CostSettings, RateMeter, link_class
 from services.router.policy import (
     POLICIES,
+    REGISTRY,
     NoWorkerError,
     RouteQuery,
     WorkerState,
     make_policy,
+    setting_flag,
 )
 from services.router.prefix_index import PrefixIndex
 from services.router.server import add_arguments, policy_from_args, route_plan
 from services.router.state import RouterState
+from services.runtime.args import env_name
 
 BS = 16
 
@@ -51,7 +55,7 @@ def D(worker_id: str, **kw: object) -> WorkerState:  # noqa: N802
     return WorkerState(worker_id, "decode", epoch=1, **kw)  # type: ignore[arg-type]
 
 
-# ------------------------------------------------------------------------------------ the seed's A-vs-B case
+# ------------------------------------------------------------------------------------ cache vs queue (A cached, B idle)
 
 
 @pytest.mark.parametrize(
@@ -398,8 +402,32 @@ def test_every_weight_is_a_flag_that_reaches_the_policy() -> None:
     )
     policy = policy_from_args(args)
     assert policy.name == "dynamo_kv" and policy.mode == "agg"
-    assert policy.overlap_weight == 4.0  # type: ignore[attr-defined]
+    assert policy.options.overlap_weight == 4.0
     assert policy.settings.prefill_tokens_per_s == 1000.0
     flags = parser.format_help()
     for name in CostSettings.__dataclass_fields__:
         assert "--" + name.replace("_", "-") in flags
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+def test_every_policy_setting_is_a_flag_that_the_environment_reaches(
+    policy: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    settings_type = REGISTRY[policy].Settings
+    expected: dict[str, float] = {}
+    for f in dataclasses.fields(settings_type):
+        value = f.default * 2 + 1  # not the default, and of the field's type
+        monkeypatch.setenv(env_name(setting_flag(f)), str(value))
+        expected[f.name] = value
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    chosen = policy_from_args(parser.parse_args(["--policy", policy]))
+    assert type(chosen.options) is settings_type
+    assert {name: getattr(chosen.options, name) for name in expected} == expected
+
+
+def test_a_setting_the_policy_does_not_have_is_refused_by_name() -> None:
+    with pytest.raises(TypeError, match="overlap_weight"):
+        make_policy("ttft", overlap_weight=2.0)
+    with pytest.raises(ValueError, match="near_best_s"):
+        make_policy("ttft", near_best_s=-1.0)

@@ -108,4 +108,4 @@ def test_every_profile_loads_and_says_where_its_numbers_come_from(path):
     prof = load_profile(path)
     assert prof.source.startswith(("measured", "published figures")), prof.source
     assert prof.prefill_s(512, 0) > 0 and prof.decode_step_s(8, 4096) > 0
-    assert prof.transfer_s(1 << 30, "cross_rack") >= prof.transfer_s(1 << 30, "same_node")
+    assert prof.transfer_s(1 << 30, "same_zone") >= prof.transfer_s(1 << 30, "same_node")

@@ -6,6 +6,7 @@ import argparse
 import json
 
 from loadgen.sim.routing import POLICY_NAMES
+from services.router.policy import DEFAULT_MODE, MODES
 
 
 def add_sim_arguments(p: argparse.ArgumentParser) -> None:
@@ -15,7 +16,7 @@ def add_sim_arguments(p: argparse.ArgumentParser) -> None:
     )
     g.add_argument("--prefill", type=int, default=2, help="prefill workers")
     g.add_argument("--decode", type=int, default=2, help="decode workers")
-    g.add_argument("--mode", choices=("agg", "disagg", "auto"), default="auto", help="the router's mode")
+    g.add_argument("--mode", choices=MODES, default=DEFAULT_MODE, help="the router's mode")
     g.add_argument("--policy", choices=POLICY_NAMES, default="ttft")
     g.add_argument("--max-inflight", type=int, default=1_000_000, help="frontend admission limit")
     g.add_argument(

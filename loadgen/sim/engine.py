@@ -31,13 +31,15 @@ from loadgen.report import RequestResult
 from loadgen.sim.profile import Profile
 from loadgen.sim.routing import SimRouter
 from loadgen.workload import RequestSpec
+from services.router.cost_model import LOCAL, SAME_NODE, SAME_RACK, SAME_ZONE
+from services.router.policy import DEFAULT_MODE, MODES
 
 
 @dataclass
 class ClusterConfig:
     prefill_workers: int = 1
     decode_workers: int = 1
-    mode: str = "auto"  # the router's mode: agg (no prefill pool) | disagg | auto (the policy decides)
+    mode: str = DEFAULT_MODE  # the router's mode: agg (no prefill pool) | disagg | auto (the policy decides)
     policy: str = "ttft"
     max_inflight: int = 1_000_000
     migration_limit: int = 3
@@ -47,8 +49,8 @@ class ClusterConfig:
     rate_error: float = 1.0  # the router believes prefill runs this many times faster than it does
 
     def __post_init__(self) -> None:
-        if self.mode not in ("agg", "disagg", "auto"):
-            raise ValueError(f"mode must be agg, disagg or auto, got {self.mode!r}")
+        if self.mode not in MODES:
+            raise ValueError(f"mode must be one of {MODES}, got {self.mode!r}")
         if self.decode_workers < 1:
             raise ValueError("at least one decode worker")
         if self.mode != "agg" and self.prefill_workers < 1:
@@ -203,10 +205,10 @@ class Simulator:
 
     def link_class(self, a: Worker, b: Worker) -> str:
         if a.worker_id == b.worker_id:
-            return "same_worker"
+            return LOCAL
         if a.node == b.node:
-            return "same_node"
-        return "same_rack" if a.rack == b.rack else "cross_rack"
+            return SAME_NODE
+        return SAME_RACK if a.rack == b.rack else SAME_ZONE  # one simulated zone
 
     def run(self, specs: Sequence[RequestSpec], hashes: Sequence[list[int]]) -> list[RequestResult]:
         for spec, hs in zip(specs, hashes, strict=True):

@@ -15,8 +15,12 @@ import json
 import os
 from dataclasses import asdict, dataclass, field
 
+from services.router.cost_model import LOCAL, SAME_NODE, SAME_RACK, SAME_ZONE
+
 PROFILE_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "profiles")
-LINK_CLASSES = ("same_worker", "same_node", "same_rack", "cross_rack")
+# The router's link classes (services/router/cost_model.py) that a simulated cluster has: it models one zone, so
+# a transfer across racks is `same_zone`; `local` (one worker prefills and decodes) moves nothing.
+PROFILE_LINKS = (SAME_NODE, SAME_RACK, SAME_ZONE)
 
 
 @dataclass(frozen=True)
@@ -53,20 +57,11 @@ class Profile:
             + new_tokens * (ctx_tokens + new_tokens / 2) * self.attn_s_per_token_pair
         )
 
-    def prefill_compute_s(self, new_tokens: int, ctx_tokens: int) -> float:
-        """Compute for `new_tokens` after `ctx_tokens` cached ones, split into chunks as the worker runs it."""
-        total, done = 0.0, 0
-        while done < new_tokens:
-            n = min(self.max_prefill_chunk_tokens, new_tokens - done)
-            total += self.prefill_s(n, ctx_tokens + done)
-            done += n
-        return total
-
     def decode_step_s(self, batch: int, ctx_tokens: int) -> float:
         return self.decode_base_s + batch * self.decode_per_seq_s + ctx_tokens * self.decode_per_ctx_token_s
 
     def transfer_s(self, nbytes: int, link: str) -> float:
-        if link == "same_worker":
+        if link == LOCAL:
             return 0.0
         lk = self.links[link]
         return lk.latency_s + nbytes / (lk.gbps * 1e9)
@@ -88,7 +83,7 @@ def load_profile(name_or_path: str) -> Profile:
         raw = json.load(f)
     raw["links"] = {k: Link(**v) for k, v in raw.get("links", {}).items()}
     raw = {k: v for k, v in raw.items() if not k.startswith("_")}
-    missing = [c for c in LINK_CLASSES[1:] if c not in raw["links"]]
+    missing = [c for c in PROFILE_LINKS if c not in raw["links"]]
     if missing:
         raise ValueError(f"profile {path}: links lacks {missing}")
     return Profile(**raw)

@@ -5,7 +5,7 @@ workers' state — not copies.
 decision every worker's WorkerState is refreshed from the simulation (as if a load report had just arrived),
 and the PrefixIndex is fed the workers' cache insertions and evictions as they happen (the KV block events).
 Blocks of requests queued on a worker count as (soon) cached there through the view's `pending_overlaps`, as
-the router's reservations do; `ttft_no_pending` turns that off (the seed's counter-example 3).
+the router's reservations do; `ttft_no_pending` turns that off (scenario burst_same_prefix, docs/routing.md).
 
 The cost model's settings come from the profile, so the TTFT policy estimates with the simulated hardware's
 rates; `rate_error` skews the prefill rate the policy believes (1.3 = it thinks workers are 30% faster).
@@ -16,7 +16,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
-from services.router.cost_model import CostSettings
+from services.router.cost_model import SAME_NODE, SAME_RACK, SAME_ZONE, CostSettings
 from services.router.policy import (
     POLICIES,
     ClusterView,
@@ -33,7 +33,7 @@ if TYPE_CHECKING:
     from loadgen.sim.profile import Profile
 
 POLICY_NAMES = (*POLICIES, "ttft_no_pending")
-ZONE = "zone0"  # one zone: across racks is the profile's cross_rack link
+ZONE = "zone0"  # one zone: across racks is the profile's same_zone link
 
 
 def cost_settings(profile: Profile, rate_error: float = 1.0) -> CostSettings:
@@ -45,14 +45,14 @@ def cost_settings(profile: Profile, rate_error: float = 1.0) -> CostSettings:
         decode_prefill_slowdown=1.0,  # a simulated decode worker prefills at the profile's rate
         default_step_s=profile.decode_base_s,
         kv_bytes_per_token=profile.kv_bytes_per_token,
-        same_node_bytes_per_s=links["same_node"].gbps * 1e9,
-        same_node_latency_s=links["same_node"].latency_s,
-        same_rack_bytes_per_s=links["same_rack"].gbps * 1e9,
-        same_rack_latency_s=links["same_rack"].latency_s,
-        same_zone_bytes_per_s=links["cross_rack"].gbps * 1e9,
-        same_zone_latency_s=links["cross_rack"].latency_s,
-        cross_zone_bytes_per_s=links["cross_rack"].gbps * 1e9,
-        cross_zone_latency_s=links["cross_rack"].latency_s,
+        same_node_bytes_per_s=links[SAME_NODE].gbps * 1e9,
+        same_node_latency_s=links[SAME_NODE].latency_s,
+        same_rack_bytes_per_s=links[SAME_RACK].gbps * 1e9,
+        same_rack_latency_s=links[SAME_RACK].latency_s,
+        same_zone_bytes_per_s=links[SAME_ZONE].gbps * 1e9,
+        same_zone_latency_s=links[SAME_ZONE].latency_s,
+        cross_zone_bytes_per_s=links[SAME_ZONE].gbps * 1e9,
+        cross_zone_latency_s=links[SAME_ZONE].latency_s,
     )
 
 

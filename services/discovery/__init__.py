@@ -1,4 +1,4 @@
-"""Discovery: which workers exist and where to reach them, through etcd leases (DESIGN.md §4).
+"""Discovery: which workers exist and where to reach them, through etcd leases (docs/design.md, "Discovery").
 
     reg = await Registration.start(etcd_url, info)          # a worker: listed while it lives
     d = WorkerDirectory(etcd_url, roles=("prefill", "decode")); await d.start()

@@ -22,10 +22,6 @@ def worker_key(role: str, worker_id: str) -> str:
     return f"{WORKERS_PREFIX}{role}/{worker_id}"
 
 
-def role_prefix(role: str) -> str:
-    return f"{WORKERS_PREFIX}{role}/"
-
-
 def split_worker_key(key: str) -> tuple[str, str] | None:
     """(role, worker_id) for a key under WORKERS_PREFIX, None for anything else found there."""
     if not key.startswith(WORKERS_PREFIX):

@@ -523,7 +523,8 @@ class Transformer(nn.Module):
         self.embed.weight.requires_grad_(False)
         self.blocks = nn.ModuleList(Block(cfg, w, i, dtype, quant, **kw) for i in range(cfg.num_layers))
         self.norm = RMSNorm(dense(w, "norm").to(dtype), cfg.rms_norm_eps)
-        # embeddings, norms and the LM head stay in high precision under nvfp4 (NVFP4.md: weights of the blocks)
+        # embeddings, norms and the LM head stay in high precision under nvfp4: only the blocks' projections
+        # are quantized (docs/nvfp4.md)
         head = self.embed.weight if cfg.tie_embeddings else dense(w, "lm_head")
         self.lm_head = make_linear(head, None, dtype, "none")
         inv = rope_inv_freq(cfg, dense(w, "rope_freqs") if "rope_freqs" in w else None)

@@ -1,6 +1,6 @@
 """Sampling parameters and the sampler.
 
-The contract that recovery relies on (DESIGN.md §2): the token chosen at output index i depends only on
+The contract that recovery relies on (docs/design.md, "State map"): the token chosen at output index i depends only on
 (seed, i, logits). There is no RNG state carried from step to step — each draw seeds its own generator from
 (seed, i) — so a request resumed on another worker with its emitted tokens continues with the same tokens.
 """

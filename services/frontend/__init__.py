@@ -1,4 +1,4 @@
-"""The frontend service: the OpenAI-compatible HTTP edge and the request coordinator (DESIGN.md §1–§2).
+"""The frontend service: the OpenAI-compatible HTTP edge and the request coordinator (docs/design.md).
 
     protocol.py      the API contract: pydantic request and response models
     errors.py        OpenAI-shaped errors, and how gRPC failures map onto HTTP statuses

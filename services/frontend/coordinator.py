@@ -1,4 +1,4 @@
-"""The request coordinator (DESIGN.md §2): owns each request's state and drives it through its phases.
+"""The request coordinator (docs/design.md, "State map"): owns each request's state and drives its phases.
 
 A `RequestState` holds everything that must outlive a worker: the prompt tokens, the sampling params (always
 with a concrete seed, so a replay on another worker draws the same tokens), the tokens emitted so far with the
@@ -39,8 +39,6 @@ import contextlib
 import enum
 import itertools
 import logging
-import re
-import secrets
 import time
 from collections.abc import AsyncGenerator, Sequence
 from dataclasses import dataclass, field
@@ -61,6 +59,7 @@ from services.rpc import pb, pb_grpc
 from services.runtime.errors import KV_UNAVAILABLE_PREFIX
 from services.runtime.tls import GrpcTls, open_channel
 from services.telemetry import metrics
+from services.telemetry.tracing import new_traceparent
 
 log = logging.getLogger("rackserve.frontend")
 
@@ -251,7 +250,7 @@ class RequestState:
                 metrics.TTFT_S.observe(ttft)
 
     def summary(self) -> dict[str, object]:
-        """The one log line per finished request (DESIGN.md §7)."""
+        """The one log line per finished request (docs/design.md, "Observability")."""
         start = self.timeline[0][1]
         return {
             "request_id": self.request_id,
@@ -285,21 +284,6 @@ class RequestState:
             "timeline_s": [[p.value, round(t - start, 6)] for p, t in self.timeline],
             "start_unix_s": round(start, 6),
         }
-
-
-# ---- trace context ----------------------------------------------------------------------------------------------
-
-_TRACEPARENT = re.compile(r"^00-([0-9a-f]{32})-([0-9a-f]{16})-([0-9a-f]{2})$")
-
-
-def new_traceparent(parent: str | None = None) -> str:
-    """A W3C traceparent for this request's span: continues the client's trace when it sent a valid one."""
-    match = _TRACEPARENT.match(parent.strip().lower()) if parent else None
-    if match and match.group(1) != "0" * 32:
-        trace_id, flags = match.group(1), match.group(3)
-    else:
-        trace_id, flags = secrets.token_hex(16), "01"
-    return f"00-{trace_id}-{secrets.token_hex(8)}-{flags}"
 
 
 # ---- channels ---------------------------------------------------------------------------------------------------
@@ -708,8 +692,6 @@ class Coordinator:
                 )
             except grpc.aio.AioRpcError as e:
                 log.info("ExtendHold of %s on %s: %s", kv.request_id, kv.producer_worker_id, e.code().name)
-                if e.code() == grpc.StatusCode.UNIMPLEMENTED and state.held_kv is kv:
-                    state.held_kv = None  # an older worker: the TTL stands, a late migration rebuilds
                 return
             finally:
                 self._extending.discard(state.request_id)

@@ -1,6 +1,6 @@
 """What a finished request leaves behind: its timeline, one request-log line, its spans and phase metrics.
 
-The coordinator timestamps every phase transition of a `RequestState` (DESIGN.md §2); when a request ends,
+The coordinator timestamps every phase transition of a `RequestState` (docs/design.md); when a request ends,
 `RequestObserver.finished` turns that timeline into
 - a timeline record (phase start/end/duration, workers, route reason and score terms, transfer bytes, seconds
   and GB/s, migrations), kept for the last `--timeline-history` requests and served by

@@ -21,6 +21,9 @@ import urllib.error
 import urllib.request
 from dataclasses import dataclass, field
 
+from services.engine.config import SUPPORTED_DTYPES, EngineConfig
+from services.router.policy import DEFAULT_MODE, MODES
+
 ROLES = ("router", "prefill", "decode", "frontend")
 
 
@@ -35,7 +38,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--model", default="", help="a .gguf file or a Hugging Face directory (default: SmolLM2-135M)"
     )
-    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    p.add_argument("--dtype", default=EngineConfig.dtype, choices=SUPPORTED_DTYPES)
     p.add_argument(
         "--device", default="auto", help="workers' device: auto (CUDA when visible), cpu, cuda or cuda:N"
     )
@@ -49,8 +52,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kv-cache-bytes", type=int, default=256 << 20, help="KV cache per worker")
     p.add_argument(
         "--mode",
-        default="auto",
-        choices=["agg", "disagg", "auto"],
+        default=DEFAULT_MODE,
+        choices=MODES,
         help="the router's disaggregation mode: agg (decode prefills), disagg (always remote prefill), "
         "auto (the router's cost model picks remote or local prefill per request)",
     )

@@ -29,12 +29,22 @@ from __future__ import annotations
 from dataclasses import dataclass, field, fields
 from typing import Any, Protocol
 
-# Topology classes, nearest first. "local" is prefill on the decode worker itself (no transfer).
-LINK_CLASSES = ("local", "same_node", "same_rack", "same_zone", "cross_zone")
+# Topology classes, nearest first: the one list of their names, for the router and the simulator alike.
+# "local" is prefill on the decode worker itself (no transfer).
+LOCAL, SAME_NODE, SAME_RACK, SAME_ZONE, CROSS_ZONE = (
+    "local",
+    "same_node",
+    "same_rack",
+    "same_zone",
+    "cross_zone",
+)
+LINK_CLASSES = (LOCAL, SAME_NODE, SAME_RACK, SAME_ZONE, CROSS_ZONE)
+REMOTE_LINK_CLASSES = LINK_CLASSES[1:]  # the classes a KV transfer crosses
 
 
-def _setting(default: float | int | str, help: str) -> Any:
-    return field(default=default, metadata={"help": help})
+def setting(default: float | int | str, help: str, flag: str = "") -> Any:
+    """A settings-dataclass field whose metadata makes it a flag: `--<name>` (or `flag`) with this help."""
+    return field(default=default, metadata={"help": help, "flag": flag})
 
 
 @dataclass(frozen=True)
@@ -42,35 +52,33 @@ class CostSettings:
     """Every weight of the estimate, with the default an operator starts from; each is a router flag of the
     same name (`--prefill-tokens-per-s`, …)."""
 
-    prefill_tokens_per_s: float = _setting(4000.0, "a prefill worker's prompt tokens/s until measured")
-    prefill_overhead_s: float = _setting(0.004, "per request: scheduling, first step, first-token sampling")
-    remote_overhead_s: float = _setting(
+    prefill_tokens_per_s: float = setting(4000.0, "a prefill worker's prompt tokens/s until measured")
+    prefill_overhead_s: float = setting(0.004, "per request: scheduling, first step, first-token sampling")
+    remote_overhead_s: float = setting(
         0.015, "a disaggregated plan's extra RPC, KV-handle bookkeeping and pull setup"
     )
-    decode_prefill_slowdown: float = _setting(
+    decode_prefill_slowdown: float = setting(
         1.5, "a decode worker prefills this many times slower than a prefill worker, until measured"
     )
-    interference_weight: float = _setting(
+    interference_weight: float = setting(
         0.05, "share of a local prefill's time charged per running decode stream on that worker"
     )
-    default_step_s: float = _setting(0.02, "a decode step when the worker has not reported one")
-    kv_full_wait_s: float = _setting(
-        1.0, "admission wait when the decode worker's free KV blocks are too few"
-    )
-    kv_bytes_per_token: int = _setting(
+    default_step_s: float = setting(0.02, "a decode step when the worker has not reported one")
+    kv_full_wait_s: float = setting(1.0, "admission wait when the decode worker's free KV blocks are too few")
+    kv_bytes_per_token: int = setting(
         23040, "KV bytes of a token when the worker does not say (SmolLM2-135M bf16: 30 layers*3*64*2*2)"
     )
-    same_node_bytes_per_s: float = _setting(10e9, "link bandwidth, same node (shared memory / NVLink)")
-    same_node_latency_s: float = _setting(0.0005, "link latency, same node")
-    same_rack_bytes_per_s: float = _setting(12.5e9, "link bandwidth, same rack (100 Gb/s RDMA)")
-    same_rack_latency_s: float = _setting(0.001, "link latency, same rack")
-    same_zone_bytes_per_s: float = _setting(5e9, "link bandwidth, same zone, across racks")
-    same_zone_latency_s: float = _setting(0.002, "link latency, same zone")
-    cross_zone_bytes_per_s: float = _setting(1e9, "link bandwidth, across zones")
-    cross_zone_latency_s: float = _setting(0.01, "link latency, across zones")
-    unlabeled_link: str = _setting("same_rack", "the link class assumed when a worker has no topology labels")
-    rate_ewma_alpha: float = _setting(0.3, "calibration: weight of a new prefill-rate measurement")
-    rate_min_busy_s: float = _setting(0.2, "calibration: busy seconds one prefill-rate measurement spans")
+    same_node_bytes_per_s: float = setting(10e9, "link bandwidth, same node (shared memory / NVLink)")
+    same_node_latency_s: float = setting(0.0005, "link latency, same node")
+    same_rack_bytes_per_s: float = setting(12.5e9, "link bandwidth, same rack (100 Gb/s RDMA)")
+    same_rack_latency_s: float = setting(0.001, "link latency, same rack")
+    same_zone_bytes_per_s: float = setting(5e9, "link bandwidth, same zone, across racks")
+    same_zone_latency_s: float = setting(0.002, "link latency, same zone")
+    cross_zone_bytes_per_s: float = setting(1e9, "link bandwidth, across zones")
+    cross_zone_latency_s: float = setting(0.01, "link latency, across zones")
+    unlabeled_link: str = setting(SAME_RACK, "the link class assumed when a worker has no topology labels")
+    rate_ewma_alpha: float = setting(0.3, "calibration: weight of a new prefill-rate measurement")
+    rate_min_busy_s: float = setting(0.2, "calibration: busy seconds one prefill-rate measurement spans")
 
     def __post_init__(self) -> None:
         for f in fields(self):
@@ -79,12 +87,12 @@ class CostSettings:
                 raise ValueError(f"cost setting {f.name} must be >= 0, got {value}")
         if self.prefill_tokens_per_s <= 0:
             raise ValueError("cost setting prefill_tokens_per_s must be > 0")
-        if self.unlabeled_link not in LINK_CLASSES[1:]:
-            raise ValueError(f"cost setting unlabeled_link must be one of {LINK_CLASSES[1:]}")
+        if self.unlabeled_link not in REMOTE_LINK_CLASSES:
+            raise ValueError(f"cost setting unlabeled_link must be one of {REMOTE_LINK_CLASSES}")
 
     def link(self, link_class: str) -> tuple[float, float]:
         """(bytes per second, latency seconds) of a topology class."""
-        if link_class == "local":
+        if link_class == LOCAL:
             return float("inf"), 0.0
         return getattr(self, f"{link_class}_bytes_per_s"), getattr(self, f"{link_class}_latency_s")
 
@@ -97,18 +105,18 @@ class Placed(Protocol):
     zone: str
 
 
-def link_class(a: Placed, b: Placed, unlabeled: str = "same_rack") -> str:
+def link_class(a: Placed, b: Placed, unlabeled: str = SAME_RACK) -> str:
     """The nearest topology level two workers share, from their node/rack/zone labels (runs per plan: no
     allocation)."""
     if not (a.node or a.rack or a.zone) or not (b.node or b.rack or b.zone):
         return unlabeled
     if a.node and a.node == b.node:
-        return "same_node"
+        return SAME_NODE
     if a.rack and a.rack == b.rack:
-        return "same_rack"
+        return SAME_RACK
     if a.zone and a.zone == b.zone:
-        return "same_zone"
-    return "cross_zone"
+        return SAME_ZONE
+    return CROSS_ZONE
 
 
 class RateMeter:

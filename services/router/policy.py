@@ -21,29 +21,33 @@ A simulator that wants this router's anti-herding should also keep a `Reservatio
 reservations) and call `reserve(decision, query, now)` after each route and `on_load(worker_id, now)` when a
 worker reports: that is exactly what the live router does (services.router.state.RouterState wraps it all).
 
-Policies (`--policy`): ttft (the default: the TTFT estimate of services.router.cost_model), round_robin,
-least_loaded, cache_overlap, dynamo_kv (Dynamo KV-router cost, softmax temperature) and sgl_cache_aware
-(sgl-router's cache-aware policy). `mode` (agg | disagg | auto) decides which plan shapes are allowed: agg
-= the decode worker prefills; disagg = a prefill worker prefills whenever one is eligible; auto = ttft
-compares both, the baselines use the prompt-length threshold `disagg_min_prompt_tokens`.
+Policies (`--policy`, the names of `REGISTRY`): ttft (the default: the TTFT estimate of services.router.
+cost_model), round_robin, least_loaded, cache_overlap, dynamo_kv (Dynamo KV-router cost, softmax temperature)
+and sgl_cache_aware (sgl-router's cache-aware policy). Each takes its knobs as one frozen settings dataclass
+(`Policy.Settings`: `TtftSettings`, `DynamoKvSettings`, …) whose fields are the router's flags, as CostSettings'
+are. `mode` (agg | disagg | auto) decides which plan shapes are allowed: agg = the decode worker prefills;
+disagg = a prefill worker prefills whenever one is eligible; auto = ttft compares both, the baselines use the
+prompt-length threshold `disagg_min_prompt_tokens`.
 
 This room must never do I/O, read a clock or hold request state beyond a policy's own turn counter.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import heapq
 import math
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
+from typing import Any, ClassVar, Generic, NamedTuple, TypeVar
 
 from services.engine.block_hash import block_hashes
-from services.router.cost_model import LINK_CLASSES, CostSettings, link_class
+from services.router.cost_model import LINK_CLASSES, CostSettings, link_class, setting
 from services.router.prefix_index import PrefixIndex
 
-MODES = ("agg", "disagg", "auto")
-POLICIES = ("ttft", "round_robin", "least_loaded", "cache_overlap", "dynamo_kv", "sgl_cache_aware")
+MODES = ("agg", "disagg", "auto")  # the one list of plan-shape modes (router, launcher, simulator)
+DEFAULT_MODE = "auto"
 DEFAULT_POLICY = "ttft"
 DEFAULT_DISAGG_MIN_PROMPT_TOKENS = 256  # baselines in auto mode: the shortest prompt prefilled remotely
 
@@ -333,23 +337,79 @@ def term_reason(winner: PlanScore, runner_up: PlanScore | None) -> str:
     }[best]
 
 
+# ------------------------------------------------------------------------------------------ settings
+
+
+@dataclass(frozen=True)
+class PolicySettings:
+    """A policy's own knobs (none for the simplest baselines). Each field is a router flag of its name (or of
+    its metadata's `flag`), so `RACKSERVE_<FLAG>` and the Helm values reach it too."""
+
+    def __post_init__(self) -> None:
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if isinstance(value, (int, float)) and value < 0:
+                raise ValueError(f"policy setting {f.name} must be >= 0, got {value}")
+
+
+@dataclass(frozen=True)
+class TtftSettings(PolicySettings):
+    near_best_ratio: float = setting(0.05, "plans within this fraction of the best are spread by request id")
+    near_best_s: float = setting(0.002, "… or within this many seconds of the best")
+    near_best_max: int = setting(8, "… at most this many of the best plans")
+
+
+@dataclass(frozen=True)
+class DynamoKvSettings(PolicySettings):
+    overlap_weight: float = setting(1.0, "dynamo_kv: weight of prefill blocks against decode blocks")
+    temperature: float = setting(
+        0.0, "dynamo_kv: softmax temperature (0: the lowest cost)", flag="router-temperature"
+    )
+
+
+@dataclass(frozen=True)
+class SglCacheAwareSettings(PolicySettings):
+    cache_threshold: float = setting(0.3, "sgl_cache_aware: prefix match rate that routes by cache")
+    balance_abs_threshold: int = setting(64, "sgl_cache_aware: load gap that means imbalance")
+    balance_rel_threshold: float = setting(1.5, "sgl_cache_aware: load ratio that means imbalance")
+
+
+def setting_flag(f: dataclasses.Field[Any]) -> str:
+    """The command-line flag of a settings field (CostSettings' or a policy's)."""
+    return "--" + (f.metadata.get("flag") or f.name.replace("_", "-"))
+
+
 # ------------------------------------------------------------------------------------------ base
 
+S = TypeVar("S", bound=PolicySettings)
 
-class Policy:
+
+class Ranked(NamedTuple):
+    """A baseline's ranking: workers best first, and the rule that ordered them (the decision's reason)."""
+
+    workers: list[WorkerState]
+    reason: str
+
+
+class Policy(Generic[S]):
     """Shared frame: eligibility, plan shape by mode, explanation. Subclasses pick workers."""
 
-    name = ""
-    reason = ""  # a baseline's reason: the name of its one rule
+    name: ClassVar[str] = ""
+    reason: ClassVar[str] = ""  # a baseline's reason: the name of its one rule
+    Settings: ClassVar[type[PolicySettings]] = PolicySettings  # the type of `options`
 
     def __init__(
         self,
-        mode: str = "auto",
+        options: S,
+        mode: str = DEFAULT_MODE,
         settings: CostSettings | None = None,
         disagg_min_prompt_tokens: int = DEFAULT_DISAGG_MIN_PROMPT_TOKENS,
     ) -> None:
         if mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+        if type(options) is not self.Settings:
+            raise TypeError(f"{self.name} takes {self.Settings.__name__}, got {type(options).__name__}")
+        self.options: S = options
         self.mode = mode
         self.settings = settings or CostSettings()
         self.estimator = Estimator(self.settings)
@@ -377,8 +437,8 @@ class Policy:
             remote, why = threshold_rule(query, self.disagg_min_prompt_tokens)
         overlaps = view.overlaps(query)
         if remote:
-            ranked_p = self.rank(query, prefills, overlaps, prefilling=True)
-            d = self.rank(query, decodes, overlaps, prefilling=False)[0]
+            ranked_p, reason = self.rank(view, query, prefills, overlaps, prefilling=True)
+            d = self.rank(view, query, decodes, overlaps, prefilling=False).workers[0]
             compatible_p = [p for p in ranked_p if compatible(p, d)]
             if not compatible_p:
                 remote, why = False, f"{why}; no prefill worker compatible with {d.worker_id}"
@@ -389,71 +449,94 @@ class Policy:
                     if len(compatible_p) > 1
                     else None
                 )
-                return Decision(self.name, self.reason, chosen, runner, f"disagg: {why}")
-        ranked_d = self.rank(query, decodes, overlaps, prefilling=True)
+                return Decision(self.name, reason, chosen, runner, f"disagg: {why}")
+        ranked_d, reason = self.rank(view, query, decodes, overlaps, prefilling=True)
         chosen = self.estimator.plan(query, None, ranked_d[0], overlaps)
         runner = self.estimator.plan(query, None, ranked_d[1], overlaps) if len(ranked_d) > 1 else None
-        return Decision(self.name, self.reason, chosen, runner, f"agg: {why}")
+        return Decision(self.name, reason, chosen, runner, f"agg: {why}")
 
     def rank(
-        self, query: RouteQuery, workers: list[WorkerState], overlaps: dict[str, int], prefilling: bool
-    ) -> list[WorkerState]:
-        """A baseline's one rule: workers best first; `prefilling` says whether the worker runs the prompt."""
+        self,
+        view: ClusterView,
+        query: RouteQuery,
+        workers: list[WorkerState],
+        overlaps: dict[str, int],
+        prefilling: bool,
+    ) -> Ranked:
+        """A baseline's one rule: workers best first, and why; `prefilling` says whether the worker runs the
+        prompt (the reason of a decision is that of its prefilling worker's ranking)."""
         raise NotImplementedError
 
 
 # ------------------------------------------------------------------------------------------ baselines
 
 
-class RoundRobin(Policy):
+class RoundRobin(Policy[PolicySettings]):
     """Each role's next worker id after the last one chosen, in id order, so a changing set stays fair."""
 
     name = "round_robin"
     reason = "next_in_turn"
 
-    def __init__(self, *args: object, **kw: object) -> None:
-        super().__init__(*args, **kw)  # type: ignore[arg-type]
-        self._last: dict[str, str] = {}
+    def __init__(self, options: PolicySettings, *args: Any, **kw: Any) -> None:
+        super().__init__(options, *args, **kw)
+        self._last: dict[str, str] = {}  # the policy's own turn counter: its only state
 
     def rank(
-        self, query: RouteQuery, workers: list[WorkerState], overlaps: dict[str, int], prefilling: bool
-    ) -> list[WorkerState]:
+        self,
+        view: ClusterView,
+        query: RouteQuery,
+        workers: list[WorkerState],
+        overlaps: dict[str, int],
+        prefilling: bool,
+    ) -> Ranked:
         role = workers[0].role
         last = self._last.get(role, "")
         turn = next((i for i, w in enumerate(workers) if w.worker_id > last), 0)
         ranked = workers[turn:] + workers[:turn]
         self._last[role] = ranked[0].worker_id
-        return ranked
+        return Ranked(ranked, self.reason)
 
 
-class LeastLoaded(Policy):
+class LeastLoaded(Policy[PolicySettings]):
     """Fewest waiting + running requests (counting this router's pending ones); ties spread by request id."""
 
     name = reason = "least_loaded"
 
     def rank(
-        self, query: RouteQuery, workers: list[WorkerState], overlaps: dict[str, int], prefilling: bool
-    ) -> list[WorkerState]:
-        return sorted(workers, key=lambda w: (w.load, -rendezvous(query.request_id, w.worker_id)))
+        self,
+        view: ClusterView,
+        query: RouteQuery,
+        workers: list[WorkerState],
+        overlaps: dict[str, int],
+        prefilling: bool,
+    ) -> Ranked:
+        return Ranked(
+            sorted(workers, key=lambda w: (w.load, -rendezvous(query.request_id, w.worker_id))), self.reason
+        )
 
 
-class CacheOverlap(Policy):
+class CacheOverlap(Policy[PolicySettings]):
     """Most leading prompt blocks cached on the prefilling worker; ties by load, then request id."""
 
     name = "cache_overlap"
     reason = "cache_hit"
 
     def rank(
-        self, query: RouteQuery, workers: list[WorkerState], overlaps: dict[str, int], prefilling: bool
-    ) -> list[WorkerState]:
+        self,
+        view: ClusterView,
+        query: RouteQuery,
+        workers: list[WorkerState],
+        overlaps: dict[str, int],
+        prefilling: bool,
+    ) -> Ranked:
         def key(w: WorkerState) -> tuple[int, int, int]:
             cached = overlaps.get(w.worker_id, 0) if prefilling else 0
             return (-cached, w.load, -rendezvous(query.request_id, w.worker_id))
 
-        return sorted(workers, key=key)
+        return Ranked(sorted(workers, key=key), self.reason)
 
 
-class DynamoKv(Policy):
+class DynamoKv(Policy[DynamoKvSettings]):
     """Dynamo's KV router cost (lib/kv-router selector): per worker
     logit = overlap_weight · potential_prefill_blocks + potential_decode_blocks, where prefill blocks are the
     worker's queued prompt blocks plus this request's uncached blocks, and decode blocks its active blocks plus
@@ -462,13 +545,7 @@ class DynamoKv(Policy):
 
     name = "dynamo_kv"
     reason = "dynamo_cost"
-
-    def __init__(
-        self, *args: object, overlap_weight: float = 1.0, temperature: float = 0.0, **kw: object
-    ) -> None:
-        super().__init__(*args, **kw)  # type: ignore[arg-type]
-        self.overlap_weight = overlap_weight
-        self.temperature = temperature
+    Settings = DynamoKvSettings
 
     def logit(self, query: RouteQuery, w: WorkerState, overlaps: dict[str, int], prefilling: bool) -> float:
         bs = w.block_size
@@ -477,104 +554,84 @@ class DynamoKv(Policy):
         queued_blocks = (w.queued_prefill_tokens + w.pending_prefill_tokens) / bs
         prefill_blocks = queued_blocks + max(0, request_blocks - cached)
         decode_blocks = w.active_decode_blocks + w.pending_decode_blocks + request_blocks
-        return self.overlap_weight * prefill_blocks + decode_blocks
+        return self.options.overlap_weight * prefill_blocks + decode_blocks
 
     def rank(
-        self, query: RouteQuery, workers: list[WorkerState], overlaps: dict[str, int], prefilling: bool
-    ) -> list[WorkerState]:
+        self,
+        view: ClusterView,
+        query: RouteQuery,
+        workers: list[WorkerState],
+        overlaps: dict[str, int],
+        prefilling: bool,
+    ) -> Ranked:
         logits = {w.worker_id: self.logit(query, w, overlaps, prefilling) for w in workers}
         ranked = sorted(
             workers, key=lambda w: (logits[w.worker_id], -rendezvous(query.request_id, w.worker_id))
         )
-        if self.temperature <= 0 or len(workers) < 2:
-            return ranked
+        temperature = self.options.temperature
+        if temperature <= 0 or len(workers) < 2:
+            return Ranked(ranked, self.reason)
         lo, hi = min(logits.values()), max(logits.values())
         span = (hi - lo) or 1.0
-        weights = [math.exp(-((logits[w.worker_id] - lo) / span) / self.temperature) for w in ranked]
+        weights = [math.exp(-((logits[w.worker_id] - lo) / span) / temperature) for w in ranked]
         draw = rendezvous(query.request_id, "dynamo_kv") / 2**64 * sum(weights)
         for i, weight in enumerate(weights):
             draw -= weight
             if draw <= 0:
-                return [ranked[i], *ranked[:i], *ranked[i + 1 :]]
-        return ranked
+                return Ranked([ranked[i], *ranked[:i], *ranked[i + 1 :]], self.reason)
+        return Ranked(ranked, self.reason)
 
 
-class SglCacheAware(Policy):
+class SglCacheAware(Policy[SglCacheAwareSettings]):
     """sgl-router's cache-aware policy. If the load is imbalanced — max − min > balance_abs_threshold and
     max > balance_rel_threshold · min, load = requests on the worker — the least-loaded worker. Otherwise, if
     the best prefix match covers more than cache_threshold of the prompt, the worker with that match; else the
     worker with the most room for new cache (the smallest indexed tree). Defaults are sgl-router's."""
 
     name = "sgl_cache_aware"
-
-    def __init__(
-        self,
-        *args: object,
-        cache_threshold: float = 0.3,
-        balance_abs_threshold: int = 64,
-        balance_rel_threshold: float = 1.5,
-        **kw: object,
-    ) -> None:
-        super().__init__(*args, **kw)  # type: ignore[arg-type]
-        self.cache_threshold = cache_threshold
-        self.balance_abs_threshold = balance_abs_threshold
-        self.balance_rel_threshold = balance_rel_threshold
-        self.reason = "cache_hit"
-        self._view: ClusterView | None = None
-
-    def route(self, view: ClusterView, query: RouteQuery) -> Decision:
-        self._view = view
-        decision = super().route(view, query)
-        return Decision(decision.policy, self.reason, decision.chosen, decision.runner_up, decision.detail)
+    reason = "cache_hit"
+    Settings = SglCacheAwareSettings
 
     def rank(
-        self, query: RouteQuery, workers: list[WorkerState], overlaps: dict[str, int], prefilling: bool
-    ) -> list[WorkerState]:
+        self,
+        view: ClusterView,
+        query: RouteQuery,
+        workers: list[WorkerState],
+        overlaps: dict[str, int],
+        prefilling: bool,
+    ) -> Ranked:
         tie = {w.worker_id: -rendezvous(query.request_id, w.worker_id) for w in workers}
         by_load = sorted(workers, key=lambda w: (w.load, tie[w.worker_id]))
         if not prefilling:
-            return by_load
+            return Ranked(by_load, "balance")  # a decode worker is chosen by load alone
+        opts = self.options
         lo, hi = by_load[0].load, by_load[-1].load
-        if hi - lo > self.balance_abs_threshold and hi > self.balance_rel_threshold * lo:
-            self.reason = "balance"
-            return by_load
+        if hi - lo > opts.balance_abs_threshold and hi > opts.balance_rel_threshold * lo:
+            return Ranked(by_load, "balance")
 
         def matched(w: WorkerState) -> int:
             return min(overlaps.get(w.worker_id, 0) * w.block_size, query.num_tokens)
 
         by_match = sorted(workers, key=lambda w: (-matched(w), tie[w.worker_id]))
-        if query.num_tokens and matched(by_match[0]) / query.num_tokens > self.cache_threshold:
-            self.reason = "cache_hit"
-            return by_match
-        self.reason = "most_cache_room"
-        assert self._view is not None
-        index = self._view.index
-        return sorted(workers, key=lambda w: (index.blocks_of(w.worker_id), tie[w.worker_id]))
+        if query.num_tokens and matched(by_match[0]) / query.num_tokens > opts.cache_threshold:
+            return Ranked(by_match, "cache_hit")
+        index = view.index
+        return Ranked(
+            sorted(workers, key=lambda w: (index.blocks_of(w.worker_id), tie[w.worker_id])), "most_cache_room"
+        )
 
 
 # ------------------------------------------------------------------------------------------ rackserve
 
 
-class TtftEstimate(Policy):
+class TtftEstimate(Policy[TtftSettings]):
     """The minimum estimated TTFT over every (prefill worker | local, decode worker) plan the mode allows,
     by the cost model; among the `near_best_max` best plans within `near_best_ratio` / `near_best_s` of the
     best, the one ranked highest for this request id (so router replicas with the same stale view do not
     herd)."""
 
     name = "ttft"
-
-    def __init__(
-        self,
-        *args: object,
-        near_best_ratio: float = 0.05,
-        near_best_s: float = 0.002,
-        near_best_max: int = 8,
-        **kw: object,
-    ) -> None:
-        super().__init__(*args, **kw)  # type: ignore[arg-type]
-        self.near_best_ratio = near_best_ratio
-        self.near_best_s = near_best_s
-        self.near_best_max = max(1, near_best_max)
+    Settings = TtftSettings
 
     def decide(
         self,
@@ -602,9 +659,11 @@ class TtftEstimate(Policy):
             why = f"{why}; no prefill worker compatible with any decode worker"
             return self.decide(view, query, prefills, decodes, False, why)
         best = min(c[0] for c in candidates)
-        bar = best * (1 + self.near_best_ratio) + self.near_best_s
+        opts = self.options
+        bar = best * (1 + opts.near_best_ratio) + opts.near_best_s
         rid = query.request_id
-        near = heapq.nsmallest(self.near_best_max, (c for c in candidates if c[0] <= bar), key=lambda c: c[0])
+        near_max = max(1, opts.near_best_max)
+        near = heapq.nsmallest(near_max, (c for c in candidates if c[0] <= bar), key=lambda c: c[0])
         chosen_c = max(
             near, key=lambda c: rendezvous(rid, f"{c[1].worker_id if c[1] else ''}|{c[2].worker_id}")
         )
@@ -680,16 +739,34 @@ class TtftEstimate(Policy):
         return picked
 
 
-def make_policy(name: str = DEFAULT_POLICY, mode: str = "auto", **kw: object) -> Policy:
-    """A policy by its `--policy` name; kw are its settings (settings=CostSettings(...), overlap_weight, …)."""
-    classes: dict[str, type[Policy]] = {
-        "ttft": TtftEstimate,
-        "round_robin": RoundRobin,
-        "least_loaded": LeastLoaded,
-        "cache_overlap": CacheOverlap,
-        "dynamo_kv": DynamoKv,
-        "sgl_cache_aware": SglCacheAware,
-    }
-    if name not in classes:
+# Every policy by its `--policy` name; the order is the order of --help and of the simulator's tables.
+REGISTRY: dict[str, type[Policy[Any]]] = {
+    cls.name: cls for cls in (TtftEstimate, RoundRobin, LeastLoaded, CacheOverlap, DynamoKv, SglCacheAware)
+}
+POLICIES = tuple(REGISTRY)
+
+
+def make_policy(
+    name: str = DEFAULT_POLICY,
+    mode: str = DEFAULT_MODE,
+    *,
+    settings: CostSettings | None = None,
+    disagg_min_prompt_tokens: int = DEFAULT_DISAGG_MIN_PROMPT_TOKENS,
+    options: PolicySettings | None = None,
+    **knobs: float,
+) -> Policy[Any]:
+    """A policy by its `--policy` name. `options` is its settings dataclass (`REGISTRY[name].Settings`); or
+    give single knobs by field name (`overlap_weight=4.0`), each replacing its default."""
+    cls = REGISTRY.get(name)
+    if cls is None:
         raise ValueError(f"policy must be one of {POLICIES}, got {name!r}")
-    return classes[name](mode, **kw)  # type: ignore[arg-type]
+    if options is None:
+        options = cls.Settings()
+    if knobs:
+        known = {f.name for f in fields(cls.Settings)}
+        if unknown := sorted(set(knobs) - known):
+            raise TypeError(
+                f"{name} has no setting {', '.join(unknown)} (it has: {', '.join(sorted(known))})"
+            )
+        options = dataclasses.replace(options, **knobs)
+    return cls(options, mode, settings, disagg_min_prompt_tokens)

@@ -2,7 +2,7 @@
 
 Without them a burst herds: every request of the burst sees the same last report and picks the same worker.
 `reserve` adds the request's uncached prompt tokens to its prefilling worker, one request and its KV blocks to
-its decode worker, and remembers its block hashes as soon-to-be-cached on the prefilling worker (DESIGN.md §5:
+its decode worker, and remembers its block hashes as soon-to-be-cached on the prefilling worker (docs/routing.md:
 queued requests' blocks count as cached where they are queued). A reservation clears when it expires, or when
 the worker sends a load report taken after the request had time to arrive there (the report then counts it).
 

@@ -25,6 +25,7 @@ import logging
 import sys
 import time
 import uuid
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import grpc
 
@@ -33,16 +34,20 @@ from services.discovery.etcd import Backoff
 from services.router.cost_model import CostSettings
 from services.router.policy import (
     DEFAULT_DISAGG_MIN_PROMPT_TOKENS,
+    DEFAULT_MODE,
     DEFAULT_POLICY,
     MODES,
     POLICIES,
+    REGISTRY,
     Decision,
     NoWorkerError,
     PlanScore,
     Policy,
     RouteQuery,
+    TtftSettings,
     WorkerState,
     make_policy,
+    setting_flag,
 )
 from services.router.prefix_index import DEFAULT_MAX_ENTRIES
 from services.router.reservations import DEFAULT_ARRIVAL_GRACE_S, DEFAULT_TTL_S
@@ -55,13 +60,15 @@ from services.runtime.rpc import request_meta
 from services.runtime.tls import GrpcTls, open_channel
 from services.telemetry import metrics, tracing
 
+if TYPE_CHECKING:
+    from _typeshed import DataclassInstance
+
 log = logging.getLogger("rackserve.router")
 
 ROLE = "router"
 SERVICE_NAME = "rackserve.v1.Router"
 GATED_METHODS = (f"/{SERVICE_NAME}/Route",)
 WATCHED_ROLES = ("prefill", "decode")
-DEFAULT_MODE = "auto"
 # A Subscribe stream is long-lived but still has a deadline; when it passes the router simply opens a new one
 # (with a fresh snapshot, which also heals any drift in the block index).
 SUBSCRIBE_DEADLINE_S = 300.0
@@ -273,8 +280,21 @@ class Router(pb_grpc.RouterServicer):
         return pb.Empty()
 
 
-def _flag(name: str) -> str:
-    return "--" + name.replace("_", "-")
+T = TypeVar("T", bound="DataclassInstance")
+
+
+def _add_settings_flags(group: argparse._ArgumentGroup, settings_type: type[Any]) -> None:
+    """One flag per field of a settings dataclass, named, typed, defaulted and explained by the field."""
+    for f in dataclasses.fields(settings_type):
+        add_flag(group, setting_flag(f), f.default, f.metadata["help"], type(f.default))
+
+
+def _settings_from_args(settings_type: type[T], args: argparse.Namespace) -> T:
+    values = {
+        f.name: getattr(args, setting_flag(f)[2:].replace("-", "_"))
+        for f in dataclasses.fields(settings_type)
+    }
+    return settings_type(**values)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -308,44 +328,22 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "a load report must be this much newer than a reservation to replace it", float,
     )  # fmt: skip
     t = parser.add_argument_group("ttft policy")
-    add_flag(
-        t, "--near-best-ratio", 0.05, "plans within this fraction of the best are spread by request id", float
-    )
-    add_flag(t, "--near-best-s", 0.002, "… or within this many seconds of the best", float)
-    add_flag(t, "--near-best-max", 8, "… at most this many of the best plans", int)
-    for f in dataclasses.fields(CostSettings):
-        add_flag(t, _flag(f.name), f.default, f.metadata["help"], type(f.default))
+    _add_settings_flags(t, TtftSettings)
+    _add_settings_flags(t, CostSettings)
     b = parser.add_argument_group("baseline policies")
-    add_flag(b, "--overlap-weight", 1.0, "dynamo_kv: weight of prefill blocks against decode blocks", float)
-    add_flag(b, "--router-temperature", 0.0, "dynamo_kv: softmax temperature (0: the lowest cost)", float)
-    add_flag(b, "--cache-threshold", 0.3, "sgl_cache_aware: prefix match rate that routes by cache", float)
-    add_flag(b, "--balance-abs-threshold", 64, "sgl_cache_aware: load gap that means imbalance", int)
-    add_flag(b, "--balance-rel-threshold", 1.5, "sgl_cache_aware: load ratio that means imbalance", float)
+    # every policy's settings dataclass, each once (several baselines have none)
+    for settings_type in dict.fromkeys(cls.Settings for cls in REGISTRY.values()):
+        if settings_type is not TtftSettings:
+            _add_settings_flags(b, settings_type)
 
 
 def policy_from_args(args: argparse.Namespace) -> Policy:
-    settings = CostSettings(**{f.name: getattr(args, f.name) for f in dataclasses.fields(CostSettings)})
-    extra: dict[str, object] = {}
-    if args.policy == "ttft":
-        extra = {
-            "near_best_ratio": args.near_best_ratio,
-            "near_best_s": args.near_best_s,
-            "near_best_max": args.near_best_max,
-        }
-    elif args.policy == "dynamo_kv":
-        extra = {"overlap_weight": args.overlap_weight, "temperature": args.router_temperature}
-    elif args.policy == "sgl_cache_aware":
-        extra = {
-            "cache_threshold": args.cache_threshold,
-            "balance_abs_threshold": args.balance_abs_threshold,
-            "balance_rel_threshold": args.balance_rel_threshold,
-        }
     return make_policy(
         args.policy,
         args.mode,
-        settings=settings,
+        settings=_settings_from_args(CostSettings, args),
         disagg_min_prompt_tokens=args.disagg_min_prompt_tokens,
-        **extra,
+        options=_settings_from_args(REGISTRY[args.policy].Settings, args),
     )
 
 

@@ -17,7 +17,7 @@ from services.rpc import pb
 from services.runtime.async_engine import LoadStats
 
 KV_DTYPES = {"bfloat16": pb.KV_DTYPE_BF16, "float32": pb.KV_DTYPE_FP32}
-KV_DTYPE_NAMES = {"bfloat16": "bf16", "float32": "fp32"}  # WorkerInfo.kv_dtype, as DESIGN.md §3 spells them
+KV_DTYPE_NAMES = {"bfloat16": "bf16", "float32": "fp32"}  # WorkerInfo.kv_dtype, as docs/design.md spells them
 KV_DTYPE_BYTES = {"bfloat16": 2, "float32": 4}
 
 

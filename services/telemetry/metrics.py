@@ -1,6 +1,6 @@
 """Every Prometheus metric rackserve exports: each name, label and bucket lives here and nowhere else.
 
-Prefix `rackserve_`, histograms in seconds (DESIGN.md §7). Each service process imports this module and
+Prefix `rackserve_`, histograms in seconds (docs/design.md). Each service process imports this module and
 updates the metrics that belong to its role; the objects register in prometheus-client's default registry
 (once per process) and `/metrics` serves that registry — on the frontend's own HTTP port, on the small
 `--metrics-port` server of router, prefill and decode (services.telemetry.http). Deploy files

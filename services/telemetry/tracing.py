@@ -4,7 +4,7 @@ Off by default. `configure(service, instance, endpoint)` with an OTLP/gRPC endpo
 e.g. `http://otel-collector:4317`) installs a TracerProvider whose BatchSpanProcessor exports every
 `--otlp-batch-delay-ms`; without one, the API's no-op tracer makes every span call free.
 
-One trace per request (DESIGN.md §7). The frontend's coordinator makes the request's traceparent when the
+One trace per request (docs/design.md). The frontend's coordinator makes the request's traceparent when the
 request arrives — `00-<trace id>-<request span id>-01` — and sends it in the metadata of every RPC; the
 frontend emits the `request` span with exactly that span id once the request ends (`pinned_ids`), so the
 spans the workers emitted meanwhile (`route`, `prefill`, `kv_transfer`) are its children. Workers open their
@@ -19,6 +19,7 @@ import atexit
 import contextlib
 import contextvars
 import logging
+import secrets
 import time
 from collections.abc import Iterator, Mapping
 
@@ -103,6 +104,17 @@ def parse_traceparent(traceparent: str | None) -> SpanContext | None:
     return span_context if span_context.is_valid else None
 
 
+def new_traceparent(parent: str | None = None) -> str:
+    """A traceparent for a new request span: continues the client's trace (and its flags) when `parent` is a
+    valid traceparent, else starts a trace of its own. The span id is always new."""
+    span_context = parse_traceparent(parent)
+    if span_context is not None:
+        trace_id, flags = f"{span_context.trace_id:032x}", f"{int(span_context.trace_flags):02x}"
+    else:
+        trace_id, flags = secrets.token_hex(16), "01"
+    return f"00-{trace_id}-{secrets.token_hex(8)}-{flags}"
+
+
 def context_of(traceparent: str | None) -> Context | None:
     """An OpenTelemetry context whose parent is the span `traceparent` names (None when it names none)."""
     span_context = parse_traceparent(traceparent)
@@ -113,10 +125,6 @@ def traceparent_of(span: Span) -> str:
     carrier: dict[str, str] = {}
     _propagator.inject(carrier, trace.set_span_in_context(span))
     return carrier.get("traceparent", "")
-
-
-def traceparent_from_metadata(metadata: Mapping[str, str] | None) -> str:
-    return (metadata or {}).get("traceparent", "")
 
 
 @contextlib.contextmanager

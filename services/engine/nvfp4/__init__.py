@@ -1,4 +1,4 @@
-"""NVFP4 for rackserve: the recipe of /shared/NVFP4.md, its kernels, and the pieces the engine plugs in.
+"""NVFP4 for rackserve: the recipe of docs/nvfp4.md, its kernels, and the pieces the engine plugs in.
 
 Rooms:
 - recipe.py        the reference quantize/dequantize in plain torch — the definition every path must match

@@ -6,7 +6,7 @@ ever used when a caller asks for it, and only on GPUs with compute capability >=
 torch._scaled_mm takes the two operands as float4_e2m1fn_x2 (A [M, K/2] row-major, B [K/2, N] column-major,
 i.e. the transpose of our [N, K/2] weight), their E4M3 block scales in the 128x4 swizzled layout, and computes
 sum(code_a * s_a * code_b * s_b). The two tensor scales are applied afterwards as
-alpha = 1 / (g_e(A) * g_e(B)), as NVFP4.md prescribes. cuBLAS wants K to be a multiple of 32.
+alpha = 1 / (g_e(A) * g_e(B)), as docs/nvfp4.md prescribes. cuBLAS wants K to be a multiple of 32.
 """
 
 from __future__ import annotations

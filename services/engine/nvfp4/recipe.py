@@ -1,7 +1,7 @@
 """The NVFP4 recipe in plain torch: the one definition of how rackserve turns floats into NVFP4 and back.
 
 Every other path (Triton, CUDA, the Blackwell `scaled_mm` GEMM, checkpoint loaders, the KV wire format) is
-tested against this module byte for byte. It follows /shared/NVFP4.md literally: the order of the fp32
+tested against this module byte for byte. It follows docs/nvfp4.md literally: the order of the fp32
 operations is part of the contract, so do not "simplify" an expression here (turning a division into a
 multiplication by a reciprocal, or `g * (a * (1/6))` into `(g * a) / 6`) — that changes bytes.
 
@@ -124,7 +124,7 @@ def check_finite(x: torch.Tensor) -> None:
 def global_scale_for_amax(amax: torch.Tensor) -> torch.Tensor:
     """g_e = 2688 / amax in fp32, or 1.0 when amax is not finite-positive.
 
-    Also 1.0 when 2688 / amax overflows fp32 (amax below ~7.9e-36): NVFP4.md's "not finite-positive" rule
+    Also 1.0 when 2688 / amax overflows fp32 (amax below ~7.9e-36): docs/nvfp4.md's "not finite-positive" rule
     applied to g_e itself, so no path ever multiplies by an infinite scale.
     """
     amax = amax.to(torch.float32)

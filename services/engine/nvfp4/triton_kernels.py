@@ -7,7 +7,7 @@ never the approximate reciprocal `/` may compile to.
 
 The GEMM keeps W in NVFP4 in memory and rebuilds each tile as E2M1 * E4M3 — a product with at most 6
 significant bits, so it is exact in bf16, fp16 and fp32 — multiplies it with the activations on tensor
-cores with fp32 accumulation, and divides by g_e once at the end (NVFP4.md's "alpha applied once").
+cores with fp32 accumulation, and divides by g_e once at the end (docs/nvfp4.md's "alpha applied once").
 
 Both kernels run on CPU under TRITON_INTERPRET=1, which is how the tests check them; the variable must be set
 before this module is imported.
@@ -106,7 +106,7 @@ def _quantize_kernel(
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = pid_b * BLOCK_B * 16 + tl.arange(0, BLOCK_B * 16)
     row_ok = rows < M
-    # Columns K..Kp-1 are the zero padding of NVFP4.md: read as 0.0, which quantizes to code 0.
+    # Columns K..Kp-1 are the zero padding of docs/nvfp4.md: read as 0.0, which quantizes to code 0.
     x = tl.load(
         x_ptr + rows.to(tl.int64)[:, None] * stride_xm + cols[None, :],
         mask=row_ok[:, None] & (cols < K)[None, :],

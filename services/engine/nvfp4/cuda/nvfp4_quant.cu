@@ -1,11 +1,11 @@
-// NVFP4 quantize kernel, bit-exact with services/engine/nvfp4/recipe.py (the contract is /shared/NVFP4.md).
+// NVFP4 quantize kernel, bit-exact with services/engine/nvfp4/recipe.py (the contract is docs/nvfp4.md).
 //
 // Torch-free on purpose: it compiles with nvcc alone (the tests compile it for sm_90 and sm_100a on machines
 // without a GPU) and exposes a C launcher that binding.cpp wraps for torch. One thread quantizes one block
 // of 16 elements: it reads the block, writes 8 packed bytes and 1 scale byte.
 //
 // E2M1 uses the hardware `cvt.rn.satfinite.e2m1x2.f32` where the target has it (sm_100a/sm_103a/sm_110a/
-// sm_120a/sm_121a and their families), the exact threshold ladder of NVFP4.md elsewhere. E4M3 uses
+// sm_120a/sm_121a and their families), the exact threshold ladder of docs/nvfp4.md elsewhere. E4M3 uses
 // __nv_cvt_float_to_fp8(..., __NV_SATFINITE, __NV_E4M3) (RNE, subnormals kept). Multiplications and divisions
 // are spelled __fmul_rn / __fdiv_rn on the device so that fast-math flags can neither contract nor
 // approximate them: the order of fp32 roundings is part of the contract.
@@ -76,7 +76,7 @@ __host__ __device__ inline float e4m3_byte_to_float(uint8_t b) {
   return bits_to_float(static_cast<uint32_t>(e + 120) << 23 | static_cast<uint32_t>(m) << 20);
 }
 
-// NVFP4.md's ladder: a <= 0.25 -> 0, < 0.75 -> 0.5, <= 1.25 -> 1, < 1.75 -> 1.5, <= 2.5 -> 2, < 3.5 -> 3,
+// docs/nvfp4.md's ladder: a <= 0.25 -> 0, < 0.75 -> 0.5, <= 1.25 -> 1, < 1.75 -> 1.5, <= 2.5 -> 2, < 3.5 -> 3,
 // <= 5 -> 4, else 6 (ties to the even code). The sign comes from the bits so -0.0 gives code 8.
 __host__ __device__ inline uint32_t e2m1_code_sw(float y) {
   const uint32_t bits = float_to_bits(y);
