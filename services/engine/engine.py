@@ -21,7 +21,7 @@ from services.engine.config import EngineConfig, ModelConfig
 from services.engine.kv_cache import BlockManager, KvEvent, NoFreeBlocksError
 from services.engine.loader import LoadedModel, load_model, model_fingerprint
 from services.engine.model import AttnMetadata, PagedKvCache, PrefillSegment, Transformer
-from services.engine.sampling import Sampled, SamplingParams, sample_batch
+from services.engine.sampling import RowContext, Sampled, SamplingParams, sample_batch
 from services.engine.scheduler import Request, RequestStatus, Scheduler, SchedulerOutput
 
 log = logging.getLogger("rackserve.engine")
@@ -248,11 +248,7 @@ class LLMEngine:
                 reason, stop_reason = "stop", s.token_id
             elif not p.ignore_eos and s.token_id in self._eos_ids:
                 reason, stop_reason = "stop", s.token_id
-            elif p.stop and self.tokenizer is not None:
-                text = self.tokenizer.decode(req.output_ids, skip_special_tokens=True)  # type: ignore[attr-defined]
-                hit = next((x for x in p.stop if x in text), None)
-                if hit is not None:
-                    reason, stop_reason = "stop", hit
+        # Stop strings are the frontend's (it detokenizes anyway, incrementally, and cancels the call).
         if reason is None and (n_out >= p.max_tokens or req.num_tokens >= self.max_model_len):
             reason = "length"
         out = RequestOutput(
@@ -316,15 +312,21 @@ class LLMEngine:
         if not sample_rows:
             return {}
         logits = self.model.logits(hidden[torch.tensor(sample_rows)])
-        for i, req in enumerate(sample_reqs):  # hold back end-of-sequence until min_tokens is reached
-            if len(req.output_ids) < req.params.min_tokens:
-                suppress = list(self._eos_ids | set(req.params.stop_token_ids))
-                if suppress:
-                    logits[i, suppress] = float("-inf")
         picks = sample_batch(
-            logits, [r.params for r in sample_reqs], [len(r.output_ids) for r in sample_reqs]
+            logits,
+            [r.params for r in sample_reqs],
+            [len(r.output_ids) for r in sample_reqs],
+            [self._row_context(r) for r in sample_reqs],
         )
         return {r.request_id: s for r, s in zip(sample_reqs, picks, strict=True)}
+
+    def _row_context(self, req: Request) -> RowContext:
+        """What the request's processors read: its tokens, and end-of-sequence held back until min_tokens."""
+        p = req.params
+        banned: list[int] = []
+        if len(req.output_ids) < p.min_tokens:
+            banned = sorted(set(p.stop_token_ids) | (set() if p.ignore_eos else self._eos_ids))
+        return RowContext(req.prompt_ids, req.output_ids, banned)
 
     # ------------------------------------------------------------------------------------------ helpers
     def generate(

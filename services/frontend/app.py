@@ -31,6 +31,7 @@ from fastapi.responses import StreamingResponse
 from pydantic import BaseModel
 from starlette.types import Receive, Scope, Send
 
+from services.engine.sampling import draw_seed
 from services.engine.tokenizer import ChatTemplateError, Tokenizer
 from services.frontend.auth import AuthConfig, Guard, Principal, authorize
 from services.frontend.coordinator import Coordinator, EmittedToken, Phase, RequestState, WorkerView
@@ -128,8 +129,10 @@ class Frontend:
         logprobs: int | None,
         prompt_param: str,
         max_tokens_param: str = "max_tokens",
-    ) -> RequestState:
-        """Check the prompt against the context length and open the request's state."""
+        choices: int = 1,
+    ) -> list[RequestState]:
+        """Check the prompt against the context length and open one request per choice: each is routed,
+        run and migrated on its own, with its own seed derived from the request's."""
         limit = self.max_model_len()
         n = len(prompt_token_ids)
         if n == 0:
@@ -151,68 +154,113 @@ class Frontend:
                 param=max_tokens_param,
                 code="context_length_exceeded",
             )
-        seed = body.seed if body.seed is not None else secrets.randbits(63)
-        params = pb.SamplingParams(
-            max_tokens=max_tokens,
-            temperature=1.0 if body.temperature is None else body.temperature,
-            top_p=1.0 if body.top_p is None else body.top_p,
-            seed=seed % (1 << 64),  # always concrete: a replay elsewhere must draw the same tokens
-            stop=body.stop_strings(),
-            logprobs=-1 if logprobs is None else logprobs,
-        )
+        params = self.sampling_params(body, max_tokens, logprobs)
         metrics.PROMPT_TOKENS.inc(n)
         # Our own id, unique by construction (workers key requests by it); the client's only goes to the log.
         client_request_id = request.headers.get("x-request-id", "")
-        return self.coordinator.new_request(
-            uuid.uuid4().hex,
-            prompt_token_ids,
-            params,
-            timeout_s=self.config.request_timeout_s,
-            traceparent=request.headers.get("traceparent"),
-            client_request_id=client_request_id[:128] if client_request_id.isprintable() else None,
+        states = []
+        for i in range(choices):
+            choice_params = pb.SamplingParams()
+            choice_params.CopyFrom(params)
+            choice_params.seed = choice_seed(params.seed, i)
+            states.append(
+                self.coordinator.new_request(
+                    uuid.uuid4().hex,
+                    prompt_token_ids,
+                    choice_params,
+                    timeout_s=self.config.request_timeout_s,
+                    traceparent=request.headers.get("traceparent"),
+                    client_request_id=client_request_id[:128] if client_request_id.isprintable() else None,
+                )
+            )
+        return states
+
+    def sampling_params(
+        self, body: GenerationRequest, max_tokens: int, logprobs: int | None
+    ) -> pb.SamplingParams:
+        """Every sampling and stopping parameter the workers honour (stop strings stay here: output.py)."""
+        vocab = self.tokenizer.vocab_size
+        bias = body.logit_bias_ids()
+        for field_name, ids in (("logit_bias", list(bias)), ("stop_token_ids", body.stop_token_ids or [])):
+            bad = next((t for t in ids if not 0 <= t < vocab), None)
+            if bad is not None:
+                raise bad_request(
+                    f"{field_name}: token id {bad} is outside the vocabulary [0, {vocab})", param=field_name
+                )
+        seed = body.seed if body.seed is not None else secrets.randbits(63)
+        return pb.SamplingParams(
+            max_tokens=max_tokens,
+            temperature=1.0 if body.temperature is None else body.temperature,
+            top_p=1.0 if body.top_p is None else body.top_p,
+            top_k=max(body.top_k or 0, 0),  # vLLM's -1 and 0 both mean off
+            min_p=body.min_p or 0.0,
+            seed=seed % (1 << 64),  # always concrete: a replay elsewhere must draw the same tokens
+            stop_token_ids=body.stop_token_ids or [],
+            ignore_eos=body.ignore_eos is True,
+            min_tokens=body.min_tokens or 0,
+            logprobs=-1 if logprobs is None else logprobs,
+            presence_penalty=body.presence_penalty or 0.0,
+            frequency_penalty=body.frequency_penalty or 0.0,
+            repetition_penalty=1.0 if body.repetition_penalty is None else body.repetition_penalty,
+            logit_bias=bias,
         )
 
     async def respond(
         self,
         request: Request,
         endpoint: str,
-        state: RequestState,
+        states: list[RequestState],
         fmt: ResponseFormat,
         body: GenerationRequest,
+        per_prompt: int = 1,
+        keep: int | None = None,
     ) -> Response:
+        """Answer with every choice in `states`, `per_prompt` consecutive ones per prompt (or, for best_of,
+        the `keep` with the highest cumulative logprob, renumbered 0..keep-1)."""
         limit = self.config.max_concurrent_requests
         if limit and self.in_flight >= limit:
             metrics.REQUESTS.labels(endpoint, "429").inc()
             raise overloaded(f"the frontend is serving its limit of {limit} concurrent requests "
                              "(--max-concurrent-requests); retry later")  # fmt: skip
-        assembler = TextAssembler(self.tokenizer, state.prompt_token_ids, body.stop_strings())
-        pieces = _pieces(self.coordinator, state, assembler)
+        pieces = _merged([_pieces(self.coordinator, state, self._assembler(state, body)) for state in states])
         self.in_flight += 1
         metrics.REQUESTS_IN_FLIGHT.labels(endpoint).inc()
-        headers = {"x-request-id": state.request_id}
+        headers = {"x-request-id": states[0].request_id}
         try:
             if not body.stream:
-                text, tokens, finish_reason = await _unless_disconnected(request, _collect(pieces))
-                whole = fmt.whole(text, tokens, finish_reason, _usage(state))
-                self._finished(endpoint, state, 200)
+                answers = await _unless_disconnected(request, _collect(pieces, len(states)))
+                if keep is not None and keep < per_prompt:
+                    answers = _best(answers, per_prompt, keep)
+                whole = fmt.whole(answers, _usage(states, per_prompt))
+                self._finished(endpoint, states, 200)
                 return Response(whole.model_dump_json(), media_type="application/json", headers=headers)
             first = await _unless_disconnected(request, anext(pieces))
         except ApiError as e:
-            self._finished(endpoint, state, e.status, e.code or e.type)
+            self._finished(endpoint, states, e.status, e.code or e.type)
             raise
         except asyncio.CancelledError:
-            self._finished(endpoint, state, CLIENT_CLOSED_REQUEST, "client_closed")
+            self._finished(endpoint, states, CLIENT_CLOSED_REQUEST, "client_closed")
             raise
         except Exception:
-            self._finished(endpoint, state, 500, "internal_error")
+            self._finished(endpoint, states, 500, "internal_error")
             raise
-        stream = self._sse(endpoint, state, fmt, first, pieces, body.include_usage)
+        stream = self._sse(endpoint, states, per_prompt, fmt, first, pieces, body.include_usage)
         return EventStreamResponse(stream, media_type="text/event-stream", headers=headers)
+
+    def _assembler(self, state: RequestState, body: GenerationRequest) -> TextAssembler:
+        return TextAssembler(
+            self.tokenizer,
+            state.prompt_token_ids,
+            body.stop_strings(),
+            include_stop=body.include_stop_str_in_output is True,
+            skip_special_tokens=body.skip_special_tokens is not False,
+        )
 
     async def _sse(
         self,
         endpoint: str,
-        state: RequestState,
+        states: list[RequestState],
+        per_prompt: int,
         fmt: ResponseFormat,
         first: Piece,
         pieces: AsyncGenerator[Piece, None],
@@ -220,15 +268,15 @@ class Frontend:
     ) -> AsyncGenerator[str, None]:
         status, error_type = 200, None
         try:
-            for opening in fmt.opening():
+            for opening in fmt.opening(len(states)):
                 yield _event(opening)
             piece: Piece | None = first
             while piece is not None:
                 if piece.text or piece.finish_reason or (fmt.logprobs and piece.tokens):
                     yield _event(fmt.chunk(piece))
                 piece = await anext(pieces, None)
-            if include_usage:
-                yield _event(fmt.usage_chunk(_usage(state)))
+            if include_usage:  # best_of > n never streams, so every choice streamed is the client's
+                yield _event(fmt.usage_chunk(_usage(states, per_prompt)))
         except ApiError as e:
             status, error_type = e.status, e.code or e.type
             yield f"data: {json.dumps(e.body())}\n\n"
@@ -236,31 +284,32 @@ class Frontend:
             status, error_type = CLIENT_CLOSED_REQUEST, "client_closed"
             raise
         except Exception as e:  # a bug: still end the stream in OpenAI's shape rather than cut it
-            log.exception("request %s: stream failed", state.request_id)
+            log.exception("request %s: stream failed", states[0].request_id)
             status, error_type = 500, "internal_error"
             error = ApiError(
                 500, f"internal error: {type(e).__name__}: {e}", SERVER_ERROR, code="internal_error"
             )
             yield f"data: {json.dumps(error.body())}\n\n"
         finally:
-            self._finished(endpoint, state, status, error_type)
-            await pieces.aclose()  # cancels the worker's call if the stream stopped early
+            self._finished(endpoint, states, status, error_type)
+            await pieces.aclose()  # cancels the workers' calls if the stream stopped early
         yield "data: [DONE]\n\n"
 
     def _finished(
-        self, endpoint: str, state: RequestState, status: int, error_type: str | None = None
+        self, endpoint: str, states: list[RequestState], status: int, error_type: str | None = None
     ) -> None:
         self.in_flight -= 1
         metrics.REQUESTS_IN_FLIGHT.labels(endpoint).dec()
         metrics.REQUESTS.labels(endpoint, str(status)).inc()
         if status >= 400:
             metrics.REQUEST_ERRORS.labels(str(status), error_type or "error").inc()
-        done = state.time_of(Phase.DONE)
-        if done is not None:
-            metrics.E2E_S.observe(done - state.timeline[0][1])
-        if state.cached_tokens:
-            metrics.CACHED_PROMPT_TOKENS.inc(state.cached_tokens)
-        self.observer.finished(endpoint, state, status, error_type)
+        for state in states:  # each choice was a request of its own to the cluster: one record each
+            done = state.time_of(Phase.DONE)
+            if done is not None:
+                metrics.E2E_S.observe(done - state.timeline[0][1])
+            if state.cached_tokens:
+                metrics.CACHED_PROMPT_TOKENS.inc(state.cached_tokens)
+            self.observer.finished(endpoint, state, status, error_type)
 
 
 class EventStreamResponse(StreamingResponse):
@@ -281,11 +330,27 @@ class EventStreamResponse(StreamingResponse):
 
 @dataclass
 class Piece:
-    """Text the client may see now, the tokens behind it, and the finish reason on the last piece."""
+    """Text the client may see now, the tokens behind it, and the finish reason on the last piece — of the
+    choice numbered `index`."""
 
     text: str
     tokens: list[EmittedToken]
     finish_reason: str | None = None
+    index: int = 0
+
+
+@dataclass
+class Answer:
+    """One choice, whole."""
+
+    index: int
+    text: str = ""
+    tokens: list[EmittedToken] = field(default_factory=list)
+    finish_reason: str | None = None
+
+    @property
+    def cumulative_logprob(self) -> float:
+        return sum(t.logprob or 0.0 for t in self.tokens)
 
 
 async def _pieces(
@@ -308,15 +373,63 @@ async def _pieces(
             yield Piece(text, tokens)
 
 
-async def _collect(pieces: AsyncIterator[Piece]) -> tuple[str, list[EmittedToken], str | None]:
-    texts: list[str] = []
-    tokens: list[EmittedToken] = []
-    finish_reason = None
+async def _merged(choices: list[AsyncGenerator[Piece, None]]) -> AsyncGenerator[Piece, None]:
+    """The pieces of every choice as they arrive, each numbered with its choice. Closing this closes them
+    all (cancelling their workers' calls); a choice that fails fails the whole answer."""
+    pending: dict[asyncio.Future[Piece], int] = {}
+    try:
+        pending = {asyncio.ensure_future(anext(g)): i for i, g in enumerate(choices)}
+        while pending:
+            done, _ = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+            for task in sorted(done, key=lambda t: pending[t]):
+                i = pending.pop(task)
+                try:
+                    piece = task.result()
+                except StopAsyncIteration:
+                    continue
+                piece.index = i
+                yield piece
+                pending[asyncio.ensure_future(anext(choices[i]))] = i
+    finally:
+        for task in pending:
+            task.cancel()
+        await asyncio.gather(*pending, return_exceptions=True)
+        for g in choices:
+            await g.aclose()
+
+
+async def _collect(pieces: AsyncIterator[Piece], choices: int) -> list[Answer]:
+    answers = [Answer(i) for i in range(choices)]
+    texts: list[list[str]] = [[] for _ in range(choices)]
     async for piece in pieces:
-        texts.append(piece.text)
-        tokens.extend(piece.tokens)
-        finish_reason = piece.finish_reason or finish_reason
-    return "".join(texts), tokens, finish_reason
+        answer = answers[piece.index]
+        texts[piece.index].append(piece.text)
+        answer.tokens.extend(piece.tokens)
+        answer.finish_reason = piece.finish_reason or answer.finish_reason
+    for answer, parts in zip(answers, texts, strict=True):
+        answer.text = "".join(parts)
+    return answers
+
+
+def _best(answers: list[Answer], group: int, keep: int) -> list[Answer]:
+    """best_of: of each prompt's `group` answers, the `keep` with the highest cumulative logprob, in that
+    order, renumbered as the client's choices (prompt p's j-th is p * keep + j)."""
+    kept = []
+    for p in range(0, len(answers), group):
+        ranked = sorted(answers[p : p + group], key=lambda a: a.cumulative_logprob, reverse=True)[:keep]
+        for j, a in enumerate(ranked):
+            a.index = p // group * keep + j
+        kept += ranked
+    return kept
+
+
+def choice_seed(seed: int, index: int) -> int:
+    """Choice 0 keeps the request's seed (n=1 draws what it always drew); the others get decorrelated seeds
+    derived from it, so a seeded request with n > 1 gives the same n choices every time."""
+    return seed if index == 0 else draw_seed(seed ^ _CHOICE_SALT, index)
+
+
+_CHOICE_SALT = 0x6E5F63686F696365  # "n_choice": keeps choice seeds apart from the per-token draw seeds
 
 
 async def _unless_disconnected(request: Request, work: Awaitable[T]) -> T:
@@ -341,13 +454,16 @@ async def _disconnect(request: Request) -> None:
         pass
 
 
-def _usage(state: RequestState) -> Usage:
-    prompt, completion = len(state.prompt_token_ids), len(state.emitted)
+def _usage(states: list[RequestState], per_prompt: int) -> Usage:
+    """Each prompt counted once (its `per_prompt` choices share it, as OpenAI counts), completions summed."""
+    prompt = sum(len(s.prompt_token_ids) for s in states[::per_prompt])
+    completion = sum(len(s.emitted) for s in states)
+    cached = sum(s.cached_tokens for s in states[::per_prompt])
     return Usage(
         prompt_tokens=prompt,
         completion_tokens=completion,
         total_tokens=prompt + completion,
-        prompt_tokens_details=PromptTokensDetails(cached_tokens=state.cached_tokens),
+        prompt_tokens_details=PromptTokensDetails(cached_tokens=cached),
     )
 
 
@@ -361,15 +477,13 @@ def _event(model: BaseModel) -> str:
 class ResponseFormat(Protocol):
     logprobs: bool
 
-    def opening(self) -> Sequence[BaseModel]: ...
+    def opening(self, choices: int) -> Sequence[BaseModel]: ...
 
     def chunk(self, piece: Piece) -> BaseModel: ...
 
     def usage_chunk(self, usage: Usage) -> BaseModel: ...
 
-    def whole(
-        self, text: str, tokens: list[EmittedToken], finish_reason: str | None, usage: Usage
-    ) -> BaseModel: ...
+    def whole(self, answers: list[Answer], usage: Usage) -> BaseModel: ...
 
 
 class ChatFormat:
@@ -382,28 +496,34 @@ class ChatFormat:
             id=self.id, created=self.created, model=self.model, choices=choices, usage=usage
         )
 
-    def opening(self) -> Sequence[BaseModel]:
-        return [self._chunk([ChatChunkChoice(delta=ChatDelta(role="assistant", content=""))])]
+    def opening(self, choices: int) -> Sequence[BaseModel]:
+        return [
+            self._chunk([ChatChunkChoice(index=i, delta=ChatDelta(role="assistant", content=""))])
+            for i in range(choices)
+        ]
 
     def chunk(self, piece: Piece) -> BaseModel:
         delta = ChatDelta(content=piece.text or None)
         logprobs = chat_logprobs(piece.tokens, self.texts) if self.logprobs else None
         finish = _finish(piece.finish_reason)
-        return self._chunk([ChatChunkChoice(delta=delta, logprobs=logprobs, finish_reason=finish)])
+        choice = ChatChunkChoice(index=piece.index, delta=delta, logprobs=logprobs, finish_reason=finish)
+        return self._chunk([choice])
 
     def usage_chunk(self, usage: Usage) -> BaseModel:
         return self._chunk([], usage)
 
-    def whole(
-        self, text: str, tokens: list[EmittedToken], finish_reason: str | None, usage: Usage
-    ) -> BaseModel:
-        choice = ChatChoice(
-            message=AssistantMessage(content=text),
-            logprobs=chat_logprobs(tokens, self.texts) if self.logprobs else None,
-            finish_reason=_finish(finish_reason),
-        )
+    def whole(self, answers: list[Answer], usage: Usage) -> BaseModel:
+        choices = [
+            ChatChoice(
+                index=a.index,
+                message=AssistantMessage(content=a.text),
+                logprobs=chat_logprobs(a.tokens, self.texts) if self.logprobs else None,
+                finish_reason=_finish(a.finish_reason),
+            )
+            for a in answers
+        ]
         return ChatCompletion(
-            id=self.id, created=self.created, model=self.model, choices=[choice], usage=usage
+            id=self.id, created=self.created, model=self.model, choices=choices, usage=usage
         )
 
 
@@ -411,33 +531,39 @@ class CompletionFormat:
     def __init__(self, request_id: str, model: str, logprobs: bool, texts: TokenTexts) -> None:
         self.id, self.model, self.logprobs, self.texts = f"cmpl-{request_id}", model, logprobs, texts
         self.created = int(time.time())
-        self._text_offset = 0  # where the next streamed token starts in the completion text
+        self._text_offset: dict[int, int] = {}  # per choice: where its next streamed token starts
 
     def _completion(self, choices: list[CompletionChoice], usage: Usage | None = None) -> Completion:
         return Completion(id=self.id, created=self.created, model=self.model, choices=choices, usage=usage)
 
-    def opening(self) -> Sequence[BaseModel]:
+    def opening(self, choices: int) -> Sequence[BaseModel]:
         return []
 
     def chunk(self, piece: Piece) -> BaseModel:
         logprobs = None
         if self.logprobs:
-            logprobs = completion_logprobs(piece.tokens, self.texts, self._text_offset)
-            self._text_offset += sum(len(t) for t in logprobs.tokens)
+            offset = self._text_offset.get(piece.index, 0)
+            logprobs = completion_logprobs(piece.tokens, self.texts, offset)
+            self._text_offset[piece.index] = offset + sum(len(t) for t in logprobs.tokens)
         choice = CompletionChoice(
-            text=piece.text, logprobs=logprobs, finish_reason=_finish(piece.finish_reason)
+            index=piece.index, text=piece.text, logprobs=logprobs, finish_reason=_finish(piece.finish_reason)
         )
         return self._completion([choice])
 
     def usage_chunk(self, usage: Usage) -> BaseModel:
         return self._completion([], usage)
 
-    def whole(
-        self, text: str, tokens: list[EmittedToken], finish_reason: str | None, usage: Usage
-    ) -> BaseModel:
-        logprobs = completion_logprobs(tokens, self.texts, 0) if self.logprobs else None
-        choice = CompletionChoice(text=text, logprobs=logprobs, finish_reason=_finish(finish_reason))
-        return self._completion([choice], usage)
+    def whole(self, answers: list[Answer], usage: Usage) -> BaseModel:
+        choices = [
+            CompletionChoice(
+                index=a.index,
+                text=a.text,
+                logprobs=completion_logprobs(a.tokens, self.texts, 0) if self.logprobs else None,
+                finish_reason=_finish(a.finish_reason),
+            )
+            for a in answers
+        ]
+        return self._completion(choices, usage)
 
 
 def _finish(reason: str | None) -> FinishReason | None:
@@ -475,7 +601,7 @@ async def chat_completions(
     except ChatTemplateError as e:
         raise bad_request(f"messages: {e}", param="messages") from e
     max_tokens_param = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
-    state = fe.start(
+    states = fe.start(
         request,
         prompt,
         body,
@@ -483,9 +609,10 @@ async def chat_completions(
         body.requested_logprobs(),
         prompt_param="messages",
         max_tokens_param=max_tokens_param,
+        choices=body.num_choices,
     )
-    fmt = ChatFormat(state.request_id, body.model, body.logprobs is True, fe.token_texts)
-    return await fe.respond(request, "chat_completions", state, fmt, body)
+    fmt = ChatFormat(states[0].request_id, body.model, body.logprobs is True, fe.token_texts)
+    return await fe.respond(request, "chat_completions", states, fmt, body, per_prompt=body.num_choices)
 
 
 @api.post("/v1/completions", response_model=None, openapi_extra=openapi_body(CompletionRequest))
@@ -507,10 +634,16 @@ async def completions(
             raise bad_request(
                 f"prompt: token id {bad} is outside the vocabulary [0, {vocab})", param="prompt"
             )
+    n = body.num_choices
+    best_of = body.best_of or n
+    if best_of > n and body.stream:
+        raise bad_request("best_of > n cannot be streamed (the best are known only at the end)", "best_of")
+    # best_of ranks by cumulative logprob, so the workers return them even when the client did not ask
+    logprobs = body.logprobs if body.logprobs is not None or best_of == n else 0
     max_tokens = body.max_tokens if body.max_tokens is not None else COMPLETIONS_DEFAULT_MAX_TOKENS
-    state = fe.start(request, prompt, body, max_tokens, body.logprobs, prompt_param="prompt")
-    fmt = CompletionFormat(state.request_id, body.model, body.logprobs is not None, fe.token_texts)
-    return await fe.respond(request, "completions", state, fmt, body)
+    states = fe.start(request, prompt, body, max_tokens, logprobs, prompt_param="prompt", choices=best_of)
+    fmt = CompletionFormat(states[0].request_id, body.model, body.logprobs is not None, fe.token_texts)
+    return await fe.respond(request, "completions", states, fmt, body, per_prompt=best_of, keep=n)
 
 
 @api.get("/v1/models", dependencies=[Depends(authorize)])

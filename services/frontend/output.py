@@ -1,10 +1,11 @@
 """From generated token ids to what the client sees: text (never half a UTF-8 character, never past a stop
 string) and OpenAI's two logprob shapes.
 
-Stop strings: the worker also watches for them and reports the one that ended the request, but the frontend is
-the one that must not show them, so it finds them itself in the text it decodes. While streaming, it holds back
-any tail of the text that could still grow into a stop string, so no chunk ever carries text that a later
-token reveals to be part of one.
+Stop strings are checked here and only here: the frontend detokenizes every token anyway (incrementally, a
+short window per token), so it looks for them in the text not yet released — never the whole output again —
+and ends the request (cancelling the worker's call) at the first one. While streaming, it holds back any tail
+of the text that could still grow into a stop string, so no chunk ever carries text that a later token reveals
+to be part of one. `include_stop_str_in_output` releases the stop string itself too, as vLLM does.
 """
 
 from __future__ import annotations
@@ -20,9 +21,19 @@ from services.frontend.protocol import ChatLogprobs, CompletionLogprobs, TokenLo
 class TextAssembler:
     """Releases generated text incrementally, truncated at the first stop string."""
 
-    def __init__(self, tokenizer: Tokenizer, prompt_token_ids: Sequence[int], stop: Sequence[str]) -> None:
-        self._detokenizer = IncrementalDetokenizer(tokenizer, prompt_ids=prompt_token_ids)
+    def __init__(
+        self,
+        tokenizer: Tokenizer,
+        prompt_token_ids: Sequence[int],
+        stop: Sequence[str],
+        include_stop: bool = False,
+        skip_special_tokens: bool = True,
+    ) -> None:
+        self._detokenizer = IncrementalDetokenizer(
+            tokenizer, prompt_ids=prompt_token_ids, skip_special_tokens=skip_special_tokens
+        )
         self._stop = tuple(stop)
+        self._include_stop = include_stop
         self._held = ""  # decoded, not yet released: it may be the start of a stop string
         self.stop_hit: str | None = None  # the stop string that ended the text, once found
 
@@ -45,7 +56,8 @@ class TextAssembler:
         hits = [(self._held.find(s), -len(s), s) for s in self._stop if s in self._held]
         if hits:
             index, _, self.stop_hit = min(hits)  # the earliest; at a tie, the longest
-            released, self._held = self._held[:index], ""
+            end = index + len(self.stop_hit) if self._include_stop else index
+            released, self._held = self._held[:end], ""
             return released
         keep = 0 if final else _stop_prefix_len(self._held, self._stop)
         cut = len(self._held) - keep

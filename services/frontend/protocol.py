@@ -1,9 +1,9 @@
 """The API contract: OpenAI's chat/completions request and response bodies as pydantic models.
 
-Requests are validated strictly (a string where a number belongs is an error, not a conversion), and fields
-rackserve does not implement are refused with a message rather than silently ignored when ignoring them would
-change the answer (n > 1, best_of, echo, suffix, non-text content). Unknown extra fields are ignored, as
-OpenAI-compatible servers commonly do, so clients that send newer fields keep working.
+Requests are validated strictly (a string where a number belongs is an error, not a conversion). Every
+parameter OpenAI or vLLM define that changes the answer is either honoured or refused with a 400 naming it
+(`_NEUTRAL` lists the refused ones and the values that pass because they change nothing). Other unknown fields
+are ignored, as OpenAI-compatible servers do, so clients that send newer metadata keep working.
 
 Responses are built from the models here and serialized as they are, `null`s included, because the official
 client expects the keys to be present.
@@ -11,12 +11,14 @@ client expects the keys to be present.
 
 from __future__ import annotations
 
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
 MAX_STOP_STRINGS = 16
 MAX_TOP_LOGPROBS = 20
+MAX_N = 16  # choices per request (each one is a request of its own to the cluster)
+MAX_LOGIT_BIAS_ENTRIES = 300  # OpenAI's limit
 
 
 class _Request(BaseModel):
@@ -24,7 +26,7 @@ class _Request(BaseModel):
 
 
 class StreamOptions(_Request):
-    include_usage: bool = False
+    include_usage: bool | None = False
 
 
 class TextPart(_Request):
@@ -38,35 +40,118 @@ class ChatMessage(_Request):
     name: str | None = None
 
     def as_template_input(self) -> dict[str, str]:
-        """The message as a chat template reads it (text parts joined; OpenAI's "developer" is "system")."""
+        """The message as a chat template reads it (text parts joined with newlines, as vLLM joins them;
+        OpenAI's "developer" is "system")."""
         if isinstance(self.content, list):
-            text = "".join(part.text for part in self.content)
+            text = "\n".join(part.text for part in self.content)
         else:
             text = self.content or ""
         role = "system" if self.role == "developer" else self.role
         return {"role": role, "content": text}
 
 
+def _refused_unless(neutral: str) -> Any:
+    """A parameter rackserve does not implement: accepted only at a value that changes nothing."""
+    return Field(default=None, description=f"Not supported: refused with 400 unless {neutral}.")
+
+
+# name → (is the value neutral?, what neutral means), for parameters refused rather than ignored
+_NEUTRAL: dict[str, tuple[Any, str]] = {
+    "suffix": (lambda v: not v, "null or empty"),
+    "response_format": (lambda v: v is None or v == {"type": "text"}, 'null or {"type": "text"}'),
+    "tools": (lambda v: not v, "null or empty"),
+    "tool_choice": (lambda v: v in (None, "none"), 'null or "none"'),
+    "functions": (lambda v: not v, "null or empty"),
+    "function_call": (lambda v: v in (None, "none"), 'null or "none"'),
+    "structured_outputs": (lambda v: v is None, "null"),
+    "guided_json": (lambda v: v is None, "null"),
+    "guided_regex": (lambda v: v is None, "null"),
+    "guided_choice": (lambda v: v is None, "null"),
+    "guided_grammar": (lambda v: v is None, "null"),
+    "prompt_logprobs": (lambda v: v is None, "null"),
+    "bad_words": (lambda v: not v, "null or empty"),
+    "allowed_token_ids": (lambda v: v is None, "null"),
+    "use_beam_search": (lambda v: v in (None, False), "null or false"),
+    "length_penalty": (lambda v: v in (None, 1, 1.0), "null or 1.0"),
+    "truncate_prompt_tokens": (lambda v: v is None, "null"),
+    "spaces_between_special_tokens": (lambda v: v in (None, True), "null or true"),
+    "return_tokens_as_token_ids": (lambda v: v in (None, False), "null or false"),
+    "prediction": (lambda v: v is None, "null"),
+    "audio": (lambda v: v is None, "null"),
+    "modalities": (lambda v: v in (None, ["text"]), 'null or ["text"]'),
+    "web_search_options": (lambda v: v is None, "null"),
+    "add_generation_prompt": (lambda v: v in (None, True), "null or true"),
+    "continue_final_message": (lambda v: v in (None, False), "null or false"),
+    "chat_template": (lambda v: v is None, "null"),
+    "chat_template_kwargs": (lambda v: not v, "null or empty"),
+    "documents": (lambda v: not v, "null or empty"),
+    "echo": (lambda v: v in (None, False), "null or false"),
+    "add_special_tokens": (lambda v: v is None, "null"),
+}
+
+
+def _neutral_only(value: Any, info: ValidationInfo) -> Any:
+    is_neutral, neutral = _NEUTRAL[info.field_name or ""]
+    if not is_neutral(value):
+        raise ValueError(f"{info.field_name} is not supported by rackserve (only {neutral} is accepted)")
+    return value
+
+
 class GenerationRequest(_Request):
-    """Fields both endpoints share."""
+    """Fields both endpoints share. A parameter that changes the answer is honoured or refused with a 400
+    naming it; neutral values (explicit nulls, `n: 1`, `repetition_penalty: 1.0`) always pass."""
 
     model: str
     max_tokens: Annotated[int, Field(ge=1)] | None = None
     temperature: Annotated[float, Field(ge=0, le=2)] | None = None
     top_p: Annotated[float, Field(gt=0, le=1)] | None = None
-    n: int = 1
+    top_k: Annotated[int, Field(ge=-1, description="-1 or 0: off (vLLM)")] | None = None
+    min_p: Annotated[float, Field(ge=0, le=1)] | None = None
+    presence_penalty: Annotated[float, Field(ge=-2, le=2)] | None = None
+    frequency_penalty: Annotated[float, Field(ge=-2, le=2)] | None = None
+    repetition_penalty: Annotated[float, Field(gt=0, le=2)] | None = None
+    logit_bias: dict[str, Annotated[float, Field(ge=-100, le=100)]] | None = Field(
+        default=None, description="token id (as a string) → bias added to its logit, in [-100, 100]"
+    )
+    n: Annotated[int, Field(ge=1, le=MAX_N)] | None = None
     stop: str | list[str] | None = None
+    stop_token_ids: list[Annotated[int, Field(ge=0)]] | None = None
+    include_stop_str_in_output: bool | None = None
+    ignore_eos: bool | None = None
+    min_tokens: Annotated[int, Field(ge=0)] | None = None
+    skip_special_tokens: bool | None = None
     seed: int | None = None
-    stream: bool = False
+    stream: bool | None = False
     stream_options: StreamOptions | None = None
     user: str | None = None
 
-    @field_validator("n")
+    response_format: Any = _refused_unless(_NEUTRAL["response_format"][1])
+    tools: Any = _refused_unless(_NEUTRAL["tools"][1])
+    tool_choice: Any = _refused_unless(_NEUTRAL["tool_choice"][1])
+    structured_outputs: Any = _refused_unless("null")
+    guided_json: Any = _refused_unless("null")
+    guided_regex: Any = _refused_unless("null")
+    guided_choice: Any = _refused_unless("null")
+    guided_grammar: Any = _refused_unless("null")
+    prompt_logprobs: Any = _refused_unless("null")
+    bad_words: Any = _refused_unless("null or empty")
+    allowed_token_ids: Any = _refused_unless("null")
+    use_beam_search: Any = _refused_unless("null or false")
+    length_penalty: Any = _refused_unless("null or 1.0")
+    truncate_prompt_tokens: Any = _refused_unless("null")
+    spaces_between_special_tokens: Any = _refused_unless("null or true")
+    return_tokens_as_token_ids: Any = _refused_unless("null or false")
+    add_special_tokens: Any = _refused_unless("null")
+
+    @field_validator(
+        "response_format", "tools", "tool_choice", "structured_outputs", "guided_json", "guided_regex",
+        "guided_choice", "guided_grammar", "prompt_logprobs", "bad_words", "allowed_token_ids",
+        "use_beam_search", "length_penalty", "truncate_prompt_tokens", "spaces_between_special_tokens",
+        "return_tokens_as_token_ids", "add_special_tokens", mode="before",
+    )  # fmt: skip
     @classmethod
-    def _one_choice(cls, n: int) -> int:
-        if n != 1:
-            raise ValueError(f"only n=1 is supported (one choice per request); got n={n}")
-        return n
+    def _refuse(cls, value: Any, info: ValidationInfo) -> Any:
+        return _neutral_only(value, info)
 
     @field_validator("stop")
     @classmethod
@@ -78,14 +163,31 @@ class GenerationRequest(_Request):
             raise ValueError("stop strings must be non-empty")
         return stop
 
+    @field_validator("logit_bias")
+    @classmethod
+    def _logit_bias(cls, bias: dict[str, float] | None) -> dict[str, float] | None:
+        if bias and len(bias) > MAX_LOGIT_BIAS_ENTRIES:
+            raise ValueError(f"at most {MAX_LOGIT_BIAS_ENTRIES} entries, got {len(bias)}")
+        for key in bias or {}:
+            if not key.isdigit():
+                raise ValueError(f"keys must be token ids written as decimal strings, got {key!r}")
+        return bias
+
     def stop_strings(self) -> list[str]:
         if self.stop is None:
             return []
         return [self.stop] if isinstance(self.stop, str) else list(self.stop)
 
+    def logit_bias_ids(self) -> dict[int, float]:
+        return {int(k): v for k, v in (self.logit_bias or {}).items()}
+
+    @property
+    def num_choices(self) -> int:
+        return self.n or 1
+
     @property
     def include_usage(self) -> bool:
-        return self.stream_options is not None and self.stream_options.include_usage
+        return self.stream_options is not None and self.stream_options.include_usage is True
 
 
 class ChatCompletionRequest(GenerationRequest):
@@ -93,6 +195,28 @@ class ChatCompletionRequest(GenerationRequest):
     max_completion_tokens: Annotated[int, Field(ge=1)] | None = None
     logprobs: bool | None = None
     top_logprobs: Annotated[int, Field(ge=0, le=MAX_TOP_LOGPROBS)] | None = None
+    parallel_tool_calls: bool | None = None  # meaningful only with tools, which are refused
+    functions: Any = _refused_unless("null or empty")
+    function_call: Any = _refused_unless('null or "none"')
+    prediction: Any = _refused_unless("null")
+    audio: Any = _refused_unless("null")
+    modalities: Any = _refused_unless('null or ["text"]')
+    web_search_options: Any = _refused_unless("null")
+    add_generation_prompt: Any = _refused_unless("null or true")
+    continue_final_message: Any = _refused_unless("null or false")
+    chat_template: Any = _refused_unless("null")
+    chat_template_kwargs: Any = _refused_unless("null or empty")
+    documents: Any = _refused_unless("null or empty")
+    echo: Any = _refused_unless("null or false")
+
+    @field_validator(
+        "functions", "function_call", "prediction", "audio", "modalities", "web_search_options",
+        "add_generation_prompt", "continue_final_message", "chat_template", "chat_template_kwargs",
+        "documents", "echo", mode="before",
+    )  # fmt: skip
+    @classmethod
+    def _refuse_chat(cls, value: Any, info: ValidationInfo) -> Any:
+        return _neutral_only(value, info)
 
     def requested_max_tokens(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
@@ -105,9 +229,14 @@ class ChatCompletionRequest(GenerationRequest):
 class CompletionRequest(GenerationRequest):
     prompt: str | list[int] | list[str] | list[list[int]]
     logprobs: Annotated[int, Field(ge=0, le=MAX_TOP_LOGPROBS)] | None = None
-    echo: bool = False
-    best_of: int | None = None
-    suffix: str | None = None
+    echo: Any = _refused_unless("null or false")
+    best_of: Annotated[int, Field(ge=1, le=MAX_N)] | None = None
+    suffix: Any = _refused_unless("null or empty")
+
+    @field_validator("echo", "suffix", mode="before")
+    @classmethod
+    def _refuse_completion(cls, value: Any, info: ValidationInfo) -> Any:
+        return _neutral_only(value, info)
 
     @field_validator("prompt")
     @classmethod
@@ -122,26 +251,11 @@ class CompletionRequest(GenerationRequest):
             return only  # type: ignore[return-value]
         return prompt  # type: ignore[return-value]
 
-    @field_validator("echo")
-    @classmethod
-    def _no_echo(cls, echo: bool) -> bool:
-        if echo:
-            raise ValueError("echo=true is not supported")
-        return echo
-
-    @field_validator("best_of")
-    @classmethod
-    def _no_best_of(cls, best_of: int | None) -> int | None:
-        if best_of not in (None, 1):
-            raise ValueError(f"only best_of=1 is supported; got {best_of}")
-        return best_of
-
-    @field_validator("suffix")
-    @classmethod
-    def _no_suffix(cls, suffix: str | None) -> str | None:
-        if suffix:
-            raise ValueError("suffix is not supported")
-        return suffix
+    @model_validator(mode="after")
+    def _best_of(self) -> CompletionRequest:
+        if self.best_of is not None and self.best_of < self.num_choices:
+            raise ValueError(f"best_of ({self.best_of}) must be at least n ({self.num_choices})")
+        return self
 
 
 # ---- responses ------------------------------------------------------------------------------------------------
