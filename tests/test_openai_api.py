@@ -193,3 +193,54 @@ def test_neutral_values_pass(url: str) -> None:
     r = httpx.post(f"{url}/v1/chat/completions", json=body, timeout=60)
     assert r.status_code == 200, r.text
     assert r.json()["choices"][0]["message"]["content"] == "The capital of France"
+
+
+def test_echo_logprobs_equal_a_teacher_forced_forward(client: Any, tok: Tokenizer, hf_model: Any) -> None:
+    """What lm-eval's local-completions sends for loglikelihood: echo, logprobs, max_tokens 0 — one logprob
+    per prompt token (none for the first), equal to the model's own teacher-forced log-softmax."""
+    import torch
+
+    text = "The capital of France is Paris"
+    ids = tok.encode(text)
+    r = client.completions.create(
+        model=MODEL, prompt=text, echo=True, logprobs=1, max_tokens=0, temperature=0
+    )
+    [choice] = r.choices
+    assert choice.text == text
+    lp = choice.logprobs
+    assert lp.tokens == [tok.decode([i]) for i in ids]
+    assert lp.token_logprobs[0] is None and len(lp.token_logprobs) == len(ids)
+    assert r.usage.prompt_tokens == len(ids) and r.usage.completion_tokens == 0
+    with torch.no_grad():
+        logits = hf_model(torch.tensor([ids])).logits[0].float()
+    want = torch.log_softmax(logits, -1)[torch.arange(len(ids) - 1), torch.tensor(ids[1:])].tolist()
+    assert lp.token_logprobs[1:] == pytest.approx(want, abs=2e-3)
+    assert lp.text_offset == [len(tok.decode(ids[:k])) for k in range(len(ids))]
+    # max_tokens=1 generates one more token after the echoed prompt; a batch of token-id prompts works too
+    more = client.completions.create(
+        model=MODEL, prompt=[ids, ids[:4]], echo=True, logprobs=0, max_tokens=1, temperature=0
+    )
+    assert [c.index for c in more.choices] == [0, 1]
+    assert more.choices[0].text.startswith(text) and len(more.choices[0].logprobs.tokens) == len(ids) + 1
+    assert more.choices[0].logprobs.token_logprobs[1 : len(ids)] == pytest.approx(
+        lp.token_logprobs[1:], abs=1e-5
+    )
+    assert more.usage.completion_tokens == 2 and more.usage.prompt_tokens == len(ids) + 4
+    streamed = "".join(
+        c.choices[0].text
+        for c in client.completions.create(
+            model=MODEL, prompt=text, echo=True, max_tokens=3, temperature=0, stream=True
+        )
+    )
+    plain = client.completions.create(model=MODEL, prompt=text, max_tokens=3, temperature=0)
+    assert streamed == text + plain.choices[0].text
+
+
+def test_a_batch_of_prompts_with_n(client: Any) -> None:
+    r = client.completions.create(
+        model=MODEL, prompt=["One, two,", "Red, green,"], n=2, max_tokens=4, temperature=0
+    )
+    assert [c.index for c in r.choices] == [0, 1, 2, 3]
+    assert r.choices[0].text == r.choices[1].text != r.choices[2].text == r.choices[3].text
+    alone = client.completions.create(model=MODEL, prompt="Red, green,", max_tokens=4, temperature=0)
+    assert r.choices[2].text == alone.choices[0].text

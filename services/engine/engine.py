@@ -243,7 +243,7 @@ class LLMEngine:
         n_out = len(req.output_ids)
         reason: str | None = None
         stop_reason: str | int | None = None
-        if n_out >= p.min_tokens:
+        if n_out >= p.min_tokens and n_out > len(p.forced_token_ids):
             if s.token_id in p.stop_token_ids:
                 reason, stop_reason = "stop", s.token_id
             elif not p.ignore_eos and s.token_id in self._eos_ids:

@@ -52,6 +52,9 @@ class SamplingParams:
     frequency_penalty: float = 0.0  # subtracted per occurrence in the generated tokens
     repetition_penalty: float = 1.0  # divides positive / multiplies negative logits of prompt+output tokens
     logit_bias: tuple[tuple[int, float], ...] = field(default=())  # (token id, bias added to its logit)
+    # Teacher forcing: output index i < len(forced_token_ids) is forced_token_ids[i], whatever the logits say,
+    # with its logprob read from the raw logits (the prompt logprobs of `echo`); no stop condition applies.
+    forced_token_ids: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         if self.max_tokens < 1:
@@ -75,6 +78,7 @@ class SamplingParams:
         if not (self.repetition_penalty > 0 and math.isfinite(self.repetition_penalty)):
             raise ValueError(f"repetition_penalty must be a finite number > 0, got {self.repetition_penalty}")
         self.stop_token_ids = tuple(self.stop_token_ids)
+        self.forced_token_ids = tuple(self.forced_token_ids)
         self.logit_bias = tuple((int(t), float(b)) for t, b in self.logit_bias)
         for t, b in self.logit_bias:
             if not (-MAX_LOGIT_BIAS <= b <= MAX_LOGIT_BIAS):
@@ -224,6 +228,14 @@ def sample_batch(
     if drawn:
         picked = _sample_rows(x[drawn], [params[r] for r in drawn], [indices[r] for r in drawn])
         tokens[drawn] = picked.to(tokens.device)
+    forced = [
+        (r, p.forced_token_ids[indices[r]])
+        for r, p in enumerate(params)
+        if indices[r] < len(p.forced_token_ids)
+    ]
+    if forced:
+        fr, ft = zip(*forced, strict=True)
+        tokens[list(fr)] = torch.tensor(ft, device=tokens.device)
     k = max((p.logprobs for p in params if p.logprobs is not None), default=None)
     if k is None:
         return [Sampled(int(t)) for t in tokens.tolist()]

@@ -57,6 +57,7 @@ from services.frontend.protocol import (
     ChatDelta,
     Completion,
     CompletionChoice,
+    CompletionLogprobs,
     CompletionRequest,
     FinishReason,
     GenerationRequest,
@@ -130,9 +131,13 @@ class Frontend:
         prompt_param: str,
         max_tokens_param: str = "max_tokens",
         choices: int = 1,
+        echo_logprobs: bool = False,
     ) -> list[RequestState]:
         """Check the prompt against the context length and open one request per choice: each is routed,
-        run and migrated on its own, with its own seed derived from the request's."""
+        run and migrated on its own, with its own seed derived from the request's.
+
+        `echo_logprobs`: the prompt's own logprobs are wanted too, so the request runs teacher-forced — its
+        first token is the prompt, the rest are forced outputs whose raw logprobs the workers report."""
         limit = self.max_model_len()
         n = len(prompt_token_ids)
         if n == 0:
@@ -155,6 +160,10 @@ class Frontend:
                 code="context_length_exceeded",
             )
         params = self.sampling_params(body, max_tokens, logprobs)
+        if echo_logprobs:
+            params.forced_token_ids.extend(prompt_token_ids[1:])
+            params.max_tokens += n - 1
+            prompt_token_ids = prompt_token_ids[:1]
         metrics.PROMPT_TOKENS.inc(n)
         # Our own id, unique by construction (workers key requests by it); the client's only goes to the log.
         client_request_id = request.headers.get("x-request-id", "")
@@ -214,6 +223,7 @@ class Frontend:
         body: GenerationRequest,
         per_prompt: int = 1,
         keep: int | None = None,
+        echo: list[str] | None = None,
     ) -> Response:
         """Answer with every choice in `states`, `per_prompt` consecutive ones per prompt (or, for best_of,
         the `keep` with the highest cumulative logprob, renumbered 0..keep-1)."""
@@ -222,7 +232,12 @@ class Frontend:
             metrics.REQUESTS.labels(endpoint, "429").inc()
             raise overloaded(f"the frontend is serving its limit of {limit} concurrent requests "
                              "(--max-concurrent-requests); retry later")  # fmt: skip
-        pieces = _merged([_pieces(self.coordinator, state, self._assembler(state, body)) for state in states])
+        echoes: list[str | None] = (
+            [None] * len(states) if echo is None else [echo[i // per_prompt] for i in range(len(states))]
+        )
+        pieces = _merged(
+            [self._pieces(state, body, echo) for state, echo in zip(states, echoes, strict=True)]
+        )
         self.in_flight += 1
         metrics.REQUESTS_IN_FLIGHT.labels(endpoint).inc()
         headers = {"x-request-id": states[0].request_id}
@@ -247,14 +262,18 @@ class Frontend:
         stream = self._sse(endpoint, states, per_prompt, fmt, first, pieces, body.include_usage)
         return EventStreamResponse(stream, media_type="text/event-stream", headers=headers)
 
-    def _assembler(self, state: RequestState, body: GenerationRequest) -> TextAssembler:
-        return TextAssembler(
+    def _pieces(
+        self, state: RequestState, body: GenerationRequest, echo: str | None
+    ) -> AsyncGenerator[Piece, None]:
+        forced = list(state.params.forced_token_ids)
+        assembler = TextAssembler(
             self.tokenizer,
-            state.prompt_token_ids,
+            state.prompt_token_ids + forced,  # the whole prompt is the left context of the first token
             body.stop_strings(),
             include_stop=body.include_stop_str_in_output is True,
             skip_special_tokens=body.skip_special_tokens is not False,
         )
+        return _pieces(self.coordinator, state, assembler, echo, len(forced))
 
     async def _sse(
         self,
@@ -272,7 +291,7 @@ class Frontend:
                 yield _event(opening)
             piece: Piece | None = first
             while piece is not None:
-                if piece.text or piece.finish_reason or (fmt.logprobs and piece.tokens):
+                if piece.text or piece.finish_reason or piece.echo or (fmt.logprobs and piece.tokens):
                     yield _event(fmt.chunk(piece))
                 piece = await anext(pieces, None)
             if include_usage:  # best_of > n never streams, so every choice streamed is the client's
@@ -331,12 +350,16 @@ class EventStreamResponse(StreamingResponse):
 @dataclass
 class Piece:
     """Text the client may see now, the tokens behind it, and the finish reason on the last piece — of the
-    choice numbered `index`."""
+    choice numbered `index`. With echo, the first piece of a choice carries the prompt's text (`echo`) and,
+    when its logprobs were asked for, its tokens (`echoed`, after the first prompt token `echo_first`)."""
 
     text: str
     tokens: list[EmittedToken]
     finish_reason: str | None = None
     index: int = 0
+    echo: str | None = None
+    echo_first: int | None = None
+    echoed: list[EmittedToken] = field(default_factory=list)
 
 
 @dataclass
@@ -347,6 +370,9 @@ class Answer:
     text: str = ""
     tokens: list[EmittedToken] = field(default_factory=list)
     finish_reason: str | None = None
+    echo: str | None = None
+    echo_first: int | None = None
+    echoed: list[EmittedToken] = field(default_factory=list)
 
     @property
     def cumulative_logprob(self) -> float:
@@ -354,23 +380,41 @@ class Answer:
 
 
 async def _pieces(
-    coordinator: Coordinator, state: RequestState, assembler: TextAssembler
+    coordinator: Coordinator, state: RequestState, assembler: TextAssembler, echo: str | None, forced: int
 ) -> AsyncGenerator[Piece, None]:
+    """The choice's pieces. The first `forced` tokens are the echoed prompt (teacher-forced for its
+    logprobs): held until all have arrived and handed out as the prompt's text, never as generated text."""
+    echoed: list[EmittedToken] = []
+    pending_echo = echo is not None
     async with contextlib.aclosing(coordinator.generate(state)) as batches:
         async for batch in batches:
             tokens = state.take_unseen()
+            if len(echoed) < forced:
+                take = forced - len(echoed)
+                echoed += tokens[:take]
+                tokens = tokens[take:]
+                if len(echoed) < forced and batch.finish_reason is None:
+                    continue
             text = assembler.push([t.token_id for t in tokens])
+            piece = Piece(text, tokens)
+            if pending_echo:
+                pending_echo = False
+                piece.echo, piece.echoed = echo, echoed
+                piece.echo_first = state.prompt_token_ids[0]
             if assembler.stop_hit is not None:
                 if not state.finished:
                     state.finish(
                         "stop", assembler.stop_hit
                     )  # closing `batches` then cancels the worker's call
-                yield Piece(text, tokens, "stop")
+                piece.finish_reason = "stop"
+                yield piece
                 return
             if batch.finish_reason is not None:
-                yield Piece(text + assembler.finish(), tokens, batch.finish_reason)
+                piece.text += assembler.finish()
+                piece.finish_reason = batch.finish_reason
+                yield piece
                 return
-            yield Piece(text, tokens)
+            yield piece
 
 
 async def _merged(choices: list[AsyncGenerator[Piece, None]]) -> AsyncGenerator[Piece, None]:
@@ -403,6 +447,8 @@ async def _collect(pieces: AsyncIterator[Piece], choices: int) -> list[Answer]:
     texts: list[list[str]] = [[] for _ in range(choices)]
     async for piece in pieces:
         answer = answers[piece.index]
+        if piece.echo is not None:
+            answer.echo, answer.echo_first, answer.echoed = piece.echo, piece.echo_first, piece.echoed
         texts[piece.index].append(piece.text)
         answer.tokens.extend(piece.tokens)
         answer.finish_reason = piece.finish_reason or answer.finish_reason
@@ -456,8 +502,9 @@ async def _disconnect(request: Request) -> None:
 
 def _usage(states: list[RequestState], per_prompt: int) -> Usage:
     """Each prompt counted once (its `per_prompt` choices share it, as OpenAI counts), completions summed."""
-    prompt = sum(len(s.prompt_token_ids) for s in states[::per_prompt])
-    completion = sum(len(s.emitted) for s in states)
+    # a teacher-forced (echo + logprobs) request's forced outputs are its prompt, not its completion
+    prompt = sum(len(s.prompt_token_ids) + len(s.params.forced_token_ids) for s in states[::per_prompt])
+    completion = sum(max(len(s.emitted) - len(s.params.forced_token_ids), 0) for s in states)
     cached = sum(s.cached_tokens for s in states[::per_prompt])
     return Usage(
         prompt_tokens=prompt,
@@ -539,14 +586,34 @@ class CompletionFormat:
     def opening(self, choices: int) -> Sequence[BaseModel]:
         return []
 
+    def _logprobs(
+        self, tokens: list[EmittedToken], offset: int, echo_first: int | None, echoed: list[EmittedToken]
+    ) -> CompletionLogprobs:
+        """The echoed prompt's logprobs (its first token has none: nothing precedes it), then the tokens'."""
+        out = CompletionLogprobs()
+        if echo_first is not None:
+            text = self.texts(echo_first)[0]
+            out.tokens.append(text)
+            out.token_logprobs.append(None)
+            out.top_logprobs.append(None)
+            out.text_offset.append(offset)
+            offset += len(text)
+            prompt = completion_logprobs(echoed, self.texts, offset)
+            offset += sum(len(t) for t in prompt.tokens)
+            _extend(out, prompt)
+        _extend(out, completion_logprobs(tokens, self.texts, offset))
+        return out
+
     def chunk(self, piece: Piece) -> BaseModel:
         logprobs = None
         if self.logprobs:
             offset = self._text_offset.get(piece.index, 0)
-            logprobs = completion_logprobs(piece.tokens, self.texts, offset)
+            first = piece.echo_first if piece.echo is not None else None
+            logprobs = self._logprobs(piece.tokens, offset, first, piece.echoed)
             self._text_offset[piece.index] = offset + sum(len(t) for t in logprobs.tokens)
+        text = (piece.echo or "") + piece.text
         choice = CompletionChoice(
-            index=piece.index, text=piece.text, logprobs=logprobs, finish_reason=_finish(piece.finish_reason)
+            index=piece.index, text=text, logprobs=logprobs, finish_reason=_finish(piece.finish_reason)
         )
         return self._completion([choice])
 
@@ -557,13 +624,22 @@ class CompletionFormat:
         choices = [
             CompletionChoice(
                 index=a.index,
-                text=a.text,
-                logprobs=completion_logprobs(a.tokens, self.texts, 0) if self.logprobs else None,
+                text=(a.echo or "") + a.text,
+                logprobs=self._logprobs(a.tokens, 0, a.echo_first if a.echo is not None else None, a.echoed)
+                if self.logprobs
+                else None,
                 finish_reason=_finish(a.finish_reason),
             )
             for a in answers
         ]
         return self._completion(choices, usage)
+
+
+def _extend(out: CompletionLogprobs, more: CompletionLogprobs) -> None:
+    out.tokens += more.tokens
+    out.token_logprobs += more.token_logprobs
+    out.top_logprobs += more.top_logprobs
+    out.text_offset += more.text_offset
 
 
 def _finish(reason: str | None) -> FinishReason | None:
@@ -597,7 +673,8 @@ async def chat_completions(
     fe.check_model(body.model)
     caller.check_model(body.model)
     try:
-        prompt = fe.tokenizer.encode_chat([m.as_template_input() for m in body.messages])
+        text = fe.tokenizer.apply_chat_template([m.as_template_input() for m in body.messages])
+        prompt = fe.tokenizer.encode(text, add_special_tokens=body.add_special_tokens is True)
     except ChatTemplateError as e:
         raise bad_request(f"messages: {e}", param="messages") from e
     max_tokens_param = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
@@ -624,16 +701,20 @@ async def completions(
 ) -> Response:
     fe.check_model(body.model)
     caller.check_model(body.model)
-    if isinstance(body.prompt, str):
-        prompt = fe.tokenizer.encode(body.prompt)
-    else:
-        prompt = list(body.prompt)  # type: ignore[arg-type]  # one prompt of token ids, by validation
-        vocab = fe.tokenizer.vocab_size
-        bad = next((t for t in prompt if not 0 <= t < vocab), None)
+    vocab = fe.tokenizer.vocab_size
+    batch = body.prompts()
+    prompts: list[list[int]] = []
+    for i, p in enumerate(batch):
+        param = "prompt" if len(batch) == 1 else f"prompt[{i}]"
+        if isinstance(p, str):  # BOS/EOS as the tokenizer's metadata asks (vLLM's default for completions)
+            prompts.append(fe.tokenizer.encode(p, add_special_tokens=body.add_special_tokens is not False))
+            continue
+        bad = next((t for t in p if not 0 <= t < vocab), None)
         if bad is not None:
             raise bad_request(
-                f"prompt: token id {bad} is outside the vocabulary [0, {vocab})", param="prompt"
+                f"{param}: token id {bad} is outside the vocabulary [0, {vocab})", param="prompt"
             )
+        prompts.append(list(p))
     n = body.num_choices
     best_of = body.best_of or n
     if best_of > n and body.stream:
@@ -641,9 +722,53 @@ async def completions(
     # best_of ranks by cumulative logprob, so the workers return them even when the client did not ask
     logprobs = body.logprobs if body.logprobs is not None or best_of == n else 0
     max_tokens = body.max_tokens if body.max_tokens is not None else COMPLETIONS_DEFAULT_MAX_TOKENS
-    states = fe.start(request, prompt, body, max_tokens, logprobs, prompt_param="prompt", choices=best_of)
+    echo = body.echo is True
+    echo_logprobs = echo and body.logprobs is not None
+    if max_tokens == 0 and any(len(p) < 2 for p in prompts) and echo_logprobs:
+        raise bad_request(
+            "max_tokens=0 with logprobs scores the prompt, which needs at least 2 tokens", param="prompt"
+        )
+    if max_tokens == 0 and not echo_logprobs:
+        return _echo_only(fe, body, batch, prompts)
+    states = []
+    for ids in prompts:
+        states += fe.start(
+            request, ids, body, max_tokens, logprobs, prompt_param="prompt", choices=best_of,
+            echo_logprobs=echo_logprobs,
+        )  # fmt: skip
+    texts = [p if isinstance(p, str) else fe.tokenizer.decode(p) for p in batch] if echo else None
     fmt = CompletionFormat(states[0].request_id, body.model, body.logprobs is not None, fe.token_texts)
-    return await fe.respond(request, "completions", states, fmt, body, per_prompt=best_of, keep=n)
+    return await fe.respond(request, "completions", states, fmt, body, per_prompt=best_of, keep=n, echo=texts)
+
+
+def _echo_only(
+    fe: Frontend, body: CompletionRequest, batch: list[str | list[int]], prompts: list[list[int]]
+) -> Response:
+    """echo with max_tokens=0 and no logprobs: the answer is the prompts themselves; nothing to run."""
+    choices = [
+        CompletionChoice(
+            index=i, text=p if isinstance(p, str) else fe.tokenizer.decode(p), finish_reason="length"
+        )
+        for i, p in enumerate(batch)
+        for _ in range(body.num_choices)
+    ]
+    for i, c in enumerate(choices):
+        c.index = i
+    prompt_tokens = sum(len(p) for p in prompts)
+    usage = Usage(
+        prompt_tokens=prompt_tokens,
+        completion_tokens=0,
+        total_tokens=prompt_tokens,
+        prompt_tokens_details=PromptTokensDetails(cached_tokens=0),
+    )
+    answer = Completion(
+        id=f"cmpl-{uuid.uuid4().hex}",
+        created=int(time.time()),
+        model=body.model,
+        choices=choices,
+        usage=usage,
+    )
+    return Response(answer.model_dump_json(), media_type="application/json")
 
 
 @api.get("/v1/models", dependencies=[Depends(authorize)])

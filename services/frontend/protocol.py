@@ -19,6 +19,7 @@ MAX_STOP_STRINGS = 16
 MAX_TOP_LOGPROBS = 20
 MAX_N = 16  # choices per request (each one is a request of its own to the cluster)
 MAX_LOGIT_BIAS_ENTRIES = 300  # OpenAI's limit
+MAX_PROMPTS = 64  # prompts in one /v1/completions batch
 
 
 class _Request(BaseModel):
@@ -86,7 +87,6 @@ _NEUTRAL: dict[str, tuple[Any, str]] = {
     "chat_template_kwargs": (lambda v: not v, "null or empty"),
     "documents": (lambda v: not v, "null or empty"),
     "echo": (lambda v: v in (None, False), "null or false"),
-    "add_special_tokens": (lambda v: v is None, "null"),
 }
 
 
@@ -141,13 +141,12 @@ class GenerationRequest(_Request):
     truncate_prompt_tokens: Any = _refused_unless("null")
     spaces_between_special_tokens: Any = _refused_unless("null or true")
     return_tokens_as_token_ids: Any = _refused_unless("null or false")
-    add_special_tokens: Any = _refused_unless("null")
 
     @field_validator(
         "response_format", "tools", "tool_choice", "structured_outputs", "guided_json", "guided_regex",
         "guided_choice", "guided_grammar", "prompt_logprobs", "bad_words", "allowed_token_ids",
         "use_beam_search", "length_penalty", "truncate_prompt_tokens", "spaces_between_special_tokens",
-        "return_tokens_as_token_ids", "add_special_tokens", mode="before",
+        "return_tokens_as_token_ids", mode="before",
     )  # fmt: skip
     @classmethod
     def _refuse(cls, value: Any, info: ValidationInfo) -> Any:
@@ -208,6 +207,10 @@ class ChatCompletionRequest(GenerationRequest):
     chat_template_kwargs: Any = _refused_unless("null or empty")
     documents: Any = _refused_unless("null or empty")
     echo: Any = _refused_unless("null or false")
+    add_special_tokens: bool | None = Field(
+        default=None,
+        description="add BOS/EOS around the templated prompt (default false: the template has them)",
+    )
 
     @field_validator(
         "functions", "function_call", "prediction", "audio", "modalities", "web_search_options",
@@ -228,34 +231,46 @@ class ChatCompletionRequest(GenerationRequest):
 
 class CompletionRequest(GenerationRequest):
     prompt: str | list[int] | list[str] | list[list[int]]
+    max_tokens: Annotated[int, Field(ge=0, description="0 only with echo: score the prompt")] | None = None
     logprobs: Annotated[int, Field(ge=0, le=MAX_TOP_LOGPROBS)] | None = None
-    echo: Any = _refused_unless("null or false")
+    echo: bool | None = Field(
+        default=None, description="prepend the prompt (and its logprobs) to each choice"
+    )
     best_of: Annotated[int, Field(ge=1, le=MAX_N)] | None = None
+    add_special_tokens: bool | None = Field(
+        default=None, description="add the BOS/EOS the model's tokenizer metadata asks for (default true)"
+    )
     suffix: Any = _refused_unless("null or empty")
 
-    @field_validator("echo", "suffix", mode="before")
+    @field_validator("suffix", mode="before")
     @classmethod
     def _refuse_completion(cls, value: Any, info: ValidationInfo) -> Any:
         return _neutral_only(value, info)
 
     @field_validator("prompt")
     @classmethod
-    def _single_prompt(cls, prompt: str | list[int] | list[str] | list[list[int]]) -> str | list[int]:
-        if isinstance(prompt, str):
-            return prompt
-        if prompt and not isinstance(prompt[0], int):  # a batch: list[str] or list[list[int]]
-            if len(prompt) != 1:
-                raise ValueError(f"only one prompt per request is supported; got {len(prompt)}")
-            only = prompt[0]
-            assert isinstance(only, str | list)
-            return only  # type: ignore[return-value]
-        return prompt  # type: ignore[return-value]
+    def _prompts(cls, prompt: str | list[int] | list[str] | list[list[int]]) -> Any:
+        if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int):  # a batch
+            if len(prompt) > MAX_PROMPTS:
+                raise ValueError(f"at most {MAX_PROMPTS} prompts per request, got {len(prompt)}")
+        elif isinstance(prompt, list) and not prompt:
+            raise ValueError("the prompt is empty (0 tokens)")
+        return prompt
 
     @model_validator(mode="after")
-    def _best_of(self) -> CompletionRequest:
+    def _choices(self) -> CompletionRequest:
         if self.best_of is not None and self.best_of < self.num_choices:
             raise ValueError(f"best_of ({self.best_of}) must be at least n ({self.num_choices})")
+        if self.max_tokens == 0 and not self.echo:
+            raise ValueError("max_tokens=0 needs echo=true (it scores the prompt and generates nothing)")
         return self
+
+    def prompts(self) -> list[str | list[int]]:
+        """The batch: one prompt (text or token ids) or several."""
+        p = self.prompt
+        if isinstance(p, str) or (p and isinstance(p[0], int)):
+            return [p]  # type: ignore[list-item]
+        return list(p)  # type: ignore[arg-type]
 
 
 # ---- responses ------------------------------------------------------------------------------------------------
@@ -288,8 +303,8 @@ class ChatLogprobs(BaseModel):
 
 class CompletionLogprobs(BaseModel):
     tokens: list[str] = Field(default_factory=list)
-    token_logprobs: list[float] = Field(default_factory=list)
-    top_logprobs: list[dict[str, float]] = Field(default_factory=list)
+    token_logprobs: list[float | None] = Field(default_factory=list)  # None: an echoed prompt's first token
+    top_logprobs: list[dict[str, float] | None] = Field(default_factory=list)
     text_offset: list[int] = Field(default_factory=list)
 
 

@@ -45,6 +45,7 @@ def sampling_params(p: pb.SamplingParams) -> SamplingParams:
             frequency_penalty=p.frequency_penalty,
             repetition_penalty=p.repetition_penalty or 1.0,
             logit_bias=tuple(sorted(p.logit_bias.items())),
+            forced_token_ids=tuple(p.forced_token_ids),
         )
     except ValueError as e:
         raise ValueError(f"invalid params: {e}") from e
