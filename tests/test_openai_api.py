@@ -165,10 +165,15 @@ def test_best_of_returns_the_most_likely_of_its_candidates(client: Any) -> None:
 @pytest.mark.parametrize(
     ("extra", "param"),
     [
-        ({"response_format": {"type": "json_object"}}, "response_format"),
+        ({"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}}, "response_format"),
+        (
+            {"response_format": {"type": "json_schema", "json_schema": {"schema": {"type": "nope"}}}},
+            "response_format",
+        ),
+        ({"guided_regex": "a+", "guided_choice": ["a"]}, "guided_choice"),
         ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}]}, "tools"),
         ({"tool_choice": "required"}, "tool_choice"),
-        ({"guided_regex": "a+"}, "guided_regex"),
+        ({"guided_regex": "(unclosed"}, "guided_regex"),
         ({"use_beam_search": True}, "use_beam_search"),
         ({"logit_bias": {"99999999": 1}}, "logit_bias"),
         ({"logit_bias": {"cat": 1}}, "logit_bias"),
@@ -244,3 +249,51 @@ def test_a_batch_of_prompts_with_n(client: Any) -> None:
     assert r.choices[0].text == r.choices[1].text != r.choices[2].text == r.choices[3].text
     alone = client.completions.create(model=MODEL, prompt="Red, green,", max_tokens=4, temperature=0)
     assert r.choices[2].text == alone.choices[0].text
+
+
+PERSON = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "maxLength": 12},
+        "age": {"type": "integer", "minimum": 0, "maximum": 120},
+        "city": {"enum": ["Paris", "Rome", "Oslo"]},
+    },
+    "required": ["name", "age", "city"],
+    "additionalProperties": False,
+}
+
+
+def test_json_schema_output_parses_and_validates(client: Any) -> None:
+    import json
+
+    import jsonschema
+
+    fmt = {"type": "json_schema", "json_schema": {"name": "person", "schema": PERSON, "strict": True}}
+    ask = [{"role": "user", "content": "Describe a person as JSON."}]
+    for seed in (1, 2):
+        r = client.chat.completions.create(
+            model=MODEL, messages=ask, temperature=1.0, seed=seed, max_tokens=80, response_format=fmt
+        )
+        assert r.choices[0].finish_reason == "stop"
+        jsonschema.validate(json.loads(r.choices[0].message.content), PERSON)
+    obj = client.chat.completions.create(
+        model=MODEL, messages=ask, temperature=0, max_tokens=60, response_format={"type": "json_object"}
+    )
+    if obj.choices[0].finish_reason == "stop":
+        assert isinstance(json.loads(obj.choices[0].message.content), dict)
+    else:  # cut at max_tokens: still a prefix of JSON, opening an object
+        assert obj.choices[0].message.content.lstrip().startswith("{")
+    pick = client.chat.completions.create(
+        model=MODEL, messages=FRANCE, temperature=0.8, seed=4, max_tokens=8,
+        extra_body={"structured_outputs": {"choice": ["Lyon", "Marseille"]}},
+    )  # fmt: skip
+    assert pick.choices[0].message.content in ("Lyon", "Marseille")
+    digits = client.completions.create(
+        model=MODEL,
+        prompt="My PIN is",
+        max_tokens=10,
+        temperature=1.0,
+        seed=2,
+        extra_body={"guided_regex": "[0-9]{4}"},
+    )
+    assert len(digits.choices[0].text) == 4 and digits.choices[0].text.isdigit()

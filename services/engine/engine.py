@@ -23,6 +23,7 @@ from services.engine.loader import LoadedModel, load_model, model_fingerprint
 from services.engine.model import AttnMetadata, PagedKvCache, PrefillSegment, Transformer
 from services.engine.sampling import RowContext, Sampled, SamplingParams, sample_batch
 from services.engine.scheduler import Request, RequestStatus, Scheduler, SchedulerOutput
+from services.engine.structured import GrammarError, Grammars, Matcher
 
 log = logging.getLogger("rackserve.engine")
 
@@ -154,6 +155,8 @@ class LLMEngine:
         self._eos_ids = set(getattr(self.tokenizer, "stop_token_ids", ()) or ())
         if loaded.config.eos_token_id is not None:
             self._eos_ids.add(loaded.config.eos_token_id)
+        self._grammars = Grammars(self.tokenizer, loaded.config.vocab_size, sorted(self._eos_ids))
+        self._matchers: dict[str, Matcher] = {}  # request id → its grammar's state, for constrained requests
         self._prefix_hits = self._prefix_queries = self._preemptions = 0
         self._step_s = 0.0
         self._last_batch = 0
@@ -190,6 +193,13 @@ class LLMEngine:
             raise ValueError(
                 f"already {len(req.output_ids)} tokens emitted, max_tokens is {params.max_tokens}"
             )
+        if params.structured_kind:
+            if self.tokenizer is None:
+                raise GrammarError("constrained decoding needs the model's tokenizer; this engine has none")
+            # the grammar's state after the tokens already emitted (a resumed request replays them)
+            self._matchers[request_id] = self._grammars.matcher(
+                params.structured_kind, params.structured_spec, req.output_ids
+            )
         if kv is not None:
             self._import_into(req, kv)
         self.requests[request_id] = req
@@ -197,6 +207,7 @@ class LLMEngine:
         return req
 
     def abort(self, request_id: str) -> None:
+        self._matchers.pop(request_id, None)
         req = self.requests.pop(request_id, None)
         if req is not None and not req.finished:
             self.scheduler.finish(req, "abort")
@@ -243,7 +254,10 @@ class LLMEngine:
         n_out = len(req.output_ids)
         reason: str | None = None
         stop_reason: str | int | None = None
-        if n_out >= p.min_tokens and n_out > len(p.forced_token_ids):
+        matcher = self._matchers.get(req.request_id)
+        if matcher is not None and matcher.accept(s.token_id) and matcher.terminated:
+            reason, stop_reason = "stop", s.token_id  # the grammar is complete (it accepted end-of-sequence)
+        elif n_out >= p.min_tokens and n_out > len(p.forced_token_ids):
             if s.token_id in p.stop_token_ids:
                 reason, stop_reason = "stop", s.token_id
             elif not p.ignore_eos and s.token_id in self._eos_ids:
@@ -262,6 +276,7 @@ class LLMEngine:
             num_cached_tokens=req.num_cached_tokens,
         )
         if reason is not None:
+            self._matchers.pop(req.request_id, None)
             self.scheduler.finish(req, reason, stop_reason)
             if not req.hold_kv:
                 del self.requests[req.request_id]
@@ -326,7 +341,8 @@ class LLMEngine:
         banned: list[int] = []
         if len(req.output_ids) < p.min_tokens:
             banned = sorted(set(p.stop_token_ids) | (set() if p.ignore_eos else self._eos_ids))
-        return RowContext(req.prompt_ids, req.output_ids, banned)
+        matcher = self._matchers.get(req.request_id)
+        return RowContext(req.prompt_ids, req.output_ids, banned, matcher.bitmask() if matcher else None)
 
     # ------------------------------------------------------------------------------------------ helpers
     def generate(

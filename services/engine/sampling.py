@@ -55,6 +55,9 @@ class SamplingParams:
     # Teacher forcing: output index i < len(forced_token_ids) is forced_token_ids[i], whatever the logits say,
     # with its logprob read from the raw logits (the prompt logprobs of `echo`); no stop condition applies.
     forced_token_ids: tuple[int, ...] = ()
+    # Constrained decoding (services/engine/structured.py): json_schema | json_object | regex | choice | grammar
+    structured_kind: str = ""
+    structured_spec: str = ""  # the schema (JSON text), regex, choices (a JSON list of strings) or EBNF
 
     def __post_init__(self) -> None:
         if self.max_tokens < 1:
@@ -79,6 +82,8 @@ class SamplingParams:
             raise ValueError(f"repetition_penalty must be a finite number > 0, got {self.repetition_penalty}")
         self.stop_token_ids = tuple(self.stop_token_ids)
         self.forced_token_ids = tuple(self.forced_token_ids)
+        if self.structured_kind not in ("", "json_schema", "json_object", "regex", "choice", "grammar"):
+            raise ValueError(f"structured_kind {self.structured_kind!r} is not a grammar kind")
         self.logit_bias = tuple((int(t), float(b)) for t, b in self.logit_bias)
         for t, b in self.logit_bias:
             if not (-MAX_LOGIT_BIAS <= b <= MAX_LOGIT_BIAS):

@@ -32,6 +32,7 @@ from pydantic import BaseModel
 from starlette.types import Receive, Scope, Send
 
 from services.engine.sampling import draw_seed
+from services.engine.structured import GrammarError, Grammars
 from services.engine.tokenizer import ChatTemplateError, Tokenizer
 from services.frontend.auth import AuthConfig, Guard, Principal, authorize
 from services.frontend.coordinator import Coordinator, EmittedToken, Phase, RequestState, WorkerView
@@ -64,6 +65,7 @@ from services.frontend.protocol import (
     ModelCard,
     ModelList,
     PromptTokensDetails,
+    StructuredError,
     Usage,
 )
 from services.frontend.timeline import RequestObserver
@@ -108,6 +110,7 @@ class Frontend:
         self.directory = directory
         self.coordinator = coordinator
         self.token_texts = TokenTexts(tokenizer)
+        self.grammars = Grammars(tokenizer, tokenizer.vocab_size, tokenizer.stop_token_ids)
         self.created = int(time.time())
         self.in_flight = 0
 
@@ -196,8 +199,20 @@ class Frontend:
                 raise bad_request(
                     f"{field_name}: token id {bad} is outside the vocabulary [0, {vocab})", param=field_name
                 )
+        try:
+            structured = body.structured()
+        except StructuredError as e:
+            raise bad_request(str(e), param=e.param) from e
+        kind, spec = structured or ("", "")
+        if kind:
+            try:  # compiled here too (xgrammar caches it), so a bad schema is a 400 naming it, before routing
+                self.grammars.matcher(kind, spec)
+            except GrammarError as e:
+                raise bad_request(str(e), param=body.structured_param()) from e
         seed = body.seed if body.seed is not None else secrets.randbits(63)
         return pb.SamplingParams(
+            structured_kind=kind,
+            structured_spec=spec,
             max_tokens=max_tokens,
             temperature=1.0 if body.temperature is None else body.temperature,
             top_p=1.0 if body.top_p is None else body.top_p,

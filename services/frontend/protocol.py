@@ -11,6 +11,7 @@ client expects the keys to be present.
 
 from __future__ import annotations
 
+import json
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
@@ -59,16 +60,10 @@ def _refused_unless(neutral: str) -> Any:
 # name → (is the value neutral?, what neutral means), for parameters refused rather than ignored
 _NEUTRAL: dict[str, tuple[Any, str]] = {
     "suffix": (lambda v: not v, "null or empty"),
-    "response_format": (lambda v: v is None or v == {"type": "text"}, 'null or {"type": "text"}'),
     "tools": (lambda v: not v, "null or empty"),
     "tool_choice": (lambda v: v in (None, "none"), 'null or "none"'),
     "functions": (lambda v: not v, "null or empty"),
     "function_call": (lambda v: v in (None, "none"), 'null or "none"'),
-    "structured_outputs": (lambda v: v is None, "null"),
-    "guided_json": (lambda v: v is None, "null"),
-    "guided_regex": (lambda v: v is None, "null"),
-    "guided_choice": (lambda v: v is None, "null"),
-    "guided_grammar": (lambda v: v is None, "null"),
     "prompt_logprobs": (lambda v: v is None, "null"),
     "bad_words": (lambda v: not v, "null or empty"),
     "allowed_token_ids": (lambda v: v is None, "null"),
@@ -88,6 +83,36 @@ _NEUTRAL: dict[str, tuple[Any, str]] = {
     "documents": (lambda v: not v, "null or empty"),
     "echo": (lambda v: v in (None, False), "null or false"),
 }
+
+
+class StructuredError(ValueError):
+    def __init__(self, param: str, message: str) -> None:
+        super().__init__(f"{param}: {message}")
+        self.param = param
+
+
+class ResponseFormatParam(_Request):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: dict[str, Any] | None = Field(
+        default=None,
+        description='{"name": ..., "schema": {...}, "strict": ...}: the output validates against schema',
+    )
+
+    @model_validator(mode="after")
+    def _schema_given(self) -> ResponseFormatParam:
+        if self.type == "json_schema" and not isinstance((self.json_schema or {}).get("schema"), dict):
+            raise ValueError('type "json_schema" needs json_schema.schema, a JSON schema object')
+        return self
+
+
+class StructuredOutputs(_Request):
+    """vLLM's structured_outputs: exactly one of these."""
+
+    json_: str | dict[str, Any] | None = Field(default=None, alias="json", description="a JSON schema")
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = Field(default=None, description="EBNF (GBNF) grammar")
+    json_object: bool | None = None
 
 
 def _neutral_only(value: Any, info: ValidationInfo) -> Any:
@@ -121,18 +146,18 @@ class GenerationRequest(_Request):
     min_tokens: Annotated[int, Field(ge=0)] | None = None
     skip_special_tokens: bool | None = None
     seed: int | None = None
+    response_format: ResponseFormatParam | None = None
+    structured_outputs: StructuredOutputs | None = None
+    guided_json: str | dict[str, Any] | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
     stream: bool | None = False
     stream_options: StreamOptions | None = None
     user: str | None = None
 
-    response_format: Any = _refused_unless(_NEUTRAL["response_format"][1])
     tools: Any = _refused_unless(_NEUTRAL["tools"][1])
     tool_choice: Any = _refused_unless(_NEUTRAL["tool_choice"][1])
-    structured_outputs: Any = _refused_unless("null")
-    guided_json: Any = _refused_unless("null")
-    guided_regex: Any = _refused_unless("null")
-    guided_choice: Any = _refused_unless("null")
-    guided_grammar: Any = _refused_unless("null")
     prompt_logprobs: Any = _refused_unless("null")
     bad_words: Any = _refused_unless("null or empty")
     allowed_token_ids: Any = _refused_unless("null")
@@ -143,8 +168,7 @@ class GenerationRequest(_Request):
     return_tokens_as_token_ids: Any = _refused_unless("null or false")
 
     @field_validator(
-        "response_format", "tools", "tool_choice", "structured_outputs", "guided_json", "guided_regex",
-        "guided_choice", "guided_grammar", "prompt_logprobs", "bad_words", "allowed_token_ids",
+        "tools", "tool_choice", "prompt_logprobs", "bad_words", "allowed_token_ids",
         "use_beam_search", "length_penalty", "truncate_prompt_tokens", "spaces_between_special_tokens",
         "return_tokens_as_token_ids", mode="before",
     )  # fmt: skip
@@ -171,6 +195,50 @@ class GenerationRequest(_Request):
             if not key.isdigit():
                 raise ValueError(f"keys must be token ids written as decimal strings, got {key!r}")
         return bias
+
+    def structured(self) -> tuple[str, str] | None:
+        """The one grammar the output must follow, as (kind, spec) for the workers; a ValueError (400) names
+        the parameter when two are given or one is malformed."""
+        found: list[tuple[str, str, str]] = []  # (param, kind, spec)
+        rf = self.response_format
+        if rf is not None and rf.type == "json_object":
+            found.append(("response_format", "json_object", ""))
+        elif rf is not None and rf.type == "json_schema":
+            schema = (rf.json_schema or {}).get("schema")
+            if not isinstance(schema, dict):
+                raise StructuredError("response_format", "json_schema.schema must be a JSON schema object")
+            found.append(("response_format", "json_schema", json.dumps(schema)))
+        so = self.structured_outputs
+        if so is not None:
+            for kind, value in (
+                ("json_schema", so.json_), ("regex", so.regex), ("choice", so.choice), ("grammar", so.grammar),
+                ("json_object", so.json_object or None),
+            ):  # fmt: skip
+                if value is not None:
+                    spec = value if isinstance(value, str) else json.dumps(value)
+                    found.append(("structured_outputs", kind, "" if kind == "json_object" else spec))
+        legacy = (
+            ("guided_json", "json_schema", self.guided_json), ("guided_regex", "regex", self.guided_regex),
+            ("guided_choice", "choice", self.guided_choice), ("guided_grammar", "grammar", self.guided_grammar),
+        )  # fmt: skip
+        for param, kind, value in legacy:
+            if value is not None:
+                found.append((param, kind, value if isinstance(value, str) else json.dumps(value)))
+        if len(found) > 1:
+            raise StructuredError(
+                found[1][0], f"only one constraint per request; {found[0][0]} is already one"
+            )
+        if found and found[0][1] == "choice" and not json.loads(found[0][2]):
+            raise StructuredError(found[0][0], "choice needs at least one string")
+        return (found[0][1], found[0][2]) if found else None
+
+    def structured_param(self) -> str:
+        """The parameter that carries the grammar (for errors)."""
+        for name in ("response_format", "structured_outputs", "guided_json", "guided_regex", "guided_choice"):
+            if getattr(self, name) is not None and not (name == "response_format" and self.response_format
+                                                         and self.response_format.type == "text"):  # fmt: skip
+                return name
+        return "guided_grammar"
 
     def stop_strings(self) -> list[str]:
         if self.stop is None:

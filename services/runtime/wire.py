@@ -46,6 +46,8 @@ def sampling_params(p: pb.SamplingParams) -> SamplingParams:
             repetition_penalty=p.repetition_penalty or 1.0,
             logit_bias=tuple(sorted(p.logit_bias.items())),
             forced_token_ids=tuple(p.forced_token_ids),
+            structured_kind=p.structured_kind,
+            structured_spec=p.structured_spec,
         )
     except ValueError as e:
         raise ValueError(f"invalid params: {e}") from e
