@@ -47,8 +47,8 @@ class Grammars:
         c = self._compiler
         if kind == "json_schema":
             return c.compile_json_schema(spec, any_whitespace=False)
-        if kind == "json_object":
-            return c.compile_builtin_json_grammar()
+        if kind == "json_object":  # OpenAI's json_object is an object, not any JSON value
+            return c.compile_json_schema('{"type": "object"}', any_whitespace=False)
         if kind == "regex":
             return c.compile_regex(spec)
         if kind == "choice":
