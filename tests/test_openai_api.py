@@ -297,3 +297,76 @@ def test_json_schema_output_parses_and_validates(client: Any) -> None:
         extra_body={"guided_regex": "[0-9]{4}"},
     )
     assert len(digits.choices[0].text) == 4 and digits.choices[0].text.isdigit()
+
+
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "The weather in a city",
+        "parameters": {
+            "type": "object",
+            "properties": {
+                "city": {"type": "string", "maxLength": 20},
+                "unit": {"enum": ["celsius", "fahrenheit"]},
+            },
+            "required": ["city", "unit"],
+            "additionalProperties": False,
+        },
+    },
+}
+ASK_WEATHER = [{"role": "user", "content": "What is the weather in Paris?"}]
+
+
+def test_a_forced_tool_call_returns_arguments_that_validate(client: Any) -> None:
+    import json
+
+    import jsonschema
+
+    params = WEATHER["function"]["parameters"]
+    named = {"type": "function", "function": {"name": "get_weather"}}
+    r = client.chat.completions.create(
+        model=MODEL, messages=ASK_WEATHER, tools=[WEATHER], tool_choice=named, temperature=0, max_tokens=60
+    )
+    [call] = r.choices[0].message.tool_calls
+    assert r.choices[0].finish_reason == "tool_calls" and call.function.name == "get_weather"
+    jsonschema.validate(json.loads(call.function.arguments), params)
+    required = client.chat.completions.create(
+        model=MODEL,
+        messages=ASK_WEATHER,
+        tools=[WEATHER],
+        tool_choice="required",
+        temperature=0,
+        max_tokens=80,
+    )
+    calls = required.choices[0].message.tool_calls
+    assert calls and required.choices[0].finish_reason == "tool_calls"
+    for c in calls:
+        assert c.function.name == "get_weather"
+        jsonschema.validate(json.loads(c.function.arguments), params)
+    # streamed: the call arrives as a tool_calls delta, with the finish reason
+    deltas = [
+        c.choices[0]
+        for c in client.chat.completions.create(
+            model=MODEL, messages=ASK_WEATHER, tools=[WEATHER], tool_choice=named, temperature=0, max_tokens=60,
+            stream=True,
+        )
+        if c.choices
+    ]  # fmt: skip
+    streamed = [tc for d in deltas for tc in d.delta.tool_calls or []]
+    assert [tc.function.arguments for tc in streamed] == [call.function.arguments]
+    assert deltas[-1].finish_reason == "tool_calls"
+    # the call and its result round-trip into the next turn's template
+    follow = client.chat.completions.create(
+        model=MODEL,
+        messages=[
+            *ASK_WEATHER,
+            {"role": "assistant", "content": None, "tool_calls": [call.model_dump()]},
+            {"role": "tool", "tool_call_id": call.id, "content": '{"temperature": 21}'},
+        ],
+        tools=[WEATHER],
+        temperature=0,
+        max_tokens=24,
+    )
+    assert follow.choices[0].finish_reason in ("stop", "length") and follow.choices[0].message.content
+    assert follow.usage.prompt_tokens > r.usage.prompt_tokens  # the tool result reached the prompt

@@ -47,7 +47,13 @@ from services.frontend.errors import (
     model_not_found,
     overloaded,
 )
-from services.frontend.output import TextAssembler, TokenTexts, chat_logprobs, completion_logprobs
+from services.frontend.output import (
+    TextAssembler,
+    TokenTexts,
+    chat_logprobs,
+    completion_logprobs,
+    parse_tool_calls,
+)
 from services.frontend.protocol import (
     AssistantMessage,
     ChatChoice,
@@ -61,11 +67,14 @@ from services.frontend.protocol import (
     CompletionLogprobs,
     CompletionRequest,
     FinishReason,
+    FunctionCall,
     GenerationRequest,
     ModelCard,
     ModelList,
     PromptTokensDetails,
     StructuredError,
+    ToolCall,
+    ToolCallDelta,
     Usage,
 )
 from services.frontend.timeline import RequestObserver
@@ -307,7 +316,9 @@ class Frontend:
             piece: Piece | None = first
             while piece is not None:
                 if piece.text or piece.finish_reason or piece.echo or (fmt.logprobs and piece.tokens):
-                    yield _event(fmt.chunk(piece))
+                    event = fmt.chunk(piece)
+                    if event is not None:  # None: held back (a tool call is parsed once it is whole)
+                        yield _event(event)
                 piece = await anext(pieces, None)
             if include_usage:  # best_of > n never streams, so every choice streamed is the client's
                 yield _event(fmt.usage_chunk(_usage(states, per_prompt)))
@@ -541,7 +552,7 @@ class ResponseFormat(Protocol):
 
     def opening(self, choices: int) -> Sequence[BaseModel]: ...
 
-    def chunk(self, piece: Piece) -> BaseModel: ...
+    def chunk(self, piece: Piece) -> BaseModel | None: ...
 
     def usage_chunk(self, usage: Usage) -> BaseModel: ...
 
@@ -549,9 +560,13 @@ class ResponseFormat(Protocol):
 
 
 class ChatFormat:
-    def __init__(self, request_id: str, model: str, logprobs: bool, texts: TokenTexts) -> None:
+    def __init__(
+        self, request_id: str, model: str, logprobs: bool, texts: TokenTexts, tool_mode: str | None = None
+    ) -> None:
         self.id, self.model, self.logprobs, self.texts = f"chatcmpl-{request_id}", model, logprobs, texts
         self.created = int(time.time())
+        self.tool_mode = tool_mode  # with tools, a choice's text is held until whole, then parsed for calls
+        self._held: dict[int, Answer] = {}
 
     def _chunk(self, choices: list[ChatChunkChoice], usage: Usage | None = None) -> ChatCompletionChunk:
         return ChatCompletionChunk(
@@ -564,26 +579,62 @@ class ChatFormat:
             for i in range(choices)
         ]
 
-    def chunk(self, piece: Piece) -> BaseModel:
-        delta = ChatDelta(content=piece.text or None)
-        logprobs = chat_logprobs(piece.tokens, self.texts) if self.logprobs else None
-        finish = _finish(piece.finish_reason)
-        choice = ChatChunkChoice(index=piece.index, delta=delta, logprobs=logprobs, finish_reason=finish)
+    def chunk(self, piece: Piece) -> BaseModel | None:
+        tokens, text = piece.tokens, piece.text
+        delta = ChatDelta(content=text or None)
+        finish = piece.finish_reason
+        if self.tool_mode is not None:
+            held = self._held.setdefault(piece.index, Answer(piece.index))
+            held.text += text
+            held.tokens += tokens
+            if finish is None:
+                return None
+            tokens = held.tokens
+            content, calls, finish = self._tool_calls(held.text, finish)
+            delta = ChatDelta(
+                content=content,
+                tool_calls=[
+                    ToolCallDelta(index=j, id=c.id, type="function", function=c.function)
+                    for j, c in enumerate(calls)
+                ]
+                or None,
+            )
+        logprobs = chat_logprobs(tokens, self.texts) if self.logprobs else None
+        choice = ChatChunkChoice(
+            index=piece.index, delta=delta, logprobs=logprobs, finish_reason=_finish(finish)
+        )
         return self._chunk([choice])
+
+    def _tool_calls(self, text: str, finish: str | None) -> tuple[str | None, list[ToolCall], str | None]:
+        assert self.tool_mode is not None
+        content, parsed = parse_tool_calls(text, self.tool_mode)
+        calls = [
+            ToolCall(id=f"call_{uuid.uuid4().hex[:24]}", function=FunctionCall(name=name, arguments=args))
+            for name, args in parsed
+        ]
+        if calls and finish == "stop":
+            finish = "tool_calls"
+        return content, calls, finish
 
     def usage_chunk(self, usage: Usage) -> BaseModel:
         return self._chunk([], usage)
 
     def whole(self, answers: list[Answer], usage: Usage) -> BaseModel:
-        choices = [
-            ChatChoice(
-                index=a.index,
-                message=AssistantMessage(content=a.text),
-                logprobs=chat_logprobs(a.tokens, self.texts) if self.logprobs else None,
-                finish_reason=_finish(a.finish_reason),
+        choices = []
+        for a in answers:
+            content: str | None = a.text
+            calls: list[ToolCall] = []
+            finish = a.finish_reason
+            if self.tool_mode is not None:
+                content, calls, finish = self._tool_calls(a.text, finish)
+            choices.append(
+                ChatChoice(
+                    index=a.index,
+                    message=AssistantMessage(content=content, tool_calls=calls),
+                    logprobs=chat_logprobs(a.tokens, self.texts) if self.logprobs else None,
+                    finish_reason=_finish(finish),
+                )
             )
-            for a in answers
-        ]
         return ChatCompletion(
             id=self.id, created=self.created, model=self.model, choices=choices, usage=usage
         )
@@ -661,8 +712,8 @@ def _finish(reason: str | None) -> FinishReason | None:
     """The worker's finish reason as OpenAI names it (anything unexpected reads as "stop")."""
     if reason is None:
         return None
-    if reason == "length":
-        return "length"
+    if reason in ("length", "tool_calls"):
+        return reason  # type: ignore[return-value]
     return "abort" if reason == "abort" else "stop"
 
 
@@ -688,7 +739,8 @@ async def chat_completions(
     fe.check_model(body.model)
     caller.check_model(body.model)
     try:
-        text = fe.tokenizer.apply_chat_template([m.as_template_input() for m in body.messages])
+        messages = [m.as_template_input() for m in body.messages]
+        text = fe.tokenizer.apply_chat_template(messages, tools=body.template_tools())
         prompt = fe.tokenizer.encode(text, add_special_tokens=body.add_special_tokens is True)
     except ChatTemplateError as e:
         raise bad_request(f"messages: {e}", param="messages") from e
@@ -703,7 +755,9 @@ async def chat_completions(
         max_tokens_param=max_tokens_param,
         choices=body.num_choices,
     )
-    fmt = ChatFormat(states[0].request_id, body.model, body.logprobs is True, fe.token_texts)
+    fmt = ChatFormat(
+        states[0].request_id, body.model, body.logprobs is True, fe.token_texts, body.tool_mode()
+    )
     return await fe.respond(request, "chat_completions", states, fmt, body, per_prompt=body.num_choices)
 
 

@@ -10,6 +10,8 @@ to be part of one. `include_stop_str_in_output` releases the stop string itself 
 
 from __future__ import annotations
 
+import json
+import re
 from collections.abc import Sequence
 from functools import lru_cache
 
@@ -144,3 +146,49 @@ def completion_logprobs(
         out.text_offset.append(text_offset)
         text_offset += len(text)
     return out
+
+
+# ---- tool calls ---------------------------------------------------------------------------------------------
+
+_HERMES = re.compile(r"<tool_call>\s*(.*?)\s*(?:</tool_call>|$)", re.DOTALL)
+
+
+def parse_tool_calls(text: str, mode: str) -> tuple[str | None, list[tuple[str, str]]]:
+    """(content, [(name, arguments JSON)]) from a model's output, for a request whose tool mode is `mode`.
+
+    `function:<name>`: the output is that function's arguments (constrained decoding made it so).
+    `required`: a JSON list of {"name", "parameters"} (also constrained).
+    `auto`: Hermes-style `<tool_call>{"name": …, "arguments": …}</tool_call>` blocks (the text around them is
+    the content), or Llama-3 style — the whole output one JSON object {"name": …, "parameters": …} (or several
+    joined by ";", optionally after `<|python_tag|>`). Anything else is plain content."""
+    if mode.startswith("function:"):
+        return None, [(mode.removeprefix("function:"), text.strip())]
+    if mode == "required":
+        try:
+            calls = json.loads(text)
+        except ValueError:
+            return text, []
+        return None, [(c["name"], json.dumps(c.get("parameters", {}))) for c in calls if isinstance(c, dict)]
+    if "<tool_call>" in text:
+        found = [_call(block) for block in _HERMES.findall(text)]
+        calls = [c for c in found if c is not None]
+        if calls:
+            content = _HERMES.sub("", text).strip()
+            return content or None, calls
+    body = text.strip().removeprefix("<|python_tag|>").strip()
+    if body.startswith("{"):
+        parts = [_call(p) for p in body.split(";")] if ";" in body else [_call(body)]
+        if parts and all(p is not None for p in parts):
+            return None, [p for p in parts if p is not None]
+    return text, []
+
+
+def _call(block: str) -> tuple[str, str] | None:
+    try:
+        obj = json.loads(block)
+    except ValueError:
+        return None
+    if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
+        return None
+    args = obj.get("arguments", obj.get("parameters", {}))
+    return obj["name"], args if isinstance(args, str) else json.dumps(args)

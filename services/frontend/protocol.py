@@ -36,20 +36,73 @@ class TextPart(_Request):
     text: str
 
 
+class FunctionCallParam(_Request):
+    name: str
+    arguments: str  # JSON text, as OpenAI sends it
+
+
+class ToolCallParam(_Request):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCallParam
+
+
 class ChatMessage(_Request):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
     name: str | None = None
 
-    def as_template_input(self) -> dict[str, str]:
+    tool_calls: list[ToolCallParam] | None = None  # an assistant's earlier calls
+    tool_call_id: str | None = None  # a tool message: the call it answers
+
+    def as_template_input(self) -> dict[str, Any]:
         """The message as a chat template reads it (text parts joined with newlines, as vLLM joins them;
-        OpenAI's "developer" is "system")."""
+        OpenAI's "developer" is "system"; a call's JSON arguments as an object, as HF templates expect)."""
         if isinstance(self.content, list):
             text = "\n".join(part.text for part in self.content)
         else:
             text = self.content or ""
         role = "system" if self.role == "developer" else self.role
-        return {"role": role, "content": text}
+        out: dict[str, Any] = {"role": role, "content": text}
+        if self.name is not None:
+            out["name"] = self.name
+        if self.tool_calls:
+            out["tool_calls"] = [
+                {"id": c.id, "type": "function",
+                 "function": {"name": c.function.name, "arguments": _json_or_text(c.function.arguments)}}
+                for c in self.tool_calls
+            ]  # fmt: skip
+        if self.tool_call_id is not None:
+            out["tool_call_id"] = self.tool_call_id
+        return out
+
+
+def _json_or_text(arguments: str) -> Any:
+    try:
+        return json.loads(arguments)
+    except ValueError:
+        return arguments
+
+
+class FunctionDef(_Request):
+    name: Annotated[str, Field(min_length=1, max_length=64, pattern=r"^[a-zA-Z0-9_.-]+$")]
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class Tool(_Request):
+    type: Literal["function"]
+    function: FunctionDef
+
+
+class NamedFunction(_Request):
+    name: str
+
+
+class NamedToolChoice(_Request):
+    type: Literal["function"]
+    function: NamedFunction
 
 
 def _refused_unless(neutral: str) -> Any:
@@ -60,8 +113,6 @@ def _refused_unless(neutral: str) -> Any:
 # name → (is the value neutral?, what neutral means), for parameters refused rather than ignored
 _NEUTRAL: dict[str, tuple[Any, str]] = {
     "suffix": (lambda v: not v, "null or empty"),
-    "tools": (lambda v: not v, "null or empty"),
-    "tool_choice": (lambda v: v in (None, "none"), 'null or "none"'),
     "functions": (lambda v: not v, "null or empty"),
     "function_call": (lambda v: v in (None, "none"), 'null or "none"'),
     "prompt_logprobs": (lambda v: v is None, "null"),
@@ -156,8 +207,6 @@ class GenerationRequest(_Request):
     stream_options: StreamOptions | None = None
     user: str | None = None
 
-    tools: Any = _refused_unless(_NEUTRAL["tools"][1])
-    tool_choice: Any = _refused_unless(_NEUTRAL["tool_choice"][1])
     prompt_logprobs: Any = _refused_unless("null")
     bad_words: Any = _refused_unless("null or empty")
     allowed_token_ids: Any = _refused_unless("null")
@@ -168,7 +217,7 @@ class GenerationRequest(_Request):
     return_tokens_as_token_ids: Any = _refused_unless("null or false")
 
     @field_validator(
-        "tools", "tool_choice", "prompt_logprobs", "bad_words", "allowed_token_ids",
+        "prompt_logprobs", "bad_words", "allowed_token_ids",
         "use_beam_search", "length_penalty", "truncate_prompt_tokens", "spaces_between_special_tokens",
         "return_tokens_as_token_ids", mode="before",
     )  # fmt: skip
@@ -224,6 +273,9 @@ class GenerationRequest(_Request):
         for param, kind, value in legacy:
             if value is not None:
                 found.append((param, kind, value if isinstance(value, str) else json.dumps(value)))
+        tool_schema = self.tool_schema() if isinstance(self, ChatCompletionRequest) else None
+        if tool_schema is not None:
+            found.insert(0, ("tool_choice", "json_schema", json.dumps(tool_schema)))
         if len(found) > 1:
             raise StructuredError(
                 found[1][0], f"only one constraint per request; {found[0][0]} is already one"
@@ -262,7 +314,9 @@ class ChatCompletionRequest(GenerationRequest):
     max_completion_tokens: Annotated[int, Field(ge=1)] | None = None
     logprobs: bool | None = None
     top_logprobs: Annotated[int, Field(ge=0, le=MAX_TOP_LOGPROBS)] | None = None
-    parallel_tool_calls: bool | None = None  # meaningful only with tools, which are refused
+    tools: list[Tool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = None  # several calls are always parsed; `required` may yield several
     functions: Any = _refused_unless("null or empty")
     function_call: Any = _refused_unless('null or "none"')
     prediction: Any = _refused_unless("null")
@@ -288,6 +342,47 @@ class ChatCompletionRequest(GenerationRequest):
     @classmethod
     def _refuse_chat(cls, value: Any, info: ValidationInfo) -> Any:
         return _neutral_only(value, info)
+
+    @model_validator(mode="after")
+    def _tool_choice(self) -> ChatCompletionRequest:
+        choice = self.tool_choice
+        if (isinstance(choice, NamedToolChoice) or choice == "required") and not self.tools:
+            raise ValueError("tool_choice asks for a tool call, but tools is empty")
+        if isinstance(choice, NamedToolChoice):
+            names = [t.function.name for t in self.tools or []]
+            if choice.function.name not in names:
+                raise ValueError(f"tool_choice: no tool named {choice.function.name!r} (tools: {names})")
+        return self
+
+    def tool_mode(self) -> str | None:
+        """None (no tools, or "none"), "auto", "required", or "function:<name>" for a forced call."""
+        if not self.tools or self.tool_choice == "none":
+            return None
+        if isinstance(self.tool_choice, NamedToolChoice):
+            return f"function:{self.tool_choice.function.name}"
+        return self.tool_choice or "auto"
+
+    def tool_schema(self) -> dict[str, Any] | None:
+        """What constrained decoding enforces: the named function's parameters, or for `required` a
+        non-empty list of {"name", "parameters"} calls of the given tools (vLLM's shape)."""
+        mode = self.tool_mode()
+        tools = {t.function.name: t.function.parameters or {"type": "object"} for t in self.tools or []}
+        if mode is not None and mode.startswith("function:"):
+            return tools[mode.removeprefix("function:")]
+        if mode == "required":
+            calls = [
+                {"type": "object", "properties": {"name": {"const": name}, "parameters": params},
+                 "required": ["name", "parameters"], "additionalProperties": False}
+                for name, params in tools.items()
+            ]  # fmt: skip
+            return {"type": "array", "minItems": 1, "items": {"anyOf": calls}}
+        return None
+
+    def template_tools(self) -> list[dict[str, Any]] | None:
+        """The tools as the chat template reads them (none when tool_choice is "none")."""
+        if self.tool_mode() is None:
+            return None
+        return [t.model_dump(exclude_none=True) for t in self.tools or []]
 
     def requested_max_tokens(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
@@ -376,12 +471,31 @@ class CompletionLogprobs(BaseModel):
     text_offset: list[int] = Field(default_factory=list)
 
 
-FinishReason = Literal["stop", "length", "abort"]
+FinishReason = Literal["stop", "length", "abort", "tool_calls"]
+
+
+class FunctionCall(BaseModel):
+    name: str
+    arguments: str
+
+
+class ToolCall(BaseModel):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
+class ToolCallDelta(BaseModel):
+    index: int
+    id: str | None = None
+    type: Literal["function"] | None = None
+    function: FunctionCall | None = None
 
 
 class AssistantMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
-    content: str
+    content: str | None
+    tool_calls: list[ToolCall] = Field(default_factory=list)
 
 
 class ChatChoice(BaseModel):
@@ -403,6 +517,7 @@ class ChatCompletion(BaseModel):
 class ChatDelta(BaseModel):
     role: Literal["assistant"] | None = None
     content: str | None = None
+    tool_calls: list[ToolCallDelta] | None = None
 
 
 class ChatChunkChoice(BaseModel):
