@@ -171,7 +171,10 @@ def test_best_of_returns_the_most_likely_of_its_candidates(client: Any) -> None:
             "response_format",
         ),
         ({"guided_regex": "a+", "guided_choice": ["a"]}, "guided_choice"),
-        ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}]}, "tools"),
+        (
+            {"tools": [{"type": "function", "function": {"name": "no spaces", "parameters": {}}}]},
+            "tools[0].function.name",
+        ),
         ({"tool_choice": "required"}, "tool_choice"),
         ({"guided_regex": "(unclosed"}, "guided_regex"),
         ({"use_beam_search": True}, "use_beam_search"),

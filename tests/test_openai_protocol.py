@@ -9,7 +9,7 @@ import pytest
 from pydantic import ValidationError
 
 from services.frontend.output import parse_tool_calls
-from services.frontend.protocol import ChatCompletionRequest, ChatMessage, CompletionRequest
+from services.frontend.protocol import ChatCompletionRequest, ChatMessage, CompletionRequest, StructuredError
 
 MSGS = [{"role": "user", "content": "hi"}]
 
@@ -53,9 +53,6 @@ def test_forced_and_required_outputs_become_calls() -> None:
         ({"bad_words": ["x"]}, "bad_words"),
         ({"prompt_logprobs": 1}, "prompt_logprobs"),
         ({"chat_template": "{{ x }}"}, "chat_template"),
-        ({"tool_choice": "required"}, "tool_choice"),  # with no tools
-        ({"tools": [{"type": "function", "function": {"name": "f"}}],
-          "tool_choice": {"type": "function", "function": {"name": "g"}}}, "tool_choice"),
     ],
 )  # fmt: skip
 def test_unimplemented_or_inconsistent_parameters_are_refused(extra: dict, param: str) -> None:
@@ -87,3 +84,18 @@ def test_two_constraints_are_refused_naming_the_second() -> None:
     )
     with pytest.raises(ValueError, match="guided_regex"):
         body.structured()
+
+
+@pytest.mark.parametrize(
+    "extra",
+    [
+        {"tool_choice": "required"},  # with no tools
+        {"tools": [{"type": "function", "function": {"name": "f"}}],
+         "tool_choice": {"type": "function", "function": {"name": "g"}}},
+    ],
+)  # fmt: skip
+def test_a_tool_choice_the_tools_cannot_meet_is_refused_naming_it(extra: dict) -> None:
+    body = ChatCompletionRequest.model_validate({"model": "m", "messages": MSGS, **extra})
+    with pytest.raises(StructuredError) as e:
+        body.check_tools()
+    assert e.value.param == "tool_choice"

@@ -739,6 +739,10 @@ async def chat_completions(
     fe.check_model(body.model)
     caller.check_model(body.model)
     try:
+        body.check_tools()
+    except StructuredError as e:
+        raise bad_request(str(e), param=e.param) from e
+    try:
         messages = [m.as_template_input() for m in body.messages]
         text = fe.tokenizer.apply_chat_template(messages, tools=body.template_tools())
         prompt = fe.tokenizer.encode(text, add_special_tokens=body.add_special_tokens is True)
@@ -770,6 +774,10 @@ async def completions(
 ) -> Response:
     fe.check_model(body.model)
     caller.check_model(body.model)
+    try:
+        body.check_choices()
+    except StructuredError as e:
+        raise bad_request(str(e), param=e.param) from e
     vocab = fe.tokenizer.vocab_size
     batch = body.prompts()
     prompts: list[list[int]] = []

@@ -343,16 +343,17 @@ class ChatCompletionRequest(GenerationRequest):
     def _refuse_chat(cls, value: Any, info: ValidationInfo) -> Any:
         return _neutral_only(value, info)
 
-    @model_validator(mode="after")
-    def _tool_choice(self) -> ChatCompletionRequest:
+    def check_tools(self) -> None:
+        """A StructuredError naming tool_choice when it asks for a call the tools cannot make."""
         choice = self.tool_choice
         if (isinstance(choice, NamedToolChoice) or choice == "required") and not self.tools:
-            raise ValueError("tool_choice asks for a tool call, but tools is empty")
+            raise StructuredError("tool_choice", "it asks for a tool call, but tools is empty")
         if isinstance(choice, NamedToolChoice):
             names = [t.function.name for t in self.tools or []]
             if choice.function.name not in names:
-                raise ValueError(f"tool_choice: no tool named {choice.function.name!r} (tools: {names})")
-        return self
+                raise StructuredError(
+                    "tool_choice", f"no tool named {choice.function.name!r} (tools: {names})"
+                )
 
     def tool_mode(self) -> str | None:
         """None (no tools, or "none"), "auto", "required", or "function:<name>" for a forced call."""
@@ -420,13 +421,14 @@ class CompletionRequest(GenerationRequest):
             raise ValueError("the prompt is empty (0 tokens)")
         return prompt
 
-    @model_validator(mode="after")
-    def _choices(self) -> CompletionRequest:
+    def check_choices(self) -> None:
+        """A StructuredError naming the parameter when best_of, n and max_tokens disagree."""
         if self.best_of is not None and self.best_of < self.num_choices:
-            raise ValueError(f"best_of ({self.best_of}) must be at least n ({self.num_choices})")
+            raise StructuredError(
+                "best_of", f"best_of ({self.best_of}) must be at least n ({self.num_choices})"
+            )
         if self.max_tokens == 0 and not self.echo:
-            raise ValueError("max_tokens=0 needs echo=true (it scores the prompt and generates nothing)")
-        return self
+            raise StructuredError("max_tokens", "max_tokens=0 needs echo=true (it scores the prompt only)")
 
     def prompts(self) -> list[str | list[int]]:
         """The batch: one prompt (text or token ids) or several."""
