@@ -519,11 +519,12 @@ def test_chat_request_errors(
 @pytest.mark.parametrize(
     ("body", "param", "says"),
     [
-        ({"model": MODEL, "prompt": ["a", "b"]}, "prompt", "one prompt"),
+        ({"model": MODEL, "prompt": ["a"] * 65}, "prompt", "at most 64 prompts"),
         ({"model": MODEL, "prompt": [1, 999999]}, "prompt", "999999"),
         ({"model": MODEL, "prompt": ""}, "prompt", "empty"),
         ({"model": MODEL, "prompt": "hi", "logprobs": 50}, "logprobs", "20"),
-        ({"model": MODEL, "prompt": "hi", "echo": True}, "echo", "not supported"),
+        ({"model": MODEL, "prompt": "hi", "suffix": "x"}, "suffix", "not supported"),
+        ({"model": MODEL, "prompt": "hi", "max_tokens": 0}, "max_tokens", "echo"),
     ],
 )
 def test_completion_request_errors(

@@ -373,3 +373,16 @@ def test_a_forced_tool_call_returns_arguments_that_validate(client: Any) -> None
     )
     assert follow.choices[0].finish_reason in ("stop", "length") and follow.choices[0].message.content
     assert follow.usage.prompt_tokens > r.usage.prompt_tokens  # the tool result reached the prompt
+
+
+def test_tokenize_detokenize_and_version(url: str, tok: Tokenizer) -> None:
+    r = httpx.post(f"{url}/tokenize", json={"model": MODEL, "prompt": "Hello world"}, timeout=30)
+    assert r.status_code == 200 and r.json()["tokens"] == tok.encode("Hello world")
+    assert r.json()["count"] == len(r.json()["tokens"]) and r.json()["max_model_len"] > 0
+    chat = httpx.post(f"{url}/tokenize", json={"messages": FRANCE}, timeout=30).json()
+    assert chat["tokens"] == tok.encode_chat(FRANCE)
+    back = httpx.post(f"{url}/detokenize", json={"tokens": chat["tokens"]}, timeout=30).json()
+    assert back["prompt"] == tok.decode(chat["tokens"])
+    bad = httpx.post(f"{url}/detokenize", json={"tokens": [10**8]}, timeout=30)
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "tokens"
+    assert httpx.get(f"{url}/version", timeout=30).json()["version"]

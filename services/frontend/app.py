@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import importlib.metadata
 import json
 import logging
 import secrets
@@ -66,6 +67,7 @@ from services.frontend.protocol import (
     CompletionChoice,
     CompletionLogprobs,
     CompletionRequest,
+    DetokenizeRequest,
     FinishReason,
     FunctionCall,
     GenerationRequest,
@@ -73,6 +75,7 @@ from services.frontend.protocol import (
     ModelList,
     PromptTokensDetails,
     StructuredError,
+    TokenizeRequest,
     ToolCall,
     ToolCallDelta,
     Usage,
@@ -630,7 +633,7 @@ class ChatFormat:
             choices.append(
                 ChatChoice(
                     index=a.index,
-                    message=AssistantMessage(content=content, tool_calls=calls),
+                    message=AssistantMessage(content=content, tool_calls=calls or None),
                     logprobs=chat_logprobs(a.tokens, self.texts) if self.logprobs else None,
                     finish_reason=_finish(finish),
                 )
@@ -846,6 +849,56 @@ def _echo_only(
         usage=usage,
     )
     return Response(answer.model_dump_json(), media_type="application/json")
+
+
+@api.post("/tokenize", response_model=None, openapi_extra=openapi_body(TokenizeRequest))
+async def tokenize(
+    fe: FrontendDep,
+    caller: Annotated[Principal, Depends(authorize)],
+    body: Annotated[TokenizeRequest, Depends(json_body(TokenizeRequest))],
+) -> dict[str, Any]:
+    """The token ids the model would see (vLLM's shape)."""
+    if body.model is not None:
+        fe.check_model(body.model)
+    if body.messages is not None:
+        try:
+            text = fe.tokenizer.apply_chat_template([m.as_template_input() for m in body.messages])
+        except ChatTemplateError as e:
+            raise bad_request(f"messages: {e}", param="messages") from e
+        ids = fe.tokenizer.encode(text, add_special_tokens=body.add_special_tokens is True)
+    else:
+        ids = fe.tokenizer.encode(body.prompt or "", add_special_tokens=body.add_special_tokens is not False)
+    return {"count": len(ids), "max_model_len": fe.max_model_len(), "tokens": ids}
+
+
+@api.post("/detokenize", response_model=None, openapi_extra=openapi_body(DetokenizeRequest))
+async def detokenize(
+    fe: FrontendDep,
+    caller: Annotated[Principal, Depends(authorize)],
+    body: Annotated[DetokenizeRequest, Depends(json_body(DetokenizeRequest))],
+) -> dict[str, Any]:
+    if body.model is not None:
+        fe.check_model(body.model)
+    vocab = fe.tokenizer.vocab_size
+    bad = next((t for t in body.tokens if t >= vocab), None)
+    if bad is not None:
+        raise bad_request(f"tokens: token id {bad} is outside the vocabulary [0, {vocab})", param="tokens")
+    return {"prompt": fe.tokenizer.decode(body.tokens)}
+
+
+@api.get("/version")
+async def version() -> dict[str, str]:
+    return {"version": _VERSION}
+
+
+def _package_version() -> str:
+    try:
+        return importlib.metadata.version("rackserve")
+    except importlib.metadata.PackageNotFoundError:
+        return "unknown"
+
+
+_VERSION = _package_version()
 
 
 @api.get("/v1/models", dependencies=[Depends(authorize)])

@@ -14,7 +14,16 @@ from __future__ import annotations
 import json
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    SerializerFunctionWrapHandler,
+    ValidationInfo,
+    field_validator,
+    model_serializer,
+    model_validator,
+)
 
 MAX_STOP_STRINGS = 16
 MAX_TOP_LOGPROBS = 20
@@ -438,6 +447,26 @@ class CompletionRequest(GenerationRequest):
         return list(p)  # type: ignore[arg-type]
 
 
+class TokenizeRequest(_Request):
+    """vLLM's /tokenize: a prompt, or chat messages rendered by the chat template."""
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: bool | None = None
+
+    @model_validator(mode="after")
+    def _one_input(self) -> TokenizeRequest:
+        if (self.prompt is None) == (self.messages is None):
+            raise ValueError("give exactly one of prompt or messages")
+        return self
+
+
+class DetokenizeRequest(_Request):
+    model: str | None = None
+    tokens: list[Annotated[int, Field(ge=0)]]
+
+
 # ---- responses ------------------------------------------------------------------------------------------------
 
 
@@ -494,10 +523,21 @@ class ToolCallDelta(BaseModel):
     function: FunctionCall | None = None
 
 
-class AssistantMessage(BaseModel):
+class _WithoutEmptyToolCalls(BaseModel):
+    """`tool_calls` appears only when there are calls (as OpenAI answers); every other null stays."""
+
+    @model_serializer(mode="wrap")
+    def _drop_empty_tool_calls(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        data: dict[str, Any] = handler(self)
+        if not data.get("tool_calls"):
+            data.pop("tool_calls", None)
+        return data
+
+
+class AssistantMessage(_WithoutEmptyToolCalls):
     role: Literal["assistant"] = "assistant"
     content: str | None
-    tool_calls: list[ToolCall] = Field(default_factory=list)
+    tool_calls: list[ToolCall] | None = None
 
 
 class ChatChoice(BaseModel):
@@ -516,7 +556,7 @@ class ChatCompletion(BaseModel):
     usage: Usage
 
 
-class ChatDelta(BaseModel):
+class ChatDelta(_WithoutEmptyToolCalls):
     role: Literal["assistant"] | None = None
     content: str | None = None
     tool_calls: list[ToolCallDelta] | None = None
