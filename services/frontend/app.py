@@ -221,6 +221,10 @@ class Frontend:
                 self.grammars.matcher(kind, spec)
             except GrammarError as e:
                 raise bad_request(str(e), param=body.structured_param()) from e
+        if body.min_tokens and body.min_tokens > max_tokens:
+            raise bad_request(
+                f"min_tokens ({body.min_tokens}) is more than max_tokens ({max_tokens})", param="min_tokens"
+            )
         seed = body.seed if body.seed is not None else secrets.randbits(63)
         return pb.SamplingParams(
             structured_kind=kind,
@@ -228,7 +232,7 @@ class Frontend:
             max_tokens=max_tokens,
             temperature=1.0 if body.temperature is None else body.temperature,
             top_p=1.0 if body.top_p is None else body.top_p,
-            top_k=max(body.top_k or 0, 0),  # vLLM's -1 and 0 both mean off
+            top_k=body.top_k if body.top_k and 0 < body.top_k < vocab else 0,  # -1, 0 and >= vocab: off
             min_p=body.min_p or 0.0,
             seed=seed % (1 << 64),  # always concrete: a replay elsewhere must draw the same tokens
             stop_token_ids=body.stop_token_ids or [],

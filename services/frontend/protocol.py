@@ -29,6 +29,7 @@ MAX_STOP_STRINGS = 16
 MAX_TOP_LOGPROBS = 20
 MAX_N = 16  # choices per request (each one is a request of its own to the cluster)
 MAX_LOGIT_BIAS_ENTRIES = 300  # OpenAI's limit
+INT32_MAX = 2**31 - 1  # what the wire's int32 fields hold
 MAX_PROMPTS = 64  # prompts in one /v1/completions batch
 
 
@@ -190,7 +191,7 @@ class GenerationRequest(_Request):
     max_tokens: Annotated[int, Field(ge=1)] | None = None
     temperature: Annotated[float, Field(ge=0, le=2)] | None = None
     top_p: Annotated[float, Field(gt=0, le=1)] | None = None
-    top_k: Annotated[int, Field(ge=-1, description="-1 or 0: off (vLLM)")] | None = None
+    top_k: Annotated[int, Field(ge=-1, le=INT32_MAX, description="-1 or 0: off (vLLM)")] | None = None
     min_p: Annotated[float, Field(ge=0, le=1)] | None = None
     presence_penalty: Annotated[float, Field(ge=-2, le=2)] | None = None
     frequency_penalty: Annotated[float, Field(ge=-2, le=2)] | None = None
@@ -203,7 +204,7 @@ class GenerationRequest(_Request):
     stop_token_ids: list[Annotated[int, Field(ge=0)]] | None = None
     include_stop_str_in_output: bool | None = None
     ignore_eos: bool | None = None
-    min_tokens: Annotated[int, Field(ge=0)] | None = None
+    min_tokens: Annotated[int, Field(ge=0, le=INT32_MAX)] | None = None
     skip_special_tokens: bool | None = None
     seed: int | None = None
     response_format: ResponseFormatParam | None = None
@@ -250,7 +251,7 @@ class GenerationRequest(_Request):
         if bias and len(bias) > MAX_LOGIT_BIAS_ENTRIES:
             raise ValueError(f"at most {MAX_LOGIT_BIAS_ENTRIES} entries, got {len(bias)}")
         for key in bias or {}:
-            if not key.isdigit():
+            if not (key.isascii() and key.isdigit()):
                 raise ValueError(f"keys must be token ids written as decimal strings, got {key!r}")
         return bias
 
