@@ -55,7 +55,22 @@ QUESTIONS = (
     "What colour is the sky?",
 )
 # (question index, temperature, seed): greedy ones, then seeded sampled ones
-BATCH = [(0, 0.0, 7), (1, 0.0, 7), (2, 0.0, 7), (3, 0.0, 7), (0, 0.9, 1234), (1, 0.9, 99)]
+BATCH = [
+    (0, 0.0, 7),
+    (1, 0.0, 7),
+    (2, 0.0, 7),
+    (3, 0.0, 7),
+    (0, 0.9, 1234),
+    (1, 0.9, 99),
+    (2, 0.8, 5),
+    (3, 0.8, 6),
+]
+# the sampler's processors survive migration too: one penalised and one logit_bias request in the batch
+# (logit_bias: no "." and a push towards " blue"; SmolLM2's ids 30 and 4461)
+EXTRA: dict[tuple[int, float, int], dict[str, Any]] = {
+    (2, 0.8, 5): {"frequency_penalty": 0.8, "presence_penalty": 0.5, "repetition_penalty": 1.2},
+    (3, 0.8, 6): {"logit_bias": {"30": -100, "4461": 4}},
+}
 
 
 def _lines(proc: Proc) -> list[dict[str, Any]]:
@@ -182,6 +197,7 @@ async def stream_one(
         "seed": seed,
         "logprobs": True,
         "stream": True,
+        **EXTRA.get(spec, {}),
     }
     out = Outcome(spec)
     t0 = time.monotonic()

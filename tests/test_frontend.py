@@ -479,7 +479,7 @@ def test_no_router_is_503_with_retry_after(lonely: tuple[str, str]) -> None:
             None,
             "user",
         ),
-        (chat("hi", n=2), 400, "n", "invalid_value", "only n=1"),
+        (chat("hi", n=17), 400, "n", "invalid_value", "less than or equal to 16"),
         (chat("hi", max_tokens=0), 400, "max_tokens", "invalid_value", "greater than or equal to 1"),
         (chat("hi", max_completion_tokens=-1), 400, "max_completion_tokens", "invalid_value", "greater than"),
         (chat("hi", max_tokens=9000), 400, "max_tokens", "context_length_exceeded", "8192"),
@@ -500,7 +500,7 @@ def test_no_router_is_503_with_retry_after(lonely: tuple[str, str]) -> None:
         "messages-missing",
         "messages-empty",
         "role-unknown",
-        "n-2",
+        "n-17",
         "max_tokens-0",
         "max_completion_tokens-negative",
         "prompt-plus-max_tokens-too-long",
@@ -519,11 +519,12 @@ def test_chat_request_errors(
 @pytest.mark.parametrize(
     ("body", "param", "says"),
     [
-        ({"model": MODEL, "prompt": ["a", "b"]}, "prompt", "one prompt"),
+        ({"model": MODEL, "prompt": ["a"] * 65}, "prompt", "at most 64 prompts"),
         ({"model": MODEL, "prompt": [1, 999999]}, "prompt", "999999"),
         ({"model": MODEL, "prompt": ""}, "prompt", "empty"),
         ({"model": MODEL, "prompt": "hi", "logprobs": 50}, "logprobs", "20"),
-        ({"model": MODEL, "prompt": "hi", "echo": True}, "echo", "not supported"),
+        ({"model": MODEL, "prompt": "hi", "suffix": "x"}, "suffix", "not supported"),
+        ({"model": MODEL, "prompt": "hi", "max_tokens": 0}, "max_tokens", "echo"),
     ],
 )
 def test_completion_request_errors(

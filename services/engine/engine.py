@@ -23,8 +23,9 @@ from services.engine.device import plan_kv_memory, resolve_device
 from services.engine.kv_cache import BlockManager, KvEvent, NoFreeBlocksError
 from services.engine.loader import LoadedModel, load_model, model_fingerprint
 from services.engine.model import AttnMetadata, PagedKvCache, PrefillSegment, Transformer
-from services.engine.sampling import Sampled, SamplingParams, sample_batch
+from services.engine.sampling import RowContext, Sampled, SamplingParams, sample_batch
 from services.engine.scheduler import Request, RequestStatus, Scheduler, SchedulerOutput
+from services.engine.structured import GrammarError, Grammars, Matcher
 
 if TYPE_CHECKING:
     from services.engine.cuda_graphs import DecodeGraphs
@@ -199,6 +200,8 @@ class LLMEngine:
         self._eos_ids = set(getattr(self.tokenizer, "stop_token_ids", ()) or ())
         if loaded.config.eos_token_id is not None:
             self._eos_ids.add(loaded.config.eos_token_id)
+        self._grammars = Grammars(self.tokenizer, loaded.config.vocab_size, sorted(self._eos_ids))
+        self._matchers: dict[str, Matcher] = {}  # request id → its grammar's state, for constrained requests
         self._prefix_hits = self._prefix_queries = self._preemptions = 0
         self._step_s = 0.0
         self._last_batch = 0
@@ -269,6 +272,13 @@ class LLMEngine:
             raise ValueError(
                 f"already {len(req.output_ids)} tokens emitted, max_tokens is {params.max_tokens}"
             )
+        if params.structured_kind:
+            if self.tokenizer is None:
+                raise GrammarError("constrained decoding needs the model's tokenizer; this engine has none")
+            # the grammar's state after the tokens already emitted (a resumed request replays them)
+            self._matchers[request_id] = self._grammars.matcher(
+                params.structured_kind, params.structured_spec, req.output_ids
+            )
         if kv is not None:
             self._import_into(req, kv)
         self.requests[request_id] = req
@@ -276,6 +286,7 @@ class LLMEngine:
         return req
 
     def abort(self, request_id: str) -> None:
+        self._matchers.pop(request_id, None)
         req = self.requests.pop(request_id, None)
         if req is not None and not req.finished:
             self.scheduler.finish(req, "abort")
@@ -322,16 +333,15 @@ class LLMEngine:
         n_out = len(req.output_ids)
         reason: str | None = None
         stop_reason: str | int | None = None
-        if n_out >= p.min_tokens:
+        matcher = self._matchers.get(req.request_id)
+        if matcher is not None and matcher.accept(s.token_id) and matcher.terminated:
+            reason, stop_reason = "stop", s.token_id  # the grammar is complete (it accepted end-of-sequence)
+        elif n_out >= p.min_tokens and n_out > len(p.forced_token_ids):
             if s.token_id in p.stop_token_ids:
                 reason, stop_reason = "stop", s.token_id
             elif not p.ignore_eos and s.token_id in self._eos_ids:
                 reason, stop_reason = "stop", s.token_id
-            elif p.stop and self.tokenizer is not None:
-                text = self.tokenizer.decode(req.output_ids, skip_special_tokens=True)  # type: ignore[attr-defined]
-                hit = next((x for x in p.stop if x in text), None)
-                if hit is not None:
-                    reason, stop_reason = "stop", hit
+        # Stop strings are the frontend's (it detokenizes anyway, incrementally, and cancels the call).
         if reason is None and (n_out >= p.max_tokens or req.num_tokens >= self.max_model_len):
             reason = "length"
         out = RequestOutput(
@@ -345,6 +355,7 @@ class LLMEngine:
             num_cached_tokens=req.num_cached_tokens,
         )
         if reason is not None:
+            self._matchers.pop(req.request_id, None)
             self.scheduler.finish(req, reason, stop_reason)
             if not req.hold_kv:
                 del self.requests[req.request_id]
@@ -416,15 +427,22 @@ class LLMEngine:
                 logits = self.model.logits(picked)
         if logits is None:
             return {}
-        for i, req in enumerate(sample_reqs):  # hold back end-of-sequence until min_tokens is reached
-            if len(req.output_ids) < req.params.min_tokens:
-                suppress = list(self._eos_ids | set(req.params.stop_token_ids))
-                if suppress:
-                    logits[i, suppress] = float("-inf")
         picks = sample_batch(
-            logits, [r.params for r in sample_reqs], [len(r.output_ids) for r in sample_reqs]
+            logits,
+            [r.params for r in sample_reqs],
+            [len(r.output_ids) for r in sample_reqs],
+            [self._row_context(r) for r in sample_reqs],
         )
         return {r.request_id: s for r, s in zip(sample_reqs, picks, strict=True)}
+
+    def _row_context(self, req: Request) -> RowContext:
+        """What the request's processors read: its tokens, and end-of-sequence held back until min_tokens."""
+        p = req.params
+        banned: list[int] = []
+        if len(req.output_ids) < p.min_tokens:
+            banned = sorted(set(p.stop_token_ids) | (set() if p.ignore_eos else self._eos_ids))
+        matcher = self._matchers.get(req.request_id)
+        return RowContext(req.prompt_ids, req.output_ids, banned, matcher.bitmask() if matcher else None)
 
     # ------------------------------------------------------------------------------------------ helpers
     def generate(

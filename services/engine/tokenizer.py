@@ -276,7 +276,9 @@ class Tokenizer:
 
     # ---- chat ---------------------------------------------------------------------------------------------
 
-    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
+    def apply_chat_template(
+        self, messages: list[dict], add_generation_prompt: bool = True, tools: list[dict] | None = None
+    ) -> str:
         """The prompt string for `messages`, exactly as transformers' `apply_chat_template` renders it."""
         if self.chat_template is None:
             raise ChatTemplateError("this tokenizer has no chat template (none in the model files)")
@@ -297,7 +299,7 @@ class Tokenizer:
         try:
             return self._compiled_template.render(
                 messages=chat,
-                tools=None,
+                tools=tools or None,
                 documents=None,
                 add_generation_prompt=add_generation_prompt,
                 **self._template_vars,

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import importlib.metadata
 import json
 import logging
 import secrets
@@ -31,6 +32,8 @@ from fastapi.responses import StreamingResponse
 from pydantic import BaseModel
 from starlette.types import Receive, Scope, Send
 
+from services.engine.sampling import draw_seed
+from services.engine.structured import GrammarError, Grammars
 from services.engine.tokenizer import ChatTemplateError, Tokenizer
 from services.frontend.auth import AuthConfig, Guard, Principal, authorize
 from services.frontend.coordinator import Coordinator, EmittedToken, Phase, RequestState, WorkerView
@@ -45,7 +48,13 @@ from services.frontend.errors import (
     model_not_found,
     overloaded,
 )
-from services.frontend.output import TextAssembler, TokenTexts, chat_logprobs, completion_logprobs
+from services.frontend.output import (
+    TextAssembler,
+    TokenTexts,
+    chat_logprobs,
+    completion_logprobs,
+    parse_tool_calls,
+)
 from services.frontend.protocol import (
     AssistantMessage,
     ChatChoice,
@@ -56,12 +65,19 @@ from services.frontend.protocol import (
     ChatDelta,
     Completion,
     CompletionChoice,
+    CompletionLogprobs,
     CompletionRequest,
+    DetokenizeRequest,
     FinishReason,
+    FunctionCall,
     GenerationRequest,
     ModelCard,
     ModelList,
     PromptTokensDetails,
+    StructuredError,
+    TokenizeRequest,
+    ToolCall,
+    ToolCallDelta,
     Usage,
 )
 from services.frontend.timeline import RequestObserver
@@ -106,6 +122,7 @@ class Frontend:
         self.directory = directory
         self.coordinator = coordinator
         self.token_texts = TokenTexts(tokenizer)
+        self.grammars = Grammars(tokenizer, tokenizer.vocab_size, tokenizer.stop_token_ids)
         self.created = int(time.time())
         self.in_flight = 0
 
@@ -128,8 +145,14 @@ class Frontend:
         logprobs: int | None,
         prompt_param: str,
         max_tokens_param: str = "max_tokens",
-    ) -> RequestState:
-        """Check the prompt against the context length and open the request's state."""
+        choices: int = 1,
+        echo_logprobs: bool = False,
+    ) -> list[RequestState]:
+        """Check the prompt against the context length and open one request per choice: each is routed,
+        run and migrated on its own, with its own seed derived from the request's.
+
+        `echo_logprobs`: the prompt's own logprobs are wanted too, so the request runs teacher-forced — its
+        first token is the prompt, the rest are forced outputs whose raw logprobs the workers report."""
         limit = self.max_model_len()
         n = len(prompt_token_ids)
         if n == 0:
@@ -151,68 +174,143 @@ class Frontend:
                 param=max_tokens_param,
                 code="context_length_exceeded",
             )
-        seed = body.seed if body.seed is not None else secrets.randbits(63)
-        params = pb.SamplingParams(
-            max_tokens=max_tokens,
-            temperature=1.0 if body.temperature is None else body.temperature,
-            top_p=1.0 if body.top_p is None else body.top_p,
-            seed=seed % (1 << 64),  # always concrete: a replay elsewhere must draw the same tokens
-            stop=body.stop_strings(),
-            logprobs=-1 if logprobs is None else logprobs,
-        )
+        params = self.sampling_params(body, max_tokens, logprobs)
+        if echo_logprobs:
+            params.forced_token_ids.extend(prompt_token_ids[1:])
+            params.max_tokens += n - 1
+            prompt_token_ids = prompt_token_ids[:1]
         metrics.PROMPT_TOKENS.inc(n)
         # Our own id, unique by construction (workers key requests by it); the client's only goes to the log.
         client_request_id = request.headers.get("x-request-id", "")
-        return self.coordinator.new_request(
-            uuid.uuid4().hex,
-            prompt_token_ids,
-            params,
-            timeout_s=self.config.request_timeout_s,
-            traceparent=request.headers.get("traceparent"),
-            client_request_id=client_request_id[:128] if client_request_id.isprintable() else None,
+        states = []
+        for i in range(choices):
+            choice_params = pb.SamplingParams()
+            choice_params.CopyFrom(params)
+            choice_params.seed = choice_seed(params.seed, i)
+            states.append(
+                self.coordinator.new_request(
+                    uuid.uuid4().hex,
+                    prompt_token_ids,
+                    choice_params,
+                    timeout_s=self.config.request_timeout_s,
+                    traceparent=request.headers.get("traceparent"),
+                    client_request_id=client_request_id[:128] if client_request_id.isprintable() else None,
+                )
+            )
+        return states
+
+    def sampling_params(
+        self, body: GenerationRequest, max_tokens: int, logprobs: int | None
+    ) -> pb.SamplingParams:
+        """Every sampling and stopping parameter the workers honour (stop strings stay here: output.py)."""
+        vocab = self.tokenizer.vocab_size
+        bias = body.logit_bias_ids()
+        for field_name, ids in (("logit_bias", list(bias)), ("stop_token_ids", body.stop_token_ids or [])):
+            bad = next((t for t in ids if not 0 <= t < vocab), None)
+            if bad is not None:
+                raise bad_request(
+                    f"{field_name}: token id {bad} is outside the vocabulary [0, {vocab})", param=field_name
+                )
+        try:
+            structured = body.structured()
+        except StructuredError as e:
+            raise bad_request(str(e), param=e.param) from e
+        kind, spec = structured or ("", "")
+        if kind:
+            try:  # compiled here too (xgrammar caches it), so a bad schema is a 400 naming it, before routing
+                self.grammars.matcher(kind, spec)
+            except GrammarError as e:
+                raise bad_request(str(e), param=body.structured_param()) from e
+        if body.min_tokens and body.min_tokens > max_tokens:
+            raise bad_request(
+                f"min_tokens ({body.min_tokens}) is more than max_tokens ({max_tokens})", param="min_tokens"
+            )
+        seed = body.seed if body.seed is not None else secrets.randbits(63)
+        return pb.SamplingParams(
+            structured_kind=kind,
+            structured_spec=spec,
+            max_tokens=max_tokens,
+            temperature=1.0 if body.temperature is None else body.temperature,
+            top_p=1.0 if body.top_p is None else body.top_p,
+            top_k=body.top_k if body.top_k and 0 < body.top_k < vocab else 0,  # -1, 0 and >= vocab: off
+            min_p=body.min_p or 0.0,
+            seed=seed % (1 << 64),  # always concrete: a replay elsewhere must draw the same tokens
+            stop_token_ids=body.stop_token_ids or [],
+            ignore_eos=body.ignore_eos is True,
+            min_tokens=body.min_tokens or 0,
+            logprobs=-1 if logprobs is None else logprobs,
+            presence_penalty=body.presence_penalty or 0.0,
+            frequency_penalty=body.frequency_penalty or 0.0,
+            repetition_penalty=1.0 if body.repetition_penalty is None else body.repetition_penalty,
+            logit_bias=bias,
         )
 
     async def respond(
         self,
         request: Request,
         endpoint: str,
-        state: RequestState,
+        states: list[RequestState],
         fmt: ResponseFormat,
         body: GenerationRequest,
+        per_prompt: int = 1,
+        keep: int | None = None,
+        echo: list[str] | None = None,
     ) -> Response:
+        """Answer with every choice in `states`, `per_prompt` consecutive ones per prompt (or, for best_of,
+        the `keep` with the highest cumulative logprob, renumbered 0..keep-1)."""
         limit = self.config.max_concurrent_requests
         if limit and self.in_flight >= limit:
             metrics.REQUESTS.labels(endpoint, "429").inc()
             raise overloaded(f"the frontend is serving its limit of {limit} concurrent requests "
                              "(--max-concurrent-requests); retry later")  # fmt: skip
-        assembler = TextAssembler(self.tokenizer, state.prompt_token_ids, body.stop_strings())
-        pieces = _pieces(self.coordinator, state, assembler)
+        echoes: list[str | None] = (
+            [None] * len(states) if echo is None else [echo[i // per_prompt] for i in range(len(states))]
+        )
+        pieces = _merged(
+            [self._pieces(state, body, echo) for state, echo in zip(states, echoes, strict=True)]
+        )
         self.in_flight += 1
         metrics.REQUESTS_IN_FLIGHT.labels(endpoint).inc()
-        headers = {"x-request-id": state.request_id}
+        headers = {"x-request-id": states[0].request_id}
         try:
             if not body.stream:
-                text, tokens, finish_reason = await _unless_disconnected(request, _collect(pieces))
-                whole = fmt.whole(text, tokens, finish_reason, _usage(state))
-                self._finished(endpoint, state, 200)
+                answers = await _unless_disconnected(request, _collect(pieces, len(states)))
+                if keep is not None and keep < per_prompt:
+                    answers = _best(answers, per_prompt, keep)
+                whole = fmt.whole(answers, _usage(states, per_prompt))
+                self._finished(endpoint, states, 200)
                 return Response(whole.model_dump_json(), media_type="application/json", headers=headers)
             first = await _unless_disconnected(request, anext(pieces))
         except ApiError as e:
-            self._finished(endpoint, state, e.status, e.code or e.type)
+            self._finished(endpoint, states, e.status, e.code or e.type)
             raise
         except asyncio.CancelledError:
-            self._finished(endpoint, state, CLIENT_CLOSED_REQUEST, "client_closed")
+            self._finished(endpoint, states, CLIENT_CLOSED_REQUEST, "client_closed")
             raise
         except Exception:
-            self._finished(endpoint, state, 500, "internal_error")
+            self._finished(endpoint, states, 500, "internal_error")
             raise
-        stream = self._sse(endpoint, state, fmt, first, pieces, body.include_usage)
+        stream = self._sse(endpoint, states, per_prompt, fmt, first, pieces, body.include_usage)
         return EventStreamResponse(stream, media_type="text/event-stream", headers=headers)
+
+    def _pieces(
+        self, state: RequestState, body: GenerationRequest, echo: str | None
+    ) -> AsyncGenerator[Piece, None]:
+        forced = list(state.params.forced_token_ids)
+        assembler = TextAssembler(
+            self.tokenizer,
+            state.prompt_token_ids + forced,  # the whole prompt is the left context of the first token
+            body.stop_strings(),
+            include_stop=body.include_stop_str_in_output is True,
+            skip_special_tokens=body.skip_special_tokens is not False,
+        )
+        return _pieces(self.coordinator, state, assembler, echo, len(forced))
 
     async def _sse(
         self,
         endpoint: str,
-        state: RequestState,
+        states: list[RequestState],
+        per_prompt: int,
         fmt: ResponseFormat,
         first: Piece,
         pieces: AsyncGenerator[Piece, None],
@@ -220,15 +318,17 @@ class Frontend:
     ) -> AsyncGenerator[str, None]:
         status, error_type = 200, None
         try:
-            for opening in fmt.opening():
+            for opening in fmt.opening(len(states)):
                 yield _event(opening)
             piece: Piece | None = first
             while piece is not None:
-                if piece.text or piece.finish_reason or (fmt.logprobs and piece.tokens):
-                    yield _event(fmt.chunk(piece))
+                if piece.text or piece.finish_reason or piece.echo or (fmt.logprobs and piece.tokens):
+                    event = fmt.chunk(piece)
+                    if event is not None:  # None: held back (a tool call is parsed once it is whole)
+                        yield _event(event)
                 piece = await anext(pieces, None)
-            if include_usage:
-                yield _event(fmt.usage_chunk(_usage(state)))
+            if include_usage:  # best_of > n never streams, so every choice streamed is the client's
+                yield _event(fmt.usage_chunk(_usage(states, per_prompt)))
         except ApiError as e:
             status, error_type = e.status, e.code or e.type
             yield f"data: {json.dumps(e.body())}\n\n"
@@ -236,31 +336,32 @@ class Frontend:
             status, error_type = CLIENT_CLOSED_REQUEST, "client_closed"
             raise
         except Exception as e:  # a bug: still end the stream in OpenAI's shape rather than cut it
-            log.exception("request %s: stream failed", state.request_id)
+            log.exception("request %s: stream failed", states[0].request_id)
             status, error_type = 500, "internal_error"
             error = ApiError(
                 500, f"internal error: {type(e).__name__}: {e}", SERVER_ERROR, code="internal_error"
             )
             yield f"data: {json.dumps(error.body())}\n\n"
         finally:
-            self._finished(endpoint, state, status, error_type)
-            await pieces.aclose()  # cancels the worker's call if the stream stopped early
+            self._finished(endpoint, states, status, error_type)
+            await pieces.aclose()  # cancels the workers' calls if the stream stopped early
         yield "data: [DONE]\n\n"
 
     def _finished(
-        self, endpoint: str, state: RequestState, status: int, error_type: str | None = None
+        self, endpoint: str, states: list[RequestState], status: int, error_type: str | None = None
     ) -> None:
         self.in_flight -= 1
         metrics.REQUESTS_IN_FLIGHT.labels(endpoint).dec()
         metrics.REQUESTS.labels(endpoint, str(status)).inc()
         if status >= 400:
             metrics.REQUEST_ERRORS.labels(str(status), error_type or "error").inc()
-        done = state.time_of(Phase.DONE)
-        if done is not None:
-            metrics.E2E_S.observe(done - state.timeline[0][1])
-        if state.cached_tokens:
-            metrics.CACHED_PROMPT_TOKENS.inc(state.cached_tokens)
-        self.observer.finished(endpoint, state, status, error_type)
+        for state in states:  # each choice was a request of its own to the cluster: one record each
+            done = state.time_of(Phase.DONE)
+            if done is not None:
+                metrics.E2E_S.observe(done - state.timeline[0][1])
+            if state.cached_tokens:
+                metrics.CACHED_PROMPT_TOKENS.inc(state.cached_tokens)
+            self.observer.finished(endpoint, state, status, error_type)
 
 
 class EventStreamResponse(StreamingResponse):
@@ -281,42 +382,133 @@ class EventStreamResponse(StreamingResponse):
 
 @dataclass
 class Piece:
-    """Text the client may see now, the tokens behind it, and the finish reason on the last piece."""
+    """Text the client may see now, the tokens behind it, and the finish reason on the last piece — of the
+    choice numbered `index`. With echo, the first piece of a choice carries the prompt's text (`echo`) and,
+    when its logprobs were asked for, its tokens (`echoed`, after the first prompt token `echo_first`)."""
 
     text: str
     tokens: list[EmittedToken]
     finish_reason: str | None = None
+    index: int = 0
+    echo: str | None = None
+    echo_first: int | None = None
+    echoed: list[EmittedToken] = field(default_factory=list)
+
+
+@dataclass
+class Answer:
+    """One choice, whole."""
+
+    index: int
+    text: str = ""
+    tokens: list[EmittedToken] = field(default_factory=list)
+    finish_reason: str | None = None
+    echo: str | None = None
+    echo_first: int | None = None
+    echoed: list[EmittedToken] = field(default_factory=list)
+
+    @property
+    def cumulative_logprob(self) -> float:
+        return sum(t.logprob or 0.0 for t in self.tokens)
 
 
 async def _pieces(
-    coordinator: Coordinator, state: RequestState, assembler: TextAssembler
+    coordinator: Coordinator, state: RequestState, assembler: TextAssembler, echo: str | None, forced: int
 ) -> AsyncGenerator[Piece, None]:
+    """The choice's pieces. The first `forced` tokens are the echoed prompt (teacher-forced for its
+    logprobs): held until all have arrived and handed out as the prompt's text, never as generated text."""
+    echoed: list[EmittedToken] = []
+    pending_echo = echo is not None
     async with contextlib.aclosing(coordinator.generate(state)) as batches:
         async for batch in batches:
             tokens = state.take_unseen()
+            if len(echoed) < forced:
+                take = forced - len(echoed)
+                echoed += tokens[:take]
+                tokens = tokens[take:]
+                if len(echoed) < forced and batch.finish_reason is None:
+                    continue
             text = assembler.push([t.token_id for t in tokens])
+            piece = Piece(text, tokens)
+            if pending_echo:
+                pending_echo = False
+                piece.echo, piece.echoed = echo, echoed
+                piece.echo_first = state.prompt_token_ids[0]
             if assembler.stop_hit is not None:
                 if not state.finished:
                     state.finish(
                         "stop", assembler.stop_hit
                     )  # closing `batches` then cancels the worker's call
-                yield Piece(text, tokens, "stop")
+                piece.finish_reason = "stop"
+                yield piece
                 return
             if batch.finish_reason is not None:
-                yield Piece(text + assembler.finish(), tokens, batch.finish_reason)
+                piece.text += assembler.finish()
+                piece.finish_reason = batch.finish_reason
+                yield piece
                 return
-            yield Piece(text, tokens)
+            yield piece
 
 
-async def _collect(pieces: AsyncIterator[Piece]) -> tuple[str, list[EmittedToken], str | None]:
-    texts: list[str] = []
-    tokens: list[EmittedToken] = []
-    finish_reason = None
+async def _merged(choices: list[AsyncGenerator[Piece, None]]) -> AsyncGenerator[Piece, None]:
+    """The pieces of every choice as they arrive, each numbered with its choice. Closing this closes them
+    all (cancelling their workers' calls); a choice that fails fails the whole answer."""
+    pending: dict[asyncio.Future[Piece], int] = {}
+    try:
+        pending = {asyncio.ensure_future(anext(g)): i for i, g in enumerate(choices)}
+        while pending:
+            done, _ = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+            for task in sorted(done, key=lambda t: pending[t]):
+                i = pending.pop(task)
+                try:
+                    piece = task.result()
+                except StopAsyncIteration:
+                    continue
+                piece.index = i
+                yield piece
+                pending[asyncio.ensure_future(anext(choices[i]))] = i
+    finally:
+        for task in pending:
+            task.cancel()
+        await asyncio.gather(*pending, return_exceptions=True)
+        for g in choices:
+            await g.aclose()
+
+
+async def _collect(pieces: AsyncIterator[Piece], choices: int) -> list[Answer]:
+    answers = [Answer(i) for i in range(choices)]
+    texts: list[list[str]] = [[] for _ in range(choices)]
     async for piece in pieces:
-        texts.append(piece.text)
-        tokens.extend(piece.tokens)
-        finish_reason = piece.finish_reason or finish_reason
-    return "".join(texts), tokens, finish_reason
+        answer = answers[piece.index]
+        if piece.echo is not None:
+            answer.echo, answer.echo_first, answer.echoed = piece.echo, piece.echo_first, piece.echoed
+        texts[piece.index].append(piece.text)
+        answer.tokens.extend(piece.tokens)
+        answer.finish_reason = piece.finish_reason or answer.finish_reason
+    for answer, parts in zip(answers, texts, strict=True):
+        answer.text = "".join(parts)
+    return answers
+
+
+def _best(answers: list[Answer], group: int, keep: int) -> list[Answer]:
+    """best_of: of each prompt's `group` answers, the `keep` with the highest cumulative logprob, in that
+    order, renumbered as the client's choices (prompt p's j-th is p * keep + j)."""
+    kept = []
+    for p in range(0, len(answers), group):
+        ranked = sorted(answers[p : p + group], key=lambda a: a.cumulative_logprob, reverse=True)[:keep]
+        for j, a in enumerate(ranked):
+            a.index = p // group * keep + j
+        kept += ranked
+    return kept
+
+
+def choice_seed(seed: int, index: int) -> int:
+    """Choice 0 keeps the request's seed (n=1 draws what it always drew); the others get decorrelated seeds
+    derived from it, so a seeded request with n > 1 gives the same n choices every time."""
+    return seed if index == 0 else draw_seed(seed ^ _CHOICE_SALT, index)
+
+
+_CHOICE_SALT = 0x6E5F63686F696365  # "n_choice": keeps choice seeds apart from the per-token draw seeds
 
 
 async def _unless_disconnected(request: Request, work: Awaitable[T]) -> T:
@@ -341,13 +533,17 @@ async def _disconnect(request: Request) -> None:
         pass
 
 
-def _usage(state: RequestState) -> Usage:
-    prompt, completion = len(state.prompt_token_ids), len(state.emitted)
+def _usage(states: list[RequestState], per_prompt: int) -> Usage:
+    """Each prompt counted once (its `per_prompt` choices share it, as OpenAI counts), completions summed."""
+    # a teacher-forced (echo + logprobs) request's forced outputs are its prompt, not its completion
+    prompt = sum(len(s.prompt_token_ids) + len(s.params.forced_token_ids) for s in states[::per_prompt])
+    completion = sum(max(len(s.emitted) - len(s.params.forced_token_ids), 0) for s in states)
+    cached = sum(s.cached_tokens for s in states[::per_prompt])
     return Usage(
         prompt_tokens=prompt,
         completion_tokens=completion,
         total_tokens=prompt + completion,
-        prompt_tokens_details=PromptTokensDetails(cached_tokens=state.cached_tokens),
+        prompt_tokens_details=PromptTokensDetails(cached_tokens=cached),
     )
 
 
@@ -361,49 +557,93 @@ def _event(model: BaseModel) -> str:
 class ResponseFormat(Protocol):
     logprobs: bool
 
-    def opening(self) -> Sequence[BaseModel]: ...
+    def opening(self, choices: int) -> Sequence[BaseModel]: ...
 
-    def chunk(self, piece: Piece) -> BaseModel: ...
+    def chunk(self, piece: Piece) -> BaseModel | None: ...
 
     def usage_chunk(self, usage: Usage) -> BaseModel: ...
 
-    def whole(
-        self, text: str, tokens: list[EmittedToken], finish_reason: str | None, usage: Usage
-    ) -> BaseModel: ...
+    def whole(self, answers: list[Answer], usage: Usage) -> BaseModel: ...
 
 
 class ChatFormat:
-    def __init__(self, request_id: str, model: str, logprobs: bool, texts: TokenTexts) -> None:
+    def __init__(
+        self, request_id: str, model: str, logprobs: bool, texts: TokenTexts, tool_mode: str | None = None
+    ) -> None:
         self.id, self.model, self.logprobs, self.texts = f"chatcmpl-{request_id}", model, logprobs, texts
         self.created = int(time.time())
+        self.tool_mode = tool_mode  # with tools, a choice's text is held until whole, then parsed for calls
+        self._held: dict[int, Answer] = {}
 
     def _chunk(self, choices: list[ChatChunkChoice], usage: Usage | None = None) -> ChatCompletionChunk:
         return ChatCompletionChunk(
             id=self.id, created=self.created, model=self.model, choices=choices, usage=usage
         )
 
-    def opening(self) -> Sequence[BaseModel]:
-        return [self._chunk([ChatChunkChoice(delta=ChatDelta(role="assistant", content=""))])]
+    def opening(self, choices: int) -> Sequence[BaseModel]:
+        return [
+            self._chunk([ChatChunkChoice(index=i, delta=ChatDelta(role="assistant", content=""))])
+            for i in range(choices)
+        ]
 
-    def chunk(self, piece: Piece) -> BaseModel:
-        delta = ChatDelta(content=piece.text or None)
-        logprobs = chat_logprobs(piece.tokens, self.texts) if self.logprobs else None
-        finish = _finish(piece.finish_reason)
-        return self._chunk([ChatChunkChoice(delta=delta, logprobs=logprobs, finish_reason=finish)])
+    def chunk(self, piece: Piece) -> BaseModel | None:
+        tokens, text = piece.tokens, piece.text
+        delta = ChatDelta(content=text or None)
+        finish = piece.finish_reason
+        if self.tool_mode is not None:
+            held = self._held.setdefault(piece.index, Answer(piece.index))
+            held.text += text
+            held.tokens += tokens
+            if finish is None:
+                return None
+            tokens = held.tokens
+            content, calls, finish = self._tool_calls(held.text, finish)
+            delta = ChatDelta(
+                content=content,
+                tool_calls=[
+                    ToolCallDelta(index=j, id=c.id, type="function", function=c.function)
+                    for j, c in enumerate(calls)
+                ]
+                or None,
+            )
+        logprobs = chat_logprobs(tokens, self.texts) if self.logprobs else None
+        choice = ChatChunkChoice(
+            index=piece.index, delta=delta, logprobs=logprobs, finish_reason=_finish(finish)
+        )
+        return self._chunk([choice])
+
+    def _tool_calls(self, text: str, finish: str | None) -> tuple[str | None, list[ToolCall], str | None]:
+        assert self.tool_mode is not None
+        content, parsed = parse_tool_calls(text, self.tool_mode)
+        calls = [
+            ToolCall(id=f"call_{uuid.uuid4().hex[:24]}", function=FunctionCall(name=name, arguments=args))
+            for name, args in parsed
+        ]
+        if calls and finish == "stop":
+            finish = "tool_calls"
+        return content, calls, finish
 
     def usage_chunk(self, usage: Usage) -> BaseModel:
         return self._chunk([], usage)
 
-    def whole(
-        self, text: str, tokens: list[EmittedToken], finish_reason: str | None, usage: Usage
-    ) -> BaseModel:
-        choice = ChatChoice(
-            message=AssistantMessage(content=text),
-            logprobs=chat_logprobs(tokens, self.texts) if self.logprobs else None,
-            finish_reason=_finish(finish_reason),
-        )
+    def whole(self, answers: list[Answer], usage: Usage) -> BaseModel:
+        choices = []
+        for a in answers:
+            content: str | None = a.text
+            calls: list[ToolCall] = []
+            finish = a.finish_reason
+            if self.tool_mode is not None:
+                content, calls, finish = self._tool_calls(a.text, finish)
+            choices.append(
+                ChatChoice(
+                    index=a.index,
+                    message=AssistantMessage(content=content, tool_calls=calls or None),
+                    logprobs=chat_logprobs(a.tokens, self.texts) if self.logprobs else None,
+                    finish_reason=_finish(finish),
+                )
+            )
         return ChatCompletion(
-            id=self.id, created=self.created, model=self.model, choices=[choice], usage=usage
+            id=self.id, created=self.created, model=self.model, choices=choices, usage=usage
         )
 
 
@@ -411,41 +651,76 @@ class CompletionFormat:
     def __init__(self, request_id: str, model: str, logprobs: bool, texts: TokenTexts) -> None:
         self.id, self.model, self.logprobs, self.texts = f"cmpl-{request_id}", model, logprobs, texts
         self.created = int(time.time())
-        self._text_offset = 0  # where the next streamed token starts in the completion text
+        self._text_offset: dict[int, int] = {}  # per choice: where its next streamed token starts
 
     def _completion(self, choices: list[CompletionChoice], usage: Usage | None = None) -> Completion:
         return Completion(id=self.id, created=self.created, model=self.model, choices=choices, usage=usage)
 
-    def opening(self) -> Sequence[BaseModel]:
+    def opening(self, choices: int) -> Sequence[BaseModel]:
         return []
+
+    def _logprobs(
+        self, tokens: list[EmittedToken], offset: int, echo_first: int | None, echoed: list[EmittedToken]
+    ) -> CompletionLogprobs:
+        """The echoed prompt's logprobs (its first token has none: nothing precedes it), then the tokens'."""
+        out = CompletionLogprobs()
+        if echo_first is not None:
+            text = self.texts(echo_first)[0]
+            out.tokens.append(text)
+            out.token_logprobs.append(None)
+            out.top_logprobs.append(None)
+            out.text_offset.append(offset)
+            offset += len(text)
+            prompt = completion_logprobs(echoed, self.texts, offset)
+            offset += sum(len(t) for t in prompt.tokens)
+            _extend(out, prompt)
+        _extend(out, completion_logprobs(tokens, self.texts, offset))
+        return out
 
     def chunk(self, piece: Piece) -> BaseModel:
         logprobs = None
         if self.logprobs:
-            logprobs = completion_logprobs(piece.tokens, self.texts, self._text_offset)
-            self._text_offset += sum(len(t) for t in logprobs.tokens)
+            offset = self._text_offset.get(piece.index, 0)
+            first = piece.echo_first if piece.echo is not None else None
+            logprobs = self._logprobs(piece.tokens, offset, first, piece.echoed)
+            self._text_offset[piece.index] = offset + sum(len(t) for t in logprobs.tokens)
+        text = (piece.echo or "") + piece.text
         choice = CompletionChoice(
-            text=piece.text, logprobs=logprobs, finish_reason=_finish(piece.finish_reason)
+            index=piece.index, text=text, logprobs=logprobs, finish_reason=_finish(piece.finish_reason)
         )
         return self._completion([choice])
 
     def usage_chunk(self, usage: Usage) -> BaseModel:
         return self._completion([], usage)
 
-    def whole(
-        self, text: str, tokens: list[EmittedToken], finish_reason: str | None, usage: Usage
-    ) -> BaseModel:
-        logprobs = completion_logprobs(tokens, self.texts, 0) if self.logprobs else None
-        choice = CompletionChoice(text=text, logprobs=logprobs, finish_reason=_finish(finish_reason))
-        return self._completion([choice], usage)
+    def whole(self, answers: list[Answer], usage: Usage) -> BaseModel:
+        choices = [
+            CompletionChoice(
+                index=a.index,
+                text=(a.echo or "") + a.text,
+                logprobs=self._logprobs(a.tokens, 0, a.echo_first if a.echo is not None else None, a.echoed)
+                if self.logprobs
+                else None,
+                finish_reason=_finish(a.finish_reason),
+            )
+            for a in answers
+        ]
+        return self._completion(choices, usage)
+
+
+def _extend(out: CompletionLogprobs, more: CompletionLogprobs) -> None:
+    out.tokens += more.tokens
+    out.token_logprobs += more.token_logprobs
+    out.top_logprobs += more.top_logprobs
+    out.text_offset += more.text_offset
 
 
 def _finish(reason: str | None) -> FinishReason | None:
     """The worker's finish reason as OpenAI names it (anything unexpected reads as "stop")."""
     if reason is None:
         return None
-    if reason == "length":
-        return "length"
+    if reason in ("length", "tool_calls"):
+        return reason  # type: ignore[return-value]
     return "abort" if reason == "abort" else "stop"
 
 
@@ -471,11 +746,17 @@ async def chat_completions(
     fe.check_model(body.model)
     caller.check_model(body.model)
     try:
-        prompt = fe.tokenizer.encode_chat([m.as_template_input() for m in body.messages])
+        body.check_tools()
+    except StructuredError as e:
+        raise bad_request(str(e), param=e.param) from e
+    try:
+        messages = [m.as_template_input() for m in body.messages]
+        text = fe.tokenizer.apply_chat_template(messages, tools=body.template_tools())
+        prompt = fe.tokenizer.encode(text, add_special_tokens=body.add_special_tokens is True)
     except ChatTemplateError as e:
         raise bad_request(f"messages: {e}", param="messages") from e
     max_tokens_param = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
-    state = fe.start(
+    states = fe.start(
         request,
         prompt,
         body,
@@ -483,9 +764,12 @@ async def chat_completions(
         body.requested_logprobs(),
         prompt_param="messages",
         max_tokens_param=max_tokens_param,
+        choices=body.num_choices,
     )
-    fmt = ChatFormat(state.request_id, body.model, body.logprobs is True, fe.token_texts)
-    return await fe.respond(request, "chat_completions", state, fmt, body)
+    fmt = ChatFormat(
+        states[0].request_id, body.model, body.logprobs is True, fe.token_texts, body.tool_mode()
+    )
+    return await fe.respond(request, "chat_completions", states, fmt, body, per_prompt=body.num_choices)
 
 
 @api.post("/v1/completions", response_model=None, openapi_extra=openapi_body(CompletionRequest))
@@ -497,20 +781,128 @@ async def completions(
 ) -> Response:
     fe.check_model(body.model)
     caller.check_model(body.model)
-    if isinstance(body.prompt, str):
-        prompt = fe.tokenizer.encode(body.prompt)
-    else:
-        prompt = list(body.prompt)  # type: ignore[arg-type]  # one prompt of token ids, by validation
-        vocab = fe.tokenizer.vocab_size
-        bad = next((t for t in prompt if not 0 <= t < vocab), None)
+    try:
+        body.check_choices()
+    except StructuredError as e:
+        raise bad_request(str(e), param=e.param) from e
+    vocab = fe.tokenizer.vocab_size
+    batch = body.prompts()
+    prompts: list[list[int]] = []
+    for i, p in enumerate(batch):
+        param = "prompt" if len(batch) == 1 else f"prompt[{i}]"
+        if isinstance(p, str):  # BOS/EOS as the tokenizer's metadata asks (vLLM's default for completions)
+            prompts.append(fe.tokenizer.encode(p, add_special_tokens=body.add_special_tokens is not False))
+            continue
+        bad = next((t for t in p if not 0 <= t < vocab), None)
         if bad is not None:
             raise bad_request(
-                f"prompt: token id {bad} is outside the vocabulary [0, {vocab})", param="prompt"
+                f"{param}: token id {bad} is outside the vocabulary [0, {vocab})", param="prompt"
             )
+        prompts.append(list(p))
+    n = body.num_choices
+    best_of = body.best_of or n
+    if best_of > n and body.stream:
+        raise bad_request("best_of > n cannot be streamed (the best are known only at the end)", "best_of")
+    # best_of ranks by cumulative logprob, so the workers return them even when the client did not ask
+    logprobs = body.logprobs if body.logprobs is not None or best_of == n else 0
     max_tokens = body.max_tokens if body.max_tokens is not None else COMPLETIONS_DEFAULT_MAX_TOKENS
-    state = fe.start(request, prompt, body, max_tokens, body.logprobs, prompt_param="prompt")
-    fmt = CompletionFormat(state.request_id, body.model, body.logprobs is not None, fe.token_texts)
-    return await fe.respond(request, "completions", state, fmt, body)
+    echo = body.echo is True
+    echo_logprobs = echo and body.logprobs is not None
+    if max_tokens == 0 and any(len(p) < 2 for p in prompts) and echo_logprobs:
+        raise bad_request(
+            "max_tokens=0 with logprobs scores the prompt, which needs at least 2 tokens", param="prompt"
+        )
+    if max_tokens == 0 and not echo_logprobs:
+        return _echo_only(fe, body, batch, prompts)
+    states = []
+    for ids in prompts:
+        states += fe.start(
+            request, ids, body, max_tokens, logprobs, prompt_param="prompt", choices=best_of,
+            echo_logprobs=echo_logprobs,
+        )  # fmt: skip
+    texts = [p if isinstance(p, str) else fe.tokenizer.decode(p) for p in batch] if echo else None
+    fmt = CompletionFormat(states[0].request_id, body.model, body.logprobs is not None, fe.token_texts)
+    return await fe.respond(request, "completions", states, fmt, body, per_prompt=best_of, keep=n, echo=texts)
+
+
+def _echo_only(
+    fe: Frontend, body: CompletionRequest, batch: list[str | list[int]], prompts: list[list[int]]
+) -> Response:
+    """echo with max_tokens=0 and no logprobs: the answer is the prompts themselves; nothing to run."""
+    choices = [
+        CompletionChoice(
+            index=i, text=p if isinstance(p, str) else fe.tokenizer.decode(p), finish_reason="length"
+        )
+        for i, p in enumerate(batch)
+        for _ in range(body.num_choices)
+    ]
+    for i, c in enumerate(choices):
+        c.index = i
+    prompt_tokens = sum(len(p) for p in prompts)
+    usage = Usage(
+        prompt_tokens=prompt_tokens,
+        completion_tokens=0,
+        total_tokens=prompt_tokens,
+        prompt_tokens_details=PromptTokensDetails(cached_tokens=0),
+    )
+    answer = Completion(
+        id=f"cmpl-{uuid.uuid4().hex}",
+        created=int(time.time()),
+        model=body.model,
+        choices=choices,
+        usage=usage,
+    )
+    return Response(answer.model_dump_json(), media_type="application/json")
+
+
+@api.post("/tokenize", response_model=None, openapi_extra=openapi_body(TokenizeRequest))
+async def tokenize(
+    fe: FrontendDep,
+    caller: Annotated[Principal, Depends(authorize)],
+    body: Annotated[TokenizeRequest, Depends(json_body(TokenizeRequest))],
+) -> dict[str, Any]:
+    """The token ids the model would see (vLLM's shape)."""
+    if body.model is not None:
+        fe.check_model(body.model)
+    if body.messages is not None:
+        try:
+            text = fe.tokenizer.apply_chat_template([m.as_template_input() for m in body.messages])
+        except ChatTemplateError as e:
+            raise bad_request(f"messages: {e}", param="messages") from e
+        ids = fe.tokenizer.encode(text, add_special_tokens=body.add_special_tokens is True)
+    else:
+        ids = fe.tokenizer.encode(body.prompt or "", add_special_tokens=body.add_special_tokens is not False)
+    return {"count": len(ids), "max_model_len": fe.max_model_len(), "tokens": ids}
+
+
+@api.post("/detokenize", response_model=None, openapi_extra=openapi_body(DetokenizeRequest))
+async def detokenize(
+    fe: FrontendDep,
+    caller: Annotated[Principal, Depends(authorize)],
+    body: Annotated[DetokenizeRequest, Depends(json_body(DetokenizeRequest))],
+) -> dict[str, Any]:
+    if body.model is not None:
+        fe.check_model(body.model)
+    vocab = fe.tokenizer.vocab_size
+    bad = next((t for t in body.tokens if t >= vocab), None)
+    if bad is not None:
+        raise bad_request(f"tokens: token id {bad} is outside the vocabulary [0, {vocab})", param="tokens")
+    return {"prompt": fe.tokenizer.decode(body.tokens)}
+
+
+@api.get("/version")
+async def version() -> dict[str, str]:
+    return {"version": _VERSION}
+
+
+def _package_version() -> str:
+    try:
+        return importlib.metadata.version("rackserve")
+    except importlib.metadata.PackageNotFoundError:
+        return "unknown"
+
+
+_VERSION = _package_version()
 
 
 @api.get("/v1/models", dependencies=[Depends(authorize)])

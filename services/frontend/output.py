@@ -1,14 +1,17 @@
 """From generated token ids to what the client sees: text (never half a UTF-8 character, never past a stop
 string) and OpenAI's two logprob shapes.
 
-Stop strings: the worker also watches for them and reports the one that ended the request, but the frontend is
-the one that must not show them, so it finds them itself in the text it decodes. While streaming, it holds back
-any tail of the text that could still grow into a stop string, so no chunk ever carries text that a later
-token reveals to be part of one.
+Stop strings are checked here and only here: the frontend detokenizes every token anyway (incrementally, a
+short window per token), so it looks for them in the text not yet released — never the whole output again —
+and ends the request (cancelling the worker's call) at the first one. While streaming, it holds back any tail
+of the text that could still grow into a stop string, so no chunk ever carries text that a later token reveals
+to be part of one. `include_stop_str_in_output` releases the stop string itself too, as vLLM does.
 """
 
 from __future__ import annotations
 
+import json
+import re
 from collections.abc import Sequence
 from functools import lru_cache
 
@@ -20,9 +23,19 @@ from services.frontend.protocol import ChatLogprobs, CompletionLogprobs, TokenLo
 class TextAssembler:
     """Releases generated text incrementally, truncated at the first stop string."""
 
-    def __init__(self, tokenizer: Tokenizer, prompt_token_ids: Sequence[int], stop: Sequence[str]) -> None:
-        self._detokenizer = IncrementalDetokenizer(tokenizer, prompt_ids=prompt_token_ids)
+    def __init__(
+        self,
+        tokenizer: Tokenizer,
+        prompt_token_ids: Sequence[int],
+        stop: Sequence[str],
+        include_stop: bool = False,
+        skip_special_tokens: bool = True,
+    ) -> None:
+        self._detokenizer = IncrementalDetokenizer(
+            tokenizer, prompt_ids=prompt_token_ids, skip_special_tokens=skip_special_tokens
+        )
         self._stop = tuple(stop)
+        self._include_stop = include_stop
         self._held = ""  # decoded, not yet released: it may be the start of a stop string
         self.stop_hit: str | None = None  # the stop string that ended the text, once found
 
@@ -45,7 +58,8 @@ class TextAssembler:
         hits = [(self._held.find(s), -len(s), s) for s in self._stop if s in self._held]
         if hits:
             index, _, self.stop_hit = min(hits)  # the earliest; at a tie, the longest
-            released, self._held = self._held[:index], ""
+            end = index + len(self.stop_hit) if self._include_stop else index
+            released, self._held = self._held[:end], ""
             return released
         keep = 0 if final else _stop_prefix_len(self._held, self._stop)
         cut = len(self._held) - keep
@@ -132,3 +146,49 @@ def completion_logprobs(
         out.text_offset.append(text_offset)
         text_offset += len(text)
     return out
+
+
+# ---- tool calls ---------------------------------------------------------------------------------------------
+
+_HERMES = re.compile(r"<tool_call>\s*(.*?)\s*(?:</tool_call>|$)", re.DOTALL)
+
+
+def parse_tool_calls(text: str, mode: str) -> tuple[str | None, list[tuple[str, str]]]:
+    """(content, [(name, arguments JSON)]) from a model's output, for a request whose tool mode is `mode`.
+
+    `function:<name>`: the output is that function's arguments (constrained decoding made it so).
+    `required`: a JSON list of {"name", "parameters"} (also constrained).
+    `auto`: Hermes-style `<tool_call>{"name": …, "arguments": …}</tool_call>` blocks (the text around them is
+    the content), or Llama-3 style — the whole output one JSON object {"name": …, "parameters": …} (or several
+    joined by ";", optionally after `<|python_tag|>`). Anything else is plain content."""
+    if mode.startswith("function:"):
+        return None, [(mode.removeprefix("function:"), text.strip())]
+    if mode == "required":
+        try:
+            calls = json.loads(text)
+        except ValueError:
+            return text, []
+        return None, [(c["name"], json.dumps(c.get("parameters", {}))) for c in calls if isinstance(c, dict)]
+    if "<tool_call>" in text:
+        found = [_call(block) for block in _HERMES.findall(text)]
+        calls = [c for c in found if c is not None]
+        if calls:
+            content = _HERMES.sub("", text).strip()
+            return content or None, calls
+    body = text.strip().removeprefix("<|python_tag|>").strip()
+    if body.startswith("{"):
+        parts = [_call(p) for p in body.split(";")] if ";" in body else [_call(body)]
+        if parts and all(p is not None for p in parts):
+            return None, [p for p in parts if p is not None]
+    return text, []
+
+
+def _call(block: str) -> tuple[str, str] | None:
+    try:
+        obj = json.loads(block)
+    except ValueError:
+        return None
+    if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
+        return None
+    args = obj.get("arguments", obj.get("parameters", {}))
+    return obj["name"], args if isinstance(args, str) else json.dumps(args)

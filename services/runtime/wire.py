@@ -1,7 +1,8 @@
 """Translation between the wire (rackserve.v1 messages) and the engine's own types, in one place.
 
 proto3 cannot tell an unset number from zero, so the defaults that matter are decided here: `top_p` 0 means
-"off" (1.0), `logprobs` < 0 means none. Everything else passes through and the engine validates it.
+"off" (1.0), `repetition_penalty` 0 means "off" (1.0), `logprobs` < 0 means none. Everything else passes
+through and the engine validates it.
 
 This room must never do I/O or hold state.
 """
@@ -34,12 +35,19 @@ def sampling_params(p: pb.SamplingParams) -> SamplingParams:
             temperature=p.temperature,
             top_p=p.top_p or 1.0,
             top_k=p.top_k,
+            min_p=p.min_p,
             seed=p.seed,
-            stop=tuple(p.stop),
             stop_token_ids=tuple(p.stop_token_ids),
             ignore_eos=p.ignore_eos,
             min_tokens=p.min_tokens,
             logprobs=None if p.logprobs < 0 else p.logprobs,
+            presence_penalty=p.presence_penalty,
+            frequency_penalty=p.frequency_penalty,
+            repetition_penalty=p.repetition_penalty or 1.0,
+            logit_bias=tuple(sorted(p.logit_bias.items())),
+            forced_token_ids=tuple(p.forced_token_ids),
+            structured_kind=p.structured_kind,
+            structured_spec=p.structured_spec,
         )
     except ValueError as e:
         raise ValueError(f"invalid params: {e}") from e

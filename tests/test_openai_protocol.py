@@ -1,0 +1,101 @@
+"""The OpenAI edge's pure parts, without a cluster: tool-call parsing in both styles, the request models'
+refusals and neutral values, and multi-part content."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from pydantic import ValidationError
+
+from services.frontend.output import parse_tool_calls
+from services.frontend.protocol import ChatCompletionRequest, ChatMessage, CompletionRequest, StructuredError
+
+MSGS = [{"role": "user", "content": "hi"}]
+
+
+def test_hermes_tool_calls_are_parsed_with_the_text_around_them() -> None:
+    text = 'Let me check.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
+    text += '<tool_call>{"name": "get_time", "arguments": {}}</tool_call>'
+    content, calls = parse_tool_calls(text, "auto")
+    assert content == "Let me check."
+    assert [(n, json.loads(a)) for n, a in calls] == [("get_weather", {"city": "Paris"}), ("get_time", {})]
+
+
+def test_llama3_json_tool_calls_are_parsed() -> None:
+    content, calls = parse_tool_calls('<|python_tag|>{"name": "f", "parameters": {"x": 1}}', "auto")
+    assert content is None and [(n, json.loads(a)) for n, a in calls] == [("f", {"x": 1})]
+    _, two = parse_tool_calls(
+        '{"name": "f", "parameters": {}}; {"name": "g", "parameters": {"y": 2}}', "auto"
+    )
+    assert [n for n, _ in two] == ["f", "g"]
+
+
+def test_plain_text_and_broken_json_stay_content() -> None:
+    assert parse_tool_calls("Paris is sunny.", "auto") == ("Paris is sunny.", [])
+    assert parse_tool_calls('{"name": 3}', "auto") == ('{"name": 3}', [])
+    assert parse_tool_calls("<tool_call>{not json</tool_call>", "auto")[1] == []
+
+
+def test_forced_and_required_outputs_become_calls() -> None:
+    assert parse_tool_calls(' {"city": "Rome"} ', "function:get_weather") == (
+        None,
+        [("get_weather", '{"city": "Rome"}')],
+    )
+    _, calls = parse_tool_calls('[{"name": "a", "parameters": {"k": 1}}]', "required")
+    assert calls == [("a", '{"k": 1}')]
+
+
+@pytest.mark.parametrize(
+    ("extra", "param"),
+    [
+        ({"use_beam_search": True}, "use_beam_search"),
+        ({"bad_words": ["x"]}, "bad_words"),
+        ({"prompt_logprobs": 1}, "prompt_logprobs"),
+        ({"chat_template": "{{ x }}"}, "chat_template"),
+    ],
+)  # fmt: skip
+def test_unimplemented_or_inconsistent_parameters_are_refused(extra: dict, param: str) -> None:
+    with pytest.raises(ValidationError) as e:
+        ChatCompletionRequest.model_validate({"model": "m", "messages": MSGS, **extra})
+    assert any(param in str(err["loc"]) or param in err["msg"] for err in e.value.errors())
+
+
+def test_neutral_values_validate() -> None:
+    ChatCompletionRequest.model_validate(
+        {"model": "m", "messages": MSGS, "use_beam_search": False, "length_penalty": 1.0, "bad_words": [],
+         "spaces_between_special_tokens": True, "tools": [], "tool_choice": "none", "n": 1, "modalities": ["text"]}
+    )  # fmt: skip
+    CompletionRequest.model_validate(
+        {"model": "m", "prompt": "x", "suffix": None, "echo": False, "best_of": 1}
+    )
+
+
+def test_multi_part_text_is_joined_with_newlines_as_vllm_does() -> None:
+    m = ChatMessage.model_validate(
+        {"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]}
+    )
+    assert m.as_template_input() == {"role": "user", "content": "a\nb"}
+
+
+def test_two_constraints_are_refused_naming_the_second() -> None:
+    body = ChatCompletionRequest.model_validate(
+        {"model": "m", "messages": MSGS, "response_format": {"type": "json_object"}, "guided_regex": "a+"}
+    )
+    with pytest.raises(ValueError, match="guided_regex"):
+        body.structured()
+
+
+@pytest.mark.parametrize(
+    "extra",
+    [
+        {"tool_choice": "required"},  # with no tools
+        {"tools": [{"type": "function", "function": {"name": "f"}}],
+         "tool_choice": {"type": "function", "function": {"name": "g"}}},
+    ],
+)  # fmt: skip
+def test_a_tool_choice_the_tools_cannot_meet_is_refused_naming_it(extra: dict) -> None:
+    body = ChatCompletionRequest.model_validate({"model": "m", "messages": MSGS, **extra})
+    with pytest.raises(StructuredError) as e:
+        body.check_tools()
+    assert e.value.param == "tool_choice"

@@ -1,0 +1,239 @@
+"""The batched sampler against reference formulas written element by element, and the recovery contract:
+a row's token depends only on (seed, index, its logits after its own processors, its tokens) — never on the
+other rows of the batch — so a penalised or biased request resumed elsewhere continues token for token."""
+
+from __future__ import annotations
+
+import math
+import random
+
+import pytest
+import torch
+
+from services.engine.engine import EngineConfig, LLMEngine
+from services.engine.sampling import (
+    RowContext,
+    SamplingParams,
+    apply_processors,
+    draw_seed,
+    sample_batch,
+    unpack_bitmask,
+)
+from tests.conftest import tiny_llama
+
+VOCAB = 64
+
+
+def _logits(batch: int, seed: int = 0) -> torch.Tensor:
+    return torch.randn(batch, VOCAB, generator=torch.Generator().manual_seed(seed)) * 3
+
+
+def _reference_penalties(
+    row: list[float], p: SamplingParams, prompt: list[int], out: list[int]
+) -> list[float]:
+    """vLLM's / HF's definitions, one element at a time."""
+    result = []
+    for t, v in enumerate(row):
+        if t in prompt or t in out:
+            v = v / p.repetition_penalty if v > 0 else v * p.repetition_penalty
+        count = out.count(t)
+        v -= p.frequency_penalty * count
+        v -= p.presence_penalty * (1 if count else 0)
+        result.append(v)
+    return result
+
+
+def test_penalties_match_the_reference_formula_row_by_row() -> None:
+    rng = random.Random(3)
+    params = [
+        SamplingParams(repetition_penalty=1.3),
+        SamplingParams(frequency_penalty=0.7),
+        SamplingParams(presence_penalty=-1.5),
+        SamplingParams(repetition_penalty=0.8, frequency_penalty=-0.4, presence_penalty=2.0),
+        SamplingParams(),  # unpenalised, in the same batch
+    ]
+    rows = [
+        RowContext([rng.randrange(VOCAB) for _ in range(9)], [rng.randrange(VOCAB) for _ in range(12)])
+        for _ in params
+    ]
+    logits = _logits(len(params))
+    got = apply_processors(logits, params, rows)
+    for r, (p, c) in enumerate(zip(params, rows, strict=True)):
+        want = _reference_penalties(logits[r].tolist(), p, list(c.prompt_ids), list(c.output_ids))
+        assert got[r].tolist() == pytest.approx(want, abs=1e-5)
+    assert torch.equal(logits, _logits(len(params)))  # the caller's logits are not touched
+
+
+def test_each_penalty_moves_the_greedy_choice_as_its_definition_says() -> None:
+    logits = torch.zeros(1, VOCAB)
+    logits[0, 5], logits[0, 6] = 2.0, 1.5  # 5 wins unpenalised
+    ctx = [RowContext(prompt_ids=[], output_ids=[5])]
+    greedy = dict(temperature=0.0)
+    assert sample_batch(logits, [SamplingParams(**greedy)], [1], ctx)[0].token_id == 5
+    # 2.0 - 0.6 < 1.5: having said 5 once, the penalised row says 6
+    assert sample_batch(logits, [SamplingParams(presence_penalty=0.6, **greedy)], [1], ctx)[0].token_id == 6
+    assert sample_batch(logits, [SamplingParams(frequency_penalty=0.6, **greedy)], [1], ctx)[0].token_id == 6
+    # 2.0 / 1.5 < 1.5
+    assert sample_batch(logits, [SamplingParams(repetition_penalty=1.5, **greedy)], [1], ctx)[0].token_id == 6
+    # a negative presence penalty rewards repetition: 5 again, even against a closer rival
+    logits[0, 6] = 2.1
+    assert sample_batch(logits, [SamplingParams(presence_penalty=-0.5, **greedy)], [1], ctx)[0].token_id == 5
+    # repetition_penalty reaches the prompt's tokens too (frequency/presence only the output's)
+    in_prompt = [RowContext(prompt_ids=[6], output_ids=[])]
+    assert (
+        sample_batch(logits, [SamplingParams(repetition_penalty=1.2, **greedy)], [0], in_prompt)[0].token_id
+        == 5
+    )
+    assert (
+        sample_batch(logits, [SamplingParams(presence_penalty=2, **greedy)], [0], in_prompt)[0].token_id == 6
+    )
+
+
+def test_logit_bias_adds_to_the_logit_and_can_force_or_ban_a_token() -> None:
+    logits = _logits(2, seed=1)
+    params = [SamplingParams(logit_bias=((3, 2.5), (40, -7.0))), SamplingParams()]
+    got = apply_processors(logits, params, [RowContext(), RowContext()])
+    want = logits.clone()
+    want[0, 3] += 2.5
+    want[0, 40] -= 7.0
+    assert torch.allclose(got, want)
+    forced = SamplingParams(temperature=1.0, seed=9, logit_bias=((17, 100.0),))
+    banned_top = int(logits[1].argmax())
+    banned = SamplingParams(temperature=0.0, logit_bias=((banned_top, -100.0),))
+    for i in range(20):
+        picks = sample_batch(logits, [forced, banned], [i, i])
+        assert picks[0].token_id == 17
+        assert picks[1].token_id != banned_top
+
+
+def test_min_p_never_draws_a_token_below_its_threshold() -> None:
+    logits = _logits(1, seed=2) / 3
+    probs = torch.softmax(logits[0], -1)
+    allowed = set((probs >= 0.2 * probs.max()).nonzero().flatten().tolist())
+    assert 1 < len(allowed) < VOCAB
+    p = SamplingParams(temperature=1.0, min_p=0.2, seed=4)
+    drawn = {sample_batch(logits, [p], [i])[0].token_id for i in range(300)}
+    assert drawn <= allowed and len(drawn) > 1
+
+
+def test_top_k_and_top_p_keep_the_reference_sets() -> None:
+    logits = _logits(1, seed=5)
+    order = logits[0].argsort(descending=True).tolist()
+    p = SamplingParams(temperature=1.0, top_k=3, seed=1)
+    assert {sample_batch(logits, [p], [i])[0].token_id for i in range(200)} <= set(order[:3])
+    probs = torch.softmax(logits[0], -1)[order].tolist()
+    keep = next(k for k in range(1, VOCAB + 1) if sum(probs[:k]) >= 0.5)  # the smallest set reaching top_p
+    p = SamplingParams(temperature=1.0, top_p=0.5, seed=1)
+    assert {sample_batch(logits, [p], [i])[0].token_id for i in range(200)} <= set(order[:keep])
+
+
+def test_bitmask_unpacks_little_endian_and_masks_the_choice() -> None:
+    allowed = [0, 31, 32, 45, 63]
+    words = torch.zeros(2, dtype=torch.int64)
+    for t in allowed:
+        words[t // 32] |= 1 << (t % 32)
+    words = torch.where(words >= 1 << 31, words - (1 << 32), words).to(torch.int32)  # int32 as xgrammar packs
+    assert unpack_bitmask(words, VOCAB).nonzero().flatten().tolist() == allowed
+    logits = _logits(1, seed=6)
+    ctx = [RowContext(bitmask=words)]
+    greedy = sample_batch(logits, [SamplingParams(temperature=0.0)], [0], ctx)[0].token_id
+    assert greedy == max(allowed, key=lambda t: float(logits[0, t]))
+    p = SamplingParams(temperature=2.0, seed=3)
+    assert {sample_batch(logits, [p], [i], ctx)[0].token_id for i in range(100)} <= set(allowed)
+
+
+def test_a_row_samples_the_same_alone_as_in_any_batch() -> None:
+    params = [
+        SamplingParams(temperature=0.9, top_p=0.8, seed=1),
+        SamplingParams(temperature=0.0, frequency_penalty=1.0),
+        SamplingParams(temperature=1.2, top_k=5, min_p=0.05, seed=2, logit_bias=((7, 3.0),)),
+        SamplingParams(temperature=0.7, repetition_penalty=1.4, seed=3, logprobs=3),
+        SamplingParams(temperature=0.0, logprobs=0),
+    ]
+    rows = [RowContext([1, 2, 3], [4, 5, 4, 9]) for _ in params]
+    logits = _logits(len(params), seed=7)
+    for index in range(5):
+        together = sample_batch(logits, params, [index] * len(params), rows)
+        for r in range(len(params)):
+            [alone] = sample_batch(logits[r : r + 1], [params[r]], [index], [rows[r]])
+            assert alone == together[r]
+
+
+def test_the_draw_is_the_exponential_race_seeded_by_seed_and_index() -> None:
+    """The per-index draw every worker reproduces: argmax(p / E), E ~ Exp(1) from draw_seed(seed, index)."""
+    logits = _logits(1, seed=8)
+    p = SamplingParams(temperature=0.8, seed=12345)
+    for index in range(10):
+        probs = torch.softmax(logits[0] / 0.8, -1)
+        gen = torch.Generator().manual_seed(draw_seed(12345, index))
+        want = int(torch.argmax(probs / torch.empty_like(probs).exponential_(1.0, generator=gen)))
+        assert sample_batch(logits, [p], [index])[0].token_id == want
+
+
+def test_logprobs_are_the_raw_log_softmax_in_one_copy() -> None:
+    logits = _logits(2, seed=9)
+    params = [
+        SamplingParams(temperature=0.0, logprobs=2, presence_penalty=2.0),
+        SamplingParams(temperature=0),
+    ]
+    picks = sample_batch(logits, params, [0, 0], [RowContext([], [int(logits[0].argmax())]), RowContext()])
+    lp = torch.log_softmax(logits[0], -1)
+    assert picks[0].logprob == pytest.approx(float(lp[picks[0].token_id]), abs=1e-6)
+    top = lp.topk(2)
+    assert picks[0].top_logprobs == [
+        (int(i), pytest.approx(float(v), abs=1e-6)) for i, v in zip(top.indices, top.values, strict=True)
+    ]
+    assert picks[1].logprob is None
+
+
+@pytest.mark.parametrize(
+    ("kw", "says"),
+    [
+        (dict(presence_penalty=2.5), "presence_penalty"),
+        (dict(frequency_penalty=-3), "frequency_penalty"),
+        (dict(repetition_penalty=0), "repetition_penalty"),
+        (dict(repetition_penalty=math.inf), "repetition_penalty"),
+        (dict(min_p=1.5), "min_p"),
+        (dict(logit_bias=((1, 101.0),)), "logit_bias"),
+    ],
+)
+def test_out_of_range_parameters_are_refused_naming_them(kw: dict, says: str) -> None:
+    with pytest.raises(ValueError, match=says):
+        SamplingParams(**kw)
+
+
+def _engine() -> LLMEngine:
+    cfg = EngineConfig(dtype="float32", num_kv_blocks=128, block_size=4, max_num_batched_tokens=256)
+    return LLMEngine(tiny_llama(), cfg)
+
+
+@pytest.mark.parametrize(
+    "params",
+    [
+        SamplingParams(max_tokens=20, temperature=0.9, seed=5, ignore_eos=True, frequency_penalty=1.1,
+                       presence_penalty=0.4, repetition_penalty=1.3),
+        SamplingParams(max_tokens=20, temperature=1.0, seed=6, ignore_eos=True, min_p=0.02,
+                       logit_bias=((11, 4.0), (12, -50.0))),
+    ],
+    ids=["penalised", "logit_bias"],
+)  # fmt: skip
+def test_a_resumed_processed_request_continues_token_for_token(params: SamplingParams) -> None:
+    prompt = list(range(30, 45))
+    full = _engine().generate([prompt], params)[0]
+    other = _engine()
+    other.add_request("resumed", prompt, params, output_ids=full[:8])
+    out: list[int] = []
+    while other.has_unfinished():
+        for o in other.step():
+            out += o.new_token_ids
+    assert full[:8] + out == full
+    plain = _engine().generate(
+        [prompt], SamplingParams(max_tokens=20, temperature=0.9, seed=5, ignore_eos=True)
+    )
+    if params.penalised:
+        assert full != plain[0]  # the penalties did change the answer
+
+
+def test_logit_bias_reaches_the_engine() -> None:
+    forced = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True, logit_bias=((77, 100.0),))
+    assert _engine().generate([[1, 2, 3]], forced)[0] == [77] * 6
