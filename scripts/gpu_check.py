@@ -28,6 +28,7 @@ test_gpu_check_smoke.py runs it in `make test`); without CUDA and without --devi
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import inspect
 import json
 import os
@@ -1296,6 +1297,9 @@ def main() -> int:
             torch.set_num_threads(1)  # two workers and the parent share the CPU: no oversubscription
         return worker_main(args.worker, spec)
 
+    missing = [m for m in ("gguf", "xxhash", "transformers") if importlib.util.find_spec(m) is None]
+    if missing:  # on a GPU machine without network these come from .whl/ (scripts/gpu_wheels.sh)
+        print(f"gpu_check: missing Python packages {', '.join(missing)}; see docs/gpu.md")
     dev = resolve_device(args.device)
     if dev is None:
         print(
