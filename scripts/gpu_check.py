@@ -292,6 +292,13 @@ class Plan:
         return 3 if self.smoke else 32
 
     @property
+    def kv_blocks(
+        self,
+    ) -> int:  # every engine of steps 2 and 3: room for the largest decode batch, or 2 prefills
+        decode = max(self.decode_batches) * -(-(self.decode_prompt_len + self.decode_steps + 8) // 16)
+        return max(decode, 2 * -(-self.prefill_len // 16), 64) + 16
+
+    @property
     def prefill_len(self) -> int:
         return 64 if self.smoke else 2048
 
@@ -493,6 +500,40 @@ def make_engine(cfg, weights, device: torch.device, dtype: str, quant: str, num_
     return LLMEngine(loaded_model(cfg, weights), EngineConfig(**kw))
 
 
+class Models:
+    """Weights and engines shared by steps 2 and 3: the 8B-shape engines take the longest to build (weights
+    fused and quantized, the fingerprint hashed), so each is built once for both steps."""
+
+    def __init__(self, plan: Plan):
+        self.plan = plan
+        self.weights: dict[tuple[str, torch.dtype], tuple[Any, dict[str, torch.Tensor]]] = {}
+        self.engines: dict[tuple[str, torch.dtype, str, str], Any] = {}
+
+    def weights_for(self, shape: str, dtype: torch.dtype) -> tuple[Any, dict[str, torch.Tensor]]:
+        if (shape, dtype) not in self.weights:
+            cfg = model_config(shape, self.plan.smoke)
+            self.weights[(shape, dtype)] = (cfg, build_weights(cfg, self.plan.device, dtype))
+        return self.weights[(shape, dtype)]
+
+    def engine(self, shape: str, wdtype: torch.dtype, dtype: str, quant: str, keep: bool):
+        key = (shape, wdtype, dtype, quant)
+        if key in self.engines:
+            return self.engines[key]
+        cfg, weights = self.weights_for(shape, wdtype)
+        engine = make_engine(cfg, weights, self.plan.device, dtype, quant, self.plan.kv_blocks, self.plan)
+        if keep:
+            self.engines[key] = engine
+        return engine
+
+    def drop(self, shape: str) -> None:
+        for key in [k for k in self.engines if k[0] == shape]:
+            del self.engines[key]
+        for key in [k for k in self.weights if k[0] == shape]:
+            del self.weights[key]
+        if self.plan.device.type == "cuda":
+            torch.cuda.empty_cache()
+
+
 def engine_device(engine) -> torch.device:
     return getattr(engine, "device", None) or engine.kv.data.device
 
@@ -577,15 +618,14 @@ def first_divergence(got: list[int], want: list[int]) -> int | None:
 
 
 def compare_shape(
-    res: StepResult, plan: Plan, shape: str, modes: list[tuple[str, str]], weight_dtype
+    res: StepResult, plan: Plan, models: Models, shape: str, modes: list[tuple[str, str]], weight_dtype
 ) -> None:
     """One model shape: the transformers fp32 reference, then each (dtype, quant) engine against it."""
     from services.engine.sampling import SamplingParams
 
     dev = plan.device
-    cfg = model_config(shape, plan.smoke)
     t0 = time.perf_counter()
-    weights = build_weights(cfg, dev, weight_dtype)
+    cfg, weights = models.weights_for(shape, weight_dtype)
     g = torch.Generator().manual_seed(11)
     prompts = [torch.randint(0, cfg.vocab_size, (n,), generator=g).tolist() for n in plan.prompt_lens]
     n = plan.greedy_steps
@@ -599,12 +639,11 @@ def compare_shape(
         f"transformers fp32 reference, {len(prompts)} prompts x {n} greedy steps "
         f"({time.perf_counter() - t0:.1f} s); smallest top-2 margin {min(min(r[2]) for r in ref):.2e}"
     )
-    blocks = sum(-(-(len(p) + n) // 16) for p in prompts) + 16
     for dtype, quant in modes:
         label = f"{shape} {dtype}{'' if quant == 'none' else ' ' + quant}"
         t0 = time.perf_counter()
         try:
-            engine = make_engine(cfg, weights, dev, dtype, quant, max(blocks, 64), plan)
+            engine = models.engine(shape, weight_dtype, dtype, quant, keep=shape == THROUGHPUT_SHAPE)
             agree = total = 0
             max_diff = 0.0
             for p, (toks, logits, _) in zip(prompts, ref, strict=True):
@@ -650,7 +689,7 @@ def compare_shape(
             torch.cuda.empty_cache()
 
 
-def step_correctness(res: StepResult, plan: Plan, budget: Budget) -> None:
+def step_correctness(res: StepResult, plan: Plan, budget: Budget, models: Models) -> None:
     all_modes = [("float32", "none"), ("bfloat16", "none"), ("bfloat16", "nvfp4")]
     # fp32 token identity on the small shape and on the 8B widths (4 layers); bf16 and NVFP4 also on the full
     # 32-layer 8B shape, whose weights are built in bf16 (the dtype it is served in).
@@ -666,10 +705,12 @@ def step_correctness(res: StepResult, plan: Plan, budget: Budget) -> None:
             res.say(f"{shape}: skipped, {budget.left:.0f} s of the budget left and it needs ~{need_s} s")
             continue
         try:
-            compare_shape(res, plan, shape, modes, wdtype)
+            compare_shape(res, plan, models, shape, modes, wdtype)
         except Exception as exc:  # noqa: BLE001
             traceback.print_exc()
             res.fail(f"{shape}: {type(exc).__name__}: {exc}")
+        if shape != THROUGHPUT_SHAPE:  # only the throughput shape's weights and engines are kept for step 3
+            models.drop(shape)
         if plan.device.type == "cuda":
             torch.cuda.empty_cache()
 
@@ -804,16 +845,24 @@ def hf_prefill_tps(model, length: int, vocab: int, device: torch.device) -> floa
     return length / dt
 
 
-def step_throughput(res: StepResult, plan: Plan, budget: Budget) -> None:
+THROUGHPUT_SHAPE = "llama3.1-8b"
+
+
+def step_throughput(res: StepResult, plan: Plan, budget: Budget, models: Models) -> None:
+    try:
+        throughput(res, plan, budget, models)
+    finally:
+        models.drop(THROUGHPUT_SHAPE)
+
+
+def throughput(res: StepResult, plan: Plan, budget: Budget, models: Models) -> None:
     dev = plan.device
-    shape = "llama3.1-8b"
-    cfg = model_config(shape, plan.smoke)
+    shape = THROUGHPUT_SHAPE
     bw = copy_bandwidth(dev, (8 << 20) if plan.smoke else (1 << 30))
     res.say(f"device-to-device copy bandwidth: {bw / 1e9:.0f} GB/s (read + write)")
     res.data["copy_bandwidth_gb_s"] = bw / 1e9
-    weights = build_weights(cfg, dev, torch.bfloat16)
+    cfg, weights = models.weights_for(shape, torch.bfloat16)
     P, S = plan.decode_prompt_len, plan.decode_steps
-    blocks = max(max(plan.decode_batches) * -(-(P + S + 8) // 16), 2 * -(-plan.prefill_len // 16)) + 16
     hf = hf_model(cfg, weights, torch.bfloat16, dev)  # shares the bf16 tensors: no second copy
     rows: list[dict[str, Any]] = []
     hf_cache: dict[str, float | None] = {}
@@ -823,10 +872,12 @@ def step_throughput(res: StepResult, plan: Plan, budget: Budget) -> None:
             res.say(f"{fmt_name}: skipped, {budget.left:.0f} s of the budget left")
             continue
         t0 = time.perf_counter()
-        engine = make_engine(cfg, weights, dev, "bfloat16", quant, blocks, plan)
+        reused = (shape, torch.bfloat16, "bfloat16", quant) in models.engines
+        engine = models.engine(shape, torch.bfloat16, "bfloat16", quant, keep=False)
         wbytes = decode_weight_bytes(engine.model, cfg.tie_embeddings)
         res.say(
-            f"{shape} {fmt_name}: engine built in {time.perf_counter() - t0:.1f} s, "
+            f"{shape} {fmt_name}: engine "
+            f"{'from step 2' if reused else f'built in {time.perf_counter() - t0:.1f} s'}, "
             f"{wbytes / 1e9:.2f} GB of weights read per step"
         )
         cases = [("decode", b) for b in plan.decode_batches] + [("prefill", plan.prefill_len)]
@@ -854,6 +905,7 @@ def step_throughput(res: StepResult, plan: Plan, budget: Budget) -> None:
                 f"{fmt_name} {phase} {'batch' if phase == 'decode' else 'tokens'} {n}: engine {ours:.1f} tok/s, "
                 f"transformers bf16 {fmt(hf_cache[key], '.1f')} tok/s, bound {fmt(bound, '.0f')} tok/s"
             )
+        models.engines.pop((shape, torch.bfloat16, "bfloat16", quant), None)
         del engine
         if dev.type == "cuda":
             torch.cuda.empty_cache()
@@ -927,12 +979,17 @@ def export_blocks(engine, request_id: str) -> tuple[torch.Tensor, list[int]]:
 def import_blocks(
     engine, rid: str, prompt, params, first: int, blocks: torch.Tensor, token_ids, layout
 ) -> str:
-    """Queue a decode of `prompt` after its first token with the KV in `blocks` (a device tensor). Straight from
-    device memory where the engine takes kv_blocks; otherwise through host bytes (KvExport), said so."""
+    """Queue a decode of `prompt` after its first token with the KV in `blocks` (a device tensor): straight from
+    device memory where the engine imports device blocks (a KvExport holding a tensor); an engine that only
+    imports host bytes gets them, and the report says so."""
     from services.engine.engine import KvExport, KvLayout
 
     if "kv_blocks" in inspect.signature(engine.add_request).parameters:
         engine.add_request(rid, prompt, params, output_ids=[first], kv_blocks=blocks, kv_token_ids=token_ids)
+        return "device"
+    if "device_blocks" in getattr(KvExport, "__dataclass_fields__", {}):  # KvExport.data may be device blocks
+        kv = KvExport(KvLayout(**layout), token_ids, blocks)  # type: ignore[arg-type]
+        engine.add_request(rid, prompt, params, output_ids=[first], kv=kv)
         return "device"
     data = blocks.contiguous().cpu().view(torch.uint8).numpy().tobytes()
     engine.add_request(
@@ -1313,6 +1370,7 @@ def main() -> int:
     torch.set_float32_matmul_precision("highest")
     budget = Budget(args.budget_s)
     plan = Plan(args.smoke, dev)
+    models = Models(plan)
     if args.smoke and dev.type == "cpu":
         torch.set_num_threads(1)  # toy shapes: threads only add synchronisation (and step 4 runs 3 processes)
     name = torch.cuda.get_device_properties(dev).name if dev.type == "cuda" else "cpu"
@@ -1327,8 +1385,8 @@ def main() -> int:
     print(f"gpu_check: {name}, torch {torch.__version__}, budget {args.budget_s:.0f} s, smoke={args.smoke}")
     steps: dict[str, tuple[str, Callable[[StepResult], None], float]] = {
         "1": ("step 1: NVFP4 kernels", lambda r: step_kernels(r, plan, budget, args.iters), 60),
-        "2": ("step 2: engine vs transformers", lambda r: step_correctness(r, plan, budget), 60),
-        "3": ("step 3: throughput", lambda r: step_throughput(r, plan, budget), 90),
+        "2": ("step 2: engine vs transformers", lambda r: step_correctness(r, plan, budget, models), 60),
+        "3": ("step 3: throughput", lambda r: step_throughput(r, plan, budget, models), 90),
         "4": ("step 4: prefill -> KV -> decode, two processes", lambda r: step_disagg(r, plan, budget), 45),
     }
     results = []
