@@ -295,7 +295,7 @@ class Plan:
     def kv_blocks(
         self,
     ) -> int:  # every engine of steps 2 and 3: room for the largest decode batch, or 2 prefills
-        decode = max(self.decode_batches) * -(-(self.decode_prompt_len + self.decode_steps + 8) // 16)
+        decode = max(self.decode_batches) * -(-(self.decode_prompt_len + self.decode_steps + 24) // 16)
         return max(decode, 2 * -(-self.prefill_len // 16), 64) + 16
 
     @property
@@ -555,8 +555,9 @@ def engine_logits(engine, ids: list[int]) -> torch.Tensor:
         raise RuntimeError("engine_logits needs an idle engine")
     dev = engine.kv.data.device
     n = len(ids)
-    if -(-n // engine.kv.block_size) > engine.kv.num_blocks:
-        raise RuntimeError(f"{n} tokens do not fit the engine's {engine.kv.num_blocks} KV blocks")
+    usable = getattr(engine.kv, "usable_blocks", engine.kv.num_blocks)  # not the CUDA-graph scratch block
+    if -(-n // engine.kv.block_size) > usable:
+        raise RuntimeError(f"{n} tokens do not fit the engine's {usable} KV blocks")
     meta = AttnMetadata(slot_mapping=torch.arange(n, device=dev), prefills=[PrefillSegment(0, n)])
     hidden = engine.model(torch.tensor(ids, device=dev), torch.arange(n, device=dev), meta, engine.kv)
     return engine.model.logits(hidden).float()
@@ -761,7 +762,8 @@ def engine_decode_tps(engine, batch: int, prompt_len: int, steps: int, vocab: in
     dev = engine_device(engine)
     g = torch.Generator().manual_seed(seed)
     warm = 3
-    params = SamplingParams(max_tokens=warm + steps + 4, temperature=0, ignore_eos=True)
+    # room for the tokens the first-admitted prompts decode while the last ones are still prefilling
+    params = SamplingParams(max_tokens=warm + steps + 16, temperature=0, ignore_eos=True)
     ids = [f"dec-{seed}-{i}" for i in range(batch)]
     for rid in ids:
         engine.add_request(rid, torch.randint(0, vocab, (prompt_len,), generator=g).tolist(), params)
