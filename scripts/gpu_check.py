@@ -478,6 +478,32 @@ def hf_model(cfg, weights: dict[str, torch.Tensor], dtype: torch.dtype, device: 
 # ------------------------------------------------------------------------------------------- the engine
 
 
+NOTES: list[str] = []  # run-wide remarks that belong in the report's header
+
+
+def note(line: str) -> None:
+    if line not in NOTES:
+        NOTES.append(line)
+        print(f"gpu_check: {line}", flush=True)
+
+
+_HASHES_DEVICE: dict[str, bool] = {}
+
+
+def fingerprint_takes_device_tensors(device: torch.device) -> bool:
+    """Whether the engine's model fingerprint can hash weights that live on `device` (a loader that reads
+    files hands it host tensors; this check hands it device ones)."""
+    from services.engine.loader import model_fingerprint
+
+    if device.type not in _HASHES_DEVICE:
+        try:
+            model_fingerprint(model_config("smollm2-135m", True), {"probe": torch.zeros(2, device=device)})
+            _HASHES_DEVICE[device.type] = True
+        except (TypeError, RuntimeError):
+            _HASHES_DEVICE[device.type] = False
+    return _HASHES_DEVICE[device.type]
+
+
 def make_engine(cfg, weights, device: torch.device, dtype: str, quant: str, num_kv_blocks: int, plan: Plan):
     """An LLMEngine on `device`. Uses EngineConfig.device where the engine has it; an engine without device
     support can only run the CPU smoke path, and says so for CUDA."""
@@ -497,6 +523,12 @@ def make_engine(cfg, weights, device: torch.device, dtype: str, quant: str, num_
         kw["device"] = str(device)
     elif device.type != "cpu":
         raise RuntimeError("this engine has no EngineConfig.device: it cannot run on CUDA yet")
+    if device.type != "cpu" and not fingerprint_takes_device_tensors(device):
+        note(
+            "the engine's model_fingerprint cannot hash device tensors: engines get host copies of the weights "
+            "(slower to build, the same numbers)"
+        )
+        weights = {k: v.cpu() for k, v in weights.items()}
     return LLMEngine(loaded_model(cfg, weights), EngineConfig(**kw))
 
 
@@ -1315,6 +1347,7 @@ def out_dir() -> Path:
 def write_report(results: list[StepResult], header: dict[str, Any]) -> Path:
     d = out_dir()
     d.mkdir(parents=True, exist_ok=True)
+    header = header | {"notes": NOTES}
     md = [f"# gpu_check {header['date']}", "", *(f"- {k}: {v}" for k, v in header.items()), ""]
     for r in results:
         md += [f"## {r.step}: {r.status}", "", *(f"- {line}" for line in r.lines), ""]
