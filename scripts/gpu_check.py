@@ -28,6 +28,7 @@ test_gpu_check_smoke.py runs it in `make test`); without CUDA and without --devi
 from __future__ import annotations
 
 import argparse
+import faulthandler
 import importlib.util
 import inspect
 import json
@@ -1091,9 +1092,8 @@ def worker_main(role: str, spec: dict[str, Any]) -> int:
         try:
             if op == "quit":
                 break
-            if (
-                op == "prefill"
-            ):  # prefill worker: compute the prompt's KV and the first token, then offer the KV
+            if op == "prefill":
+                # prefill worker: compute the prompt's KV and the first token, hold the KV and offer it
                 rid, prompt = msg["rid"], msg["prompt"]
                 params = SamplingParams(max_tokens=1, temperature=0, ignore_eos=True)
                 engine.add_request(rid, prompt, params, hold_kv=True)
@@ -1122,12 +1122,12 @@ def worker_main(role: str, spec: dict[str, Any]) -> int:
                     h.unlink()
                 engine.release_kv(msg["rid"])
                 reply({"released": msg["rid"]})
-            elif (
-                op == "aggregated"
-            ):  # decode worker: the same prompt prefilled and decoded here, the reference
+            elif op == "aggregated":
+                # decode worker: the same prompt prefilled and decoded here, the reference
                 params = SamplingParams(max_tokens=msg["max_tokens"], temperature=0, ignore_eos=True)
                 reply({"tokens": engine.generate([msg["prompt"]], params)[0]})
             elif op == "decode":
+                # decode worker: take the offered KV (IPC handle or shared memory), decode after the first token
                 rid, prompt, first = msg["rid"], msg["prompt"], msg["first"]
                 params = SamplingParams(max_tokens=msg["max_tokens"], temperature=0, ignore_eos=True)
                 r = {}
@@ -1359,6 +1359,19 @@ def write_report(results: list[StepResult], header: dict[str, Any]) -> Path:
     return d
 
 
+def over_budget(results: list[StepResult], header: dict[str, Any]) -> None:
+    print("\ngpu_check: over budget, stopping; where each thread was:", flush=True)
+    faulthandler.dump_traceback(all_threads=True)
+    if results and results[-1].status == "ok":
+        results[-1].status = "FAIL"
+        results[-1].lines.append("FAIL: did not finish within the budget (stopped by the watchdog)")
+    try:
+        d = write_report(list(results), header)
+        print(f"gpu_check: partial report in {d}/gpu_check.md", flush=True)
+    finally:
+        os._exit(3)  # worker processes see their stdin close and exit
+
+
 def git_commit() -> str:
     try:
         out = subprocess.run(
@@ -1380,6 +1393,9 @@ def main() -> int:
     )
     parser.add_argument("--steps", default="1,2,4,3", help="steps to run, in this order (default 1,2,4,3)")
     parser.add_argument("--iters", type=int, default=20, help="timed calls per kernel in step 1")
+    parser.add_argument(
+        "--grace-s", type=float, default=45.0, help="past the budget by this much, a hung step is stopped"
+    )
     parser.add_argument("--worker", help=argparse.SUPPRESS)  # step 4's child processes
     parser.add_argument("--worker-spec", help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -1424,7 +1440,12 @@ def main() -> int:
         "3": ("step 3: throughput", lambda r: step_throughput(r, plan, budget, models), 90),
         "4": ("step 4: prefill -> KV -> decode, two processes", lambda r: step_disagg(r, plan, budget), 45),
     }
-    results = []
+    results: list[StepResult] = []
+    # A step can only be skipped before it starts; one that hangs (a kernel, a capture, a worker) is stopped
+    # here: stacks dumped for the reader, the report written with what finished, exit status 3.
+    watchdog = threading.Timer(args.budget_s + args.grace_s, over_budget, (results, header))
+    watchdog.daemon = True
+    watchdog.start()
     for key in [s.strip() for s in args.steps.split(",") if s.strip()]:
         title, fn, need = steps[key]
         res = StepResult(title)
@@ -1441,6 +1462,7 @@ def main() -> int:
             res.fail(f"{type(exc).__name__}: {exc}")
         if dev.type == "cuda":
             torch.cuda.empty_cache()
+    watchdog.cancel()
     d = write_report(results, header)
     print("\n" + "\n".join(f"{r.step}: {r.status}" for r in results))
     failed = [r for r in results if r.status == "FAIL"]
