@@ -652,7 +652,13 @@ def first_divergence(got: list[int], want: list[int]) -> int | None:
 
 
 def compare_shape(
-    res: StepResult, plan: Plan, models: Models, shape: str, modes: list[tuple[str, str]], weight_dtype
+    res: StepResult,
+    plan: Plan,
+    budget: Budget,
+    models: Models,
+    shape: str,
+    modes: list[tuple[str, str]],
+    weight_dtype: torch.dtype,
 ) -> None:
     """One model shape: the transformers fp32 reference, then each (dtype, quant) engine against it."""
     from services.engine.sampling import SamplingParams
@@ -675,6 +681,9 @@ def compare_shape(
     )
     for dtype, quant in modes:
         label = f"{shape} {dtype}{'' if quant == 'none' else ' ' + quant}"
+        if not plan.smoke and not budget.allows(25):
+            res.say(f"{label}: skipped, {budget.left:.0f} s of the budget left")
+            continue
         t0 = time.perf_counter()
         try:
             engine = models.engine(shape, weight_dtype, dtype, quant, keep=shape == THROUGHPUT_SHAPE)
@@ -739,7 +748,7 @@ def step_correctness(res: StepResult, plan: Plan, budget: Budget, models: Models
             res.say(f"{shape}: skipped, {budget.left:.0f} s of the budget left and it needs ~{need_s} s")
             continue
         try:
-            compare_shape(res, plan, models, shape, modes, wdtype)
+            compare_shape(res, plan, budget, models, shape, modes, wdtype)
         except Exception as exc:  # noqa: BLE001
             traceback.print_exc()
             res.fail(f"{shape}: {type(exc).__name__}: {exc}")
@@ -1389,12 +1398,15 @@ def main() -> int:
         "--smoke", action="store_true", help="tiny shapes and a few steps: the logic, not speed"
     )
     parser.add_argument(
-        "--budget-s", type=float, default=450.0, help="wall-clock budget; later sections skip"
+        "--budget-s",
+        type=float,
+        default=400.0,
+        help="wall-clock budget (s); a section that does not fit is skipped",
     )
     parser.add_argument("--steps", default="1,2,4,3", help="steps to run, in this order (default 1,2,4,3)")
     parser.add_argument("--iters", type=int, default=20, help="timed calls per kernel in step 1")
     parser.add_argument(
-        "--grace-s", type=float, default=45.0, help="past the budget by this much, a hung step is stopped"
+        "--grace-s", type=float, default=40.0, help="past the budget by this much, a hung step is stopped"
     )
     parser.add_argument("--worker", help=argparse.SUPPRESS)  # step 4's child processes
     parser.add_argument("--worker-spec", help=argparse.SUPPRESS)
