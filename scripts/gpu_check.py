@@ -1202,6 +1202,8 @@ class Worker:
         for line in self.proc.stdout:
             if line.startswith("@@"):
                 self.replies.put(json.loads(line[2:]))
+            else:  # anything else a library printed: shown, marked with the worker's role
+                sys.stdout.write(f"[{self.role}] {line}")
         self.replies.put(None)  # the process ended
 
     def get(self, timeout: float) -> dict[str, Any]:
