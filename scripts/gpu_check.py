@@ -955,6 +955,7 @@ def throughput(res: StepResult, plan: Plan, budget: Budget, models: Models) -> N
             torch.cuda.empty_cache()
     res.data["rows"] = rows
     res.data["table"] = throughput_table(rows)
+    print("\n" + res.data["table"] + "\n", flush=True)
     res.data["targets"] = targets(rows)
     for line in res.data["targets"]:
         res.say(line)
