@@ -807,20 +807,22 @@ def engine_decode_tps(engine, batch: int, prompt_len: int, steps: int, vocab: in
     # room for the tokens the first-admitted prompts decode while the last ones are still prefilling
     params = SamplingParams(max_tokens=warm + steps + 16, temperature=0, ignore_eos=True)
     ids = [f"dec-{seed}-{i}" for i in range(batch)]
-    for rid in ids:
-        engine.add_request(rid, torch.randint(0, vocab, (prompt_len,), generator=g).tolist(), params)
-    started: set[str] = set()
-    while len(started) < batch:  # every prompt prefilled: from here on each step is a pure decode step
-        started |= {o.request_id for o in engine.step()}
-    for _ in range(warm):  # CUDA graph capture and autotuning for this batch size happen here
-        engine.step()
-    sync(dev)
-    t0 = time.perf_counter()
-    made = sum(len(o.new_token_ids) for _ in range(steps) for o in engine.step())
-    sync(dev)
-    dt = time.perf_counter() - t0
-    for rid in ids:
-        engine.abort(rid)
+    try:
+        for rid in ids:
+            engine.add_request(rid, torch.randint(0, vocab, (prompt_len,), generator=g).tolist(), params)
+        started: set[str] = set()
+        while len(started) < batch:  # every prompt prefilled: from here on each step is a pure decode step
+            started |= {o.request_id for o in engine.step()}
+        for _ in range(warm):  # CUDA graph capture and autotuning for this batch size happen here
+            engine.step()
+        sync(dev)
+        t0 = time.perf_counter()
+        made = sum(len(o.new_token_ids) for _ in range(steps) for o in engine.step())
+        sync(dev)
+        dt = time.perf_counter() - t0
+    finally:  # the next case starts from an empty engine, also after a failure
+        for rid in ids:
+            engine.abort(rid)
     return made / dt
 
 
@@ -930,16 +932,27 @@ def throughput(res: StepResult, plan: Plan, budget: Budget, models: Models) -> N
                 res.say(f"{fmt_name} {phase} {n}: skipped, {budget.left:.0f} s of the budget left")
                 continue
             key = f"{phase}-{n}"
-            if phase == "decode":
-                ours = engine_decode_tps(engine, n, P, S, cfg.vocab_size, seed=n)
-                if key not in hf_cache:
-                    hf_cache[key] = hf_decode_tps(hf, n, P, S, cfg.vocab_size, dev)
-                bound: float | None = n * bw / wbytes
-            else:
-                ours = engine_prefill_tps(engine, n, cfg.vocab_size, seed=n)
-                if key not in hf_cache:
-                    hf_cache[key] = hf_prefill_tps(hf, n, cfg.vocab_size, dev)
-                bound = None  # prefill is compute-bound: the weight-streaming bound says nothing about it
+            try:  # the engine failing a case is a failure of the step; the next case still runs
+                if phase == "decode":
+                    ours = engine_decode_tps(engine, n, P, S, cfg.vocab_size, seed=n)
+                else:
+                    ours = engine_prefill_tps(engine, n, cfg.vocab_size, seed=n)
+            except Exception as exc:  # noqa: BLE001
+                traceback.print_exc()
+                res.fail(f"engine {fmt_name} {phase} {n}: {type(exc).__name__}: {exc}")
+                continue
+            if key not in hf_cache:
+                try:  # transformers failing is no failure of ours: its column says "-"
+                    if phase == "decode":
+                        hf_cache[key] = hf_decode_tps(hf, n, P, S, cfg.vocab_size, dev)
+                    else:
+                        hf_cache[key] = hf_prefill_tps(hf, n, cfg.vocab_size, dev)
+                except Exception as exc:  # noqa: BLE001
+                    traceback.print_exc()
+                    hf_cache[key] = None
+                    res.say(f"transformers {phase} {n}: {type(exc).__name__}: {exc}")
+            # prefill is compute-bound: the weight-streaming bound says nothing about it
+            bound = n * bw / wbytes if phase == "decode" else None
             row = dict(
                 model=shape, format=fmt_name, phase=phase, n=n, engine_tok_s=ours,
                 transformers_tok_s=hf_cache[key], bound_tok_s=bound, weight_bytes=wbytes,
