@@ -72,8 +72,22 @@ sim: setup
 bench-cluster: setup
 	$(BIN)/python -m loadgen.validate --out bench/results/cluster
 
-gpu-check: setup
-	$(BIN)/python scripts/gpu_check.py
+# GPU acceptance (docs/gpu.md). No `setup` prerequisite: a GPU machine has no network and no .venv, only a
+# system python3 with torch, triton and transformers; there the few missing small packages come from .whl/
+# (scripts/gpu_wheels.sh, carried with the tree), unpacked into GPU_SITE. With .venv (here) it uses the .venv.
+GPU_SITE ?= /tmp/rackserve-gpu-site
+GPU_CHECK_ARGS ?=
+gpu-check:
+	@if [ -x $(BIN)/python ]; then py=$(BIN)/python; else \
+		py=$(PY); \
+		if compgen -G '.whl/*.whl' >/dev/null; then \
+			$$py -m pip install -q --no-index --no-deps --upgrade --target $(GPU_SITE) .whl/*.whl \
+				|| for w in .whl/*.whl; do $$py -m zipfile -e $$w $(GPU_SITE) || exit 1; done; \
+			export PYTHONPATH=$(GPU_SITE)$${PYTHONPATH:+:$$PYTHONPATH}; \
+		fi; \
+	fi; \
+	echo "gpu-check: $$py scripts/gpu_check.py $(GPU_CHECK_ARGS)"; \
+	$$py scripts/gpu_check.py $(GPU_CHECK_ARGS)
 
 run: setup
 	$(BIN)/rackserve up

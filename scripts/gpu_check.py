@@ -28,6 +28,8 @@ test_gpu_check_smoke.py runs it in `make test`); without CUDA and without --devi
 from __future__ import annotations
 
 import argparse
+import faulthandler
+import importlib.util
 import inspect
 import json
 import os
@@ -280,7 +282,7 @@ class Plan:
 
     @property
     def decode_batches(self) -> tuple[int, ...]:
-        return (1, 16, 64)
+        return (1, 4, 8) if self.smoke else (1, 16, 64)
 
     @property
     def decode_prompt_len(self) -> int:
@@ -291,8 +293,15 @@ class Plan:
         return 3 if self.smoke else 32
 
     @property
+    def kv_blocks(
+        self,
+    ) -> int:  # every engine of steps 2 and 3: room for the largest decode batch, or 2 prefills
+        decode = max(self.decode_batches) * -(-(self.decode_prompt_len + self.decode_steps + 24) // 16)
+        return max(decode, 2 * -(-self.prefill_len // 16), 64) + 16
+
+    @property
     def prefill_len(self) -> int:
-        return 128 if self.smoke else 2048
+        return 64 if self.smoke else 2048
 
     @property
     def disagg_prompt_lens(
@@ -470,6 +479,32 @@ def hf_model(cfg, weights: dict[str, torch.Tensor], dtype: torch.dtype, device: 
 # ------------------------------------------------------------------------------------------- the engine
 
 
+NOTES: list[str] = []  # run-wide remarks that belong in the report's header
+
+
+def note(line: str) -> None:
+    if line not in NOTES:
+        NOTES.append(line)
+        print(f"gpu_check: {line}", flush=True)
+
+
+_HASHES_DEVICE: dict[str, bool] = {}
+
+
+def fingerprint_takes_device_tensors(device: torch.device) -> bool:
+    """Whether the engine's model fingerprint can hash weights that live on `device` (a loader that reads
+    files hands it host tensors; this check hands it device ones)."""
+    from services.engine.loader import model_fingerprint
+
+    if device.type not in _HASHES_DEVICE:
+        try:
+            model_fingerprint(model_config("smollm2-135m", True), {"probe": torch.zeros(2, device=device)})
+            _HASHES_DEVICE[device.type] = True
+        except (TypeError, RuntimeError):
+            _HASHES_DEVICE[device.type] = False
+    return _HASHES_DEVICE[device.type]
+
+
 def make_engine(cfg, weights, device: torch.device, dtype: str, quant: str, num_kv_blocks: int, plan: Plan):
     """An LLMEngine on `device`. Uses EngineConfig.device where the engine has it; an engine without device
     support can only run the CPU smoke path, and says so for CUDA."""
@@ -489,7 +524,47 @@ def make_engine(cfg, weights, device: torch.device, dtype: str, quant: str, num_
         kw["device"] = str(device)
     elif device.type != "cpu":
         raise RuntimeError("this engine has no EngineConfig.device: it cannot run on CUDA yet")
+    if device.type != "cpu" and not fingerprint_takes_device_tensors(device):
+        note(
+            "the engine's model_fingerprint cannot hash device tensors: engines get host copies of the weights "
+            "(slower to build, the same numbers)"
+        )
+        weights = {k: v.cpu() for k, v in weights.items()}
     return LLMEngine(loaded_model(cfg, weights), EngineConfig(**kw))
+
+
+class Models:
+    """Weights and engines shared by steps 2 and 3: the 8B-shape engines take the longest to build (weights
+    fused and quantized, the fingerprint hashed), so each is built once for both steps."""
+
+    def __init__(self, plan: Plan):
+        self.plan = plan
+        self.weights: dict[tuple[str, torch.dtype], tuple[Any, dict[str, torch.Tensor]]] = {}
+        self.engines: dict[tuple[str, torch.dtype, str, str], Any] = {}
+
+    def weights_for(self, shape: str, dtype: torch.dtype) -> tuple[Any, dict[str, torch.Tensor]]:
+        if (shape, dtype) not in self.weights:
+            cfg = model_config(shape, self.plan.smoke)
+            self.weights[(shape, dtype)] = (cfg, build_weights(cfg, self.plan.device, dtype))
+        return self.weights[(shape, dtype)]
+
+    def engine(self, shape: str, wdtype: torch.dtype, dtype: str, quant: str, keep: bool):
+        key = (shape, wdtype, dtype, quant)
+        if key in self.engines:
+            return self.engines[key]
+        cfg, weights = self.weights_for(shape, wdtype)
+        engine = make_engine(cfg, weights, self.plan.device, dtype, quant, self.plan.kv_blocks, self.plan)
+        if keep:
+            self.engines[key] = engine
+        return engine
+
+    def drop(self, shape: str) -> None:
+        for key in [k for k in self.engines if k[0] == shape]:
+            del self.engines[key]
+        for key in [k for k in self.weights if k[0] == shape]:
+            del self.weights[key]
+        if self.plan.device.type == "cuda":
+            torch.cuda.empty_cache()
 
 
 def engine_device(engine) -> torch.device:
@@ -513,8 +588,9 @@ def engine_logits(engine, ids: list[int]) -> torch.Tensor:
         raise RuntimeError("engine_logits needs an idle engine")
     dev = engine.kv.data.device
     n = len(ids)
-    if -(-n // engine.kv.block_size) > engine.kv.num_blocks:
-        raise RuntimeError(f"{n} tokens do not fit the engine's {engine.kv.num_blocks} KV blocks")
+    usable = getattr(engine.kv, "usable_blocks", engine.kv.num_blocks)  # not the CUDA-graph scratch block
+    if -(-n // engine.kv.block_size) > usable:
+        raise RuntimeError(f"{n} tokens do not fit the engine's {usable} KV blocks")
     meta = AttnMetadata(slot_mapping=torch.arange(n, device=dev), prefills=[PrefillSegment(0, n)])
     hidden = engine.model(torch.tensor(ids, device=dev), torch.arange(n, device=dev), meta, engine.kv)
     return engine.model.logits(hidden).float()
@@ -546,9 +622,13 @@ def hf_greedy(
     """transformers' greedy continuation of one prompt (batch 1, its own KV cache, no padding), the logits of
     every position of prompt + continuation[:-1] (each predicts the next token), and the top-2 margin of each
     greedy pick (how close to a tie it was)."""
-    out = model(input_ids=torch.tensor([prompt], device=device), use_cache=True)
+    from transformers import DynamicCache
+
+    # one cache object, filled in place; its keyword is `cache` from transformers 5.2x, `past_key_values` before
+    name = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+    kv = {name: DynamicCache()}
+    out = model(input_ids=torch.tensor([prompt], device=device), use_cache=True, **kv)
     rows = [out.logits[0].float()]
-    past = out.past_key_values
     tokens: list[int] = []
     margins: list[float] = []
     last = rows[0][-1]
@@ -558,8 +638,7 @@ def hf_greedy(
         margins.append(float(top.values[0] - top.values[1]))
         if step == n - 1:
             break
-        out = model(input_ids=top.indices[:1].view(1, 1), past_key_values=past, use_cache=True)
-        past = out.past_key_values
+        out = model(input_ids=top.indices[:1].view(1, 1), use_cache=True, **kv)
         last = out.logits[0, -1].float()
         rows.append(last[None])
     return tokens, torch.cat(rows), margins
@@ -573,15 +652,20 @@ def first_divergence(got: list[int], want: list[int]) -> int | None:
 
 
 def compare_shape(
-    res: StepResult, plan: Plan, shape: str, modes: list[tuple[str, str]], weight_dtype
+    res: StepResult,
+    plan: Plan,
+    budget: Budget,
+    models: Models,
+    shape: str,
+    modes: list[tuple[str, str]],
+    weight_dtype: torch.dtype,
 ) -> None:
     """One model shape: the transformers fp32 reference, then each (dtype, quant) engine against it."""
     from services.engine.sampling import SamplingParams
 
     dev = plan.device
-    cfg = model_config(shape, plan.smoke)
     t0 = time.perf_counter()
-    weights = build_weights(cfg, dev, weight_dtype)
+    cfg, weights = models.weights_for(shape, weight_dtype)
     g = torch.Generator().manual_seed(11)
     prompts = [torch.randint(0, cfg.vocab_size, (n,), generator=g).tolist() for n in plan.prompt_lens]
     n = plan.greedy_steps
@@ -595,12 +679,14 @@ def compare_shape(
         f"transformers fp32 reference, {len(prompts)} prompts x {n} greedy steps "
         f"({time.perf_counter() - t0:.1f} s); smallest top-2 margin {min(min(r[2]) for r in ref):.2e}"
     )
-    blocks = sum(-(-(len(p) + n) // 16) for p in prompts) + 16
     for dtype, quant in modes:
         label = f"{shape} {dtype}{'' if quant == 'none' else ' ' + quant}"
+        if not plan.smoke and not budget.allows(25):
+            res.say(f"{label}: skipped, {budget.left:.0f} s of the budget left")
+            continue
         t0 = time.perf_counter()
         try:
-            engine = make_engine(cfg, weights, dev, dtype, quant, max(blocks, 64), plan)
+            engine = models.engine(shape, weight_dtype, dtype, quant, keep=shape == THROUGHPUT_SHAPE)
             agree = total = 0
             max_diff = 0.0
             for p, (toks, logits, _) in zip(prompts, ref, strict=True):
@@ -624,8 +710,8 @@ def compare_shape(
                     stats[f"{how}_identical"] = len(prompts) - len(bad)
                     if bad:
                         i = bad[0]
-                        j = first_divergence(got[i], want[i])
-                        margin = ref[i][2][j] if j is not None and j < len(ref[i][2]) else float("nan")
+                        j = first_divergence(got[i], want[i]) or 0  # bad: they differ somewhere
+                        margin = ref[i][2][j] if j < len(ref[i][2]) else float("nan")
                         res.fail(
                             f"{label} {how}: greedy tokens differ from transformers for {len(bad)} of "
                             f"{len(prompts)} prompts; prompt {i} (len {len(prompts[i])}) first at step {j} "
@@ -646,7 +732,7 @@ def compare_shape(
             torch.cuda.empty_cache()
 
 
-def step_correctness(res: StepResult, plan: Plan, budget: Budget) -> None:
+def step_correctness(res: StepResult, plan: Plan, budget: Budget, models: Models) -> None:
     all_modes = [("float32", "none"), ("bfloat16", "none"), ("bfloat16", "nvfp4")]
     # fp32 token identity on the small shape and on the 8B widths (4 layers); bf16 and NVFP4 also on the full
     # 32-layer 8B shape, whose weights are built in bf16 (the dtype it is served in).
@@ -662,10 +748,12 @@ def step_correctness(res: StepResult, plan: Plan, budget: Budget) -> None:
             res.say(f"{shape}: skipped, {budget.left:.0f} s of the budget left and it needs ~{need_s} s")
             continue
         try:
-            compare_shape(res, plan, shape, modes, wdtype)
+            compare_shape(res, plan, budget, models, shape, modes, wdtype)
         except Exception as exc:  # noqa: BLE001
             traceback.print_exc()
             res.fail(f"{shape}: {type(exc).__name__}: {exc}")
+        if shape != THROUGHPUT_SHAPE:  # only the throughput shape's weights and engines are kept for step 3
+            models.drop(shape)
         if plan.device.type == "cuda":
             torch.cuda.empty_cache()
 
@@ -716,22 +804,25 @@ def engine_decode_tps(engine, batch: int, prompt_len: int, steps: int, vocab: in
     dev = engine_device(engine)
     g = torch.Generator().manual_seed(seed)
     warm = 3
-    params = SamplingParams(max_tokens=warm + steps + 4, temperature=0, ignore_eos=True)
+    # room for the tokens the first-admitted prompts decode while the last ones are still prefilling
+    params = SamplingParams(max_tokens=warm + steps + 16, temperature=0, ignore_eos=True)
     ids = [f"dec-{seed}-{i}" for i in range(batch)]
-    for rid in ids:
-        engine.add_request(rid, torch.randint(0, vocab, (prompt_len,), generator=g).tolist(), params)
-    started: set[str] = set()
-    while len(started) < batch:  # every prompt prefilled: from here on each step is a pure decode step
-        started |= {o.request_id for o in engine.step()}
-    for _ in range(warm):  # CUDA graph capture and autotuning for this batch size happen here
-        engine.step()
-    sync(dev)
-    t0 = time.perf_counter()
-    made = sum(len(o.new_token_ids) for _ in range(steps) for o in engine.step())
-    sync(dev)
-    dt = time.perf_counter() - t0
-    for rid in ids:
-        engine.abort(rid)
+    try:
+        for rid in ids:
+            engine.add_request(rid, torch.randint(0, vocab, (prompt_len,), generator=g).tolist(), params)
+        started: set[str] = set()
+        while len(started) < batch:  # every prompt prefilled: from here on each step is a pure decode step
+            started |= {o.request_id for o in engine.step()}
+        for _ in range(warm):  # CUDA graph capture and autotuning for this batch size happen here
+            engine.step()
+        sync(dev)
+        t0 = time.perf_counter()
+        made = sum(len(o.new_token_ids) for _ in range(steps) for o in engine.step())
+        sync(dev)
+        dt = time.perf_counter() - t0
+    finally:  # the next case starts from an empty engine, also after a failure
+        for rid in ids:
+            engine.abort(rid)
     return made / dt
 
 
@@ -753,7 +844,9 @@ def engine_prefill_tps(engine, length: int, vocab: int, seed: int) -> float:
 
 
 @torch.no_grad()
-def hf_decode_tps(model, batch: int, prompt_len: int, steps: int, vocab: int, device: torch.device) -> float:
+def hf_decode_tps(
+    model, batch: int, prompt_len: int, steps: int, vocab: int, device: torch.device
+) -> float | None:
     """transformers `generate` with a static cache: per-step time from two runs that differ only in length, so
     the prefill and the cache set-up cancel."""
     g = torch.Generator().manual_seed(5)
@@ -777,7 +870,7 @@ def hf_decode_tps(model, batch: int, prompt_len: int, steps: int, vocab: int, de
     run(2)  # warm-up
     short, long = run(2), run(2 + steps)
     if long <= short:  # noise larger than the work (tiny smoke models on a busy CPU): no figure
-        return float("nan")
+        return None
     return batch * steps / (long - short)
 
 
@@ -798,29 +891,39 @@ def hf_prefill_tps(model, length: int, vocab: int, device: torch.device) -> floa
     return length / dt
 
 
-def step_throughput(res: StepResult, plan: Plan, budget: Budget) -> None:
+THROUGHPUT_SHAPE = "llama3.1-8b"
+
+
+def step_throughput(res: StepResult, plan: Plan, budget: Budget, models: Models) -> None:
+    try:
+        throughput(res, plan, budget, models)
+    finally:
+        models.drop(THROUGHPUT_SHAPE)
+
+
+def throughput(res: StepResult, plan: Plan, budget: Budget, models: Models) -> None:
     dev = plan.device
-    shape = "llama3.1-8b"
-    cfg = model_config(shape, plan.smoke)
+    shape = THROUGHPUT_SHAPE
     bw = copy_bandwidth(dev, (8 << 20) if plan.smoke else (1 << 30))
     res.say(f"device-to-device copy bandwidth: {bw / 1e9:.0f} GB/s (read + write)")
     res.data["copy_bandwidth_gb_s"] = bw / 1e9
-    weights = build_weights(cfg, dev, torch.bfloat16)
+    cfg, weights = models.weights_for(shape, torch.bfloat16)
     P, S = plan.decode_prompt_len, plan.decode_steps
-    blocks = max(max(plan.decode_batches) * -(-(P + S + 8) // 16), 2 * -(-plan.prefill_len // 16)) + 16
     hf = hf_model(cfg, weights, torch.bfloat16, dev)  # shares the bf16 tensors: no second copy
     rows: list[dict[str, Any]] = []
-    hf_cache: dict[str, float] = {}
+    hf_cache: dict[str, float | None] = {}
     for quant in ("none", "nvfp4"):
         fmt_name = "bf16" if quant == "none" else "nvfp4"
         if not budget.allows(0 if plan.smoke else 45):
             res.say(f"{fmt_name}: skipped, {budget.left:.0f} s of the budget left")
             continue
         t0 = time.perf_counter()
-        engine = make_engine(cfg, weights, dev, "bfloat16", quant, blocks, plan)
+        reused = (shape, torch.bfloat16, "bfloat16", quant) in models.engines
+        engine = models.engine(shape, torch.bfloat16, "bfloat16", quant, keep=False)
         wbytes = decode_weight_bytes(engine.model, cfg.tie_embeddings)
         res.say(
-            f"{shape} {fmt_name}: engine built in {time.perf_counter() - t0:.1f} s, "
+            f"{shape} {fmt_name}: engine "
+            f"{'from step 2' if reused else f'built in {time.perf_counter() - t0:.1f} s'}, "
             f"{wbytes / 1e9:.2f} GB of weights read per step"
         )
         cases = [("decode", b) for b in plan.decode_batches] + [("prefill", plan.prefill_len)]
@@ -829,16 +932,27 @@ def step_throughput(res: StepResult, plan: Plan, budget: Budget) -> None:
                 res.say(f"{fmt_name} {phase} {n}: skipped, {budget.left:.0f} s of the budget left")
                 continue
             key = f"{phase}-{n}"
-            if phase == "decode":
-                ours = engine_decode_tps(engine, n, P, S, cfg.vocab_size, seed=n)
-                if key not in hf_cache:
-                    hf_cache[key] = hf_decode_tps(hf, n, P, S, cfg.vocab_size, dev)
-                bound: float | None = n * bw / wbytes
-            else:
-                ours = engine_prefill_tps(engine, n, cfg.vocab_size, seed=n)
-                if key not in hf_cache:
-                    hf_cache[key] = hf_prefill_tps(hf, n, cfg.vocab_size, dev)
-                bound = None  # prefill is compute-bound: the weight-streaming bound says nothing about it
+            try:  # the engine failing a case is a failure of the step; the next case still runs
+                if phase == "decode":
+                    ours = engine_decode_tps(engine, n, P, S, cfg.vocab_size, seed=n)
+                else:
+                    ours = engine_prefill_tps(engine, n, cfg.vocab_size, seed=n)
+            except Exception as exc:  # noqa: BLE001
+                traceback.print_exc()
+                res.fail(f"engine {fmt_name} {phase} {n}: {type(exc).__name__}: {exc}")
+                continue
+            if key not in hf_cache:
+                try:  # transformers failing is no failure of ours: its column says "-"
+                    if phase == "decode":
+                        hf_cache[key] = hf_decode_tps(hf, n, P, S, cfg.vocab_size, dev)
+                    else:
+                        hf_cache[key] = hf_prefill_tps(hf, n, cfg.vocab_size, dev)
+                except Exception as exc:  # noqa: BLE001
+                    traceback.print_exc()
+                    hf_cache[key] = None
+                    res.say(f"transformers {phase} {n}: {type(exc).__name__}: {exc}")
+            # prefill is compute-bound: the weight-streaming bound says nothing about it
+            bound = n * bw / wbytes if phase == "decode" else None
             row = dict(
                 model=shape, format=fmt_name, phase=phase, n=n, engine_tok_s=ours,
                 transformers_tok_s=hf_cache[key], bound_tok_s=bound, weight_bytes=wbytes,
@@ -846,13 +960,15 @@ def step_throughput(res: StepResult, plan: Plan, budget: Budget) -> None:
             rows.append(row)
             res.say(
                 f"{fmt_name} {phase} {'batch' if phase == 'decode' else 'tokens'} {n}: engine {ours:.1f} tok/s, "
-                f"transformers bf16 {hf_cache[key]:.1f} tok/s, bound {fmt(bound, '.1f')} tok/s"
+                f"transformers bf16 {fmt(hf_cache[key], '.1f')} tok/s, bound {fmt(bound, '.0f')} tok/s"
             )
+        models.engines.pop((shape, torch.bfloat16, "bfloat16", quant), None)
         del engine
         if dev.type == "cuda":
             torch.cuda.empty_cache()
     res.data["rows"] = rows
     res.data["table"] = throughput_table(rows)
+    print("\n" + res.data["table"] + "\n", flush=True)
     res.data["targets"] = targets(rows)
     for line in res.data["targets"]:
         res.say(line)
@@ -869,8 +985,8 @@ def throughput_table(rows: list[dict[str, Any]]) -> str:
         vs_bound = r["engine_tok_s"] / r["bound_tok_s"] if r["bound_tok_s"] else None
         out.append(
             f"| {r['model']} | {r['format']} | {r['phase']} | {r['n']} | {r['engine_tok_s']:.1f} "
-            f"| {r['transformers_tok_s']:.1f} | {fmt(vs_hf, '.2f')}x | {fmt(r['bound_tok_s'], '.1f')} "
-            f"| {fmt(vs_bound and vs_bound * 100, '.0f')}% |"
+            f"| {fmt(r['transformers_tok_s'], '.1f')} | {fmt(vs_hf, '.2f')}x | {fmt(r['bound_tok_s'], '.0f')} "
+            f"| {'-' if vs_bound is None else format(vs_bound, '.0%')} |"
         )
     return "\n".join(out)
 
@@ -889,7 +1005,7 @@ def targets(rows: list[dict[str, Any]]) -> list[str]:
         x = n1["engine_tok_s"] / b1["engine_tok_s"]
         out.append(f"target NVFP4 batch-1 decode >= 2x bf16: {x:.2f}x ({'met' if x >= 2 else 'not met'})")
     b64 = by.get(("bf16", "decode", 64))
-    if b64:
+    if b64 and b64["transformers_tok_s"]:
         x = b64["engine_tok_s"] / b64["transformers_tok_s"]
         out.append(f"target batch-64 decode >= 5x transformers: {x:.2f}x ({'met' if x >= 5 else 'not met'})")
     return out
@@ -921,12 +1037,17 @@ def export_blocks(engine, request_id: str) -> tuple[torch.Tensor, list[int]]:
 def import_blocks(
     engine, rid: str, prompt, params, first: int, blocks: torch.Tensor, token_ids, layout
 ) -> str:
-    """Queue a decode of `prompt` after its first token with the KV in `blocks` (a device tensor). Straight from
-    device memory where the engine takes kv_blocks; otherwise through host bytes (KvExport), said so."""
+    """Queue a decode of `prompt` after its first token with the KV in `blocks` (a device tensor): straight from
+    device memory where the engine imports device blocks (a KvExport holding a tensor); an engine that only
+    imports host bytes gets them, and the report says so."""
     from services.engine.engine import KvExport, KvLayout
 
     if "kv_blocks" in inspect.signature(engine.add_request).parameters:
         engine.add_request(rid, prompt, params, output_ids=[first], kv_blocks=blocks, kv_token_ids=token_ids)
+        return "device"
+    if "device_blocks" in getattr(KvExport, "__dataclass_fields__", {}):  # KvExport.data may be device blocks
+        kv = KvExport(KvLayout(**layout), token_ids, blocks)  # type: ignore[arg-type]
+        engine.add_request(rid, prompt, params, output_ids=[first], kv=kv)
         return "device"
     data = blocks.contiguous().cpu().view(torch.uint8).numpy().tobytes()
     engine.add_request(
@@ -994,9 +1115,8 @@ def worker_main(role: str, spec: dict[str, Any]) -> int:
         try:
             if op == "quit":
                 break
-            if (
-                op == "prefill"
-            ):  # prefill worker: compute the prompt's KV and the first token, then offer the KV
+            if op == "prefill":
+                # prefill worker: compute the prompt's KV and the first token, hold the KV and offer it
                 rid, prompt = msg["rid"], msg["prompt"]
                 params = SamplingParams(max_tokens=1, temperature=0, ignore_eos=True)
                 engine.add_request(rid, prompt, params, hold_kv=True)
@@ -1025,12 +1145,12 @@ def worker_main(role: str, spec: dict[str, Any]) -> int:
                     h.unlink()
                 engine.release_kv(msg["rid"])
                 reply({"released": msg["rid"]})
-            elif (
-                op == "aggregated"
-            ):  # decode worker: the same prompt prefilled and decoded here, the reference
+            elif op == "aggregated":
+                # decode worker: the same prompt prefilled and decoded here, the reference
                 params = SamplingParams(max_tokens=msg["max_tokens"], temperature=0, ignore_eos=True)
                 reply({"tokens": engine.generate([msg["prompt"]], params)[0]})
             elif op == "decode":
+                # decode worker: take the offered KV (IPC handle or shared memory), decode after the first token
                 rid, prompt, first = msg["rid"], msg["prompt"], msg["first"]
                 params = SamplingParams(max_tokens=msg["max_tokens"], temperature=0, ignore_eos=True)
                 r = {}
@@ -1096,6 +1216,8 @@ class Worker:
         for line in self.proc.stdout:
             if line.startswith("@@"):
                 self.replies.put(json.loads(line[2:]))
+            else:  # anything else a library printed: shown, marked with the worker's role
+                sys.stdout.write(f"[{self.role}] {line}")
         self.replies.put(None)  # the process ended
 
     def get(self, timeout: float) -> dict[str, Any]:
@@ -1250,6 +1372,7 @@ def out_dir() -> Path:
 def write_report(results: list[StepResult], header: dict[str, Any]) -> Path:
     d = out_dir()
     d.mkdir(parents=True, exist_ok=True)
+    header = header | {"notes": NOTES}
     md = [f"# gpu_check {header['date']}", "", *(f"- {k}: {v}" for k, v in header.items()), ""]
     for r in results:
         md += [f"## {r.step}: {r.status}", "", *(f"- {line}" for line in r.lines), ""]
@@ -1259,6 +1382,19 @@ def write_report(results: list[StepResult], header: dict[str, Any]) -> Path:
     body = {"header": header, "steps": [asdict(r) for r in results]}
     (d / "gpu_check.json").write_text(json.dumps(body, indent=1, default=str))
     return d
+
+
+def over_budget(results: list[StepResult], header: dict[str, Any]) -> None:
+    print("\ngpu_check: over budget, stopping; where each thread was:", flush=True)
+    faulthandler.dump_traceback(all_threads=True)
+    if results and results[-1].status == "ok":
+        results[-1].status = "FAIL"
+        results[-1].lines.append("FAIL: did not finish within the budget (stopped by the watchdog)")
+    try:
+        d = write_report(list(results), header)
+        print(f"gpu_check: partial report in {d}/gpu_check.md", flush=True)
+    finally:
+        os._exit(3)  # worker processes see their stdin close and exit
 
 
 def git_commit() -> str:
@@ -1278,16 +1414,28 @@ def main() -> int:
         "--smoke", action="store_true", help="tiny shapes and a few steps: the logic, not speed"
     )
     parser.add_argument(
-        "--budget-s", type=float, default=450.0, help="wall-clock budget; later sections skip"
+        "--budget-s",
+        type=float,
+        default=400.0,
+        help="wall-clock budget (s); a section that does not fit is skipped",
     )
     parser.add_argument("--steps", default="1,2,4,3", help="steps to run, in this order (default 1,2,4,3)")
     parser.add_argument("--iters", type=int, default=20, help="timed calls per kernel in step 1")
+    parser.add_argument(
+        "--grace-s", type=float, default=40.0, help="past the budget by this much, a hung step is stopped"
+    )
     parser.add_argument("--worker", help=argparse.SUPPRESS)  # step 4's child processes
     parser.add_argument("--worker-spec", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
-        return worker_main(args.worker, json.loads(args.worker_spec))
+        spec = json.loads(args.worker_spec)
+        if spec["smoke"]:
+            torch.set_num_threads(1)  # two workers and the parent share the CPU: no oversubscription
+        return worker_main(args.worker, spec)
 
+    missing = [m for m in ("gguf", "xxhash", "transformers") if importlib.util.find_spec(m) is None]
+    if missing:  # on a GPU machine without network these come from .whl/ (scripts/gpu_wheels.sh)
+        print(f"gpu_check: missing Python packages {', '.join(missing)}; see docs/gpu.md")
     dev = resolve_device(args.device)
     if dev is None:
         print(
@@ -1301,6 +1449,9 @@ def main() -> int:
     torch.set_float32_matmul_precision("highest")
     budget = Budget(args.budget_s)
     plan = Plan(args.smoke, dev)
+    models = Models(plan)
+    if args.smoke and dev.type == "cpu":
+        torch.set_num_threads(1)  # toy shapes: threads only add synchronisation (and step 4 runs 3 processes)
     name = torch.cuda.get_device_properties(dev).name if dev.type == "cuda" else "cpu"
     header = {
         "date": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()),
@@ -1313,11 +1464,16 @@ def main() -> int:
     print(f"gpu_check: {name}, torch {torch.__version__}, budget {args.budget_s:.0f} s, smoke={args.smoke}")
     steps: dict[str, tuple[str, Callable[[StepResult], None], float]] = {
         "1": ("step 1: NVFP4 kernels", lambda r: step_kernels(r, plan, budget, args.iters), 60),
-        "2": ("step 2: engine vs transformers", lambda r: step_correctness(r, plan, budget), 60),
-        "3": ("step 3: throughput", lambda r: step_throughput(r, plan, budget), 90),
+        "2": ("step 2: engine vs transformers", lambda r: step_correctness(r, plan, budget, models), 60),
+        "3": ("step 3: throughput", lambda r: step_throughput(r, plan, budget, models), 90),
         "4": ("step 4: prefill -> KV -> decode, two processes", lambda r: step_disagg(r, plan, budget), 45),
     }
-    results = []
+    results: list[StepResult] = []
+    # A step can only be skipped before it starts; one that hangs (a kernel, a capture, a worker) is stopped
+    # here: stacks dumped for the reader, the report written with what finished, exit status 3.
+    watchdog = threading.Timer(args.budget_s + args.grace_s, over_budget, (results, header))
+    watchdog.daemon = True
+    watchdog.start()
     for key in [s.strip() for s in args.steps.split(",") if s.strip()]:
         title, fn, need = steps[key]
         res = StepResult(title)
@@ -1334,6 +1490,7 @@ def main() -> int:
             res.fail(f"{type(exc).__name__}: {exc}")
         if dev.type == "cuda":
             torch.cuda.empty_cache()
+    watchdog.cancel()
     d = write_report(results, header)
     print("\n" + "\n".join(f"{r.step}: {r.status}" for r in results))
     failed = [r for r in results if r.status == "FAIL"]
