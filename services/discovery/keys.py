@@ -11,7 +11,7 @@ from google.protobuf import json_format
 from services.rpc import pb
 
 WORKERS_PREFIX = "/rackserve/v1/workers/"
-ROLES = ("prefill", "decode", "router", "frontend")  # the roles WorkerInfo.role may name (see the proto)
+ROLES = ("prefill", "decode", "router", "frontend", "planner")  # the roles WorkerInfo.role may name (see the proto)
 
 
 def worker_key(role: str, worker_id: str) -> str:
