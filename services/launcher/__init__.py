@@ -99,7 +99,11 @@ class Cluster:
     etcd_url: str = ""
     tmp: str = ""
     planner_port: int = 0
-    _worker_cmd: tuple[list[str], list[str], list[str]] = ([], [], [])  # argv parts of a worker: base, etcd, engine
+    _worker_cmd: tuple[list[str], list[str], list[str]] = (
+        [],
+        [],
+        [],
+    )  # argv parts of a worker: base, etcd, engine
     pools: dict[str, list[Proc]] = field(default_factory=lambda: {"prefill": [], "decode": []})
     next_index: dict[str, int] = field(default_factory=lambda: {"prefill": 0, "decode": 0})
     _lock: threading.Lock = field(default_factory=threading.Lock)
@@ -214,7 +218,8 @@ class Cluster:
                     plan = json.loads(r.read())
             except (urllib.error.URLError, OSError, ValueError):
                 continue
-            if plan.get("outcome") == "starting" or self._stopping:
+            # only a sized decision moves workers: before one, desired merely echoes what discovery shows
+            if plan.get("outcome") in ("starting", "no_data", "idle") or self._stopping:
                 continue
             for role in ("prefill", "decode"):
                 want = int(plan["desired"][role])

@@ -88,18 +88,17 @@ def observation(
     """One window from the frontend's deltas and, per worker id, (role, deltas, current gauges)."""
     out_name = _hist_name(m.OUTPUT_TOKENS_PER_REQUEST)
     in_name = _hist_name(m.PROMPT_TOKENS_PER_REQUEST)
-    requests = int(round(_sum(frontend, f"{out_name}_count")))
+    arrived = int(round(_sum(frontend, f"{in_name}_count")))  # observed at admission: the demand
+    finished = int(round(_sum(frontend, f"{out_name}_count")))  # observed when a request ends
     ttft = buckets(frontend, _hist_name(m.TTFT_S))
     itl = buckets(frontend, _hist_name(m.INTER_TOKEN_S))
-    # lengths come in at admission, requests are counted when they finish: the mean prompt is per admission
-    admitted = _sum(frontend, f"{in_name}_count")
-    prompt_tokens = _sum(frontend, f"{in_name}_sum") * (requests / admitted) if admitted else 0.0
     obs = Observation(
         window_s=window_s,
-        requests=requests,
+        requests=arrived,
+        finished=finished,
         input_tokens=buckets(frontend, in_name),
         output_tokens=buckets(frontend, out_name),
-        prompt_tokens=prompt_tokens,
+        prompt_tokens=_sum(frontend, f"{in_name}_sum"),
         generation_tokens=_sum(frontend, f"{out_name}_sum"),
         cached_tokens=_sum(frontend, f"{_hist_name(m.CACHED_PROMPT_TOKENS)}_total"),  # counted at the finish
         ttft_p90_s=quantile(ttft, 0.9),
@@ -116,15 +115,15 @@ def observation(
         kv[role].append(_sum(now, m.KV_USAGE_RATIO))
         if role == "prefill":
             computed += _sum(d, queries_name, role="prefill") - _sum(d, hits_name, role="prefill")
-            busy += _sum(d, f"{_hist_name(m.PREFILL_S)}_sum", role="prefill")
+            # a worker's engine steps run one after another, so their seconds are its busy time
+            busy += _sum(d, f"{_hist_name(m.ENGINE_STEP_S)}_sum", role="prefill")
         if role == "decode":
             steps += _sum(d, f"{_hist_name(m.ENGINE_STEP_S)}_count", role="decode")
             step_s += _sum(d, f"{_hist_name(m.ENGINE_STEP_S)}_sum", role="decode")
             batches.append(_sum(now, m.BATCH_SIZE))
     obs.waiting = dict(waiting)
+    obs.backlog = int(round(sum(waiting.values())))
     obs.kv_usage = {role: sum(v) / len(v) for role, v in kv.items() if v}
-    # prefill seconds are per request: overlapping prompts count their shared steps twice, so this rate is a
-    # lower bound — the planner errs towards more prefill, never fewer.
     if computed > 0 and busy > 0:
         obs.prefill_tokens_per_s = computed / busy
     if steps > 0:

@@ -34,15 +34,19 @@ class Observation:
     """One planning window of cluster measurements (deltas over the window, or gauges at its end)."""
 
     window_s: float
-    requests: int
-    input_tokens: Buckets = field(default_factory=list)  # prompt tokens per request
-    output_tokens: Buckets = field(default_factory=list)  # generated tokens per request
-    prompt_tokens: float = 0.0
-    generation_tokens: float = 0.0
-    cached_tokens: float = 0.0
+    requests: int  # arrivals (admitted): the demand, even when the cluster cannot keep up with it
+    input_tokens: Buckets = field(default_factory=list)  # prompt tokens per arrival
+    output_tokens: Buckets = field(default_factory=list)  # generated tokens per finished request
+    prompt_tokens: float = 0.0  # of the arrivals
+    generation_tokens: float = 0.0  # of the finished requests
+    cached_tokens: float = 0.0  # of the finished requests
+    finished: int = -1  # requests that finished in the window (-1: as many as arrived)
+    input_samples: list[int] | None = None  # exact lengths, when known (the simulator's own planner)
+    output_samples: list[int] | None = None
     ttft_p90_s: float | None = None  # measured at the frontend over the window
     itl_p90_s: float | None = None
     waiting: dict[str, float] = field(default_factory=dict)  # requests queued per pool, now
+    backlog: int = 0  # requests queued now, not yet started: the replay starts with them
     kv_usage: dict[str, float] = field(default_factory=dict)  # mean KV usage ratio per pool, now
     prefill_tokens_per_s: float | None = None  # calibrated: computed prompt tokens / prefill busy seconds
     decode_step_s: float | None = None  # mean decode step over the window
@@ -54,23 +58,30 @@ class Observation:
         return self.requests / self.window_s if self.window_s > 0 else 0.0
 
     @property
+    def done(self) -> int:
+        return self.requests if self.finished < 0 else self.finished
+
+    @property
     def hit_rate(self) -> float:
-        return min(1.0, self.cached_tokens / self.prompt_tokens) if self.prompt_tokens > 0 else 0.0
+        looked_up = self.mean_input() * self.done
+        return min(1.0, self.cached_tokens / looked_up) if looked_up > 0 else 0.0
 
     def mean_input(self) -> float:
         return self.prompt_tokens / self.requests if self.requests else 0.0
 
     def mean_output(self) -> float:
-        return self.generation_tokens / self.requests if self.requests else 0.0
+        return self.generation_tokens / self.done if self.done else 0.0
 
     def to_dict(self) -> dict[str, Any]:
         return {
             "window_s": round(self.window_s, 3),
             "requests": self.requests,
+            "finished": self.done,
             "request_rate_per_s": round(self.rate_rps, 4),
             "mean_input_tokens": round(self.mean_input(), 1),
             "mean_output_tokens": round(self.mean_output(), 1),
             "prefix_hit_rate": round(self.hit_rate, 4),
+            "backlog": self.backlog,
             "ttft_p90_s": self.ttft_p90_s,
             "itl_p90_s": self.itl_p90_s,
             "waiting": self.waiting,
@@ -171,8 +182,11 @@ def live_profile(base: Profile, obs: Observation) -> Profile:
     return replace(base, name=f"{base.name}+live", source=f"{base.source}; rates measured live", **changes)
 
 
-def _draw(buckets: Buckets, mean: float, rng: random.Random) -> int:
-    """A length drawn from a histogram (uniform inside its bucket); the mean when there is no histogram."""
+def _draw(buckets: Buckets, mean: float, rng: random.Random, samples: list[int] | None = None) -> int:
+    """A length drawn from the exact samples, else from a histogram (uniform inside its bucket), else the
+    mean."""
+    if samples:
+        return samples[rng.randrange(len(samples))]
     total = sum(c for _, c in buckets)
     if total <= 0:
         return max(1, round(mean))
@@ -190,9 +204,10 @@ def _draw(buckets: Buckets, mean: float, rng: random.Random) -> int:
 def replay_workload(
     obs: Observation, block_size: int, seed: int = 0, max_requests: int = 200, min_window_s: float = 20.0
 ) -> list[RequestSpec]:
-    """The window's traffic as a trace: Poisson arrivals at the measured rate, lengths drawn from the measured
-    histograms, a prefix of hit_rate x the prompt shared by every request (the simplest sharing that gives the
-    measured hit rate). At most `max_requests`, over at least `min_window_s` simulated seconds."""
+    """The window's traffic as a trace: the backlog queued now arrives at once, then Poisson arrivals at the
+    measured rate; lengths drawn from the measured histograms, a prefix of hit_rate x the prompt shared by every
+    request (the simplest sharing that gives the measured hit rate). At most `max_requests` arrivals (plus the
+    backlog), over at least `min_window_s` simulated seconds."""
     rate = obs.rate_rps
     if rate <= 0:
         return []
@@ -201,10 +216,11 @@ def replay_workload(
     mean_in, mean_out = obs.mean_input(), obs.mean_output()
     shared_blocks = int(obs.hit_rate * mean_in) // block_size
     specs, t = [], 0.0
-    for i in range(n):
-        t += rng.expovariate(rate)
-        n_in = _draw(obs.input_tokens, mean_in, rng)
-        n_out = _draw(obs.output_tokens, mean_out, rng)
+    for i in range(obs.backlog + n):
+        if i >= obs.backlog:
+            t += rng.expovariate(rate)
+        n_in = _draw(obs.input_tokens, mean_in, rng, obs.input_samples)
+        n_out = _draw(obs.output_tokens, mean_out, rng, obs.output_samples)
         blocks = math.ceil(n_in / block_size)
         shared = min(shared_blocks, max(0, (n_in - 1) // block_size))
         ids = list(range(1, shared + 1)) + [-(i + 1) * 1_000_000 - k for k in range(blocks - shared)]
@@ -278,8 +294,9 @@ def choose(preds: Sequence[Prediction], slo: Slo) -> tuple[Prediction | None, st
 
 @dataclass
 class Damper:
-    """Scaling is damped: per pool at most one step per interval, and no step within `hold_down_s` of that
-    pool's last change."""
+    """Scaling is damped: per pool at most one step per interval, and no step down within `hold_down_s` of
+    that pool's last change (a step up is never held: missing the SLO costs more than a worker-minute, the
+    asymmetry of Kubernetes' HPA stabilization windows)."""
 
     hold_down_s: float = 30.0
     last_change: dict[str, float] = field(default_factory=dict)
@@ -289,7 +306,7 @@ class Damper:
         if target == actual:
             return actual
         last = self.last_change.get(pool)
-        if last is not None and now - last < self.hold_down_s:
+        if target < actual and last is not None and now - last < self.hold_down_s:
             return min(hi, max(lo, actual))
         self.last_change[pool] = now
         return actual + (1 if target > actual else -1)

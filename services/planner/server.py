@@ -81,6 +81,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
              "measurements calibrate")  # fmt: skip
     add_flag(g, "--router-mode", "disagg", "the router's --mode, replayed in the simulator",
              choices=("agg", "disagg", "auto"))  # fmt: skip
+    add_flag(g, "--min-window-requests", 10, "arrivals a window needs before it is replayed (fewer: "
+             "hold, and the window extends into the next interval)", int)  # fmt: skip
     add_flag(g, "--replay-requests", 200, "most requests of one window replayed per candidate", int)
     add_flag(g, "--history", 100, "decisions `GET /plan` keeps", int)
     k = parser.add_argument_group("kubernetes (--scale-mode kubernetes)")
@@ -115,8 +117,9 @@ class Planner:
         self.directory = directory
         self.scaler = scaler
         self.damper = Damper(args.hold_down_s)
-        self.prev: dict[str, observe.Samples] = {}
-        self.prev_t: float | None = None
+        self.prev: dict[
+            str, tuple[float, observe.Samples]
+        ] = {}  # source -> (time, samples) of its last scrape
         self.history: deque[dict[str, Any]] = deque(maxlen=args.history)
         self.current: dict[str, Any] | None = None
         self.client = httpx.AsyncClient(timeout=SCRAPE_TIMEOUT_S)
@@ -125,20 +128,23 @@ class Planner:
     def actual(self) -> tuple[int, int]:
         return len(self.directory.workers("prefill")), len(self.directory.workers("decode"))
 
-    async def _scrape(self, endpoint: str) -> observe.Samples | None:
+    async def _scrape(self, endpoint: str) -> tuple[float, observe.Samples] | None:
+        """(when it answered, its samples): the window ends when the numbers were read, not when asked."""
         try:
             r = await self.client.get(f"http://{endpoint}/metrics")
             r.raise_for_status()
-            return observe.parse(r.text)
+            return time.monotonic(), observe.parse(r.text)
         except (httpx.HTTPError, ValueError) as e:
             log.info("planner: scrape of %s failed: %s", endpoint, e)
             return None
 
-    async def measure(self, now: float) -> Observation | None:
-        """Scrape every frontend and worker; the window is since the last scrape (None on the first)."""
+    async def measure(self) -> Observation | None:
+        """Scrape every frontend and worker; each source's window is since its own last good scrape (a
+        failed scrape keeps the older one, so nothing is counted twice). None on the first scrape. A window
+        with fewer than --min-window-requests finished requests is not closed: the next one extends it."""
         sources: dict[str, tuple[str, str]] = {}
         for f in self.directory.workers("frontend"):
-            sources[f"frontend/{f.worker_id}"] = ("frontend", f.endpoint)
+            sources[f"frontend/{f.worker_id}/{f.epoch}"] = ("frontend", f.endpoint)
         for role in ("prefill", "decode"):
             for w in self.directory.workers(role):
                 if w.metrics_endpoint:
@@ -146,39 +152,51 @@ class Planner:
         got = await asyncio.gather(*(self._scrape(ep) for _, ep in sources.values()))
         front: observe.Samples = {}
         workers: dict[str, tuple[str, observe.Samples, observe.Samples]] = {}
-        fresh: dict[str, observe.Samples] = {}
-        for (key, (role, _)), samples in zip(sources.items(), got, strict=True):
-            if samples is None:
+        windows: list[float] = []
+        fresh: dict[str, tuple[float, observe.Samples]] = {}
+        for (key, (role, _)), answer in zip(sources.items(), got, strict=True):
+            prev = self.prev.get(key)
+            if answer is None:
+                if prev is not None:
+                    fresh[key] = prev
                 continue
-            fresh[key] = samples
-            d = observe.delta(samples, self.prev.get(key))
+            now, samples = answer
+            fresh[key] = answer
+            d = observe.delta(samples, prev[1] if prev is not None else None)
             if role == "frontend":
+                if prev is None:
+                    continue  # a frontend first seen now: its counters span its whole life, not a window
+                windows.append(now - prev[0])
                 for k, v in d.items():
                     front[k] = front.get(k, 0.0) + v
             else:
                 workers[key] = (role, d, samples)
-        window = None if self.prev_t is None else now - self.prev_t
-        self.prev, self.prev_t = fresh, now
-        if window is None or window <= 0:
+        if not windows or max(windows) <= 0:
+            self.prev = fresh
             return None
-        return observe.observation(front, workers, window)
+        obs = observe.observation(front, workers, max(windows))
+        if obs.requests >= self.args.min_window_requests and obs.done > 0:
+            self.prev = fresh
+        else:  # keep the window open; only sources first seen now start from here
+            self.prev = {**fresh, **self.prev}
+        return obs
 
     async def tick(self, now: float | None = None) -> dict[str, Any]:
         now = time.monotonic() if now is None else now
         t0 = time.perf_counter()
-        obs = await self.measure(now)
+        obs = await self.measure()
         actual = self.actual()
-        if self.desired is None:
-            self.desired = actual
-        base = self.desired if self.args.scale_mode != "recommend" else actual
+        # what the last step asked for is the base of the next (workers take a while to appear); until the
+        # first sized decision, and in recommend mode, it is what runs
+        base = self.desired if self.desired is not None and self.args.scale_mode != "recommend" else actual
         preds: list[Any] = []
         profile = self.base_profile
         if obs is None:
             outcome, binding, target = "no_data", "none", base
-        elif obs.requests == 0:
-            # no traffic: the fewest workers the bounds allow, as KEDA scales an idle target to its minimum
-            outcome, binding = "idle", "none"
-            target = (max(1, self.limits.min_prefill), self.limits.min_decode)
+        elif obs.requests < self.args.min_window_requests or obs.done == 0:
+            # too few finished requests to replay: no evidence to size on — hold, and let the window grow (a
+            # pool is never emptied by a quiet minute; --min-* is the floor an operator sets for idle)
+            outcome, binding, target = "idle", "none", base
         else:
             profile = live_profile(self.base_profile, obs)
             pairs = candidates(self.limits)
@@ -189,7 +207,7 @@ class Planner:
             target = (best.prefill, best.decode) if best is not None else base
             outcome = ""
         desired = damp(base, target, self.limits, self.damper, now) if outcome != "no_data" else base
-        if not outcome or outcome == "idle":
+        if not outcome:
             dp, dd = desired[0] - base[0], desired[1] - base[1]
             if dp == dd == 0:
                 outcome = outcome or "hold"
@@ -197,7 +215,8 @@ class Planner:
                 outcome = "rebalance"
             else:
                 outcome = "scale_up" if dp + dd > 0 else "scale_down"
-        self.desired = desired
+        if outcome not in ("no_data", "idle"):
+            self.desired = desired
         chosen = next((p for p in preds if (p.prefill, p.decode) == target), None)
         decision = {
             "time": time.time(),
@@ -314,6 +333,7 @@ async def _loop(planner: Planner, interval_s: float, stop: asyncio.Event) -> Non
 
 async def serve(args: argparse.Namespace) -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per scrape would drown the decisions
     security = EtcdSecurity.from_args(args)
     directory = WorkerDirectory(args.etcd, roles=("frontend", "prefill", "decode"), security=security)
     await directory.start()
