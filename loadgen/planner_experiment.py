@@ -2,8 +2,8 @@
 
     python -m loadgen.planner_experiment --out bench/results/sim        # also `make sim`
 
-The trace's arrival rate is warped piecewise (`--phases`, default 0.5x, 2x, 0.75x of the trace's own rate, a
-third of its requests each), so the load the cluster must carry changes over time. On the same requests:
+The trace's arrival rate is warped piecewise (`--phases`, default 0.5x, 1.5x, 0.5x of the trace's own rate, a
+third of its time span each), so the load the cluster must carry changes over time. On the same requests:
 - every static (P, D) split of `--total` workers, mode disagg, the router's TTFT policy;
 - the planner (services/planner/plan.py, the code the service runs): every `--interval-s` it takes the
   window's arrivals (rate, input lengths) and finished requests (output lengths, prefix hits), replays them
@@ -36,12 +36,12 @@ SLO = rep.Slo(ttft_s=2.0, itl_p90_s=0.05)  # the goodput SLO, per request (as lo
 
 
 def warp(specs: Sequence[RequestSpec], phases: Sequence[float]) -> list[RequestSpec]:
-    """Arrival times re-spaced so that the k-th of len(phases) equal slices of the requests arrives at
-    phases[k] x the trace's own rate."""
-    out, t, prev = [], 0.0, 0.0
-    n = len(specs)
-    for i, s in enumerate(specs):
-        k = min(len(phases) - 1, i * len(phases) // n)
+    """Arrival times re-spaced so that the k-th of len(phases) equal slices of the trace's own time span
+    arrives at phases[k] x the trace's rate."""
+    span = (specs[-1].arrival_s - specs[0].arrival_s) or 1.0
+    out, t, prev = [], 0.0, specs[0].arrival_s
+    for s in specs:
+        k = min(len(phases) - 1, int((s.arrival_s - specs[0].arrival_s) / span * len(phases)))
         t += (s.arrival_s - prev) / phases[k]
         prev = s.arrival_s
         out.append(replace(s, arrival_s=t))
@@ -161,7 +161,7 @@ def planner_run(
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--trace", default=DEFAULT_TRACE)
-    ap.add_argument("--limit", type=int, default=1500, help="trace records replayed")
+    ap.add_argument("--limit", type=int, default=2400, help="trace records replayed")
     ap.add_argument("--profile", default="h200_node")
     ap.add_argument(
         "--total", type=int, default=8, help="workers of every static split, the planner's budget"
@@ -169,12 +169,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument(
         "--phases", default="0.5,2,0.75", help="rate multipliers, one per equal slice of the trace"
     )
-    ap.add_argument("--interval-s", type=float, default=30.0)
+    ap.add_argument("--interval-s", type=float, default=15.0)
     ap.add_argument("--hold-down-s", type=float, default=60.0)
-    ap.add_argument("--start-s", type=float, default=30.0, help="a new worker's time to serve")
+    ap.add_argument("--start-s", type=float, default=20.0, help="a new worker's time to serve")
     ap.add_argument("--slo-ttft-ms", type=float, default=1000.0, help="the planner's p90 TTFT target")
     ap.add_argument("--slo-itl-ms", type=float, default=40.0, help="the planner's p90 ITL target")
-    ap.add_argument("--replay-requests", type=int, default=120)
+    ap.add_argument("--replay-requests", type=int, default=100)
     ap.add_argument("--out", default="bench/results/sim")
     a = ap.parse_args(argv)
     profile = load_profile(a.profile)
@@ -193,7 +193,8 @@ def main(argv: list[str] | None = None) -> int:
     print(json.dumps({k: v for k, v in plan.items() if k != "timeline"}), flush=True)
     lines = [
         f"**Planner vs static splits of {a.total} workers** — Mooncake trace, first {len(specs)} records, rate "
-        f"x{a.phases} per third, {profile.name} ({profile.source.split(':')[0]}), mode disagg, TTFT policy; "
+        f"x{a.phases} per third of its time, {profile.name} ({profile.source.split(':')[0]}), "
+        "mode disagg, TTFT policy; "
         f"goodput SLO TTFT <= {SLO.ttft_s:g} s and ITL p90 <= {SLO.itl_p90_s * 1000:g} ms per request; planner "
         f"target p90 TTFT {a.slo_ttft_ms:g} ms / ITL {a.slo_itl_ms:g} ms, interval {a.interval_s:g} s, hold-down "
         f"{a.hold_down_s:g} s, worker start {a.start_s:g} s\n",

@@ -308,3 +308,69 @@ def test_up_planner_moves_capacity_from_prefill_to_decode_without_losing_a_reque
     assert log.index("[prefill-1]", drain) and "prefill prefill-1 draining" in log[drain:]
     assert "prefill prefill-1 stopped" in log[drain:]
     assert "exited with status" not in log
+
+
+# ---- the chart ------------------------------------------------------------------------------------------------
+
+
+def test_chart_planner_profile_validates_strictly_and_its_rbac_is_the_minimum(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The ci profile with the planner in kubernetes mode: kubernetes-validate --strict accepts every object (the
+    planner's Deployment, Role, RoleBinding, ServiceAccount, NetworkPolicy), the Role allows get/patch on the two
+    worker Deployments' scale subresource and nothing else, and the env parses with the planner's own flags."""
+    from services.planner.server import add_arguments as planner_arguments
+    from tests import test_chart as chart
+
+    profile = chart.CHART / "ci" / "planner-kubernetes-values.yaml"
+    manifest = chart.render_text("-f", str(profile))
+    out = subprocess.run([str(chart.BIN / "kubernetes-validate"), "--strict", "-"], input=manifest,
+                         capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert out.returncode == 0, out.stdout + out.stderr
+    for kind in ("deployment", "role", "rolebinding", "serviceaccount", "networkpolicy"):
+        assert f"passed for resource {kind}/rs-rackserve-planner" in out.stdout + out.stderr, kind
+    objs = chart.render("-f", str(profile))
+    role = chart.find(objs, "Role", "rs-rackserve-planner")
+    assert role["rules"] == [{
+        "apiGroups": ["apps"], "resources": ["deployments/scale"],
+        "resourceNames": ["rs-rackserve-prefill", "rs-rackserve-decode"], "verbs": ["get", "patch"],
+    }]  # fmt: skip
+    binding = chart.find(objs, "RoleBinding", "rs-rackserve-planner")
+    assert binding["subjects"] == [
+        {"kind": "ServiceAccount", "name": "rs-rackserve-planner", "namespace": "llm"}
+    ]
+    assert not [o for o in objs if o["kind"] in ("ClusterRole", "ClusterRoleBinding") and "planner" in str(o)]
+    dep = chart.find(objs, "Deployment", "rs-rackserve-planner")
+    spec = dep["spec"]["template"]["spec"]
+    assert dep["spec"]["replicas"] == 1 and spec["serviceAccountName"] == "rs-rackserve-planner"
+    assert spec["automountServiceAccountToken"] is True
+    env = chart.env_of(chart.container(dep, "planner"))
+    for name, value in env.items():
+        if isinstance(value, str):
+            monkeypatch.setenv(name, value)
+    parser = argparse.ArgumentParser()
+    planner_arguments(parser)
+    known = {a.dest for a in parser._actions}
+    assert all(n.removeprefix("RACKSERVE_").lower() in known for n in env if n.startswith("RACKSERVE_")), env
+    args = parser.parse_args([])
+    assert (args.scale_mode, args.kube_namespace, args.kube_prefill_deployment) == (
+        "kubernetes", "llm", "rs-rackserve-prefill",
+    )  # fmt: skip
+    assert (args.slo_ttft_ms, args.max_workers, args.port) == (1500.0, 6, 8090)
+    # the frontend forwards GET /v1/plan to it; it reads the workers' /metrics: both admitted, nothing else
+    policy = chart.find(objs, "NetworkPolicy", "rs-rackserve-planner")
+    assert [p["port"] for p in policy["spec"]["ingress"][0]["ports"]] == [8090]
+    workers = chart.find(objs, "NetworkPolicy", "rs-rackserve-workers")
+    assert any("planner" in json.dumps(rule.get("from", [])) for rule in workers["spec"]["ingress"])
+
+
+def test_chart_recommend_mode_gets_no_token_and_no_role() -> None:
+    from tests import test_chart as chart
+
+    objs = chart.render("--set", "planner.enabled=true")
+    dep = chart.find(objs, "Deployment", "rs-rackserve-planner")
+    assert dep["spec"]["template"]["spec"]["automountServiceAccountToken"] is False
+    assert not [
+        o for o in objs if o["kind"] in ("Role", "RoleBinding") and "planner" in o["metadata"]["name"]
+    ]
+    assert not [o for o in chart.render() if "planner" in o["metadata"]["name"]]  # off by default
