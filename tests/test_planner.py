@@ -244,7 +244,7 @@ def test_up_planner_moves_capacity_from_prefill_to_decode_without_losing_a_reque
 
     def plan() -> dict:
         r = httpx.get(f"{url}/v1/plan", timeout=5)
-        assert r.status_code == 200, r.text
+        assert r.status_code == 200, r.text + "\n" + "".join(lines[-60:])
         return r.json()
 
     def wait_plan(pred, timeout_s: float) -> dict:  # noqa: ANN001

@@ -17,9 +17,11 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import concurrent.futures
 import contextlib
 import json
 import logging
+import multiprocessing
 import os
 import signal
 import socket
@@ -65,7 +67,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         g, "--port", 0, "HTTP port of /plan and /metrics (0: an ephemeral port, registered in etcd)", int
     )
     add_flag(g, "--worker-id", "", "id in discovery (default: planner-HOSTNAME-PID)")
-    add_flag(g, "--lease-ttl-s", 3.0, "etcd lease TTL of the planner's registration", float)
+    add_flag(g, "--lease-ttl-s", 10.0, "etcd lease TTL of the planner's registration", float)
     add_flag(g, "--interval-s", 30.0, "seconds between decisions (also the measurement window)", float)
     add_flag(g, "--slo-ttft-ms", 2000.0, "p90 time-to-first-token target", float)
     add_flag(g, "--slo-itl-ms", 100.0, "p90 inter-token-latency target", float)
@@ -123,6 +125,9 @@ class Planner:
         self.history: deque[dict[str, Any]] = deque(maxlen=args.history)
         self.current: dict[str, Any] | None = None
         self.client = httpx.AsyncClient(timeout=SCRAPE_TIMEOUT_S)
+        # the replays are pure-Python CPU work: in a process of their own they never starve this event loop
+        # (its etcd lease keep-alive, its HTTP answers); spawned, since this process runs gRPC threads
+        self.pool = concurrent.futures.ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn"))
         self.desired: tuple[int, int] | None = None
 
     def actual(self) -> tuple[int, int]:
@@ -200,8 +205,8 @@ class Planner:
         else:
             profile = live_profile(self.base_profile, obs)
             pairs = candidates(self.limits)
-            preds = await asyncio.to_thread(
-                evaluate, obs, profile, pairs, self.args.router_mode, 0, self.args.replay_requests
+            preds = await asyncio.get_running_loop().run_in_executor(
+                self.pool, evaluate, obs, profile, pairs, self.args.router_mode, 0, self.args.replay_requests
             )
             best, binding = choose(preds, self.slo)
             target = (best.prefill, best.decode) if best is not None else base
@@ -300,6 +305,7 @@ class Planner:
 
     async def close(self) -> None:
         await self.client.aclose()
+        self.pool.shutdown(wait=False, cancel_futures=True)
 
 
 def create_app(planner: Planner) -> FastAPI:
