@@ -2,7 +2,7 @@
 
     python -m loadgen.planner_experiment --out bench/results/sim        # also `make sim`
 
-The trace's arrival rate is warped piecewise (`--phases`, default 0.5x, 1.5x, 0.5x of the trace's own rate, a
+The trace's arrival rate is warped piecewise (`--phases`, default 0.5x, 2x, 0.75x of the trace's own rate, a
 third of its time span each), so the load the cluster must carry changes over time. On the same requests:
 - every static (P, D) split of `--total` workers, mode disagg, the router's TTFT policy;
 - the planner (services/planner/plan.py, the code the service runs): every `--interval-s` it takes the
@@ -167,7 +167,9 @@ def main(argv: list[str] | None = None) -> int:
         "--total", type=int, default=8, help="workers of every static split, the planner's budget"
     )
     ap.add_argument(
-        "--phases", default="0.5,2,0.75", help="rate multipliers, one per equal slice of the trace"
+        "--phases",
+        default="0.5,2,0.75",
+        help="rate multipliers, one per equal slice of the trace's time span",
     )
     ap.add_argument("--interval-s", type=float, default=15.0)
     ap.add_argument("--hold-down-s", type=float, default=60.0)

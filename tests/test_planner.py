@@ -233,7 +233,7 @@ def test_up_planner_moves_capacity_from_prefill_to_decode_without_losing_a_reque
 
     def client(phase: str, seed: int, prompt_words: int, max_tokens: int) -> None:
         rng = random.Random(seed)
-        with httpx.Client(base_url=url, timeout=120) as c:
+        with httpx.Client(base_url=url, timeout=300) as c:
             while not stop.is_set():
                 r = c.post("/v1/completions", json={
                     "model": "SmolLM2-135M-Instruct", "prompt": _numbers(rng, prompt_words),
@@ -243,7 +243,7 @@ def test_up_planner_moves_capacity_from_prefill_to_decode_without_losing_a_reque
                 results.append((phase, r.status_code, tokens))
 
     def plan() -> dict:
-        r = httpx.get(f"{url}/v1/plan", timeout=5)
+        r = httpx.get(f"{url}/v1/plan", timeout=30)  # a loaded 2-core CI box
         assert r.status_code == 200, r.text + "\n" + "".join(lines[-60:])
         return r.json()
 
