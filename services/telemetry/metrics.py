@@ -153,7 +153,9 @@ PLANNER_TARGET = Gauge(
     "Workers the planner's best candidate has in each pool (before damping and the hold-down)",
     ["pool"],
 )
-PLANNER_ACTUAL = Gauge("rackserve_planner_actual_replicas", "Workers live in discovery in each pool", ["pool"])
+PLANNER_ACTUAL = Gauge(
+    "rackserve_planner_actual_replicas", "Workers live in discovery in each pool", ["pool"]
+)
 PLANNER_BINDING_SLO = Gauge(
     "rackserve_planner_binding_slo",
     "1 for the SLO that sizes the cluster at the last decision (ttft | itl | none when idle), else 0",
@@ -170,7 +172,9 @@ PLANNER_DECISIONS = Counter(
     ["outcome"],
 )
 PLANNER_SCALE_ERRORS = Counter(
-    "rackserve_planner_scale_errors", "Failed attempts to apply a decision (kubernetes mode), by pool", ["pool"]
+    "rackserve_planner_scale_errors",
+    "Failed attempts to apply a decision (kubernetes mode), by pool",
+    ["pool"],
 )
 PLANNER_DECISION_S = Histogram(
     "rackserve_planner_decision_seconds",
