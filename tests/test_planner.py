@@ -213,7 +213,7 @@ def test_up_planner_moves_capacity_from_prefill_to_decode_without_losing_a_reque
     cmd = [sys.executable, "-m", "services.cli", "up", "--port", str(port), "--mode", "disagg"]
     cmd += ["--prefill", "2", "--decode", "1", "--planner", "--planner-interval-s", "3", "--hold-down-s", "0"]
     cmd += ["--max-workers", "3", "--max-prefill", "2", "--max-decode", "2"]
-    cmd += ["--slo-ttft-ms", "1000", "--slo-itl-ms", "20"]
+    cmd += ["--slo-ttft-ms", "1000", "--slo-itl-ms", "20", "--ready-timeout-s", "420"]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     assert proc.stdout is not None
     lines: list[str] = []
@@ -272,7 +272,7 @@ def test_up_planner_moves_capacity_from_prefill_to_decode_without_losing_a_reque
                 t.join(timeout=180)
 
     try:
-        assert ready.wait(240), "rackserve up did not become ready:\n" + "".join(lines[-40:])
+        assert ready.wait(450), "rackserve up did not become ready:\n" + "".join(lines[-40:])
 
         def two_sized_decisions() -> dict:
             first = wait_plan(lambda p: p.get("candidates"), 120)
