@@ -68,6 +68,7 @@ bench: setup
 # loadgen: the simulator's experiments (deterministic, CPU only) and the real-cluster runs; results in bench/results/
 sim: setup
 	$(BIN)/python -m loadgen.experiments --out bench/results/sim
+	$(BIN)/python -m loadgen.planner_experiment --out bench/results/sim
 
 bench-cluster: setup
 	$(BIN)/python -m loadgen.validate --out bench/results/cluster

@@ -87,6 +87,7 @@ _SERVICES = {
     "router": "the router (placement by estimated time to first token)",
     "prefill": "a prefill worker",
     "decode": "a decode worker",
+    "planner": "the planner (sizes the prefill and decode pools from measured load and the SLO)",
 }
 
 

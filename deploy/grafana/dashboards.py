@@ -299,6 +299,32 @@ def overview() -> Board:
         "Worker failures seen by the frontend",
         [q(rate("rackserve_frontend_worker_failures_total", "role, code"), "{{role}} {{code}}")],
     )
+    b.row("Planner: pool sizes")
+    b.panel(
+        "Replicas per pool: desired vs actual",
+        [
+            q("max by (pool) (rackserve_planner_desired_replicas)", "desired {{pool}}"),
+            q("max by (pool) (rackserve_planner_actual_replicas)", "actual {{pool}}"),
+            q("max by (pool) (rackserve_planner_target_replicas)", "target {{pool}} (undamped)"),
+        ],
+        description="What the planner asks for (one step per interval, held down), what runs, and where its "
+        "best candidate would go at once. Desired above actual for long: workers fail to start.",
+    )
+    b.panel(
+        "Binding SLO and predicted p90",
+        [
+            q("max by (slo) (rackserve_planner_binding_slo) > 0", "binding: {{slo}}"),
+            q("max by (slo) (rackserve_planner_predicted_p90_seconds)", "predicted p90 {{slo}} (s)"),
+        ],
+        description="The SLO that sizes the cluster now (ttft: the prefill pool; itl: the decode pool) and the "
+        "simulator's p90s for the chosen sizes.",
+    )
+    b.panel(
+        "Planner decisions by outcome",
+        [q(f"sum by (outcome) (increase(rackserve_planner_decisions_total[{RI}]))", "{{outcome}}")],
+        description="hold, scale_up, scale_down, rebalance (capacity moved between pools), idle (too few "
+        "requests to size on).",
+    )
     return b
 
 

@@ -98,6 +98,7 @@ class Worker:
         self.running: list[Req] = []
         self.busy = False
         self.dead = False
+        self.draining = False  # takes no new work; what it holds runs to the end (a planner's scale-down)
         self.nic_free_s = 0.0
         self.queued_tokens = 0
 
@@ -237,8 +238,34 @@ class Simulator:
 
     def _alive(self, role: str, exclude: set[str]) -> list[Worker]:
         return [
-            w for w in self.workers.values() if w.role == role and not w.dead and w.worker_id not in exclude
+            w
+            for w in self.workers.values()
+            if w.role == role and not w.dead and not w.draining and w.worker_id not in exclude
         ]
+
+    # ---- scaling: workers joining and draining mid-run (the planner's experiments) ----------------------------
+    def add_worker(self, role: str) -> Worker:
+        """A new, empty worker of `role`, routable from now on."""
+        n = sum(1 for w in self.workers.values() if w.role == role)
+        wid = f"{role}-{n}"
+        per_node, per_rack = (
+            self.profile.workers_per_node,
+            self.profile.workers_per_node * self.profile.nodes_per_rack,
+        )
+        k = len(self.workers)
+        node, rack = self.cfg.placement.get(wid, (f"node{k // per_node}", f"rack{k // per_rack}"))
+        w = self.workers[wid] = Worker(self, wid, role, node, rack)
+        self.router.add_worker(w)
+        return w
+
+    def drain_worker(self, worker_id: str) -> None:
+        """Like SIGTERM on a real worker: out of routing at once, its queued and running requests finish."""
+        self.workers[worker_id].draining = True
+        self.router.worker_draining(worker_id)
+
+    def idle(self, w: Worker) -> bool:
+        """Nothing queued, running or being sent: a draining worker may stop."""
+        return not (w.prefill_queue or w.admit_queue or w.running or w.busy) and w.nic_free_s <= self.now
 
     def _route(self, r: Req, exclude: frozenset[str] = frozenset(), local_only: bool = False) -> None:
         if not self._alive("decode", set(exclude)):

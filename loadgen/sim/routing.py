@@ -92,6 +92,11 @@ class SimRouter:
     def evicted(self, worker_id: str, hashes: list[int]) -> None:
         self.index.evicted(worker_id, hashes)
 
+    def worker_draining(self, worker_id: str) -> None:
+        """No new work for it (its cached blocks are of no use to a request that cannot go there)."""
+        self.index.remove_worker(worker_id)
+        self.states[worker_id].healthy = False
+
     def worker_died(self, worker_id: str) -> None:
         self.index.remove_worker(worker_id)
         self.states[worker_id].healthy = False

@@ -11,7 +11,8 @@ from google.protobuf import json_format
 from services.rpc import pb
 
 WORKERS_PREFIX = "/rackserve/v1/workers/"
-ROLES = ("prefill", "decode", "router", "frontend")  # the roles WorkerInfo.role may name (see the proto)
+# the roles WorkerInfo.role may name (see the proto); the planner registers its HTTP endpoint too
+ROLES = ("prefill", "decode", "router", "frontend", "planner")
 
 
 def worker_key(role: str, worker_id: str) -> str:

@@ -27,6 +27,7 @@ from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Sequence
 from dataclasses import dataclass, field
 from typing import Annotated, Any, Protocol, TypeVar
 
+import httpx
 from fastapi import APIRouter, Depends, FastAPI, Request, Response
 from fastapi.responses import StreamingResponse
 from pydantic import BaseModel
@@ -42,6 +43,7 @@ from services.frontend.errors import (
     CLIENT_CLOSED_REQUEST,
     NOT_FOUND,
     SERVER_ERROR,
+    SERVICE_UNAVAILABLE,
     ApiError,
     bad_request,
     install_error_handlers,
@@ -180,6 +182,7 @@ class Frontend:
             params.max_tokens += n - 1
             prompt_token_ids = prompt_token_ids[:1]
         metrics.PROMPT_TOKENS.inc(n)
+        metrics.PROMPT_TOKENS_PER_REQUEST.observe(n)
         # Our own id, unique by construction (workers key requests by it); the client's only goes to the log.
         client_request_id = request.headers.get("x-request-id", "")
         states = []
@@ -932,6 +935,35 @@ async def request_timeline(request_id: str, fe: FrontendDep) -> dict[str, Any]:
             code="request_not_found",
         )
     return record
+
+
+PLAN_TIMEOUT_S = 2.0  # deadline of the planner's answer to GET /v1/plan
+
+
+@api.get("/v1/plan", dependencies=[Depends(authorize)])
+async def plan(fe: FrontendDep) -> dict[str, Any]:
+    """The planner's latest decision (desired and actual pool sizes, the binding SLO, each candidate's
+    predicted p90s), fetched from the planner found in discovery; 503 when none runs."""
+    try:
+        planners = fe.directory.workers("planner")
+    except ValueError:  # a directory that does not follow planners (embedded use)
+        planners = []
+    for p in planners:
+        try:
+            async with httpx.AsyncClient(timeout=PLAN_TIMEOUT_S) as client:
+                r = await client.get(f"http://{p.endpoint}/plan")
+            r.raise_for_status()
+            return {"planner": p.worker_id, **r.json()}
+        except (httpx.HTTPError, ValueError) as e:
+            log.info("planner %s did not answer GET /plan: %s", p.worker_id, e)
+    raise ApiError(
+        503,
+        "no planner is running (start `rackserve planner`, or `rackserve up --planner`)"
+        if not planners
+        else "the planner did not answer",
+        SERVICE_UNAVAILABLE,
+        code="no_planner",
+    )
 
 
 @api.get("/metrics")

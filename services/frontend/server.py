@@ -119,7 +119,9 @@ async def serve(args: argparse.Namespace) -> None:
     worker_id = args.worker_id or f"{ROLE}-{socket.gethostname()}-{os.getpid()}"
     tracing.configure(ROLE, worker_id, args.otlp_endpoint, args.otlp_batch_delay_ms)
     etcd_security = EtcdSecurity.from_args(args)
-    directory = WorkerDirectory(args.etcd, roles=("router", "decode", "prefill"), security=etcd_security)
+    directory = WorkerDirectory(
+        args.etcd, roles=("router", "decode", "prefill", "planner"), security=etcd_security
+    )
     await directory.start()
     coordinator = Coordinator(
         directory,

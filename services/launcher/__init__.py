@@ -24,7 +24,8 @@ from dataclasses import dataclass, field
 from services.engine.config import SUPPORTED_DTYPES, EngineConfig
 from services.router.policy import DEFAULT_MODE, MODES
 
-ROLES = ("router", "prefill", "decode", "frontend")
+ROLES = ("router", "prefill", "decode", "frontend", "planner")
+PLAN_POLL_S = 1.0  # how often `up --planner` reads the planner's decision
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -64,6 +65,26 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="auto mode's prompt-length rule for the baseline policies",
     )
     p.add_argument("--ready-timeout-s", type=float, default=180.0)
+    g = p.add_argument_group(
+        "planner (--planner: the planner sizes the pools; this launcher starts and drains)"
+    )
+    g.add_argument(
+        "--planner",
+        action="store_true",
+        help="run `rackserve planner --scale-mode local`: workers are started and drained (SIGTERM: in-flight "
+        "requests finish) to follow its decision; --prefill/--decode are the starting sizes",
+    )
+    g.add_argument("--planner-interval-s", type=float, default=10.0, help="the planner's --interval-s")
+    g.add_argument("--slo-ttft-ms", type=float, default=2000.0, help="the planner's p90 TTFT target")
+    g.add_argument("--slo-itl-ms", type=float, default=100.0, help="the planner's p90 ITL target")
+    g.add_argument(
+        "--min-prefill", type=int, default=1, help="fewest prefill workers the planner may ask for"
+    )
+    g.add_argument("--max-prefill", type=int, default=4, help="most prefill workers the planner may ask for")
+    g.add_argument("--min-decode", type=int, default=1, help="fewest decode workers the planner may ask for")
+    g.add_argument("--max-decode", type=int, default=4, help="most decode workers the planner may ask for")
+    g.add_argument("--max-workers", type=int, default=0, help="budget on prefill + decode (0: none)")
+    g.add_argument("--hold-down-s", type=float, default=30.0, help="the planner's hold-down per pool")
     p.add_argument("--quiet", action="store_true", help="don't stream the services' logs")
     p.add_argument(
         "--api-key",
@@ -78,6 +99,7 @@ class Proc:
     name: str
     popen: subprocess.Popen[bytes]
     pump: threading.Thread | None = None
+    drained: bool = False  # SIGTERMed by the planner's decision: its exit is expected
 
 
 @dataclass
@@ -86,6 +108,15 @@ class Cluster:
     procs: list[Proc] = field(default_factory=list)
     etcd_url: str = ""
     tmp: str = ""
+    planner_port: int = 0
+    _worker_cmd: tuple[list[str], list[str], list[str]] = (
+        [],
+        [],
+        [],
+    )  # argv parts of a worker: base, etcd, engine
+    pools: dict[str, list[Proc]] = field(default_factory=lambda: {"prefill": [], "decode": []})
+    next_index: dict[str, int] = field(default_factory=lambda: {"prefill": 0, "decode": 0})
+    _lock: threading.Lock = field(default_factory=threading.Lock)
     _stopping: bool = False
 
     # ----------------------------------------------------------------------------------------- starting
@@ -100,8 +131,13 @@ class Cluster:
         proc = Proc(name, popen)
         proc.pump = threading.Thread(target=self._pump, args=(proc,), daemon=True)
         proc.pump.start()
-        self.procs.append(proc)
+        with self._lock:
+            self.procs.append(proc)
         return proc
+
+    def live(self) -> list[Proc]:
+        with self._lock:
+            return list(self.procs)
 
     def _pump(self, proc: Proc) -> None:
         assert proc.popen.stdout is not None
@@ -151,20 +187,68 @@ class Cluster:
         engine += ["--device", a.device, "--gpu-memory-utilization", f"{share:.4f}"]
         routing = ["--mode", a.mode, "--disagg-min-prompt-tokens", str(a.disagg_min_prompt_tokens)]
         self.spawn("router", base + ["router", *common, *routing])
-        for i in range(a.prefill):
-            self.spawn(f"prefill-{i}", base + ["prefill", *common, *engine, "--worker-id", f"prefill-{i}"])
-        for i in range(a.decode):
-            self.spawn(f"decode-{i}", base + ["decode", *common, *engine, "--worker-id", f"decode-{i}"])
+        self._worker_cmd = (base, common, engine)
+        for _ in range(a.prefill):
+            self.add_worker("prefill")
+        for _ in range(a.decode):
+            self.add_worker("decode")
         front = ["--host", a.host, "--port", str(a.port)] + (["--model", a.model] if a.model else [])
         # the key travels in the environment: an argv is visible to every user of the machine (ps)
         self.spawn("frontend", base + ["frontend", *common, *front], env={"RACKSERVE_API_KEY": a.api_key})
+        if a.planner:
+            self.planner_port = _free_port()
+            plan = ["--host", "127.0.0.1", "--port", str(self.planner_port), "--scale-mode", "local"]
+            plan += ["--interval-s", str(a.planner_interval_s), "--router-mode", a.mode]
+            for flag in ("slo_ttft_ms", "slo_itl_ms", "min_prefill", "max_prefill", "min_decode", "max_decode",
+                         "max_workers", "hold_down_s"):  # fmt: skip
+                plan += [f"--{flag.replace('_', '-')}", str(getattr(a, flag))]
+            self.spawn("planner", base + ["planner", *common, *plan])
+
+    def add_worker(self, role: str) -> Proc:
+        """A new worker with the next unused index (a drained worker's id is never reused)."""
+        base, common, engine = self._worker_cmd
+        wid = f"{role}-{self.next_index[role]}"
+        self.next_index[role] += 1
+        proc = self.spawn(wid, base + [role, *common, *engine, "--worker-id", wid])
+        self.pools[role].append(proc)
+        return proc
+
+    def drain_worker(self, role: str) -> Proc:
+        """SIGTERM the newest worker of a pool: it leaves discovery at once, finishes its in-flight requests
+        (up to its --drain-grace-s), then exits."""
+        proc = self.pools[role].pop()
+        proc.drained = True
+        proc.popen.send_signal(signal.SIGTERM)
+        return proc
+
+    def follow_plan(self) -> None:
+        """`--planner`: poll the planner's decision and start or drain workers until each pool matches it."""
+        url = f"http://127.0.0.1:{self.planner_port}/plan"
+        while not self._stopping:
+            time.sleep(PLAN_POLL_S)
+            try:
+                with urllib.request.urlopen(url, timeout=2) as r:
+                    plan = json.loads(r.read())
+            except (urllib.error.URLError, OSError, ValueError):
+                continue
+            # only a sized decision moves workers: before one, desired merely echoes what discovery shows
+            if plan.get("outcome") in ("starting", "no_data", "idle") or self._stopping:
+                continue
+            for role in ("prefill", "decode"):
+                want = int(plan["desired"][role])
+                while len(self.pools[role]) < want and not self._stopping:
+                    p = self.add_worker(role)
+                    print(f"rackserve up: planner: started {p.name} ({role} -> {want})", flush=True)
+                while len(self.pools[role]) > want and not self._stopping:
+                    p = self.drain_worker(role)
+                    print(f"rackserve up: planner: draining {p.name} ({role} -> {want})", flush=True)
 
     def wait_ready(self) -> None:
         """Ready means: the frontend answers /health and sees the router and every worker we started."""
         deadline = time.monotonic() + self.args.ready_timeout_s
         url = f"http://{self.args.host}:{self.args.port}/health"
         while time.monotonic() < deadline:
-            for p in self.procs:
+            for p in self.live():
                 if p.popen.poll() is not None:
                     raise SystemExit(f"rackserve up: {p.name} exited with status {p.popen.returncode}")
             try:
@@ -172,6 +256,8 @@ class Cluster:
                     seen = json.loads(r.read()).get("workers", {})
                 want = {"router": 1, "prefill": self.args.prefill, "decode": self.args.decode}
                 if all(seen.get(role, 0) >= n for role, n in want.items()):
+                    if self.planner_port:
+                        _wait_http(f"http://127.0.0.1:{self.planner_port}/health", 30.0, "planner")
                     return
             except (urllib.error.URLError, OSError, ValueError):
                 pass
@@ -190,8 +276,8 @@ class Cluster:
         signal.signal(signal.SIGINT, signal.SIG_IGN)
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
         deadline = time.monotonic() + grace_s
-        for tier in (("frontend",), ("decode", "prefill"), ("router",), ("etcd",)):
-            group = [p for p in self.procs if p.name.split("-")[0] in tier and p.popen.poll() is None]
+        for tier in (("planner",), ("frontend",), ("decode", "prefill"), ("router",), ("etcd",)):
+            group = [p for p in self.live() if p.name.split("-")[0] in tier and p.popen.poll() is None]
             for p in group:
                 p.popen.send_signal(signal.SIGTERM)
             for p in group:
@@ -216,9 +302,13 @@ def run(args: argparse.Namespace) -> int:
         cluster.start_etcd()
         cluster.start_services()
         cluster.wait_ready()
+        if args.planner:
+            threading.Thread(target=cluster.follow_plan, name="plan", daemon=True).start()
         url = f"http://{args.host}:{args.port}"
         print(
-            f"\nrackserve is ready: {url}  (etcd {cluster.etcd_url}; {args.prefill} prefill, {args.decode} decode)\n"
+            f"\nrackserve is ready: {url}  (etcd {cluster.etcd_url}; {args.prefill} prefill, {args.decode} decode"
+            + (f"; planner on :{cluster.planner_port}, scaling them" if args.planner else "")
+            + ")\n"
             f"  curl {url}/v1/chat/completions -H 'Content-Type: application/json' \\\n"
             + ('    -H "Authorization: Bearer $RACKSERVE_API_KEY" \\\n' if args.api_key else "")
             + '    -d \'{"model": "SmolLM2-135M-Instruct", "messages": '
@@ -227,8 +317,8 @@ def run(args: argparse.Namespace) -> int:
             flush=True,
         )
         while True:
-            for p in cluster.procs:
-                if p.popen.poll() is not None:
+            for p in cluster.live():
+                if p.popen.poll() is not None and not p.drained:
                     print(
                         f"rackserve up: {p.name} exited with status {p.popen.returncode}; stopping",
                         flush=True,

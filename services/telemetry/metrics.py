@@ -80,6 +80,11 @@ OUTPUT_TOKENS_PER_REQUEST = Histogram(
     buckets=(1, 4, 16, 64, 128, 256, 512, 1024, 2048, 4096, 8192),
 )
 PROMPT_TOKENS = Counter("rackserve_prompt_tokens", "Prompt tokens of accepted requests")
+PROMPT_TOKENS_PER_REQUEST = Histogram(
+    "rackserve_request_prompt_tokens",
+    "Prompt tokens per accepted request (the planner replays this distribution)",
+    buckets=(16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768, 131072),
+)
 GENERATION_TOKENS = Counter("rackserve_generation_tokens", "Tokens generated and received by the frontend")
 CACHED_PROMPT_TOKENS = Counter(
     "rackserve_cached_prompt_tokens", "Prompt tokens that a worker served from its prefix cache"
@@ -135,6 +140,46 @@ INDEX_DROPPED_BLOCKS = Gauge(
 )
 ROUTE_S = Histogram(
     "rackserve_route_seconds", "Time the router took to answer one Route()", buckets=TRANSFER_BUCKETS_S
+)
+
+# ---- the planner (services/planner) ---------------------------------------------------------------------------
+
+POOLS = ("prefill", "decode")
+PLANNER_DESIRED = Gauge(
+    "rackserve_planner_desired_replicas", "Workers the planner wants in each pool (after damping)", ["pool"]
+)
+PLANNER_TARGET = Gauge(
+    "rackserve_planner_target_replicas",
+    "Workers the planner's best candidate has in each pool (before damping and the hold-down)",
+    ["pool"],
+)
+PLANNER_ACTUAL = Gauge(
+    "rackserve_planner_actual_replicas", "Workers live in discovery in each pool", ["pool"]
+)
+PLANNER_BINDING_SLO = Gauge(
+    "rackserve_planner_binding_slo",
+    "1 for the SLO that sizes the cluster at the last decision (ttft | itl | none when idle), else 0",
+    ["slo"],
+)
+PLANNER_PREDICTED_P90_S = Gauge(
+    "rackserve_planner_predicted_p90_seconds",
+    "The simulator's p90 for the chosen candidate at the last decision, by SLO (ttft | itl)",
+    ["slo"],
+)
+PLANNER_DECISIONS = Counter(
+    "rackserve_planner_decisions",
+    "Planning intervals by outcome (hold | scale_up | scale_down | rebalance | idle | no_data)",
+    ["outcome"],
+)
+PLANNER_SCALE_ERRORS = Counter(
+    "rackserve_planner_scale_errors",
+    "Failed attempts to apply a decision (kubernetes mode), by pool",
+    ["pool"],
+)
+PLANNER_DECISION_S = Histogram(
+    "rackserve_planner_decision_seconds",
+    "Time one planning interval took: scrape, replay every candidate, decide",
+    buckets=LATENCY_BUCKETS_S,
 )
 
 # ---- workers: queue, prefill, transfer, engine ----------------------------------------------------------------

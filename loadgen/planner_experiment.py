@@ -1,0 +1,230 @@
+"""The planner against static pool splits, in the simulator, on the Mooncake trace with a changing rate.
+
+    python -m loadgen.planner_experiment --out bench/results/sim        # also `make sim`
+
+The trace's arrival rate is warped piecewise (`--phases`, default 0.5x, 2x, 0.75x of the trace's own rate, a
+third of its time span each), so the load the cluster must carry changes over time. On the same requests:
+- every static (P, D) split of `--total` workers, mode disagg, the router's TTFT policy;
+- the planner (services/planner/plan.py, the code the service runs): every `--interval-s` it takes the
+  window's arrivals (rate, input lengths) and finished requests (output lengths, prefix hits), replays them
+  through this simulator on every candidate (P, D) with P + D <= --total, picks the fewest workers that meet
+  its SLO, and steps the pools by one per interval (hold-down `--hold-down-s`). A new worker serves
+  `--start-s` after it is asked for (it costs from the moment it is asked for); a drained one takes no new
+  work and stops when what it holds is done.
+Reported: goodput (requests meeting the SLO per second) and worker-seconds; the planner as a ratio to the best
+static split (the one with the most goodput).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+from collections.abc import Sequence
+from dataclasses import replace
+from typing import Any
+
+from loadgen import report as rep
+from loadgen.sim.engine import ClusterConfig, Simulator, block_hashes_for
+from loadgen.sim.profile import Profile, load_profile
+from loadgen.trace import DEFAULT_TRACE, load_records, mooncake
+from loadgen.workload import RequestSpec
+from services.planner.plan import Damper, Limits, Observation, Slo, candidates, choose, damp, evaluate
+
+SLO = rep.Slo(ttft_s=2.0, itl_p90_s=0.05)  # the goodput SLO, per request (as loadgen/experiments.py)
+
+
+def warp(specs: Sequence[RequestSpec], phases: Sequence[float]) -> list[RequestSpec]:
+    """Arrival times re-spaced so that the k-th of len(phases) equal slices of the trace's own time span
+    arrives at phases[k] x the trace's rate."""
+    span = (specs[-1].arrival_s - specs[0].arrival_s) or 1.0
+    out, t, prev = [], 0.0, specs[0].arrival_s
+    for s in specs:
+        k = min(len(phases) - 1, int((s.arrival_s - specs[0].arrival_s) / span * len(phases)))
+        t += (s.arrival_s - prev) / phases[k]
+        prev = s.arrival_s
+        out.append(replace(s, arrival_s=t))
+    return out
+
+
+def _summary(results: list[rep.RequestResult], worker_s: float) -> dict[str, Any]:
+    # one denominator for every run (the trace's span), so goodput compares requests served within the SLO
+    span = max(r.start_s for r in results) - min(r.start_s for r in results)
+    stats = rep.summarize(results, SLO, rep.Grouping(0, 0), duration_s=span)["overall"]
+    return {
+        "goodput_requests_per_s": stats["goodput_requests_per_s"],
+        "slo_attainment": stats["slo_attainment"],
+        "good": sum(1 for r in results if SLO.met_by(r)),
+        "errors": stats["errors"],
+        "ttft_p90_ms": (stats["ttft_s"]["p90"] or 0) * 1000,
+        "itl_p90_ms": (stats["itl_s"]["p90"] or 0) * 1000,
+        "worker_s": worker_s,
+    }
+
+
+def static_run(specs: list[RequestSpec], hashes: list[list[int]], profile: Profile, p: int, d: int) -> dict:
+    sim = Simulator(profile, ClusterConfig(p, d, mode="disagg"))
+    results = sim.run(specs, hashes)
+    end = max((r.t_done or 0.0) for r in sim.reqs)
+    return {"prefill": p, "decode": d, **_summary(results, (p + d) * end)}
+
+
+def planner_run(
+    specs: list[RequestSpec],
+    hashes: list[list[int]],
+    profile: Profile,
+    total: int,
+    slo: Slo,
+    interval_s: float,
+    hold_down_s: float,
+    start_s: float,
+    replay_requests: int,
+    min_window_requests: int = 10,
+) -> dict[str, Any]:
+    start = (max(1, total // 2), max(1, total - total // 2))
+    sim = Simulator(profile, ClusterConfig(start[0], start[1], mode="disagg"))
+    limits = Limits(1, total - 1, 1, total - 1, max_workers=total)
+    damper = Damper(hold_down_s)
+    stopped: dict[str, float] = {}
+    billed = {
+        "workers": float(sum(start)),
+        "since": 0.0,
+        "seconds": 0.0,
+    }  # worker-seconds, integrated per tick
+    starting: dict[str, int] = {"prefill": 0, "decode": 0}
+    desired = start
+    window_start = 0.0
+    last_arrival = specs[-1].arrival_s
+    timeline: list[dict[str, Any]] = []
+
+    def pool(role: str) -> list[str]:
+        return [w.worker_id for w in sim.workers.values() if w.role == role and not w.draining and not w.dead]
+
+    def join(role: str) -> None:
+        starting[role] -= 1
+        sim.add_worker(role)
+
+    def bill(now: float) -> None:
+        """Workers cost from the moment they are asked for until a drained one is seen idle."""
+        billed["seconds"] += billed["workers"] * (now - billed["since"])
+        running = sum(1 for wid in sim.workers if wid not in stopped)
+        billed["workers"], billed["since"] = float(running + sum(starting.values())), now
+
+    def tick() -> None:
+        nonlocal desired, window_start
+        now = sim.now
+        for wid, w in sim.workers.items():
+            if w.draining and wid not in stopped and sim.idle(w):
+                stopped[wid] = now
+        bill(now)
+        arrived = [r for r in sim.reqs if window_start < r.arrival_s <= now]
+        done = [
+            r for r in sim.reqs if r.t_done is not None and window_start < r.t_done <= now and not r.failed
+        ]
+        if len(arrived) >= min_window_requests and done:
+            obs = Observation(
+                window_s=now - window_start,
+                requests=len(arrived),
+                finished=len(done),
+                prompt_tokens=float(sum(r.spec.input_tokens for r in arrived)),
+                generation_tokens=float(sum(r.emitted for r in done)),
+                cached_tokens=float(sum(r.first_cached or 0 for r in done)),
+                input_samples=[r.spec.input_tokens for r in arrived],
+                backlog=sum(1 for r in sim.reqs if r.arrival_s <= now and r.t_prefill_start is None),
+                output_samples=[r.emitted for r in done],
+            )
+            preds = evaluate(obs, profile, candidates(limits), "disagg", 0, replay_requests)
+            best, binding = choose(preds, slo)
+            if best is not None:
+                desired = damp(desired, (best.prefill, best.decode), limits, damper, now)
+            window_start = now
+            timeline.append({"t": now, "desired": list(desired), "binding": binding, "rate": obs.rate_rps})
+        for role, want in zip(("prefill", "decode"), desired, strict=True):
+            have = len(pool(role)) + starting[role]
+            for _ in range(want - have):
+                starting[role] += 1
+                sim.at(now + start_s, lambda role=role: join(role))
+            for wid in sorted(pool(role), key=lambda x: int(x.split("-")[1]))[::-1][: max(0, have - want)]:
+                sim.drain_worker(wid)
+        bill(now)
+        if now <= last_arrival or any(r.t_done is None for r in sim.reqs):
+            sim.at(now + interval_s, tick)
+
+    sim.at(interval_s, tick)
+    results = sim.run(specs, hashes)
+    bill(max((r.t_done or 0.0) for r in sim.reqs))
+    worker_s = billed["seconds"]
+    return {"prefill": "planner", "decode": "planner", **_summary(results, worker_s), "timeline": timeline}
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--trace", default=DEFAULT_TRACE)
+    ap.add_argument("--limit", type=int, default=2400, help="trace records replayed")
+    ap.add_argument("--profile", default="h200_node")
+    ap.add_argument(
+        "--total", type=int, default=8, help="workers of every static split, the planner's budget"
+    )
+    ap.add_argument(
+        "--phases",
+        default="0.5,2,0.75",
+        help="rate multipliers, one per equal slice of the trace's time span",
+    )
+    ap.add_argument("--interval-s", type=float, default=15.0)
+    ap.add_argument("--hold-down-s", type=float, default=60.0)
+    ap.add_argument("--start-s", type=float, default=20.0, help="a new worker's time to serve")
+    ap.add_argument("--slo-ttft-ms", type=float, default=1000.0, help="the planner's p90 TTFT target")
+    ap.add_argument("--slo-itl-ms", type=float, default=40.0, help="the planner's p90 ITL target")
+    ap.add_argument("--replay-requests", type=int, default=100)
+    ap.add_argument("--out", default="bench/results/sim")
+    a = ap.parse_args(argv)
+    profile = load_profile(a.profile)
+    phases = [float(x) for x in a.phases.split(",")]
+    specs = warp(mooncake(load_records(a.trace, a.limit), scale=1, materialize=False), phases)
+    hashes = block_hashes_for(specs, profile.block_size)
+    t0 = time.time()
+    statics = []
+    for p in range(1, a.total):
+        statics.append(static_run(specs, hashes, profile, p, a.total - p))
+        print(json.dumps(statics[-1]), flush=True)
+    best = max(statics, key=lambda r: (r["good"], -r["worker_s"]))
+    slo = Slo(a.slo_ttft_ms / 1000, a.slo_itl_ms / 1000)
+    plan = planner_run(specs, hashes, profile, a.total, slo, a.interval_s, a.hold_down_s, a.start_s,
+                       a.replay_requests)  # fmt: skip
+    print(json.dumps({k: v for k, v in plan.items() if k != "timeline"}), flush=True)
+    lines = [
+        f"**Planner vs static splits of {a.total} workers** — Mooncake trace, first {len(specs)} records, rate "
+        f"x{a.phases} per third of its time, {profile.name} ({profile.source.split(':')[0]}), "
+        "mode disagg, TTFT policy; "
+        f"goodput SLO TTFT <= {SLO.ttft_s:g} s and ITL p90 <= {SLO.itl_p90_s * 1000:g} ms per request; planner "
+        f"target p90 TTFT {a.slo_ttft_ms:g} ms / ITL {a.slo_itl_ms:g} ms, interval {a.interval_s:g} s, hold-down "
+        f"{a.hold_down_s:g} s, worker start {a.start_s:g} s\n",
+        "| cluster | goodput req/s | SLO met | TTFT p90 ms | ITL p90 ms | errors | worker-seconds |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for r in [*statics, plan]:
+        label = "planner" if r["prefill"] == "planner" else f"static {r['prefill']}P + {r['decode']}D"
+        label += " (best static)" if r is best else ""
+        lines.append(
+            f"| {label} | {r['goodput_requests_per_s']:.3f} | {r['slo_attainment']:.1%} | {r['ttft_p90_ms']:.0f} | "
+            f"{r['itl_p90_ms']:.1f} | {r['errors']} | {r['worker_s']:.0f} |"
+        )
+    g = plan["good"] / best["good"] if best["good"] else float("nan")
+    ws = plan["worker_s"] / best["worker_s"]
+    lines.append(
+        f"\nplanner / best static: goodput x{g:.3f}, worker-seconds x{ws:.3f} ({1 - ws:.1%} fewer); "
+        f"{len(plan['timeline'])} decisions; simulated in {time.time() - t0:.0f} s"
+    )
+    text = "\n".join(lines)
+    print(text)
+    os.makedirs(a.out, exist_ok=True)
+    with open(os.path.join(a.out, "planner.md"), "w") as f:
+        f.write(text + "\n")
+    with open(os.path.join(a.out, "planner.json"), "w") as f:
+        json.dump({"statics": statics, "planner": plan, "args": vars(a)}, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,328 @@
+"""What the planner decides, as arithmetic over a window of measurements: no I/O, no clock of its own.
+
+    obs = Observation(...)                       # one interval of what the cluster measured (observe.py)
+    profile = live_profile(base, obs)            # the simulator's cost profile with the live rates
+    preds = evaluate(obs, profile, candidates(limits), mode, seed)   # replay through loadgen.sim per (P, D)
+    target, binding = choose(preds, slo)         # the fewest workers that meet both SLOs
+    desired = damp(actual, target, limits, damper, now)   # one step per pool, a hold-down, the bounds
+
+The replay: the window's request rate, input/output length distributions and prefix hit rate become a
+synthetic trace (Poisson arrivals, lengths drawn from the measured histograms, the hit rate as a shared prefix),
+and the simulator — which runs the router's own policy code — plays it on each candidate (P, D) with the cost
+profile calibrated from the workers' measured prefill rate and decode step time.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+from collections.abc import Sequence
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+from loadgen.report import percentile
+from loadgen.sim.engine import ClusterConfig, Simulator, block_hashes_for
+from loadgen.sim.profile import Profile
+from loadgen.workload import RequestSpec
+
+# Histograms as (upper bound, count in that bucket — not cumulative); the last bound may be inf.
+Buckets = list[tuple[float, float]]
+
+
+@dataclass
+class Observation:
+    """One planning window of cluster measurements (deltas over the window, or gauges at its end)."""
+
+    window_s: float
+    requests: int  # arrivals (admitted): the demand, even when the cluster cannot keep up with it
+    input_tokens: Buckets = field(default_factory=list)  # prompt tokens per arrival
+    output_tokens: Buckets = field(default_factory=list)  # generated tokens per finished request
+    prompt_tokens: float = 0.0  # of the arrivals
+    generation_tokens: float = 0.0  # of the finished requests
+    cached_tokens: float = 0.0  # of the finished requests
+    finished: int = -1  # requests that finished in the window (-1: as many as arrived)
+    input_samples: list[int] | None = None  # exact lengths, when known (the simulator's own planner)
+    output_samples: list[int] | None = None
+    ttft_p90_s: float | None = None  # measured at the frontend over the window
+    itl_p90_s: float | None = None
+    waiting: dict[str, float] = field(default_factory=dict)  # requests queued per pool, now
+    backlog: int = 0  # requests queued now, not yet started: the replay starts with them
+    kv_usage: dict[str, float] = field(default_factory=dict)  # mean KV usage ratio per pool, now
+    prefill_tokens_per_s: float | None = None  # calibrated: computed prompt tokens / prefill busy seconds
+    decode_step_s: float | None = None  # mean decode step over the window
+    decode_batch: float | None = None  # mean sequences per decode step over the window
+    decode_ctx_tokens: float | None = None  # mean context tokens per decode step (estimated)
+
+    @property
+    def rate_rps(self) -> float:
+        return self.requests / self.window_s if self.window_s > 0 else 0.0
+
+    @property
+    def done(self) -> int:
+        return self.requests if self.finished < 0 else self.finished
+
+    @property
+    def hit_rate(self) -> float:
+        looked_up = self.mean_input() * self.done
+        return min(1.0, self.cached_tokens / looked_up) if looked_up > 0 else 0.0
+
+    def mean_input(self) -> float:
+        return self.prompt_tokens / self.requests if self.requests else 0.0
+
+    def mean_output(self) -> float:
+        return self.generation_tokens / self.done if self.done else 0.0
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "window_s": round(self.window_s, 3),
+            "requests": self.requests,
+            "finished": self.done,
+            "request_rate_per_s": round(self.rate_rps, 4),
+            "mean_input_tokens": round(self.mean_input(), 1),
+            "mean_output_tokens": round(self.mean_output(), 1),
+            "prefix_hit_rate": round(self.hit_rate, 4),
+            "backlog": self.backlog,
+            "ttft_p90_s": self.ttft_p90_s,
+            "itl_p90_s": self.itl_p90_s,
+            "waiting": self.waiting,
+            "kv_usage": self.kv_usage,
+            "prefill_tokens_per_s": self.prefill_tokens_per_s,
+            "decode_step_s": self.decode_step_s,
+            "decode_batch": self.decode_batch,
+        }
+
+
+@dataclass(frozen=True)
+class Slo:
+    ttft_s: float
+    itl_s: float
+
+
+@dataclass(frozen=True)
+class Limits:
+    min_prefill: int = 1
+    max_prefill: int = 4
+    min_decode: int = 1
+    max_decode: int = 4
+    max_workers: int = 0  # 0: no budget on P + D
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.min_prefill <= self.max_prefill:
+            raise ValueError(
+                f"need 0 <= --min-prefill <= --max-prefill, got {self.min_prefill}, {self.max_prefill}"
+            )
+        if not 1 <= self.min_decode <= self.max_decode:
+            raise ValueError(
+                f"need 1 <= --min-decode <= --max-decode, got {self.min_decode}, {self.max_decode}"
+            )
+        if self.max_workers and self.max_workers < self.min_prefill + self.min_decode:
+            raise ValueError(
+                f"--max-workers {self.max_workers} is below --min-prefill + --min-decode "
+                f"({self.min_prefill + self.min_decode})"
+            )
+
+
+@dataclass
+class Prediction:
+    prefill: int
+    decode: int
+    ttft_p90_s: float
+    itl_p90_s: float
+    failed: int = 0
+
+    @property
+    def workers(self) -> int:
+        return self.prefill + self.decode
+
+    def excess(self, slo: Slo) -> float:
+        """How far past the SLOs, as relative overshoot summed over both (0 when both are met)."""
+        over = max(0.0, self.ttft_p90_s / slo.ttft_s - 1.0) + max(0.0, self.itl_p90_s / slo.itl_s - 1.0)
+        return over + (1e6 * self.failed)  # a candidate that cannot serve some request is last
+
+    def meets(self, slo: Slo) -> bool:
+        return self.failed == 0 and self.ttft_p90_s <= slo.ttft_s and self.itl_p90_s <= slo.itl_s
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "prefill": self.prefill,
+            "decode": self.decode,
+            "ttft_p90_ms": round(self.ttft_p90_s * 1000, 2),
+            "itl_p90_ms": round(self.itl_p90_s * 1000, 2),
+            "failed": self.failed,
+        }
+
+
+def candidates(limits: Limits) -> list[tuple[int, int]]:
+    out = []
+    for p in range(max(1, limits.min_prefill), limits.max_prefill + 1):
+        for d in range(limits.min_decode, limits.max_decode + 1):
+            if not limits.max_workers or p + d <= limits.max_workers:
+                out.append((p, d))
+    return out
+
+
+def live_profile(base: Profile, obs: Observation) -> Profile:
+    """The base profile with what the workers measured: their prefill rate, and the decode step curve scaled
+    so that it passes through the measured (batch, step time) point."""
+    changes: dict[str, Any] = {}
+    if obs.prefill_tokens_per_s and obs.prefill_tokens_per_s > 0:
+        changes["prefill_tokens_per_s"] = obs.prefill_tokens_per_s
+    if obs.decode_step_s and obs.decode_step_s > 0:
+        batch = max(1.0, obs.decode_batch or 1.0)
+        ctx = obs.decode_ctx_tokens or batch * (obs.mean_input() + obs.mean_output() / 2)
+        modelled = base.decode_base_s + batch * base.decode_per_seq_s + ctx * base.decode_per_ctx_token_s
+        k = obs.decode_step_s / modelled if modelled > 0 else 1.0
+        changes.update(
+            decode_base_s=base.decode_base_s * k,
+            decode_per_seq_s=base.decode_per_seq_s * k,
+            decode_per_ctx_token_s=base.decode_per_ctx_token_s * k,
+        )
+    if not changes:
+        return base
+    return replace(base, name=f"{base.name}+live", source=f"{base.source}; rates measured live", **changes)
+
+
+def _draw(buckets: Buckets, mean: float, rng: random.Random, samples: list[int] | None = None) -> int:
+    """A length drawn from the exact samples, else from a histogram (uniform inside its bucket), else the
+    mean."""
+    if samples:
+        return samples[rng.randrange(len(samples))]
+    total = sum(c for _, c in buckets)
+    if total <= 0:
+        return max(1, round(mean))
+    x = rng.random() * total
+    lo = 0.0
+    for hi, c in buckets:
+        if x < c:
+            top = hi if math.isfinite(hi) else max(2 * lo, lo + 1, mean)
+            return max(1, round(lo + (top - lo) * rng.random()))
+        x -= c
+        lo = hi
+    return max(1, round(lo))
+
+
+def replay_workload(
+    obs: Observation, block_size: int, seed: int = 0, max_requests: int = 200, min_window_s: float = 20.0
+) -> list[RequestSpec]:
+    """The window's traffic as a trace: the backlog queued now arrives at once, then Poisson arrivals at the
+    measured rate; lengths drawn from the measured histograms, a prefix of hit_rate x the prompt shared by every
+    request (the simplest sharing that gives the measured hit rate). At most `max_requests` arrivals (plus the
+    backlog), over at least `min_window_s` simulated seconds."""
+    rate = obs.rate_rps
+    if rate <= 0:
+        return []
+    rng = random.Random(seed)
+    n = max(1, min(max_requests, math.ceil(rate * max(obs.window_s, min_window_s))))
+    mean_in, mean_out = obs.mean_input(), obs.mean_output()
+    shared_blocks = int(obs.hit_rate * mean_in) // block_size
+    specs, t = [], 0.0
+    for i in range(obs.backlog + n):
+        if i >= obs.backlog:
+            t += rng.expovariate(rate)
+        n_in = _draw(obs.input_tokens, mean_in, rng, obs.input_samples)
+        n_out = _draw(obs.output_tokens, mean_out, rng, obs.output_samples)
+        blocks = math.ceil(n_in / block_size)
+        shared = min(shared_blocks, max(0, (n_in - 1) // block_size))
+        ids = list(range(1, shared + 1)) + [-(i + 1) * 1_000_000 - k for k in range(blocks - shared)]
+        specs.append(
+            RequestSpec(
+                f"plan-{i}",
+                n_in,
+                n_out,
+                arrival_s=t,
+                tags={
+                    "hash_ids": ",".join(map(str, ids)),
+                    "trace_block_tokens": str(block_size),
+                    "trace_seed": str(seed),
+                },
+            )
+        )
+    return specs
+
+
+def simulate_candidate(
+    specs: Sequence[RequestSpec], hashes: Sequence[list[int]], profile: Profile, p: int, d: int, mode: str
+) -> Prediction:
+    sim = Simulator(profile, ClusterConfig(prefill_workers=p, decode_workers=d, mode=mode))
+    results = sim.run(specs, hashes)
+    ok = [r for r in results if r.ok]
+    ttfts = [r.ttft_s for r in ok if r.ttft_s is not None]
+    gaps = [g for r in ok for g in r.itl_s]
+    return Prediction(
+        p,
+        d,
+        ttft_p90_s=percentile(ttfts, 90) if ttfts else 0.0,
+        itl_p90_s=percentile(gaps, 90) if gaps else 0.0,
+        failed=len(results) - len(ok),
+    )
+
+
+def evaluate(
+    obs: Observation,
+    profile: Profile,
+    pairs: Sequence[tuple[int, int]],
+    mode: str = "disagg",
+    seed: int = 0,
+    max_requests: int = 200,
+) -> list[Prediction]:
+    specs = replay_workload(obs, profile.block_size, seed, max_requests)
+    if not specs:
+        return []
+    hashes = block_hashes_for(specs, profile.block_size)
+    return [simulate_candidate(specs, hashes, profile, p, d, mode) for p, d in pairs]
+
+
+def binding_slo(pred: Prediction, slo: Slo) -> str:
+    """The SLO nearest to (or furthest past) its limit for this candidate: the one that sizes the cluster."""
+    return "ttft" if pred.ttft_p90_s / slo.ttft_s >= pred.itl_p90_s / slo.itl_s else "itl"
+
+
+def choose(preds: Sequence[Prediction], slo: Slo) -> tuple[Prediction | None, str]:
+    """The fewest workers that meet both SLOs (ties: the most headroom); when none does, the one that misses
+    them least. Returns the target and the binding SLO."""
+    if not preds:
+        return None, "none"
+    meeting = [p for p in preds if p.meets(slo)]
+    if meeting:
+        best = min(
+            meeting, key=lambda p: (p.workers, max(p.ttft_p90_s / slo.ttft_s, p.itl_p90_s / slo.itl_s))
+        )
+    else:
+        best = min(preds, key=lambda p: (round(p.excess(slo), 6), p.workers))
+    return best, binding_slo(best, slo)
+
+
+@dataclass
+class Damper:
+    """Scaling is damped: per pool at most one step per interval, and no step down within `hold_down_s` of
+    that pool's last change (a step up is never held: missing the SLO costs more than a worker-minute, the
+    asymmetry of Kubernetes' HPA stabilization windows)."""
+
+    hold_down_s: float = 30.0
+    last_change: dict[str, float] = field(default_factory=dict)
+
+    def step(self, pool: str, actual: int, target: int, lo: int, hi: int, now: float) -> int:
+        target = min(hi, max(lo, target))
+        if target == actual:
+            return actual
+        last = self.last_change.get(pool)
+        if target < actual and last is not None and now - last < self.hold_down_s:
+            return min(hi, max(lo, actual))
+        self.last_change[pool] = now
+        return actual + (1 if target > actual else -1)
+
+
+def damp(
+    actual: tuple[int, int], target: tuple[int, int], limits: Limits, damper: Damper, now: float
+) -> tuple[int, int]:
+    p = damper.step("prefill", actual[0], target[0], max(1, limits.min_prefill), limits.max_prefill, now)
+    d = damper.step("decode", actual[1], target[1], limits.min_decode, limits.max_decode, now)
+    if limits.max_workers and p + d > limits.max_workers:
+        # a step up that the budget cannot hold yet waits for the other pool's step down to land
+        if p > actual[0]:
+            p = actual[0]
+            damper.last_change.pop("prefill", None)
+        if d > actual[1] and p + d > limits.max_workers:
+            d = actual[1]
+            damper.last_change.pop("decode", None)
+    return p, d

@@ -1,0 +1,396 @@
+"""The planner process: every `--interval-s` it reads what the cluster measures, replays that traffic through
+the simulator on candidate (prefill, decode) pool sizes with the live cost profile, picks the fewest workers
+that meet `--slo-ttft-ms` / `--slo-itl-ms`, damps the step, and publishes the decision.
+
+    rackserve planner --etcd http://127.0.0.1:2379 --slo-ttft-ms 2000 --slo-itl-ms 100
+
+Publishing: `GET /plan` on its HTTP port (the frontend's `GET /v1/plan` forwards to it; the planner registers
+in etcd with role `planner` and that port as its endpoint), `/metrics` (rackserve_planner_*), one log line
+per decision. Acting (`--scale-mode`): `recommend` publishes only; `local` publishes for `rackserve up
+--planner`, which starts and drains its worker processes to match; `kubernetes` patches the two Deployments'
+`scale` subresource (services/planner/kube.py).
+
+This room never holds request state and never talks to the workers' gRPC: it reads only their /metrics.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import concurrent.futures
+import contextlib
+import json
+import logging
+import multiprocessing
+import os
+import signal
+import socket
+import time
+from collections import deque
+from collections.abc import Iterator
+from typing import Any
+
+import httpx
+import uvicorn
+from fastapi import FastAPI, Response
+
+from services.discovery import Registration, WorkerDirectory
+from services.discovery.etcd import EtcdSecurity
+from services.planner import observe
+from services.planner.plan import (
+    Damper,
+    Limits,
+    Observation,
+    Slo,
+    candidates,
+    choose,
+    damp,
+    evaluate,
+    live_profile,
+)
+from services.rpc import pb
+from services.runtime.args import add_flag, add_security_arguments
+from services.telemetry import metrics
+
+log = logging.getLogger("rackserve.planner")
+
+ROLE = "planner"
+SCALE_MODES = ("recommend", "local", "kubernetes")
+SCRAPE_TIMEOUT_S = 2.0
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    g = parser.add_argument_group("planner")
+    add_flag(g, "--etcd", "http://127.0.0.1:2379", "etcd endpoint for discovery")
+    add_flag(g, "--host", "127.0.0.1", "address to listen on and to register")
+    add_flag(
+        g, "--port", 0, "HTTP port of /plan and /metrics (0: an ephemeral port, registered in etcd)", int
+    )
+    add_flag(g, "--worker-id", "", "id in discovery (default: planner-HOSTNAME-PID)")
+    add_flag(g, "--lease-ttl-s", 10.0, "etcd lease TTL of the planner's registration", float)
+    add_flag(g, "--interval-s", 30.0, "seconds between decisions (also the measurement window)", float)
+    add_flag(g, "--slo-ttft-ms", 2000.0, "p90 time-to-first-token target", float)
+    add_flag(g, "--slo-itl-ms", 100.0, "p90 inter-token-latency target", float)
+    add_flag(g, "--min-prefill", 1, "fewest prefill workers", int)
+    add_flag(g, "--max-prefill", 4, "most prefill workers", int)
+    add_flag(g, "--min-decode", 1, "fewest decode workers", int)
+    add_flag(g, "--max-decode", 4, "most decode workers", int)
+    add_flag(g, "--max-workers", 0, "budget on prefill + decode workers together (0: none)", int)
+    add_flag(g, "--hold-down-s", 60.0, "no step in a pool within this long of its last step", float)
+    add_flag(g, "--scale-mode", "recommend", "recommend: publish only; local: `rackserve up --planner` acts; "
+             "kubernetes: patch the Deployments' replicas", choices=SCALE_MODES)  # fmt: skip
+    add_flag(g, "--profile", "cpu_smollm2", "the simulator's cost profile (loadgen/profiles) that the live "
+             "measurements calibrate")  # fmt: skip
+    add_flag(g, "--router-mode", "disagg", "the router's --mode, replayed in the simulator",
+             choices=("agg", "disagg", "auto"))  # fmt: skip
+    add_flag(g, "--min-window-requests", 10, "arrivals a window needs before it is replayed (fewer: "
+             "hold, and the window extends into the next interval)", int)  # fmt: skip
+    add_flag(g, "--replay-requests", 200, "most requests of one window replayed per candidate", int)
+    add_flag(g, "--history", 100, "decisions `GET /plan` keeps", int)
+    k = parser.add_argument_group("kubernetes (--scale-mode kubernetes)")
+    add_flag(k, "--kube-namespace", "", "namespace of the Deployments (default: the pod's own)")
+    add_flag(k, "--kube-prefill-deployment", "rackserve-prefill", "the prefill Deployment")
+    add_flag(k, "--kube-decode-deployment", "rackserve-decode", "the decode Deployment")
+    add_flag(k, "--kube-api", "https://kubernetes.default.svc", "the Kubernetes API server")
+    add_flag(k, "--kube-timeout-s", 5.0, "deadline of one Kubernetes API call", float)
+    add_security_arguments(parser)
+
+
+def _config(args: argparse.Namespace) -> tuple[Slo, Limits]:
+    if args.interval_s <= 0:
+        raise ValueError(f"--interval-s must be > 0, got {args.interval_s}")
+    if args.slo_ttft_ms <= 0 or args.slo_itl_ms <= 0:
+        raise ValueError("--slo-ttft-ms and --slo-itl-ms must be > 0")
+    if args.min_prefill < 1 and args.router_mode != "agg":
+        raise ValueError(f"--router-mode {args.router_mode} needs --min-prefill >= 1")
+    limits = Limits(args.min_prefill, args.max_prefill, args.min_decode, args.max_decode, args.max_workers)
+    return Slo(args.slo_ttft_ms / 1000, args.slo_itl_ms / 1000), limits
+
+
+class Planner:
+    """The decision loop's state: last scrapes, the damper, the history; `tick()` is one interval."""
+
+    def __init__(self, args: argparse.Namespace, directory: WorkerDirectory, scaler: Any = None) -> None:
+        from loadgen.sim.profile import load_profile
+
+        self.args = args
+        self.slo, self.limits = _config(args)
+        self.base_profile = load_profile(args.profile)
+        self.directory = directory
+        self.scaler = scaler
+        self.damper = Damper(args.hold_down_s)
+        self.prev: dict[
+            str, tuple[float, observe.Samples]
+        ] = {}  # source -> (time, samples) of its last scrape
+        self.history: deque[dict[str, Any]] = deque(maxlen=args.history)
+        self.current: dict[str, Any] | None = None
+        self.client = httpx.AsyncClient(timeout=SCRAPE_TIMEOUT_S)
+        # the replays are pure-Python CPU work: in a process of their own they never starve this event loop
+        # (its etcd lease keep-alive, its HTTP answers); spawned, since this process runs gRPC threads
+        self.pool = concurrent.futures.ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn"))
+        self.desired: tuple[int, int] | None = None
+
+    def actual(self) -> tuple[int, int]:
+        return len(self.directory.workers("prefill")), len(self.directory.workers("decode"))
+
+    async def _scrape(self, endpoint: str) -> tuple[float, observe.Samples] | None:
+        """(when it answered, its samples): the window ends when the numbers were read, not when asked."""
+        try:
+            r = await self.client.get(f"http://{endpoint}/metrics")
+            r.raise_for_status()
+            return time.monotonic(), observe.parse(r.text)
+        except (httpx.HTTPError, ValueError) as e:
+            log.info("planner: scrape of %s failed: %s", endpoint, e)
+            return None
+
+    async def measure(self) -> Observation | None:
+        """Scrape every frontend and worker; each source's window is since its own last good scrape (a
+        failed scrape keeps the older one, so nothing is counted twice). None on the first scrape. A window
+        with fewer than --min-window-requests finished requests is not closed: the next one extends it."""
+        sources: dict[str, tuple[str, str]] = {}
+        for f in self.directory.workers("frontend"):
+            sources[f"frontend/{f.worker_id}/{f.epoch}"] = ("frontend", f.endpoint)
+        for role in ("prefill", "decode"):
+            for w in self.directory.workers(role):
+                if w.metrics_endpoint:
+                    sources[f"{role}/{w.worker_id}/{w.epoch}"] = (role, w.metrics_endpoint)
+        got = await asyncio.gather(*(self._scrape(ep) for _, ep in sources.values()))
+        front: observe.Samples = {}
+        workers: dict[str, tuple[str, observe.Samples, observe.Samples]] = {}
+        windows: list[float] = []
+        fresh: dict[str, tuple[float, observe.Samples]] = {}
+        for (key, (role, _)), answer in zip(sources.items(), got, strict=True):
+            prev = self.prev.get(key)
+            if answer is None:
+                if prev is not None:
+                    fresh[key] = prev
+                continue
+            now, samples = answer
+            fresh[key] = answer
+            d = observe.delta(samples, prev[1] if prev is not None else None)
+            if role == "frontend":
+                if prev is None:
+                    continue  # a frontend first seen now: its counters span its whole life, not a window
+                windows.append(now - prev[0])
+                for k, v in d.items():
+                    front[k] = front.get(k, 0.0) + v
+            else:
+                workers[key] = (role, d, samples)
+        if not windows or max(windows) <= 0:
+            self.prev = fresh
+            return None
+        obs = observe.observation(front, workers, max(windows))
+        if obs.requests >= self.args.min_window_requests and obs.done > 0:
+            self.prev = fresh
+        else:  # keep the window open; only sources first seen now start from here
+            self.prev = {**fresh, **self.prev}
+        return obs
+
+    async def tick(self, now: float | None = None) -> dict[str, Any]:
+        now = time.monotonic() if now is None else now
+        t0 = time.perf_counter()
+        obs = await self.measure()
+        actual = self.actual()
+        # what the last step asked for is the base of the next (workers take a while to appear); until the
+        # first sized decision, and in recommend mode, it is what runs
+        base = self.desired if self.desired is not None and self.args.scale_mode != "recommend" else actual
+        preds: list[Any] = []
+        profile = self.base_profile
+        if obs is None:
+            outcome, binding, target = "no_data", "none", base
+        elif obs.requests < self.args.min_window_requests or obs.done == 0:
+            # too few finished requests to replay: no evidence to size on — hold, and let the window grow (a
+            # pool is never emptied by a quiet minute; --min-* is the floor an operator sets for idle)
+            outcome, binding, target = "idle", "none", base
+        else:
+            profile = live_profile(self.base_profile, obs)
+            pairs = candidates(self.limits)
+            preds = await asyncio.get_running_loop().run_in_executor(
+                self.pool, evaluate, obs, profile, pairs, self.args.router_mode, 0, self.args.replay_requests
+            )
+            best, binding = choose(preds, self.slo)
+            target = (best.prefill, best.decode) if best is not None else base
+            outcome = ""
+        desired = damp(base, target, self.limits, self.damper, now) if outcome != "no_data" else base
+        if not outcome:
+            dp, dd = desired[0] - base[0], desired[1] - base[1]
+            if dp == dd == 0:
+                outcome = outcome or "hold"
+            elif dp * dd < 0:
+                outcome = "rebalance"
+            else:
+                outcome = "scale_up" if dp + dd > 0 else "scale_down"
+        if outcome not in ("no_data", "idle"):
+            self.desired = desired
+        chosen = next((p for p in preds if (p.prefill, p.decode) == target), None)
+        decision = {
+            "time": time.time(),
+            "scale_mode": self.args.scale_mode,
+            "outcome": outcome,
+            "desired": {"prefill": desired[0], "decode": desired[1]},
+            "target": {"prefill": target[0], "decode": target[1]},
+            "actual": {"prefill": actual[0], "decode": actual[1]},
+            "binding_slo": binding,
+            "slo": {"ttft_ms": self.args.slo_ttft_ms, "itl_ms": self.args.slo_itl_ms},
+            "limits": {
+                "min_prefill": self.limits.min_prefill,
+                "max_prefill": self.limits.max_prefill,
+                "min_decode": self.limits.min_decode,
+                "max_decode": self.limits.max_decode,
+                "max_workers": self.limits.max_workers,
+                "hold_down_s": self.args.hold_down_s,
+            },
+            "predicted": chosen.to_dict() if chosen is not None else None,
+            "candidates": [p.to_dict() for p in preds],
+            "observed": obs.to_dict() if obs is not None else None,
+            "profile": {
+                "name": profile.name,
+                "prefill_tokens_per_s": profile.prefill_tokens_per_s,
+                "decode_base_s": profile.decode_base_s,
+            },
+        }
+        if self.scaler is not None and outcome not in ("no_data", "hold"):
+            await self.scaler.apply(desired)
+        self._publish(decision, chosen)
+        metrics.PLANNER_DECISION_S.observe(time.perf_counter() - t0)
+        return decision
+
+    def _publish(self, decision: dict[str, Any], chosen: Any) -> None:
+        self.current = decision
+        self.history.append(
+            {k: decision[k] for k in ("time", "outcome", "desired", "target", "actual", "binding_slo")}
+        )
+        for pool in metrics.POOLS:
+            metrics.PLANNER_DESIRED.labels(pool).set(decision["desired"][pool])
+            metrics.PLANNER_TARGET.labels(pool).set(decision["target"][pool])
+            metrics.PLANNER_ACTUAL.labels(pool).set(decision["actual"][pool])
+        for slo in ("ttft", "itl", "none"):
+            metrics.PLANNER_BINDING_SLO.labels(slo).set(1.0 if decision["binding_slo"] == slo else 0.0)
+        if chosen is not None:
+            metrics.PLANNER_PREDICTED_P90_S.labels("ttft").set(chosen.ttft_p90_s)
+            metrics.PLANNER_PREDICTED_P90_S.labels("itl").set(chosen.itl_p90_s)
+        metrics.PLANNER_DECISIONS.labels(decision["outcome"]).inc()
+        obs = decision["observed"] or {}
+        log.info(
+            "plan %s: desired prefill=%d decode=%d (target %d/%d, actual %d/%d); binding %s; predicted %s; "
+            "observed %.2f req/s, in %.0f / out %.0f tokens, hit %.2f; candidates %s",
+            decision["outcome"], decision["desired"]["prefill"], decision["desired"]["decode"],
+            decision["target"]["prefill"], decision["target"]["decode"],
+            decision["actual"]["prefill"], decision["actual"]["decode"], decision["binding_slo"],
+            json.dumps(decision["predicted"]), obs.get("request_rate_per_s", 0.0),
+            obs.get("mean_input_tokens", 0.0), obs.get("mean_output_tokens", 0.0),
+            obs.get("prefix_hit_rate", 0.0),
+            " ".join(f"P{c['prefill']}D{c['decode']}={c['ttft_p90_ms']:.0f}/{c['itl_p90_ms']:.0f}ms"
+                     for c in decision["candidates"]),
+        )  # fmt: skip
+
+    def plan(self) -> dict[str, Any]:
+        actual = self.actual()
+        if self.current is None:
+            return {
+                "outcome": "starting",
+                "scale_mode": self.args.scale_mode,
+                "desired": {"prefill": actual[0], "decode": actual[1]},
+                "actual": {"prefill": actual[0], "decode": actual[1]},
+                "binding_slo": "none",
+                "candidates": [],
+                "history": [],
+            }
+        # actual is live; the rest is the last decision's
+        return {
+            **self.current,
+            "actual": {"prefill": actual[0], "decode": actual[1]},
+            "history": list(self.history),
+        }
+
+    async def close(self) -> None:
+        await self.client.aclose()
+        self.pool.shutdown(wait=False, cancel_futures=True)
+
+
+def create_app(planner: Planner) -> FastAPI:
+    app = FastAPI(title="rackserve planner")
+
+    @app.get("/plan")
+    async def get_plan() -> dict[str, Any]:
+        return planner.plan()
+
+    @app.get("/health")
+    async def health() -> dict[str, str]:
+        return {"status": "ok"}
+
+    @app.get("/metrics")
+    async def prometheus_metrics() -> Response:
+        body, content_type = metrics.exposition()
+        return Response(body, media_type=content_type)
+
+    return app
+
+
+async def _loop(planner: Planner, interval_s: float, stop: asyncio.Event) -> None:
+    while not stop.is_set():
+        try:
+            await planner.tick()
+        except Exception:  # one bad interval (a scrape, a simulation) must not stop planning
+            log.exception("planner: decision failed")
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(stop.wait(), interval_s)
+
+
+async def serve(args: argparse.Namespace) -> None:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per scrape would drown the decisions
+    security = EtcdSecurity.from_args(args)
+    directory = WorkerDirectory(args.etcd, roles=("frontend", "prefill", "decode"), security=security)
+    await directory.start()
+    scaler = None
+    if args.scale_mode == "kubernetes":
+        from services.planner.kube import KubeScaler
+
+        scaler = KubeScaler.in_cluster(args)
+    planner = Planner(args, directory, scaler)
+    server = _QuietServer(uvicorn.Config(create_app(planner), host=args.host, port=args.port,
+                                         log_level="warning", access_log=False))  # fmt: skip
+    loop = asyncio.get_running_loop()
+    stop = asyncio.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    serving = loop.create_task(server.serve(), name="uvicorn")
+    registration: Registration | None = None
+    planning: asyncio.Task[None] | None = None
+    try:
+        while not server.started:
+            if serving.done():
+                await serving
+                raise RuntimeError("planner: HTTP server stopped while starting")
+            await asyncio.sleep(0.05)
+        port = server.servers[0].sockets[0].getsockname()[1]
+        host = socket.gethostname() if args.host in ("0.0.0.0", "::", "") else args.host
+        worker_id = args.worker_id or f"{ROLE}-{socket.gethostname()}-{os.getpid()}"
+        info = pb.WorkerInfo(
+            worker_id=worker_id, role=ROLE, endpoint=f"{host}:{port}", epoch=int(time.time() * 1000)
+        )
+        registration = await Registration.start(args.etcd, info, ttl_s=args.lease_ttl_s, security=security)
+        log.info("planner %s on http://%s:%d (scale mode %s)", worker_id, host, port, args.scale_mode)
+        planning = loop.create_task(_loop(planner, args.interval_s, stop), name="plan")
+        await stop.wait()
+    finally:
+        stop.set()
+        if planning is not None:
+            await planning
+        if registration is not None:
+            await registration.close()
+        server.should_exit = True
+        await serving
+        await planner.close()
+        if scaler is not None:
+            await scaler.close()
+        await directory.close()
+
+
+class _QuietServer(uvicorn.Server):
+    """uvicorn without its own signal handlers: serve() leaves discovery on SIGTERM itself."""
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        yield
