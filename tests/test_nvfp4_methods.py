@@ -5,6 +5,7 @@ bit-identically here and decode to the same weights in the compressed-tensors li
 
 from __future__ import annotations
 
+import functools
 import json
 
 import pytest
@@ -172,8 +173,9 @@ def test_worker_flag_reaches_the_engine_config(capsys):
 # ---------------------------------------------------------------------------------------------- checkpoints
 
 
+@functools.cache
 def _tok() -> Tokenizer:
-    return Tokenizer.from_gguf(smollm2_gguf_path())
+    return Tokenizer.from_gguf(smollm2_gguf_path())  # reads the 100 MB GGUF: once per session
 
 
 @pytest.mark.parametrize("method", ["mse", "gptq"])
