@@ -84,7 +84,7 @@ def weight_errors(loaded: LoadedModel, q: dict, hessians: dict) -> dict[str, tup
         for i in range(loaded.config.num_layers):
             w = loaded.weights[f"layers.{i}.{p}"].to(torch.float64)
             d = w - dequantize(q[f"layers.{i}.{p}"]).to(torch.float64)
-            h = hessians[f"layers.{i}.{HESSIAN_OF[p]}"]
+            h = hessians[f"layers.{i}.{HESSIAN_OF[p]}"].to(torch.float64)
             num += float((d * d).sum())
             den += float((w * w).sum())
             onum += float(torch.einsum("nk,kl,nl->", d, h, d))
@@ -151,12 +151,12 @@ def main() -> None:
         cfg = EngineConfig(dtype=dtype, num_kv_blocks=96, nvfp4_cache_dequantized=True)
         return LLMEngine(pre, cfg, tokenizer=tok)
 
+    errors = {m: weight_errors(loaded, quantized[m], hessians) for m in METHODS}
     t = time.perf_counter()
     ref = evaluate(engine_for(None, args.dtype), windows, chat)
     bf16 = evaluate(engine_for(None, "bfloat16"), windows, chat) if args.dtype == "float32" else None
     results = {m: evaluate(engine_for(m, args.dtype), windows, chat) for m in METHODS}
     eval_s = time.perf_counter() - t
-    errors = {m: weight_errors(loaded, quantized[m], hessians) for m in METHODS}
 
     commit = subprocess.run(
         ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True

@@ -22,6 +22,7 @@ never over blocks), so they run at model load.
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -149,7 +150,7 @@ _SCALE_RULES: dict[str, Callable[[torch.Tensor, torch.Tensor], list[torch.Tensor
 
 
 def quantize_with(
-    x: torch.Tensor, method: str = DEFAULT_METHOD, *, hessian: torch.Tensor | None = None, **gptq_kw: float
+    x: torch.Tensor, method: str = DEFAULT_METHOD, *, hessian: torch.Tensor | None = None, **gptq_kw: Any
 ) -> NVFP4Tensor:
     """Quantize along the last dim with `method` (see the module docstring); a standard NVFP4Tensor.
 
