@@ -217,7 +217,9 @@ def test_modelopt_checkpoint_keeps_codes_and_scales(tmp_path):
         assert torch.equal(back.packed, q.packed) and torch.equal(back.scales, q.scales)
         # ModelOpt stores 1 / g_e: one fp32 reciprocal there and back, at most one ulp away
         assert abs(float(back.global_scale) - float(q.global_scale)) <= float(q.global_scale) * 2**-23
-    assert json.loads((tmp_path / "hf_quant_config.json").read_text())["quantization"]["quant_algo"] == "NVFP4"
+    assert (
+        json.loads((tmp_path / "hf_quant_config.json").read_text())["quantization"]["quant_algo"] == "NVFP4"
+    )
 
 
 def test_compressed_tensors_library_decompresses_to_our_weights(tmp_path):
@@ -259,7 +261,10 @@ def test_rackserve_quantize_cli_writes_a_servable_checkpoint(tmp_path, capsys):
     model = tiny_llama()
     src = tmp_path / "dense"
     src.mkdir()
-    save_file({f"{_hf_name(n)}.weight": w.contiguous() for n, w in model.weights.items()}, str(src / "m.safetensors"))
+    save_file(
+        {f"{_hf_name(n)}.weight": w.contiguous() for n, w in model.weights.items()},
+        str(src / "m.safetensors"),
+    )
     c = model.config
     (src / "config.json").write_text(json.dumps({
         "model_type": "llama", "hidden_size": c.hidden_size, "num_hidden_layers": c.num_layers,
