@@ -61,6 +61,7 @@ bench: setup
 	$(BIN)/python -m bench.engine_bench
 	$(BIN)/python -m bench.nvfp4_bench
 	$(BIN)/python -m bench.nvfp4_model_bench
+	$(BIN)/python -m bench.nvfp4_quality_bench
 	$(BIN)/python -m bench.kvtransfer_bench
 	$(BIN)/python -m bench.disagg_bench
 	$(BIN)/python -m bench.router_bench

@@ -91,6 +91,21 @@ _SERVICES = {
 }
 
 
+def cmd_quantize(a: argparse.Namespace) -> int:
+    from services.engine.model_files import smollm2_gguf_path
+    from services.engine.nvfp4.export import quantize_to_dir
+
+    times = quantize_to_dir(
+        a.model or smollm2_gguf_path(),
+        a.method,
+        a.out,
+        a.layout,
+        progress=lambda m: print(m, file=sys.stderr),
+    )
+    print(f"wrote {a.out} ({a.layout}, {a.method}): " + ", ".join(f"{k} {v:.1f}" for k, v in times.items()))
+    return 0
+
+
 def _run_service(name: str, argv: list[str]) -> int:
     """Each service owns its flags: `rackserve decode --help` shows the decode worker's."""
     import asyncio
@@ -138,6 +153,20 @@ def main(argv: list[str] | None = None) -> int:
 
     add_bench_arguments(bench)
     bench.set_defaults(func=run_bench)
+    from services.engine.config import NVFP4_METHODS
+
+    qz = sub.add_parser(
+        "quantize", help="write an NVFP4 checkpoint (compressed-tensors or ModelOpt) of a model"
+    )
+    qz.add_argument(
+        "--model", default="", help="a .gguf file or a dense Hugging Face directory (default: SmolLM2)"
+    )
+    qz.add_argument("--method", default="rtn", choices=NVFP4_METHODS,
+                    help="how scales and codes are chosen (docs/nvfp4-quality.md); gptq calibrates first")  # fmt: skip
+    qz.add_argument("--out", required=True, help="the directory to write")
+    qz.add_argument("--layout", default="compressed-tensors", choices=("compressed-tensors", "modelopt"))
+    qz.set_defaults(func=cmd_quantize)
+
     tl = sub.add_parser("timeline", help="draw request timelines as a waterfall (HTML)")
     source = tl.add_mutually_exclusive_group(required=True)
     source.add_argument("--url", help="a frontend, e.g. http://127.0.0.1:8000 (with --id)")

@@ -14,6 +14,9 @@ SUPPORTED_ARCHITECTURES = ("llama",)  # Llama 2/3, SmolLM and Qwen2-style layout
 SUPPORTED_DTYPES = ("float32", "bfloat16")
 SUPPORTED_QUANT = ("none", "nvfp4")
 ATTENTION_BACKENDS = ("auto", "torch", "triton")  # auto: Triton paged attention on CUDA, torch ops elsewhere
+# the data-free NVFP4 methods, quantized at load (services/engine/nvfp4/methods.py); gptq is offline only
+NVFP4_LOAD_METHODS = ("rtn", "four_over_six", "mse")
+NVFP4_METHODS = (*NVFP4_LOAD_METHODS, "gptq")  # all of them: `rackserve quantize --method`
 
 
 class ModelLoadError(ValueError):
@@ -89,6 +92,7 @@ class EngineConfig:
     gpu_memory_utilization: float = 0.9  # share of the GPU's memory for weights + activations + KV blocks
     enforce_eager: bool = False  # True: no CUDA graphs for decode steps
     attention_backend: str = "auto"  # one of ATTENTION_BACKENDS
+    nvfp4_method: str = "rtn"  # how --quant nvfp4 picks scales and codes at load (nvfp4/methods.py)
     extra: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -96,6 +100,17 @@ class EngineConfig:
             raise ValueError(f"dtype must be one of {SUPPORTED_DTYPES}, got {self.dtype!r}")
         if self.quant not in SUPPORTED_QUANT:
             raise ValueError(f"quant must be one of {SUPPORTED_QUANT}, got {self.quant!r}")
+        if self.nvfp4_method not in NVFP4_LOAD_METHODS:
+            hint = " (gptq needs calibration: `rackserve quantize --method gptq`)" * (
+                self.nvfp4_method == "gptq"
+            )
+            raise ValueError(
+                f"nvfp4_method must be one of {NVFP4_LOAD_METHODS}, got {self.nvfp4_method!r}{hint}"
+            )
+        if self.nvfp4_method != "rtn" and self.quant != "nvfp4":
+            raise ValueError(
+                f"nvfp4_method={self.nvfp4_method!r} needs quant='nvfp4', got quant={self.quant!r}"
+            )
         if self.block_size <= 0 or self.block_size & (self.block_size - 1):
             raise ValueError(f"block_size must be a positive power of two, got {self.block_size}")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:

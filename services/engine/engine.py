@@ -134,7 +134,7 @@ class LLMEngine:
         self.model_path = loaded.source
         self.dtype = _DTYPES[cfg.dtype]
         quant_id = "none"
-        kw = {}
+        kw: dict[str, object] = {}
         if cfg.quant == "nvfp4" or loaded.quantization != "none":
             from services.engine.nvfp4 import QUANT_RECIPE_ID
 
@@ -151,6 +151,16 @@ class LLMEngine:
                     loaded.quantization,
                 )
                 quant_id = f"{loaded.quantization}:{QUANT_RECIPE_ID}"
+                if cfg.nvfp4_method != "rtn":
+                    raise ValueError(
+                        f"nvfp4_method={cfg.nvfp4_method!r}: {loaded.source} is pre-quantized and runs with the "
+                        "bytes it holds; the method applies only to quantizing at load"
+                    )
+            else:
+                from services.engine.nvfp4.methods import method_id
+
+                kw["method"] = cfg.nvfp4_method
+                quant_id += method_id(cfg.nvfp4_method)
         self.fingerprint = model_fingerprint(loaded.config, loaded.weights, quant_id)
         self.attention_backend = _attention_backend(cfg.attention_backend, device)
         self.model = Transformer(

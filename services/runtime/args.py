@@ -14,7 +14,13 @@ import socket
 from collections.abc import Callable
 from typing import Any
 
-from services.engine.config import ATTENTION_BACKENDS, SUPPORTED_DTYPES, SUPPORTED_QUANT, EngineConfig
+from services.engine.config import (
+    ATTENTION_BACKENDS,
+    NVFP4_LOAD_METHODS,
+    SUPPORTED_DTYPES,
+    SUPPORTED_QUANT,
+    EngineConfig,
+)
 
 ENV_PREFIX = "RACKSERVE_"
 TOPOLOGY_LABELS = ("node", "rack", "zone")
@@ -105,6 +111,8 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     add_flag(g, "--model", "", "a .gguf file or a Hugging Face directory (default: SmolLM2-135M)")
     add_flag(g, "--dtype", "bfloat16", "weights and KV dtype", choices=SUPPORTED_DTYPES)
     add_flag(g, "--quant", "none", "weight quantization", choices=SUPPORTED_QUANT)
+    add_flag(g, "--nvfp4-method", "rtn", "how --quant nvfp4 picks block scales and codes at load "
+             "(docs/nvfp4-quality.md)", choices=NVFP4_LOAD_METHODS)  # fmt: skip
     add_flag(g, "--block-size", 16, "tokens per KV block", int)
     add_flag(g, "--kv-cache-bytes", 0, "memory for the paged KV cache (0: 1 GiB on CPU; on a GPU what "
              "--gpu-memory-utilization leaves after the weights and the activation peak)", int)  # fmt: skip
@@ -188,6 +196,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
     return EngineConfig(
         dtype=args.dtype,
         quant=args.quant,
+        nvfp4_method=args.nvfp4_method,
         block_size=args.block_size,
         kv_cache_bytes=args.kv_cache_bytes,
         max_num_seqs=args.max_num_seqs,

@@ -33,8 +33,13 @@ def _announce(kernel: str, x: torch.Tensor, detail: str) -> None:
         logger.info("NVFP4Linear: %s for %s %s activations (%s)", kernel, x.device.type, x.dtype, detail)
 
 
-def _quantize_on_device(weight: torch.Tensor) -> NVFP4Tensor:
-    """Quantize where the weight lives: Triton on CUDA when available, else the torch recipe (same bytes)."""
+def _quantize_on_device(weight: torch.Tensor, method: str = "rtn") -> NVFP4Tensor:
+    """Quantize where the weight lives: Triton on CUDA when available, else the torch recipe (same bytes).
+    A calibrated method (methods.py) runs in torch on the weight's device; its output is the same format."""
+    if method != "rtn":
+        from .methods import check_method, quantize_with
+
+        return quantize_with(weight, check_method(method, load_time=True))
     if weight.is_cuda:
         try:
             from .triton_kernels import quantize_triton
@@ -87,10 +92,12 @@ class NVFP4Linear(torch.nn.Module):
         cache_dequantized: bool = False,
         *,
         w4a4: bool = False,
+        method: str = "rtn",
     ) -> NVFP4Linear:
-        """Quantize a dense [out, in] weight with the NVFP4 recipe (on its own device) and wrap it."""
+        """Quantize a dense [out, in] weight (on its own device) with the recipe, or with one of methods.py's
+        data-free methods, and wrap it."""
         with torch.no_grad():
-            q = _quantize_on_device(weight.detach())
+            q = _quantize_on_device(weight.detach(), method)
         return cls(q, bias, cache_dequantized=cache_dequantized, w4a4=w4a4)
 
     @property

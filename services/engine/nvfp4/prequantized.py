@@ -130,3 +130,21 @@ def fuse_rows(parts: Sequence[NVFP4Tensor]) -> NVFP4Tensor | None:
         global_scale=g.clone(),
         shape=(sum(p.shape[0] for p in parts), k),
     )
+
+
+def split_rows(q: NVFP4Tensor, rows: Sequence[int]) -> list[NVFP4Tensor]:
+    """Inverse of fuse_rows: a fused [sum(rows), K] NVFP4 weight into its parts, bytes and g_e unchanged."""
+    if len(q.shape) != 2 or sum(rows) != q.shape[0]:
+        raise ValueError(f"split_rows: {list(rows)} rows do not make up a 2-D weight of shape {q.shape}")
+    out, start = [], 0
+    for n in rows:
+        out.append(
+            NVFP4Tensor(
+                packed=q.packed[start : start + n].contiguous(),
+                scales=q.scales[start : start + n].contiguous(),
+                global_scale=q.global_scale.clone(),
+                shape=(n, q.shape[1]),
+            )
+        )
+        start += n
+    return out

@@ -219,13 +219,7 @@ def quantize(x: torch.Tensor, *, global_scale: torch.Tensor | float | None = Non
     block_amax = abs_max(blocks, dim=-1)
     # s_b = e4m3(g_e * (a_b * (1/6))): two fp32 roundings in exactly this order.
     scale_fp8 = e4m3_rne_satfinite(g * (block_amax * one_sixth))
-    s = scale_fp8.to(torch.float32)
-    # inv = 1 / (s_b * (1 / g_e)) with true IEEE division; 0 for an all-zero block scale.
-    # (torch's `1.0 / t` is `t.reciprocal() * 1.0`; spell the divisions out so they stay true divisions.)
-    one = torch.ones((), dtype=torch.float32, device=xf.device)
-    denom = s * torch.div(one, g)
-    inv = torch.where(s == 0, torch.zeros_like(s), torch.div(one, torch.where(s == 0, one, denom)))
-    codes = e2m1_codes(blocks * inv.unsqueeze(-1)).reshape(*shape[:-1], kp)
+    codes = encode_blocks(blocks, scale_fp8, g).reshape(*shape[:-1], kp)
 
     return NVFP4Tensor(
         packed=pack_codes(codes).contiguous(),
@@ -233,6 +227,27 @@ def quantize(x: torch.Tensor, *, global_scale: torch.Tensor | float | None = Non
         global_scale=g,
         shape=shape,
     )
+
+
+def encode_blocks(blocks: torch.Tensor, scale_fp8: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
+    """E2M1 codes of fp32 `blocks` [..., 16] under chosen block scales (float8_e4m3fn [...]) and g_e.
+
+    The recipe's encode step on its own, so that a calibrated method (methods.py) can pick other block scales
+    and still produce exactly the codes the recipe would produce for them.
+    """
+    s = scale_fp8.to(torch.float32)
+    # inv = 1 / (s_b * (1 / g_e)) with true IEEE division; 0 for an all-zero block scale.
+    # (torch's `1.0 / t` is `t.reciprocal() * 1.0`; spell the divisions out so they stay true divisions.)
+    one = torch.ones((), dtype=torch.float32, device=blocks.device)
+    denom = s * torch.div(one, g)
+    inv = torch.where(s == 0, torch.zeros_like(s), torch.div(one, torch.where(s == 0, one, denom)))
+    return e2m1_codes(blocks * inv.unsqueeze(-1))
+
+
+def decode_blocks(codes: torch.Tensor, scale_fp8: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
+    """fp32 values of codes [..., 16] under block scales [...] and g_e: the arithmetic of dequantize()."""
+    # E2M1 * E4M3 is exact in fp32 (at most 6 significant bits), so the only rounding is the division.
+    return (e2m1_values(codes) * scale_fp8.to(torch.float32).unsqueeze(-1)) / g
 
 
 def dequantize(q: NVFP4Tensor) -> torch.Tensor:

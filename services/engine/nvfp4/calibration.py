@@ -1,0 +1,131 @@
+"""Calibration for gptq, and the whole-model quantizer shared by `rackserve quantize` and the quality bench.
+
+gptq needs, per projection, the Hessian of its inputs H = 2 X^T X / n over a calibration set. They are
+collected in one pass of the unquantized float32 model (every layer sees the float inputs, not those of
+already-quantized layers before it: simpler, and within noise of the sequential variant on small models).
+
+The calibration text ships with Debian (base-files' licence texts other than GPL-3) plus the repository's
+loadgen/corpus.txt; the quality bench evaluates on /usr/share/common-licenses/GPL-3, which none of it contains.
+
+Fusing follows the engine: q/k/v and gate/up are quantized as one matrix each (one tensor scale, one
+Hessian: they read the same input), exactly as `--quant nvfp4` does at load, then split into the checkpoint's
+per-projection tensors — which share g_e, so the loader fuses them back byte for byte.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+import torch
+
+from .methods import check_method, quantize_with
+from .prequantized import split_rows
+from .recipe import NVFP4Tensor
+
+_REPO = Path(__file__).resolve().parents[3]
+CALIBRATION_TEXTS = (
+    Path("/usr/share/common-licenses/Apache-2.0"),
+    Path("/usr/share/common-licenses/MPL-2.0"),
+    Path("/usr/share/common-licenses/Artistic"),
+    _REPO / "loadgen" / "corpus.txt",
+)
+EVALUATION_TEXT = Path("/usr/share/common-licenses/GPL-3")  # never calibrated on
+CALIBRATION_WINDOW = 512
+CALIBRATION_WINDOWS = 8
+
+# The engine's fused projections: (module attribute path, the canonical parts in row order)
+FUSED = (
+    ("attn.wqkv", ("q_proj", "k_proj", "v_proj")),
+    ("attn.wo", ("o_proj",)),
+    ("ffn.w_gate_up", ("gate_proj", "up_proj")),
+    ("ffn.w_down", ("down_proj",)),
+)
+
+
+def calibration_windows(
+    tokenizer: object,
+    texts: Sequence[Path] = CALIBRATION_TEXTS,
+    window: int = CALIBRATION_WINDOW,
+    max_windows: int = CALIBRATION_WINDOWS,
+) -> list[torch.Tensor]:
+    """Non-overlapping `window`-token windows of the texts (each text tokenized on its own), at most
+    `max_windows`, spread over the texts in turn so that each contributes."""
+    if EVALUATION_TEXT in texts:
+        raise ValueError(f"{EVALUATION_TEXT} is the evaluation text; calibrating on it would flatter gptq")
+    per_text = []
+    for t in texts:
+        if not t.is_file():
+            continue
+        ids = tokenizer.encode(t.read_text(encoding="utf-8", errors="replace"))  # type: ignore[attr-defined]
+        chunks = [ids[i : i + window] for i in range(0, len(ids) - window // 4, window)]
+        per_text.append([torch.tensor(c) for c in chunks if len(c) >= 16])
+    out: list[torch.Tensor] = []
+    while len(out) < max_windows and any(per_text):
+        for chunks in per_text:
+            if chunks and len(out) < max_windows:
+                out.append(chunks.pop(0))
+    if not out:
+        raise ValueError(f"no calibration text found among {[str(t) for t in texts]}")
+    return out
+
+
+def collect_hessians(loaded: object, windows: Sequence[torch.Tensor]) -> dict[str, torch.Tensor]:
+    """H = 2 X^T X / n of every fused projection's input, keyed `layers.{i}.{attr}` (FUSED)."""
+    from services.engine.model import AttnMetadata, PagedKvCache, PrefillSegment, Transformer
+
+    cfg = loaded.config  # type: ignore[attr-defined]
+    model = Transformer(cfg, loaded.weights, torch.float32, "none", cpu_kernels=False)  # type: ignore[attr-defined]
+    sums: dict[str, torch.Tensor] = {}
+    counts: dict[str, int] = {}
+    handles = []
+    for i, blk in enumerate(model.blocks):
+        for attr, _ in FUSED:
+            mod = blk.get_submodule(attr)
+            key = f"layers.{i}.{attr}"
+
+            def hook(_m: torch.nn.Module, args: tuple[torch.Tensor, ...], key: str = key) -> None:
+                x = args[0].reshape(-1, args[0].shape[-1]).to(torch.float32)
+                sums[key] = sums.get(key, 0) + x.T @ x  # type: ignore[assignment]  # fp32: 4k tokens sum fine
+                counts[key] = counts.get(key, 0) + x.shape[0]
+
+            handles.append(mod.register_forward_pre_hook(hook))
+    try:
+        for ids in windows:
+            kv = PagedKvCache(cfg, -(-len(ids) // 16), 16, torch.float32)
+            meta = AttnMetadata(slot_mapping=torch.arange(len(ids)), prefills=[PrefillSegment(0, len(ids))])
+            model(ids, torch.arange(len(ids)), meta, kv)
+    finally:
+        for h in handles:
+            h.remove()
+    return {k: 2 * s / counts[k] for k, s in sums.items()}
+
+
+def quantize_model(
+    loaded: object,
+    method: str,
+    hessians: dict[str, torch.Tensor] | None = None,
+    progress: Callable[[str], None] | None = None,
+) -> dict[str, NVFP4Tensor]:
+    """Every block projection of a dense model as NVFP4 with `method`, canonical names (`layers.3.q_proj`)."""
+    check_method(method)
+    if method == "gptq" and hessians is None:
+        raise ValueError("quantize_model: method 'gptq' needs the calibration Hessians (collect_hessians)")
+    weights = loaded.weights  # type: ignore[attr-defined]
+    out: dict[str, NVFP4Tensor] = {}
+    for i in range(loaded.config.num_layers):  # type: ignore[attr-defined]
+        start = time.perf_counter()
+        for attr, parts in FUSED:
+            names = [f"layers.{i}.{p}" for p in parts]
+            dense = [weights[n] for n in names]
+            if not all(isinstance(w, torch.Tensor) for w in dense):
+                raise ValueError(f"layer {i}: already quantized; quantize a dense (GGUF or bf16) model")
+            h = hessians[f"layers.{i}.{attr}"] if method == "gptq" and hessians is not None else None
+            with torch.no_grad():
+                q = quantize_with(torch.cat(dense), method, hessian=h)
+            for name, part in zip(names, split_rows(q, [w.shape[0] for w in dense]), strict=True):
+                out[name] = part
+        if progress is not None:
+            progress(f"layer {i}: {method} in {time.perf_counter() - start:.2f} s")
+    return out

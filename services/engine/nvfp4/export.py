@@ -1,0 +1,213 @@
+"""`rackserve quantize`: a dense model into a Hugging Face NVFP4 checkpoint directory.
+
+Layouts (checkpoint.py owns the tensor names and scale conventions):
+- `compressed-tensors` (default): `quantization_config` in config.json as llm-compressor writes its
+  NVFP4A16 scheme (format `nvfp4-pack-quantized`, weights: 4-bit float, strategy `tensor_group`, group 16,
+  symmetric, no activation quantization; `lm_head` ignored). vLLM reads it; so does the compressed-tensors
+  library's own decompressor (tests/test_nvfp4_methods.py checks it decodes to our weights).
+- `modelopt`: `quant_method: modelopt`, `quant_algo: NVFP4`, plus hf_quant_config.json, as ModelOpt exports.
+  rackserve runs NVFP4 weights with 16-bit activations (W4A16), so no static `input_scale` is written;
+  a W4A4 consumer (TensorRT-LLM's NVFP4 GEMMs) needs activation scales that this export does not calibrate.
+
+Only the block projections are quantized (q/k/v/o, gate/up/down); embeddings, norms and an untied LM head
+are written as float32, the loader's own dtype, so that loading the directory back gives exactly the model
+`--quant nvfp4 --nvfp4-method <m>` serves from the source (same bytes, same fingerprint weights).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from .checkpoint import Layout, to_compressed_tensors, to_modelopt
+from .recipe import QUANT_RECIPE_ID, NVFP4Tensor
+
+LAYOUTS: tuple[Layout, ...] = ("compressed-tensors", "modelopt")
+
+
+def _hf_name(canon: str) -> str:
+    """Canonical name (`layers.3.q_proj`) -> Hugging Face prefix (`model.layers.3.self_attn.q_proj`), checked
+    against the loader's own mapping (the one owner of it)."""
+    from services.engine.loader import _HF_LAYER_PREFIX, _hf_to_canonical
+
+    if canon == "lm_head":
+        hf = "lm_head"
+    elif canon in ("embed_tokens", "norm"):
+        hf = f"model.{canon}"
+    else:
+        _, i, kind = canon.split(".", 2)
+        hf = f"model.layers.{i}.{_HF_LAYER_PREFIX[kind]}"
+    if _hf_to_canonical(f"{hf}.weight") != canon:
+        raise ValueError(f"no Hugging Face name for {canon!r}")
+    return hf
+
+
+def _hf_config(cfg: Any, quantization_config: dict[str, Any]) -> dict[str, Any]:
+    out: dict[str, Any] = {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "hidden_size": cfg.hidden_size,
+        "intermediate_size": cfg.intermediate_size,
+        "num_hidden_layers": cfg.num_layers,
+        "num_attention_heads": cfg.num_heads,
+        "num_key_value_heads": cfg.num_kv_heads,
+        "head_dim": cfg.head_dim,
+        "vocab_size": cfg.vocab_size,
+        "rope_theta": cfg.rope_theta,
+        "rms_norm_eps": cfg.rms_norm_eps,
+        "max_position_embeddings": cfg.max_context,
+        "tie_word_embeddings": cfg.tie_embeddings,
+        "attention_bias": cfg.attention_bias,
+        "hidden_act": "silu",
+        "torch_dtype": "bfloat16",
+        "quantization_config": quantization_config,
+    }
+    if cfg.bos_token_id is not None:
+        out["bos_token_id"] = cfg.bos_token_id
+    if cfg.eos_token_id is not None:
+        out["eos_token_id"] = cfg.eos_token_id
+    if cfg.rope_scaling is not None:
+        rs = cfg.rope_scaling
+        out["rope_scaling"] = {
+            "rope_type": "llama3",
+            "factor": rs.factor,
+            "low_freq_factor": rs.low_freq_factor,
+            "high_freq_factor": rs.high_freq_factor,
+            "original_max_position_embeddings": rs.original_max_position_embeddings,
+        }
+    return out
+
+
+def quantization_config(layout: Layout, method: str) -> dict[str, Any]:
+    """config.json's `quantization_config` for `layout`; `rackserve` records the method and recipe it used."""
+    provenance = {"method": method, "recipe": QUANT_RECIPE_ID}
+    if layout == "modelopt":
+        return {
+            "quant_method": "modelopt",
+            "quant_algo": "NVFP4",
+            "group_size": 16,
+            "exclude_modules": ["lm_head"],
+            "kv_cache_quant_algo": None,
+            "rackserve": provenance,
+        }
+    weights = {
+        "num_bits": 4,
+        "type": "float",
+        "strategy": "tensor_group",
+        "group_size": 16,
+        "symmetric": True,
+        "dynamic": False,
+        "scale_dtype": "torch.float8_e4m3fn",
+        "observer": "minmax" if method != "gptq" else "mse",
+    }
+    return {
+        "quant_method": "compressed-tensors",
+        "format": "nvfp4-pack-quantized",
+        "quantization_status": "compressed",
+        "config_groups": {
+            "group_0": {
+                "targets": ["Linear"],
+                "weights": weights,
+                "input_activations": None,
+                "output_activations": None,
+                "format": "nvfp4-pack-quantized",
+            }
+        },
+        "ignore": ["lm_head"],
+        "kv_cache_scheme": None,
+        "sparsity_config": {},
+        "rackserve": provenance,
+    }
+
+
+def write_checkpoint(
+    loaded: Any,
+    quantized: dict[str, NVFP4Tensor],
+    out_dir: str | Path,
+    layout: Layout,
+    method: str,
+    tokenizer: Any | None = None,
+) -> Path:
+    """Write `quantized` (canonical projection names) and the rest of `loaded` as a Hugging Face directory."""
+    from safetensors.torch import save_file
+
+    if layout not in LAYOUTS:
+        raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    tensors: dict[str, torch.Tensor] = {}
+    write = to_compressed_tensors if layout == "compressed-tensors" else to_modelopt
+    for name, w in loaded.weights.items():
+        if name == "rope_freqs":  # GGUF's precomputed llama3 factors: config.json's rope_scaling says it
+            continue
+        hf = _hf_name(name.removesuffix(".bias"))
+        if name.endswith(".bias"):
+            tensors[f"{hf}.bias"] = w.to(torch.float32).contiguous()
+        elif name in quantized:
+            tensors |= {k: v.contiguous() for k, v in write(quantized[name], hf).items()}
+        elif isinstance(w, torch.Tensor):
+            tensors[f"{hf}.weight"] = w.to(torch.float32).contiguous()
+        else:
+            raise ValueError(f"{name}: the source is already quantized; quantize a dense model")
+    save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
+    qcfg = quantization_config(layout, method)
+    (out / "config.json").write_text(json.dumps(_hf_config(loaded.config, qcfg), indent=2) + "\n")
+    if layout == "modelopt":
+        hf_quant = {"producer": {"name": "rackserve"}, "quantization": {k: qcfg[k] for k in
+                    ("quant_algo", "group_size", "exclude_modules", "kv_cache_quant_algo")}}  # fmt: skip
+        (out / "hf_quant_config.json").write_text(json.dumps(hf_quant, indent=2) + "\n")
+    if tokenizer is not None:
+        (out / "tokenizer.json").write_text(tokenizer.to_json_str())
+        tok_cfg: dict[str, Any] = dict(getattr(tokenizer, "_template_vars", {}))
+        template = getattr(tokenizer, "chat_template", None) or loaded.chat_template
+        if template:
+            tok_cfg["chat_template"] = template
+        (out / "tokenizer_config.json").write_text(json.dumps(tok_cfg, indent=2) + "\n")
+    return out
+
+
+def quantize_to_dir(
+    model: str,
+    method: str,
+    out_dir: str | Path,
+    layout: Layout = "compressed-tensors",
+    progress: Callable[[str], None] | None = None,
+) -> dict[str, float]:
+    """`rackserve quantize`: load `model` (GGUF or dense HF dir), quantize with `method` (gptq: calibrate
+    first), write `out_dir`. Returns the seconds spent per phase."""
+    from services.engine.loader import load_model
+    from services.engine.tokenizer import Tokenizer
+
+    from .calibration import calibration_windows, collect_hessians, quantize_model
+    from .methods import check_method
+
+    check_method(method)
+    times: dict[str, float] = {}
+    t = time.perf_counter()
+    loaded = load_model(model)
+    if loaded.quantization != "none":
+        raise ValueError(f"{model} is already quantized ({loaded.quantization}); quantize a dense model")
+    tok = (
+        Tokenizer.from_gguf(loaded.source) if loaded.source_format == "gguf" else Tokenizer.from_hf_dir(model)
+    )
+    times["load_s"] = time.perf_counter() - t
+    hessians = None
+    if method == "gptq":
+        t = time.perf_counter()
+        windows = calibration_windows(tok)
+        hessians = collect_hessians(loaded, windows)
+        times["calibration_s"] = time.perf_counter() - t
+        if progress is not None:
+            progress(f"calibration: {len(windows)} windows, {sum(len(w) for w in windows)} tokens")
+    t = time.perf_counter()
+    quantized = quantize_model(loaded, method, hessians, progress)
+    times["quantize_s"] = time.perf_counter() - t
+    t = time.perf_counter()
+    write_checkpoint(loaded, quantized, out_dir, layout, method, tok)
+    times["write_s"] = time.perf_counter() - t
+    return times
