@@ -211,7 +211,17 @@ def test_up_planner_moves_capacity_from_prefill_to_decode_without_losing_a_reque
     and the launcher's log shows the drain: the worker leaves with requests in flight and exits cleanly."""
     port = free_port()
     cmd = [sys.executable, "-m", "services.cli", "up", "--port", str(port), "--mode", "disagg"]
-    cmd += ["--prefill", "2", "--decode", "1", "--planner", "--planner-interval-s", "3", "--hold-down-s", "60"]
+    cmd += [
+        "--prefill",
+        "2",
+        "--decode",
+        "1",
+        "--planner",
+        "--planner-interval-s",
+        "3",
+        "--hold-down-s",
+        "60",
+    ]
     cmd += ["--max-workers", "3", "--max-prefill", "2", "--max-decode", "2"]
     cmd += ["--slo-ttft-ms", "1000", "--slo-itl-ms", "20", "--ready-timeout-s", "420"]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
