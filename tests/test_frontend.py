@@ -252,6 +252,9 @@ def test_client_trace_is_continued_and_request_ids_stay_unique(scripted: Scripte
         and "00f067aa0ba902b7" not in metadata["traceparent"]
     )
     assert request.params.seed == 7
+    # the client gets its own id back; ours (what the worker saw) travels beside it
+    assert r.headers["x-request-id"] == "client-req-1"
+    assert r.headers["x-rackserve-request-id"] == request.request_id
     # The client's x-request-id goes to the log only: two requests reusing it stay two requests to the worker.
     httpx.post(f"{scripted.url}/v1/chat/completions", json=chat("hi"), headers=headers, timeout=10)
     assert scripted.decode.calls[-1][0].request_id != request.request_id

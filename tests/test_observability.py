@@ -126,7 +126,7 @@ def _spans_of(rig: Rig, request_id: str, names: set[str]) -> list[dict[str, Any]
 def test_disaggregated_request_leaves_one_connected_trace_with_every_phase(
     rig: Rig, traced: httpx.Response
 ) -> None:
-    request_id = traced.headers["x-request-id"]
+    request_id = traced.headers["x-rackserve-request-id"]
     spans = _spans_of(rig, request_id, PHASE_SPANS | {"queue_wait", "compute"})
     by_name = {s["name"]: s for s in spans}
     request = by_name["request"]
@@ -165,7 +165,7 @@ def test_disaggregated_request_leaves_one_connected_trace_with_every_phase(
 
 
 def test_timeline_endpoint_serves_phases_workers_bytes_and_reason(rig: Rig, traced: httpx.Response) -> None:
-    request_id = traced.headers["x-request-id"]
+    request_id = traced.headers["x-rackserve-request-id"]
     r = httpx.get(f"{rig.url}/v1/requests/{request_id}/timeline", timeout=10)
     assert r.status_code == 200
     t = r.json()
@@ -193,7 +193,7 @@ def test_timeline_endpoint_serves_phases_workers_bytes_and_reason(rig: Rig, trac
 def test_request_log_has_one_line_per_request_without_the_prompt_and_draws_a_waterfall(
     rig: Rig, traced: httpx.Response
 ) -> None:
-    request_id = traced.headers["x-request-id"]
+    request_id = traced.headers["x-rackserve-request-id"]
     lines = [json.loads(line) for line in rig.request_log.read_text().splitlines()]
     mine = [line for line in lines if line["request_id"] == request_id]
     assert len(mine) == 1

@@ -274,7 +274,10 @@ class Frontend:
         )
         self.in_flight += 1
         metrics.REQUESTS_IN_FLIGHT.labels(endpoint).inc()
-        headers = {"x-request-id": states[0].request_id}
+        # the client's own x-request-id comes back as it was sent (vLLM does the same); ours is always in
+        # x-rackserve-request-id, the key of the timeline, the traces and the request log
+        ours = states[0].request_id
+        headers = {"x-request-id": client_request_id or ours, "x-rackserve-request-id": ours}
         try:
             if not body.stream:
                 answers = await _unless_disconnected(request, _collect(pieces, len(states)))
