@@ -8,9 +8,11 @@ that fails before then (no worker, a worker refusing the request, the deadline) 
 its status; after that, a failure ends the stream with an OpenAI-style error event. A client that goes away
 cancels the worker's call, streaming or not.
 
-Admission is bounded: past `max_concurrent_requests` requests in flight, a new one is answered at once with
-429 and `Retry-After` (errors.overloaded) instead of queueing without bound; every request admitted ends with
-its completion or an explicit error.
+Admission is bounded, and decided before any work starts: past `max_concurrent_requests` requests in flight, or
+when the KV tokens in flight would pass `admission_kv_factor` times what the decode workers report they hold
+(`Frontend.admit`), a new one is answered at once with 429 and `Retry-After` (errors.overloaded) instead of
+queueing without bound; every request admitted ends with its completion or an explicit error. `/health` is
+readiness: 503 while no decode worker is routable.
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ from dataclasses import dataclass, field
 from typing import Annotated, Any, Protocol, TypeVar
 
 from fastapi import APIRouter, Depends, FastAPI, Request, Response
-from fastapi.responses import StreamingResponse
+from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import BaseModel
 from starlette.types import Receive, Scope, Send
 
@@ -76,6 +78,9 @@ DEFAULT_MAX_MODEL_LEN = 8192
 COMPLETIONS_DEFAULT_MAX_TOKENS = (
     16  # OpenAI's default for /v1/completions; chat defaults to the rest of the context
 )
+# The output a request is charged for at admission, at most: a chat request without max_tokens may run to the end
+# of the context, but charging it that would admit a handful; past this, preemption shares the pool instead.
+ADMISSION_OUTPUT_TOKENS = 256
 
 
 @dataclass
@@ -87,6 +92,9 @@ class FrontendConfig:
     # API keys and the per-key rate limit (services/frontend/auth.py); none: the API is open
     auth: AuthConfig = field(default_factory=AuthConfig)
     max_concurrent_requests: int = 0  # requests in flight before new ones get 429 (0: no limit)
+    # KV tokens admitted in flight, as a multiple of what the decode workers report they hold, before new ones
+    # get 429 (0: no KV budget). 1.0 = one full pool running; above it the rest waits in the workers' queues.
+    admission_kv_factor: float = 0.0
 
 
 class Frontend:
@@ -108,6 +116,37 @@ class Frontend:
         self.token_texts = TokenTexts(tokenizer)
         self.created = int(time.time())
         self.in_flight = 0
+        self.kv_in_flight = 0  # KV tokens charged to the requests in flight (ADMISSION_OUTPUT_TOKENS)
+        self._kv_charged: dict[str, int] = {}  # request id -> its charge
+
+    def kv_budget(self) -> tuple[int, int]:
+        """(this frontend's budget of KV tokens in flight, the decode workers' total capacity in tokens).
+
+        From what the routable decode workers advertise in discovery, shared evenly among the frontends."""
+        capacity = sum(w.kv_capacity_blocks * (w.block_size or 16) for w in self.directory.workers("decode"))
+        frontends = max(1, len(self.directory.workers("frontend")))
+        return int(capacity * self.config.admission_kv_factor / frontends), capacity
+
+    def admit(self, endpoint: str, state: RequestState) -> None:
+        """Take the request or refuse it with 429 + Retry-After, before any work starts."""
+        limit = self.config.max_concurrent_requests
+        if limit and self.in_flight >= limit:
+            metrics.REQUESTS.labels(endpoint, "429").inc()
+            raise overloaded(f"the frontend is serving its limit of {limit} concurrent requests "
+                             "(--max-concurrent-requests); retry later")  # fmt: skip
+        charge = len(state.prompt_token_ids) + min(state.params.max_tokens, ADMISSION_OUTPUT_TOKENS)
+        budget, capacity = self.kv_budget() if self.config.admission_kv_factor > 0 else (0, 0)
+        # with nothing in flight a request is always taken (even one larger than the budget): it can only wait
+        if budget and self.kv_in_flight and self.kv_in_flight + charge > budget:
+            metrics.REQUESTS.labels(endpoint, "429").inc()
+            raise overloaded(
+                f"the cluster is at capacity: {self.kv_in_flight} KV tokens in flight, this request needs "
+                f"{charge}, the budget is {budget} ({self.config.admission_kv_factor:g} x the {capacity} tokens "
+                "the decode workers hold, --admission-kv-factor); retry later"
+            )
+        self.in_flight += 1
+        self.kv_in_flight += charge
+        self._kv_charged[state.request_id] = charge
 
     def max_model_len(self) -> int:
         if self.config.max_model_len > 0:
@@ -180,14 +219,9 @@ class Frontend:
         fmt: ResponseFormat,
         body: GenerationRequest,
     ) -> Response:
-        limit = self.config.max_concurrent_requests
-        if limit and self.in_flight >= limit:
-            metrics.REQUESTS.labels(endpoint, "429").inc()
-            raise overloaded(f"the frontend is serving its limit of {limit} concurrent requests "
-                             "(--max-concurrent-requests); retry later")  # fmt: skip
+        self.admit(endpoint, state)
         assembler = TextAssembler(self.tokenizer, state.prompt_token_ids, body.stop_strings())
         pieces = _pieces(self.coordinator, state, assembler)
-        self.in_flight += 1
         metrics.REQUESTS_IN_FLIGHT.labels(endpoint).inc()
         headers = {"x-request-id": state.request_id}
         try:
@@ -251,6 +285,7 @@ class Frontend:
         self, endpoint: str, state: RequestState, status: int, error_type: str | None = None
     ) -> None:
         self.in_flight -= 1
+        self.kv_in_flight -= self._kv_charged.pop(state.request_id, 0)
         metrics.REQUESTS_IN_FLIGHT.labels(endpoint).dec()
         metrics.REQUESTS.labels(endpoint, str(status)).inc()
         if status >= 400:
@@ -520,10 +555,22 @@ async def list_models(fe: FrontendDep) -> ModelList:
 
 
 @api.get("/health")
-async def health(fe: FrontendDep) -> dict[str, object]:
-    """The frontend is up; the counts say whether it can serve (a router and a decode worker)."""
+async def health(fe: FrontendDep) -> JSONResponse:
+    """Readiness: 200 with the worker counts while a decode worker is routable (registered, not suppressed
+    after a failure), else 503 with the same body, so a load balancer stops sending until one is back."""
     workers = {role: len(fe.directory.workers(role)) for role in ("router", "prefill", "decode")}
-    return {"status": "ok", "model": fe.config.served_model_name, "workers": workers}
+    budget, capacity = fe.kv_budget()
+    ready = workers["decode"] > 0
+    body: dict[str, object] = {
+        "status": "ok" if ready else "unavailable",
+        "model": fe.config.served_model_name,
+        "workers": workers,
+        "in_flight": fe.in_flight,
+        "kv_tokens": {"in_flight": fe.kv_in_flight, "budget": budget, "capacity": capacity},
+    }
+    if not ready:
+        body["reason"] = "no decode worker is routable"
+    return JSONResponse(body, status_code=200 if ready else 503)
 
 
 @api.get("/v1/requests/{request_id}/timeline")
