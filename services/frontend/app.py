@@ -149,10 +149,16 @@ class Frontend:
         self._kv_charged[state.request_id] = charge
 
     def max_model_len(self) -> int:
+        """The context a request may use: configured, else the decode workers' smallest; never more than the
+        smallest decode worker's whole KV cache holds (such a request could only fail after its first token)."""
+        decodes = self.directory.workers("decode")
         if self.config.max_model_len > 0:
-            return self.config.max_model_len
-        advertised = [w.max_model_len for w in self.directory.workers("decode") if w.max_model_len > 0]
-        return min(advertised) if advertised else DEFAULT_MAX_MODEL_LEN
+            limit = self.config.max_model_len
+        else:
+            advertised = [w.max_model_len for w in decodes if w.max_model_len > 0]
+            limit = min(advertised) if advertised else DEFAULT_MAX_MODEL_LEN
+        held = [w.kv_capacity_blocks * (w.block_size or 16) for w in decodes if w.kv_capacity_blocks > 0]
+        return min([limit, *held])
 
     def check_model(self, model: str) -> None:
         if model != self.config.served_model_name:
