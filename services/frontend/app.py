@@ -1,5 +1,5 @@
-"""The FastAPI app: OpenAI's `/v1/chat/completions`, `/v1/completions` and `/v1/models`, plus `/health` and
-`/metrics`.
+"""The FastAPI app: OpenAI's `/v1/chat/completions`, `/v1/completions` and `/v1/models`, plus `/health`
+(readiness), `/livez` (liveness) and `/metrics`.
 
 A request is validated (dependencies.py), tokenized here, checked against the model's context length, handed
 to the coordinator as a `RequestState`, and answered from the tokens it yields — as one JSON body, or as
@@ -558,6 +558,12 @@ async def completions(
 async def list_models(fe: FrontendDep) -> ModelList:
     card = ModelCard(id=fe.config.served_model_name, created=fe.created, max_model_len=fe.max_model_len())
     return ModelList(data=[card])
+
+
+@api.get("/livez")
+async def livez() -> dict[str, str]:
+    """Liveness: the process serves HTTP (what a restart would fix); readiness is /health."""
+    return {"status": "ok"}
 
 
 @api.get("/health")
