@@ -525,7 +525,8 @@ class Coordinator:
                 request, metadata=state.metadata(), timeout=timeout_s
             )
         except grpc.aio.AioRpcError as e:
-            metrics.WORKER_FAILURES.labels("prefill", e.code().name).inc()
+            if e.code() != grpc.StatusCode.RESOURCE_EXHAUSTED:  # a full worker is busy, not failed
+                metrics.WORKER_FAILURES.labels("prefill", e.code().name).inc()
             detail = f"{e.code().name}: {e.details()}"
             if e.code() == grpc.StatusCode.DEADLINE_EXCEEDED and state.deadline_s > time.monotonic():
                 error = ApiError(504, f"{peer} answered nothing for {timeout_s:g}s", "timeout_error",
@@ -590,7 +591,8 @@ class Coordinator:
                 if tokens:
                     yield TokenBatch(tokens)
         except grpc.aio.AioRpcError as e:
-            metrics.WORKER_FAILURES.labels("decode", e.code().name).inc()
+            if e.code() != grpc.StatusCode.RESOURCE_EXHAUSTED:  # a full worker is busy, not failed
+                metrics.WORKER_FAILURES.labels("decode", e.code().name).inc()
             detail = f"{e.code().name}: {e.details()}"
             if kv is not None and first_chunk and _is_transfer_failure(e):
                 # The pull failed, not the decode worker: the prefill copy is gone (or bad), so rebuild.
