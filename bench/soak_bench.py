@@ -103,16 +103,16 @@ def _pct(values: list[float], q: float) -> float | None:
 def start_cluster(port: int, kv_cache_bytes: int, factor: str, log_path: Path) -> subprocess.Popen[bytes]:
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "RACKSERVE_ADMISSION_KV_FACTOR": factor}
     cmd = [sys.executable, "-m", "services.cli", "up", "--port", str(port), "--threads", "1",
-           "--kv-cache-bytes", str(kv_cache_bytes), "--quiet"]  # fmt: skip
+           "--kv-cache-bytes", str(kv_cache_bytes), "--ready-timeout-s", "900", "--quiet"]  # fmt: skip
     with open(log_path, "wb") as log:
         up = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
-    deadline = time.monotonic() + 600
+    deadline = time.monotonic() + 960
     while time.monotonic() < deadline:
         assert up.poll() is None, f"rackserve up exited; see {log_path}"
         if b"rackserve is ready" in log_path.read_bytes():
             return up
         time.sleep(1)
-    raise RuntimeError(f"rackserve up not ready in 600 s; see {log_path}")
+    raise RuntimeError(f"rackserve up not ready in 960 s; see {log_path}")
 
 
 def stop_cluster(up: subprocess.Popen[bytes]) -> None:
@@ -262,6 +262,10 @@ def main() -> None:
     for load in loads:  # A/B/A/B over the run: budget, none at 2x, then budget, none at 4x
         for config in CONFIGS:
             segments.append(run_segment(args, load, config, len(segments)))
+            write(args, segments)  # after every segment: a run cut short still leaves its numbers
+
+
+def write(args: argparse.Namespace, segments: list[Segment]) -> None:
     rows = [s.summary(args.slo_ttft_s) for s in segments]
     meta = {
         "command": " ".join(sys.argv),
