@@ -73,10 +73,11 @@ ROLE = "decode"
 SERVICE_NAME = "rackserve.v1.DecodeWorker"
 GATED_METHODS = (f"/{SERVICE_NAME}/Decode",)
 # While a request waits in the engine's queue (its KV blocks not yet free) the stream sends an empty `waiting`
-# chunk this often, well inside any caller's stall timeout; an engine that has not stepped for ENGINE_STUCK_S
-# sends none.
+# chunk this often, well inside any caller's stall timeout. A starved CPU can make one step take tens of seconds
+# (busy, not hung; a stopped process sends nothing anyway), so only an engine that has not stepped for
+# ENGINE_STUCK_S (a step stuck for good) sends none.
 QUEUE_HEARTBEAT_S = 1.0
-ENGINE_STUCK_S = 10.0
+ENGINE_STUCK_S = 120.0
 
 
 class DecodeWorker(EngineWorker, pb_grpc.DecodeWorkerServicer):
