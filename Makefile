@@ -65,6 +65,7 @@ bench: setup
 	$(BIN)/python -m bench.kvtransfer_bench
 	$(BIN)/python -m bench.disagg_bench
 	$(BIN)/python -m bench.router_bench
+	$(BIN)/python -m bench.soak_bench
 
 # loadgen: the simulator's experiments (deterministic, CPU only) and the real-cluster runs; results in bench/results/
 sim: setup

@@ -2,7 +2,8 @@
 
 One module-scoped cluster: a real etcd, a prefill worker, two decode workers, two routers (`--mode disagg`,
 so every request is prefilled remotely and its KV transferred) and two frontends (A: the defaults, with a short
-stall timeout; B: `--migration-limit 0 --max-concurrent-requests 2`). The first test records the fault-free
+stall timeout and a loose KV budget, so a burst onto one tiny decode pool is that worker's queue to absorb rather
+than the edge's to shed; B: `--migration-limit 0 --max-concurrent-requests 2`). The first test records the fault-free
 output of a batch (greedy requests and seeded sampled ones); every fault then runs the same batch and checks
 that each request's token stream is *identical* to it — no token duplicated, missing or changed — or, where the
 fault leaves no way to finish, ends with the documented OpenAI-style error; that nothing runs past its
@@ -90,7 +91,8 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalCluster]:
     log_dir = str(tmp_path_factory.mktemp("chaos"))
 
     def start(etcd_url: str) -> list[Proc]:
-        fe = ["--request-timeout-s", str(REQUEST_TIMEOUT_S), "--worker-stall-timeout-s", str(STALL_TIMEOUT_S)]
+        fe = ["--request-timeout-s", str(REQUEST_TIMEOUT_S), "--worker-stall-timeout-s", str(STALL_TIMEOUT_S),
+              "--admission-kv-factor", "8"]  # fmt: skip
         return [
             start_process(
                 "services.prefill.server",
@@ -401,6 +403,69 @@ def test_overload_is_429_with_retry_after_and_every_admitted_request_completes(c
         )
     for o in admitted:
         assert o.error is None and o.tokens == REFERENCE[o.spec].tokens
+
+
+TINY_POOL_BLOCKS = 8  # 128 tokens: two of the batch's requests (~37 prompt + 20 output tokens) at a time
+FP32_BLOCK_BYTES = (
+    30 * 2 * 3 * 64 * 16 * 4
+)  # SmolLM2's layers x (K, V) x kv heads x head dim x block x float32
+
+
+def test_a_burst_that_overfills_a_tiny_decode_kv_pool_waits_for_blocks_and_completes_identically(
+    cluster: LocalCluster,
+) -> None:
+    """Alone in the cluster, a decode worker whose pool holds two requests gets the whole batch at once: the rest
+    wait in its queue for blocks (seen in its load reports and in the requests' decode_queue_s), none fails or
+    migrates, and every stream is the unloaded one."""
+    tiny = add_worker(cluster, "services.decode.server", "decode-tiny",
+                      "--kv-cache-bytes", str(TINY_POOL_BLOCKS * FP32_BLOCK_BYTES))  # fmt: skip
+    others = [cluster.procs[w].popen for w in ("decode-a", "decode-b")]
+    base = url(cluster, "frontend-a")
+
+    def decodes_seen() -> int:
+        return int(httpx.get(f"{base}/health").json()["workers"]["decode"])
+
+    async def watch_queue(progress: list[int]) -> None:
+        # requests running and others queued behind them for blocks, in the worker's own load report
+        await wait_for_load(
+            tiny_endpoint, pb_grpc.DecodeWorkerStub, lambda s: s.running > 0 and s.waiting > 0, 60
+        )
+
+    for p in others:
+        p.send_signal(signal.SIGSTOP)  # hung for a while: their leases expire and they leave discovery
+    try:
+        run(lambda: until(lambda: decodes_seen() == 1, 30), 40)
+        time.sleep(1.0)  # the routers' watches see the same
+        tiny_endpoint = next(w.endpoint for w in _decode_infos(cluster) if w.worker_id == "decode-tiny")
+        outcomes = run(lambda: run_batch(base, watch_queue), 150)
+    finally:
+        for p in others:
+            p.send_signal(signal.SIGCONT)
+    run(lambda: until(lambda: decodes_seen() == 3, 30), 40)
+    row = check_and_record(cluster, f"burst over one decode pool of {TINY_POOL_BLOCKS} blocks", outcomes)
+    assert row["identical"] == len(BATCH) and row["causes"] == []  # busy, not failed: nothing migrated
+    ids = {o.request_id for o in outcomes}
+    waits = sorted(
+        line["decode_queue_s"] for line in _lines(cluster.procs["frontend-a"]) if line["request_id"] in ids
+    )
+    assert len(waits) == len(BATCH) and waits[-1] > 0, waits
+    tiny.popen.send_signal(signal.SIGTERM)  # the later faults expect the two regular decode workers
+    assert tiny.popen.wait(30) == 0
+    time.sleep(1.0)
+
+
+def _decode_infos(cluster: LocalCluster) -> list[Any]:
+    from services.discovery import WorkerDirectory
+
+    async def listed() -> list[Any]:
+        d = WorkerDirectory(cluster.etcd.url, roles=("decode",))
+        await d.start()
+        try:
+            return d.workers("decode")
+        finally:
+            await d.close()
+
+    return run(listed)
 
 
 # ---- the slower faults: `make chaos` --------------------------------------------------------------------------

@@ -563,8 +563,10 @@ def test_models_health_and_registration(lonely: tuple[str, str]) -> None:
     url, etcd_url = lonely
     models = httpx.get(f"{url}/v1/models").json()
     assert [m["id"] for m in models["data"]] == [MODEL] and models["data"][0]["max_model_len"] == 8192
-    health = httpx.get(f"{url}/health").json()
-    assert health["status"] == "ok" and health["workers"] == {"router": 0, "prefill": 0, "decode": 0}
+    reply = httpx.get(f"{url}/health")  # readiness: no decode worker is routable yet
+    health = reply.json()
+    assert reply.status_code == 503 and health["status"] == "unavailable"
+    assert health["workers"] == {"router": 0, "prefill": 0, "decode": 0}
 
     async def registered() -> list[pb.WorkerInfo]:
         directory = WorkerDirectory(etcd_url, roles=("frontend",))

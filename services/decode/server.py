@@ -13,7 +13,10 @@ DATA_LOSS (bytes differ from what was published), within the deadline.
 
 Each engine output becomes one `DecodeChunk`; token indices count from the start of the whole output, so a
 request resumed with `emitted_token_ids` continues where it stopped. The first chunk of a pulled request reports
-the transfer's bytes, seconds and backend.
+the transfer's bytes, seconds and backend, and every first chunk the seconds the request waited in this worker's
+queue. A full KV pool is a wait, never an error: the request queues in the engine until its blocks can be
+allocated (bounded by the call's deadline), sending an empty `waiting` chunk every `QUEUE_HEARTBEAT_S` so the
+caller knows the worker is busy, not hung; the wait is observed as `queue{role=decode}` and a `kv_admission` span.
 
 This room must never hold state past a request's stream, or talk to the router; the only other worker it
 calls is a KV producer, to pull and to acknowledge.
@@ -50,7 +53,7 @@ from services.runtime.args import (
     add_kv_transfer_arguments,
     add_service_arguments,
 )
-from services.runtime.async_engine import AsyncEngine, RequestTiming
+from services.runtime.async_engine import AsyncEngine, RequestStream, RequestTiming
 from services.runtime.errors import (
     KV_UNAVAILABLE_PREFIX,
     KvDataLossError,
@@ -69,6 +72,12 @@ log = logging.getLogger("rackserve.decode")
 ROLE = "decode"
 SERVICE_NAME = "rackserve.v1.DecodeWorker"
 GATED_METHODS = (f"/{SERVICE_NAME}/Decode",)
+# While a request waits in the engine's queue (its KV blocks not yet free) the stream sends an empty `waiting`
+# chunk this often, well inside any caller's stall timeout. A starved CPU can make one step take tens of seconds
+# (busy, not hung; a stopped process sends nothing anyway), so only an engine that has not stepped for
+# ENGINE_STUCK_S (a step stuck for good) sends none.
+QUEUE_HEARTBEAT_S = 1.0
+ENGINE_STUCK_S = 120.0
 
 
 class DecodeWorker(EngineWorker, pb_grpc.DecodeWorkerServicer):
@@ -114,7 +123,10 @@ class DecodeWorker(EngineWorker, pb_grpc.DecodeWorkerServicer):
         async with self.engine.generate(
             request_id, request.prompt_token_ids, params, output_ids=request.emitted_token_ids, kv=kv
         ) as stream:
-            async for out in stream:
+            async for out in _with_heartbeats(stream, self.engine):
+                if out is None:  # still queued for KV blocks (or a slow step): busy, not hung
+                    yield pb.DecodeChunk(waiting=True)
+                    continue
                 if out.finish_reason == "abort" and self.host.gate.draining:
                     raise WorkerUnavailableError(
                         f"worker {self.host.worker_id} drained before request {request_id!r} finished; "
@@ -128,11 +140,13 @@ class DecodeWorker(EngineWorker, pb_grpc.DecodeWorkerServicer):
                 )
                 if first:
                     chunk.prompt_tokens, chunk.cached_tokens = out.num_prompt_tokens, out.num_cached_tokens
+                    chunk.queue_s = stream.timing.queue_s
                     if pulled is None:  # aggregated: this worker ran the prompt
                         self._local_prefill_span(traceparent, request_id, stream.timing, out)
                     if pulled is not None:
                         chunk.transfer_bytes, chunk.transfer_s = pulled.bytes, pulled.seconds
                         chunk.transfer_backend = pulled.backend
+                        self._admission_span(traceparent, request_id, stream.timing)
                     first = False
                 index += len(out.new_token_ids)
                 yield chunk
@@ -161,6 +175,23 @@ class DecodeWorker(EngineWorker, pb_grpc.DecodeWorkerServicer):
         )
         self.observe_prompt(span, request_id, timing, out.num_prompt_tokens, out.num_cached_tokens)
         span.end(end_time=tracing.unix_ns(start_unix_s + timing.queue_s + timing.compute_s))
+
+    def _admission_span(self, traceparent: str, request_id: str, timing: RequestTiming) -> None:
+        """The wait of pulled KV for blocks in this worker's pool: queue time, in the metrics and the trace."""
+        metrics.QUEUE_S.labels(ROLE).observe(timing.queue_s)
+        start_unix_s = tracing.monotonic_to_unix_s(timing.submitted_s)
+        span = tracing.tracer().start_span(
+            "kv_admission",
+            context=tracing.context_of(traceparent),
+            kind=tracing.SpanKind.SERVER,
+            start_time=tracing.unix_ns(start_unix_s),
+            attributes={
+                tracing.REQUEST_ID: request_id,
+                "rackserve.worker_id": self.host.worker_id,
+                "rackserve.queue_s": timing.queue_s,
+            },
+        )
+        span.end(end_time=tracing.unix_ns(start_unix_s + timing.queue_s))
 
     async def _pull(
         self, request_id: str, handle: pb.KvHandle, num_prompt_tokens: int, span: trace.Span
@@ -259,6 +290,29 @@ class DecodeWorker(EngineWorker, pb_grpc.DecodeWorkerServicer):
         if self._acks:
             await asyncio.gather(*self._acks, return_exceptions=True)
         await asyncio.gather(*(c.close(grace=None) for c in self._producers.values()), return_exceptions=True)
+
+
+async def _with_heartbeats(stream: RequestStream, engine: AsyncEngine) -> AsyncIterator[RequestOutput | None]:
+    """The stream's outputs, and None after every QUEUE_HEARTBEAT_S without one while the engine is still
+    stepping: a request waiting for KV blocks behind a full pool keeps its caller's stall timer from firing.
+    A stuck engine thread sends no heartbeats, so the caller still sees a hung worker as one."""
+    task: asyncio.Future[RequestOutput | None] | None = None
+    try:
+        while True:
+            if task is None:
+                task = asyncio.ensure_future(anext(stream, None))
+            done, _ = await asyncio.wait({task}, timeout=QUEUE_HEARTBEAT_S)
+            if not done:
+                if engine.progress_age_s() < ENGINE_STUCK_S:
+                    yield None
+                continue
+            out, task = task.result(), None
+            if out is None:
+                return
+            yield out
+    finally:
+        if task is not None:
+            task.cancel()
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

@@ -1,7 +1,9 @@
 """A worker's presence in etcd: its WorkerInfo under a lease that a background task keeps alive.
 
 The worker is listed while it renews the lease; a crashed or hung worker vanishes when the lease expires, and a
-draining worker deletes its key first (`close()`), so it disappears for everyone at once. Losing etcd never
+draining worker deletes its key first (`close()`), so it disappears for everyone at once. The keep-alive runs on
+an event loop of its own, in its own thread: a worker whose serving loop is saturated (an engine at full load,
+thousands of streams) is busy, not dead, and must not drop out of discovery for it. Losing etcd never
 crashes the worker: the task retries with backoff, and if the lease expired meanwhile it grants a new one and
 writes the key again by itself. Never put request data here: etcd carries liveness and endpoints only.
 """
@@ -12,7 +14,10 @@ import asyncio
 import contextlib
 import logging
 import math
+import threading
 import time
+from collections.abc import Coroutine
+from typing import Any, TypeVar
 
 import aetcd
 
@@ -31,6 +36,8 @@ from services.discovery.keys import encode_worker_info, worker_key
 from services.rpc import pb
 
 log = logging.getLogger("rackserve.discovery")
+
+T = TypeVar("T")
 
 
 class Registration:
@@ -60,8 +67,10 @@ class Registration:
         self._key_revision: int | None = None  # mod revision of our last put; None until the key is in etcd
         self._lease_ttl_s = float(math.ceil(ttl_s))
         self._renewed_at = 0.0  # time.monotonic() when the last successful grant/refresh was sent
-        self._task: asyncio.Task[None] | None = None
+        self._task: asyncio.Task[None] | None = None  # the keep-alive, on self._loop
         self._closed = False
+        self._loop = asyncio.new_event_loop()  # the lease's own loop: etcd client, keep-alive, close
+        self._thread = threading.Thread(target=self._loop.run_forever, name=f"lease {self.key}", daemon=True)
 
     @classmethod
     async def start(
@@ -74,19 +83,28 @@ class Registration:
     ) -> Registration:
         """Register now if etcd answers; otherwise return anyway and keep trying in the background."""
         reg = cls(etcd_url, info, ttl_s, request_timeout_s, security)
+        reg._thread.start()
+        await reg._on_own_loop(reg._first_registration())
+        return reg
+
+    async def _on_own_loop(self, coro: Coroutine[Any, Any, T]) -> T:
+        return await asyncio.wrap_future(asyncio.run_coroutine_threadsafe(coro, self._loop))
+
+    async def _first_registration(self) -> None:
         try:
-            await reg._connect()
-            await reg._register()
+            await self._connect()
+            await self._register()
         except Exception as e:
             log.warning(
                 "etcd %s: could not register %s yet (%s); retrying in the background",
-                reg._url,
-                reg.key,
+                self._url,
+                self.key,
                 describe(e),
             )
-            await reg._drop_client()
-        reg._task = asyncio.get_running_loop().create_task(reg._keep_alive(), name=f"registration {reg.key}")
-        return reg
+            await self._drop_client()
+        self._task = asyncio.get_running_loop().create_task(
+            self._keep_alive(), name=f"registration {self.key}"
+        )
 
     @property
     def registered(self) -> bool:
@@ -108,6 +126,17 @@ class Registration:
         if self._closed:
             return
         self._closed = True
+        if not self._thread.is_alive():  # never started
+            self._loop.close()
+            return
+        try:
+            await self._on_own_loop(self._deregister())
+        finally:
+            self._loop.call_soon_threadsafe(self._loop.stop)
+            await asyncio.to_thread(self._thread.join)
+            self._loop.close()
+
+    async def _deregister(self) -> None:
         if self._task is not None:
             self._task.cancel()
             with contextlib.suppress(asyncio.CancelledError):

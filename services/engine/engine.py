@@ -215,6 +215,9 @@ class LLMEngine:
         self._prefix_hits = self._prefix_queries = self._preemptions = 0
         self._step_s = 0.0
         self._last_batch = 0
+        self._pending_kv: dict[
+            str, bytes | torch.Tensor
+        ] = {}  # request id -> imported KV waiting for its blocks
         self.graphs: DecodeGraphs | None = None
         if device.type == "cuda" and not cfg.enforce_eager and self.attention_backend == "triton":
             from services.engine.cuda_graphs import DecodeGraphs
@@ -297,6 +300,7 @@ class LLMEngine:
 
     def abort(self, request_id: str) -> None:
         self._matchers.pop(request_id, None)
+        self._pending_kv.pop(request_id, None)
         req = self.requests.pop(request_id, None)
         if req is not None and not req.finished:
             self.scheduler.finish(req, "abort")
@@ -317,6 +321,8 @@ class LLMEngine:
         t0 = time.perf_counter()
         decision = self.scheduler.schedule()
         self._preemptions += len(decision.preempted)
+        for request_id in decision.imported:
+            self._write_imported(request_id)
         if decision.empty:
             return []
         sampled = self._execute(decision)
@@ -539,20 +545,30 @@ class LLMEngine:
         if n == req.num_tokens:
             # a step must compute at least the last token to produce logits: keep all but that token
             n -= 1
-        try:
-            ids = self.blocks.allocate(nblocks)
-        except NoFreeBlocksError as e:
-            raise NoFreeBlocksError(f"cannot import KV for {req.request_id!r}: {e}") from e
+        if nblocks > self.blocks.num_blocks:  # could never be admitted: refuse rather than wait forever
+            raise NoFreeBlocksError(
+                f"cannot import KV for {req.request_id!r}: {nblocks} blocks, the whole cache has "
+                f"{self.blocks.num_blocks}"
+            )
+        # The blocks are allocated when the scheduler admits the request, not now: a full pool is a wait in the
+        # queue (the bytes wait here), never a failure.
+        req.import_tokens, req.import_blocks = n, nblocks
+        self._pending_kv[req.request_id] = kv.data
+
+    def _write_imported(self, request_id: str) -> None:
+        """The scheduler just gave an importing request its blocks: copy the KV it brought into them."""
+        data = self._pending_kv.pop(request_id)
+        req = self.requests[request_id]
+        size = data.numel() * data.element_size() if isinstance(data, torch.Tensor) else len(data)
+        nblocks = size // self.kv.block_bytes
         shape = (nblocks, *self.kv.data.shape[:3], self.kv.block_size, self.kv.data.shape[-1])
-        if isinstance(kv.data, torch.Tensor):  # device-direct (CUDA IPC): blocks already on a device
-            src = kv.data.to(self.device).view(shape)
+        if isinstance(data, torch.Tensor):  # device-direct (CUDA IPC): blocks already on a device
+            src = data.to(self.device).view(shape)
         else:  # staged bytes: pinned host copy, then one upload
-            src = torch.frombuffer(bytearray(kv.data), dtype=torch.uint8).view(self.kv.dtype).view(shape)
+            src = torch.frombuffer(bytearray(data), dtype=torch.uint8).view(self.kv.dtype).view(shape)
             if self.device.type == "cuda":
                 src = src.pin_memory().to(self.device, non_blocking=True)
-        self.kv.write_blocks(self._h2d(ids), src)
-        req.block_ids = ids
-        req.num_computed_tokens = n
+        self.kv.write_blocks(self._h2d(req.block_ids[:nblocks]), src)
 
 
 def _attention_backend(wanted: str, device: torch.device) -> str:

@@ -2,7 +2,9 @@
 
 Each step has a token budget. Running sequences go first (a decode needs one token; a sequence still in its
 prompt gets a chunk), then waiting ones are admitted in arrival order while the budget, the sequence limit and
-the free KV blocks allow (prompts longer than the budget are prefilled in chunks across steps). When a running
+the free KV blocks allow (prompts longer than the budget are prefilled in chunks across steps). A request that
+brings its KV (imported from a prefill worker) gets its blocks at admission too: while the pool is full it waits
+in the queue, in order, and never fails for it. When a running
 sequence needs a block and none is free, the most recently admitted sequence is preempted: its blocks are
 released and it is recomputed later from its tokens (prefix caching usually makes that cheap).
 
@@ -44,6 +46,10 @@ class Request:
     hold_kv: bool = False  # keep blocks after finishing until released (prefill workers, for transfer)
     num_preemptions: int = 0
     first_token_s: float | None = None
+    # KV that arrives with the request (imported from a prefill worker): the tokens it covers and the blocks it
+    # needs. They are allocated at admission, not at arrival, so a full pool means waiting in the queue.
+    import_tokens: int = 0
+    import_blocks: int = 0
 
     @property
     def all_ids(self) -> list[int]:
@@ -71,6 +77,7 @@ class SchedulerOutput:
     chunks: list[ScheduledChunk]
     preempted: list[str]
     num_batched_tokens: int
+    imported: list[str] = field(default_factory=list)  # admitted now with imported KV: write it first
 
     @property
     def empty(self) -> bool:
@@ -98,6 +105,7 @@ class Scheduler:
         preempted: list[str] = []
         bs = self.blocks.block_size
 
+        imported: list[str] = []
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
@@ -125,6 +133,22 @@ class Scheduler:
             req = self.waiting[0]
             cached: list[int] = []
             hashes: list[int] = []
+            if req.import_blocks:  # it brought its KV: blocks for it and this chunk, or keep waiting
+                start = req.import_tokens
+                n = min(req.num_tokens - start, budget)
+                need = max(req.import_blocks, self.blocks.blocks_for(start + n))
+                if need > self.blocks.free_after_acquiring([]):
+                    break
+                self.waiting.popleft()
+                req.block_ids = self.blocks.allocate(need)
+                req.num_computed_tokens = start
+                req.import_tokens = req.import_blocks = 0
+                req.status = RequestStatus.RUNNING
+                self.running.append(req)
+                imported.append(req.request_id)
+                chunks.append(ScheduledChunk(req.request_id, start, n, start + n == req.num_tokens))
+                budget -= n
+                continue
             if not req.block_ids:  # fresh or preempted: look for its prefix in the cache
                 # leave at least one token to compute, so the step yields logits to sample from
                 hashes = block_hashes(req.all_ids[: req.num_tokens - 1], bs)
@@ -147,7 +171,7 @@ class Scheduler:
             self.running.append(req)
             chunks.append(ScheduledChunk(req.request_id, start, n, start + n == req.num_tokens))
             budget -= n
-        return SchedulerOutput(chunks, preempted, self.max_num_batched_tokens - budget)
+        return SchedulerOutput(chunks, preempted, self.max_num_batched_tokens - budget, imported)
 
     def _preempt(self, req: Request) -> None:
         self.running.remove(req)

@@ -1,5 +1,5 @@
-"""The FastAPI app: OpenAI's `/v1/chat/completions`, `/v1/completions` and `/v1/models`, plus `/health` and
-`/metrics`.
+"""The FastAPI app: OpenAI's `/v1/chat/completions`, `/v1/completions` and `/v1/models`, plus `/health`
+(readiness), `/livez` (liveness) and `/metrics`.
 
 A request is validated (dependencies.py), tokenized here, checked against the model's context length, handed
 to the coordinator as a `RequestState`, and answered from the tokens it yields — as one JSON body, or as
@@ -8,9 +8,11 @@ that fails before then (no worker, a worker refusing the request, the deadline) 
 its status; after that, a failure ends the stream with an OpenAI-style error event. A client that goes away
 cancels the worker's call, streaming or not.
 
-Admission is bounded: past `max_concurrent_requests` requests in flight, a new one is answered at once with
-429 and `Retry-After` (errors.overloaded) instead of queueing without bound; every request admitted ends with
-its completion or an explicit error.
+Admission is bounded, and decided before any work starts: past `max_concurrent_requests` requests in flight, or
+when the KV tokens in flight would pass `admission_kv_factor` times what the decode workers report they hold
+(`Frontend.admit`), a new one is answered at once with 429 and `Retry-After` (errors.overloaded) instead of
+queueing without bound; every request admitted ends with its completion or an explicit error. `/health` is
+readiness: 503 while no decode worker is routable.
 """
 
 from __future__ import annotations
@@ -29,7 +31,7 @@ from typing import Annotated, Any, Protocol, TypeVar
 
 import httpx
 from fastapi import APIRouter, Depends, FastAPI, Request, Response
-from fastapi.responses import StreamingResponse
+from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import BaseModel
 from starlette.types import Receive, Scope, Send
 
@@ -94,6 +96,9 @@ DEFAULT_MAX_MODEL_LEN = 8192
 COMPLETIONS_DEFAULT_MAX_TOKENS = (
     16  # OpenAI's default for /v1/completions; chat defaults to the rest of the context
 )
+# The output a request is charged for at admission, at most: a chat request without max_tokens may run to the end
+# of the context, but charging it that would admit a handful; past this, preemption shares the pool instead.
+ADMISSION_OUTPUT_TOKENS = 256
 
 
 @dataclass
@@ -105,6 +110,9 @@ class FrontendConfig:
     # API keys and the per-key rate limit (services/frontend/auth.py); none: the API is open
     auth: AuthConfig = field(default_factory=AuthConfig)
     max_concurrent_requests: int = 0  # requests in flight before new ones get 429 (0: no limit)
+    # KV tokens admitted in flight, as a multiple of what the decode workers report they hold, before new ones
+    # get 429 (0: no KV budget). 1.0 = one full pool running; above it the rest waits in the workers' queues.
+    admission_kv_factor: float = 0.0
 
 
 class Frontend:
@@ -127,12 +135,51 @@ class Frontend:
         self.grammars = Grammars(tokenizer, tokenizer.vocab_size, tokenizer.stop_token_ids)
         self.created = int(time.time())
         self.in_flight = 0
+        self.kv_in_flight = 0  # KV tokens charged to the requests in flight (ADMISSION_OUTPUT_TOKENS)
+        self._kv_charged: dict[str, int] = {}  # request id -> its charge
+
+    def kv_budget(self) -> tuple[int, int]:
+        """(this frontend's budget of KV tokens in flight, the decode workers' total capacity in tokens).
+
+        From what the routable decode workers advertise in discovery, shared evenly among the frontends."""
+        capacity = sum(w.kv_capacity_blocks * (w.block_size or 16) for w in self.directory.workers("decode"))
+        frontends = max(1, len(self.directory.workers("frontend")))
+        return int(capacity * self.config.admission_kv_factor / frontends), capacity
+
+    def admit(self, endpoint: str, states: list[RequestState]) -> None:
+        """Take the request (all its choices) or refuse it with 429 + Retry-After, before any work starts."""
+        limit = self.config.max_concurrent_requests
+        if limit and self.in_flight >= limit:
+            metrics.REQUESTS.labels(endpoint, "429").inc()
+            raise overloaded(f"the frontend is serving its limit of {limit} concurrent requests "
+                             "(--max-concurrent-requests); retry later")  # fmt: skip
+        charge = sum(
+            len(st.prompt_token_ids) + min(st.params.max_tokens, ADMISSION_OUTPUT_TOKENS) for st in states
+        )
+        budget, capacity = self.kv_budget() if self.config.admission_kv_factor > 0 else (0, 0)
+        # with nothing in flight a request is always taken (even one larger than the budget): it can only wait
+        if budget and self.kv_in_flight and self.kv_in_flight + charge > budget:
+            metrics.REQUESTS.labels(endpoint, "429").inc()
+            raise overloaded(
+                f"the cluster is at capacity: {self.kv_in_flight} KV tokens in flight, this request needs "
+                f"{charge}, the budget is {budget} ({self.config.admission_kv_factor:g} x the {capacity} tokens "
+                "the decode workers hold, --admission-kv-factor); retry later"
+            )
+        self.in_flight += 1
+        self.kv_in_flight += charge
+        self._kv_charged[states[0].request_id] = charge
 
     def max_model_len(self) -> int:
+        """The context a request may use: configured, else the decode workers' smallest; never more than the
+        smallest decode worker's whole KV cache holds (such a request could only fail after its first token)."""
+        decodes = self.directory.workers("decode")
         if self.config.max_model_len > 0:
-            return self.config.max_model_len
-        advertised = [w.max_model_len for w in self.directory.workers("decode") if w.max_model_len > 0]
-        return min(advertised) if advertised else DEFAULT_MAX_MODEL_LEN
+            limit = self.config.max_model_len
+        else:
+            advertised = [w.max_model_len for w in decodes if w.max_model_len > 0]
+            limit = min(advertised) if advertised else DEFAULT_MAX_MODEL_LEN
+        held = [w.kv_capacity_blocks * (w.block_size or 16) for w in decodes if w.kv_capacity_blocks > 0]
+        return min([limit, *held])
 
     def check_model(self, model: str) -> None:
         if model != self.config.served_model_name:
@@ -261,23 +308,18 @@ class Frontend:
     ) -> Response:
         """Answer with every choice in `states`, `per_prompt` consecutive ones per prompt (or, for best_of,
         the `keep` with the highest cumulative logprob, renumbered 0..keep-1)."""
-        limit = self.config.max_concurrent_requests
-        if limit and self.in_flight >= limit:
-            metrics.REQUESTS.labels(endpoint, "429").inc()
-            raise overloaded(f"the frontend is serving its limit of {limit} concurrent requests "
-                             "(--max-concurrent-requests); retry later")  # fmt: skip
+        self.admit(endpoint, states)
         echoes: list[str | None] = (
             [None] * len(states) if echo is None else [echo[i // per_prompt] for i in range(len(states))]
         )
         pieces = _merged(
             [self._pieces(state, body, echo) for state, echo in zip(states, echoes, strict=True)]
         )
-        self.in_flight += 1
         metrics.REQUESTS_IN_FLIGHT.labels(endpoint).inc()
         # the client's own x-request-id comes back as it was sent (vLLM does the same); ours is always in
         # x-rackserve-request-id, the key of the timeline, the traces and the request log
         ours = states[0].request_id
-        headers = {"x-request-id": client_request_id or ours, "x-rackserve-request-id": ours}
+        headers = {"x-request-id": states[0].client_request_id or ours, "x-rackserve-request-id": ours}
         try:
             if not body.stream:
                 answers = await _unless_disconnected(request, _collect(pieces, len(states)))
@@ -357,6 +399,7 @@ class Frontend:
         self, endpoint: str, states: list[RequestState], status: int, error_type: str | None = None
     ) -> None:
         self.in_flight -= 1
+        self.kv_in_flight -= self._kv_charged.pop(states[0].request_id, 0)
         metrics.REQUESTS_IN_FLIGHT.labels(endpoint).dec()
         metrics.REQUESTS.labels(endpoint, str(status)).inc()
         if status >= 400:
@@ -917,11 +960,29 @@ async def list_models(fe: FrontendDep) -> ModelList:
     return ModelList(data=[card])
 
 
+@api.get("/livez")
+async def livez() -> dict[str, str]:
+    """Liveness: the process serves HTTP (what a restart would fix); readiness is /health."""
+    return {"status": "ok"}
+
+
 @api.get("/health")
-async def health(fe: FrontendDep) -> dict[str, object]:
-    """The frontend is up; the counts say whether it can serve (a router and a decode worker)."""
+async def health(fe: FrontendDep) -> JSONResponse:
+    """Readiness: 200 with the worker counts while a decode worker is routable (registered, not suppressed
+    after a failure), else 503 with the same body, so a load balancer stops sending until one is back."""
     workers = {role: len(fe.directory.workers(role)) for role in ("router", "prefill", "decode")}
-    return {"status": "ok", "model": fe.config.served_model_name, "workers": workers}
+    budget, capacity = fe.kv_budget()
+    ready = workers["decode"] > 0
+    body: dict[str, object] = {
+        "status": "ok" if ready else "unavailable",
+        "model": fe.config.served_model_name,
+        "workers": workers,
+        "in_flight": fe.in_flight,
+        "kv_tokens": {"in_flight": fe.kv_in_flight, "budget": budget, "capacity": capacity},
+    }
+    if not ready:
+        body["reason"] = "no decode worker is routable"
+    return JSONResponse(body, status_code=200 if ready else 503)
 
 
 @api.get("/v1/requests/{request_id}/timeline")

@@ -14,9 +14,11 @@ client's cursor into them, and the phase, with a timestamp per transition — th
   once, so TTFT never waits for the KV transfer → Decode(kv=handle, emitted=[first]) on the decode worker
   (TRANSFERRING until its first chunk, which reports the transfer's bytes, seconds and backend) → DECODING.
 A broken call (reset, error status, a worker silent for `stall_timeout_s`, a stream that ends early) is a
-`WorkerLost`. `_migrate` reports the worker to every router at once, records a `Migration` (cause, path,
-from/to worker, times — data the trace and metrics are built from) and starts the next attempt from the
-frozen state, excluding every worker that failed this request:
+`WorkerLost`. A busy worker is not a broken one: a decode worker whose KV pool is full queues the request and
+sends `waiting` keepalives (no tokens) until its blocks free up, which restart the stall timer and are never a
+migration; the time spent so is `decode_queue_s` in the request's log line. `_migrate` reports the worker to
+every router at once, records a `Migration` (cause, path, from/to worker, times — data the trace and metrics are
+built from) and starts the next attempt from the frozen state, excluding every worker that failed this request:
 - re-transfer: the prefill worker still holds the prompt's KV (the decode side acknowledges only when its
   stream ends, the coordinator extends the hold while the stream runs and releases it when the request ends)
   → Decode(kv, emitted) elsewhere;
@@ -195,6 +197,7 @@ class RequestState:
     migration_log: list[Migration] = field(default_factory=list)  # one entry per migration, in order
     held_kv: pb.KvHandle | None = None  # the prompt's KV a prefill worker holds for this request
     hold_ttl_s: float = 0.0  # how long the prefill worker holds it per grant (what ExtendHold asks for)
+    decode_queue_s: float = 0.0  # seconds in decode workers' queues (waiting for KV blocks), all attempts
 
     def __post_init__(self) -> None:
         if not self.timeline:
@@ -279,6 +282,7 @@ class RequestState:
                 else None
             ),
             "route_reason": self.plan.reason if self.plan is not None else None,
+            "decode_queue_s": round(self.decode_queue_s, 6),
             "migrations": self.migrations,
             "migration_log": [m.as_dict() for m in self.migration_log],
             "timeline_s": [[p.value, round(t - start, 6)] for p, t in self.timeline],
@@ -505,7 +509,8 @@ class Coordinator:
                 request, metadata=state.metadata(), timeout=timeout_s
             )
         except grpc.aio.AioRpcError as e:
-            metrics.WORKER_FAILURES.labels("prefill", e.code().name).inc()
+            if e.code() != grpc.StatusCode.RESOURCE_EXHAUSTED:  # a full worker is busy, not failed
+                metrics.WORKER_FAILURES.labels("prefill", e.code().name).inc()
             detail = f"{e.code().name}: {e.details()}"
             if e.code() == grpc.StatusCode.DEADLINE_EXCEEDED and state.deadline_s > time.monotonic():
                 error = ApiError(504, f"{peer} answered nothing for {timeout_s:g}s", "timeout_error",
@@ -538,9 +543,12 @@ class Coordinator:
                 chunk = await self._next_chunk(state, call, worker, peer)
                 if chunk is None:
                     raise DecodeStreamBroken(f"{peer} ended the stream before the request finished")
+                if chunk.waiting:  # queued behind a full KV pool: busy, not failed; the stall timer restarts
+                    continue
                 now = time.monotonic()
                 if first_chunk:
                     first_chunk = False
+                    state.decode_queue_s += chunk.queue_s
                     self._migration_ended(state, "resumed")
                 if state.phase in (Phase.PREFILLING, Phase.TRANSFERRING):
                     state.advance(Phase.DECODING)
@@ -567,7 +575,8 @@ class Coordinator:
                 if tokens:
                     yield TokenBatch(tokens)
         except grpc.aio.AioRpcError as e:
-            metrics.WORKER_FAILURES.labels("decode", e.code().name).inc()
+            if e.code() != grpc.StatusCode.RESOURCE_EXHAUSTED:  # a full worker is busy, not failed
+                metrics.WORKER_FAILURES.labels("decode", e.code().name).inc()
             detail = f"{e.code().name}: {e.details()}"
             if kv is not None and first_chunk and _is_transfer_failure(e):
                 # The pull failed, not the decode worker: the prefill copy is gone (or bad), so rebuild.

@@ -63,6 +63,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_flag(g, "--max-body-bytes", 4 << 20, "largest request body accepted (413 above)", int)
     add_flag(g, "--max-concurrent-requests", 256, "requests in flight before new ones get 429 with "
              "Retry-After (0: no limit)", int)  # fmt: skip
+    add_flag(g, "--admission-kv-factor", 2.0, "KV tokens in flight (prompt + up to 256 output tokens each) allowed "
+             "as a multiple of what the decode workers hold, before new requests get 429 with Retry-After "
+             "(1: one full pool; above it the rest waits in the workers' queues; 0: no KV budget)", float)  # fmt: skip
     add_flag(g, "--migration-limit", DEFAULT_MIGRATION_LIMIT, "times one request may move to another worker "
              "after a failure before it fails with migration_limit_exceeded", int)  # fmt: skip
     add_flag(g, "--worker-stall-timeout-s", DEFAULT_STALL_TIMEOUT_S, "a worker that sends nothing on a live "
@@ -113,6 +116,7 @@ async def serve(args: argparse.Namespace) -> None:
             load_api_keys(args.api_key, args.api_key_file), args.rate_limit_rps, args.rate_limit_burst
         ),
         max_concurrent_requests=args.max_concurrent_requests,
+        admission_kv_factor=args.admission_kv_factor,
     )
     if not config.auth.keys:
         log.warning("no API key configured: the API is open to anyone who can reach port %d", args.port)
@@ -120,7 +124,7 @@ async def serve(args: argparse.Namespace) -> None:
     tracing.configure(ROLE, worker_id, args.otlp_endpoint, args.otlp_batch_delay_ms)
     etcd_security = EtcdSecurity.from_args(args)
     directory = WorkerDirectory(
-        args.etcd, roles=("router", "decode", "prefill", "planner"), security=etcd_security
+        args.etcd, roles=("router", "decode", "prefill", "planner", "frontend"), security=etcd_security
     )
     await directory.start()
     coordinator = Coordinator(

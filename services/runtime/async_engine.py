@@ -172,6 +172,7 @@ class AsyncEngine:
         self._closed = False
         self.engine: LLMEngine | None = None  # read-only facts (fingerprint, layout) for the asyncio side
         self._stats: LoadStats | None = None
+        self._progress_s = time.monotonic()  # when the thread last handed back a step's or command's results
 
     @classmethod
     async def start(cls, factory: Callable[[], LLMEngine]) -> AsyncEngine:
@@ -229,6 +230,12 @@ class AsyncEngine:
         future: asyncio.Future[T] = self._loop.create_future()
         self._commands.put(_Call(fn, future))
         return await future
+
+    def progress_age_s(self) -> float:
+        """Seconds since the engine thread last reported back: large only if a step is stuck, or nothing runs."""
+        if self.engine is not None and self._stats is not None and self._stats.running == 0:
+            return 0.0  # idle or waiting only: there is no step to be stuck in
+        return time.monotonic() - self._progress_s
 
     def stats(self) -> LoadStats:
         """The latest snapshot, refreshed by the thread after every step and command."""
@@ -353,6 +360,7 @@ class AsyncEngine:
         events: list[KvEvent],
         stats: LoadStats,
     ) -> None:
+        self._progress_s = time.monotonic()
         self._dispatch(items, scheduled)
         if events:
             self._publish(events)
