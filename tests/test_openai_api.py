@@ -5,9 +5,6 @@ are reproducible, and what is not implemented is refused with a 400 naming it.""
 
 from __future__ import annotations
 
-import subprocess
-import sys
-import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -16,7 +13,7 @@ import pytest
 
 from services.engine.model_files import smollm2_gguf_path
 from services.engine.tokenizer import Tokenizer
-from tests.support.etcd import free_port
+from tests.support.cluster import rackserve_up
 
 MODEL = "SmolLM2-135M-Instruct"
 FRANCE = [{"role": "user", "content": "What is the capital of France?"}]
@@ -25,26 +22,9 @@ STORY = [{"role": "user", "content": "Tell me a short story about a cat."}]
 
 @pytest.fixture(scope="module")
 def url() -> Iterator[str]:
-    port = free_port()
-    cmd = [sys.executable, "-m", "services.cli", "up", "--port", str(port), "--dtype", "float32"]
-    cmd += ["--prefill", "1", "--decode", "1", "--mode", "disagg", "--threads", "1", "--quiet"]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    assert proc.stdout is not None
-    lines = []
-    deadline = time.monotonic() + 240
-    while time.monotonic() < deadline:
-        line = proc.stdout.readline()
-        if not line:
-            break
-        lines.append(line)
-        if "rackserve is ready" in line:
-            break
-    if proc.poll() is not None or not lines or "rackserve is ready" not in lines[-1]:
-        proc.kill()
-        pytest.fail("rackserve up did not become ready:\n" + "".join(lines[-30:]))
-    yield f"http://127.0.0.1:{port}"
-    proc.kill()
-    proc.wait(timeout=10)
+    flags = ("--dtype", "float32", "--prefill", "1", "--decode", "1", "--mode", "disagg", "--threads", "1")
+    with rackserve_up(*flags) as (_, base):
+        yield base
 
 
 @pytest.fixture(scope="module")

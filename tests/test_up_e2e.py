@@ -6,42 +6,19 @@ import concurrent.futures
 import os
 import signal
 import subprocess
-import sys
-import time
 
 import httpx
 import pytest
 
-from tests.support.etcd import free_port
+from tests.support.cluster import rackserve_up
 
 FRANCE = [{"role": "user", "content": "What is the capital of France?"}]
 
 
 @pytest.fixture(scope="module")
 def cluster():
-    port = free_port()
-    cmd = [sys.executable, "-m", "services.cli", "up", "--port", str(port), "--dtype", "float32"]
-    cmd += ["--prefill", "1", "--decode", "1", "--quiet"]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    assert proc.stdout is not None
-    lines = []
-    deadline = time.monotonic() + 240
-    while time.monotonic() < deadline:
-        line = proc.stdout.readline()
-        if not line:
-            break
-        lines.append(line)
-        if "rackserve is ready" in line:
-            break
-    else:
-        proc.kill()
-        pytest.fail("rackserve up did not become ready:\n" + "".join(lines[-30:]))
-    if proc.poll() is not None:
-        pytest.fail("rackserve up exited:\n" + "".join(lines[-30:]))
-    yield proc, f"http://127.0.0.1:{port}"
-    if proc.poll() is None:
-        proc.kill()
-        proc.wait(timeout=10)
+    with rackserve_up("--dtype", "float32", "--prefill", "1", "--decode", "1") as up:
+        yield up
 
 
 def test_openai_client_streams_the_capital_of_france(cluster):

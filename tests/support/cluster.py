@@ -163,3 +163,38 @@ async def decode(endpoint: str, request: pb.DecodeRequest) -> list[pb.DecodeChun
     async with grpc.aio.insecure_channel(endpoint) as channel:
         stub = pb_grpc.DecodeWorkerStub(channel)
         return [chunk async for chunk in stub.Decode(request, timeout=RPC_TIMEOUT_S)]
+
+
+@contextmanager
+def rackserve_up(*flags: str, ready_s: float = 240.0) -> Iterator[tuple[subprocess.Popen[str], str]]:
+    """A real `rackserve up` (etcd, router, workers, frontend) on a free port: (the launcher, the base URL).
+
+    Stopped with SIGTERM, so the launcher stops its children in order (a SIGKILLed launcher would leave them
+    running); killed only if it has not exited within its grace."""
+    from tests.support.etcd import free_port
+
+    port = free_port()
+    cmd = [sys.executable, "-m", "services.cli", "up", "--port", str(port), "--quiet", *flags]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    assert proc.stdout is not None
+    lines: list[str] = []
+    try:
+        deadline = time.monotonic() + ready_s
+        while time.monotonic() < deadline:
+            line = proc.stdout.readline()
+            if not line:
+                break
+            lines.append(line)
+            if "rackserve is ready" in line:
+                break
+        if proc.poll() is not None or not lines or "rackserve is ready" not in lines[-1]:
+            raise RuntimeError("rackserve up did not become ready:\n" + "".join(lines[-30:]))
+        yield proc, f"http://127.0.0.1:{port}"
+    finally:
+        if proc.poll() is None:
+            proc.terminate()
+            try:
+                proc.wait(timeout=45)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait(timeout=10)
