@@ -98,8 +98,9 @@ def test_v1_needs_a_known_bearer_key_and_answers_401_in_openai_shape(
         assert http.post("/v1/completions", content=b"{not json").status_code == 401
         ok = http.get("/v1/models", headers=_auth(KEY_ALL))
         assert ok.status_code == 200 and ok.json()["data"][0]["id"] == MODEL
-        # probes and scrapers need no key
-        assert http.get("/health").status_code == 200
+        # probes and scrapers need no key (this frontend has no decode worker: readiness says 503, not 401)
+        assert http.get("/livez").status_code == 200
+        assert http.get("/health").status_code == 503
         assert http.get("/metrics").status_code == 200
 
 

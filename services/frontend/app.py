@@ -1020,14 +1020,14 @@ async def plan(fe: FrontendDep) -> dict[str, Any]:
             return {"planner": p.worker_id, **r.json()}
         except (httpx.HTTPError, ValueError) as e:
             log.info("planner %s did not answer GET /plan: %s", p.worker_id, e)
-    raise ApiError(
-        503,
-        "no planner is running (start `rackserve planner`, or `rackserve up --planner`)"
-        if not planners
-        else "the planner did not answer",
-        SERVICE_UNAVAILABLE,
-        code="no_planner",
-    )
+    if not planners:  # the cluster runs without one: there is no plan to show (not a server fault)
+        raise ApiError(
+            404,
+            "this cluster runs no planner (start `rackserve planner`, or `rackserve up --planner`)",
+            NOT_FOUND,
+            code="no_planner",
+        )
+    raise ApiError(503, "the planner did not answer", SERVICE_UNAVAILABLE, code="planner_unavailable")
 
 
 @api.get("/metrics")
