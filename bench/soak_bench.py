@@ -256,11 +256,20 @@ def main() -> None:
         "--slo-ttft-s", type=float, default=2.5, help="goodput counts completions within this TTFT"
     )
     p.add_argument("--tokens-per-word", type=float, default=1.0, help="prompt tokens per generated word")
+    p.add_argument(
+        "--configs",
+        default=",".join(CONFIGS),
+        help=f"which frontends to run, comma-separated: {list(CONFIGS)}",
+    )
     args = p.parse_args()
+    configs = [c for c in args.configs.split(",") if c]
+    unknown = [c for c in configs if c not in CONFIGS]
+    if unknown:
+        p.error(f"--configs: unknown {unknown}; known: {list(CONFIGS)}")
     loads = [int(x) for x in args.loads.split(",")]
     segments: list[Segment] = []
     for load in loads:  # A/B/A/B over the run: budget, none at 2x, then budget, none at 4x
-        for config in CONFIGS:
+        for config in configs:
             segments.append(run_segment(args, load, config, len(segments)))
             write(args, segments)  # after every segment: a run cut short still leaves its numbers
 
