@@ -16,8 +16,9 @@ import json
 import logging
 import socket
 import time
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 from . import buffers, protocol, shm
 from .errors import (
@@ -46,6 +47,7 @@ from .ticket import (
 
 log = logging.getLogger("rackserve.kvtransfer")
 Buffer = bytearray | memoryview
+T = TypeVar("T")
 MAX_IDLE_PER_PRODUCER = 8  # control connections kept open per producer between pulls
 
 
@@ -158,33 +160,25 @@ class KvSink:
 
         if not ticket.device_handle:
             raise TransferUnavailable(f"{ticket.key}: the producer offered no device copy for cuda_ipc")
+
+        def copy() -> Any:
+            import torch
+
+            remote = cuda_ipc.open_described(json.loads(ticket.device_handle))
+            local = remote.clone()  # device-to-device; the mapping goes when `remote` does
+            torch.cuda.synchronize(local.device)
+            return local
+
+        async def move(sock: socket.socket, reply: dict[str, Any]) -> Any:
+            try:
+                return await asyncio.to_thread(copy)
+            except cuda_ipc.CudaIpcUnavailable as exc:
+                raise TransferUnavailable(f"{ticket.key}: cuda_ipc: {exc}") from exc
+
         t0 = time.perf_counter()
         try:
             async with asyncio.timeout(deadline_s):
-                sock, reply = await self._open(ticket, CUDA_IPC)
-                reusable = not reply.get("ok")
-                try:
-                    _check_reply(ticket, CUDA_IPC, reply)
-                    import torch
-
-                    def copy() -> Any:
-                        remote = cuda_ipc.open_described(json.loads(ticket.device_handle))
-                        local = remote.clone()  # device-to-device; the mapping goes when `remote` does
-                        torch.cuda.synchronize(local.device)
-                        return local
-
-                    try:
-                        data = await asyncio.to_thread(copy)
-                    except cuda_ipc.CudaIpcUnavailable as exc:
-                        raise TransferUnavailable(f"{ticket.key}: cuda_ipc: {exc}") from exc
-                    await protocol.send_message(sock, {"op": "done"})
-                    reusable = True
-                except OSError as exc:
-                    raise TransferPeerGone(
-                        f"producer {ticket.endpoint} went away during {ticket.key} over cuda_ipc: {exc}"
-                    ) from exc
-                finally:
-                    self._put_back(ticket, sock, reusable)
+                data = await self._exchange(ticket, CUDA_IPC, move)
         except TimeoutError as exc:
             raise TransferTimeout(
                 f"pull of {ticket.key} over cuda_ipc missed its {deadline_s}s deadline"
@@ -202,24 +196,39 @@ class KvSink:
         self, ticket: TransferTicket, backend: str, view: memoryview, keepalive: object, checksum: Checksum
     ) -> bool:
         """Fill `view`; True when `checksum` has already been fed every byte (NIXL verifies while reading)."""
+
+        async def move(sock: socket.socket, reply: dict[str, Any]) -> bool:
+            if backend == TCP:
+                await protocol.recv_exactly(sock, view)
+            elif backend == SHM:
+                await asyncio.to_thread(shm.copy_out, self.config.shm_dir, reply["shm"], view)
+            else:
+                addr, md = int(reply["nixl"]["addr"]), base64.b64decode(reply["nixl"]["md"])
+                return await self._nixl_read(ticket, addr, md, view, keepalive, checksum)
+            return False
+
+        return await self._exchange(ticket, backend, move)
+
+    async def _exchange(
+        self,
+        ticket: TransferTicket,
+        backend: str,
+        move: Callable[[socket.socket, dict[str, Any]], Awaitable[T]],
+    ) -> T:
+        """One pull's control exchange, whatever moves the data: open (the producer pins the publication),
+        check the reply, `move` the data, done (unpin; TCP's stream ends by itself), and keep the connection
+        for the next pull when the exchange ended cleanly."""
         sock, reply = await self._open(ticket, backend)
         reusable = False
         try:
             reusable = not reply.get("ok")  # a refusal ends the exchange cleanly
             _check_reply(ticket, backend, reply)
             try:
-                verified = False
-                if backend == TCP:
-                    await protocol.recv_exactly(sock, view)
-                elif backend == SHM:
-                    await asyncio.to_thread(shm.copy_out, self.config.shm_dir, reply["shm"], view)
-                else:
-                    addr, md = int(reply["nixl"]["addr"]), base64.b64decode(reply["nixl"]["md"])
-                    verified = await self._nixl_read(ticket, addr, md, view, keepalive, checksum)
+                out = await move(sock, reply)
                 if backend != TCP:
                     await protocol.send_message(sock, {"op": "done"})
                 reusable = True
-                return verified
+                return out
             except FileNotFoundError as exc:
                 raise TransferNotFound(f"shm segment for {ticket.key!r} is gone: {exc}") from exc
             except OSError as exc:
