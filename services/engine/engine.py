@@ -417,9 +417,12 @@ class LLMEngine:
             else:
                 ids = self._h2d(table)
                 qpos = torch.arange(a, b, device=self.device)
-                seg = PrefillSegment(row, row + chunk.num_tokens, self.kv.gather_index(ids), qpos)
-                if self.attention_backend == "triton":
-                    seg.block_table, seg.start_pos = ids.to(torch.int32), a
+                if (
+                    self.attention_backend == "triton"
+                ):  # the kernel reads the blocks in place: no gather index
+                    seg = PrefillSegment(row, row + chunk.num_tokens, None, qpos, ids.to(torch.int32), a)
+                else:
+                    seg = PrefillSegment(row, row + chunk.num_tokens, self.kv.gather_index(ids), qpos)
                 prefills.append(seg)
             if chunk.samples:
                 sample_rows.append(row + chunk.num_tokens - 1)

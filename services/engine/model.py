@@ -145,7 +145,8 @@ class PrefillSegment:
 
     ctx_rows is None when the sequence has no earlier context: attention then runs on the fresh K/V directly.
     Otherwise it is the gather index (PagedKvCache.gather_index) of the sequence's blocks, new tokens included,
-    and positions are the queries' positions.
+    and positions are the queries' positions. On the Triton backend a segment with context carries its block_table
+    and start_pos instead of ctx_rows (the kernel reads the blocks in place).
     """
 
     start: int
