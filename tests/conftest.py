@@ -13,6 +13,7 @@ import torch  # noqa: E402
 from services.engine.config import ModelConfig  # noqa: E402
 from services.engine.loader import LoadedModel, load_gguf  # noqa: E402
 from services.engine.model_files import smollm2_gguf_path  # noqa: E402
+from tests.support.markers import ATTR  # noqa: E402
 
 pytest_plugins = ["tests.support.etcd"]  # the real-etcd fixture (etcd_server) for every test module
 
@@ -77,3 +78,76 @@ def tiny_llama(seed: int = 0, vocab: int = 256, layers: int = 2, tie: bool = Tru
     if not tie:
         w["lm_head"] = r(vocab, 64)
     return LoadedModel(config=cfg, weights=w, source="tiny-llama", source_format="memory")
+
+
+# ------------------------------------------------------------------ the `cluster` marker and `make test-fast`
+# A test that starts a process (a service, etcd, helm, openssl, a child interpreter) is marked `cluster`: every
+# test under tests/cluster/ is, and elsewhere the mark is explicit. `make test-fast` runs the rest with
+# RACKSERVE_TEST_FAST=1, under which starting a process inside a test is an error naming the test — so a
+# missing mark shows up at once instead of slowing the inner loop.
+CLUSTER_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "cluster")
+_FAST = os.environ.get("RACKSERVE_TEST_FAST") == "1"
+_running: list[str] = []  # the nodeid of the test being set up or run
+
+
+def _uses_a_process_fixture(item: pytest.Item) -> bool:
+    info = getattr(item, "_fixtureinfo", None)
+    if info is None:
+        return False
+    return any(getattr(d.func, ATTR, False) for defs in info.name2fixturedefs.values() for d in defs)
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    for item in items:
+        if str(item.path).startswith(CLUSTER_DIR + os.sep) or _uses_a_process_fixture(item):
+            item.add_marker(pytest.mark.cluster)
+
+
+def _refuse_processes() -> None:
+    import subprocess
+
+    real_init = subprocess.Popen.__init__
+
+    def guarded(self, args, *a, **kw):  # type: ignore[no-untyped-def]
+        if _running:
+            raise RuntimeError(
+                f"make test-fast starts no processes, but {_running[-1]} ran {args!r}: mark it @pytest.mark.cluster"
+            )
+        real_init(self, args, *a, **kw)
+
+    subprocess.Popen.__init__ = guarded  # type: ignore[method-assign]
+
+    import multiprocessing.process
+
+    real_start = multiprocessing.process.BaseProcess.start
+
+    def guarded_start(self):  # type: ignore[no-untyped-def]
+        if _running:
+            raise RuntimeError(
+                f"make test-fast starts no processes, but {_running[-1]} started {self!r}: mark it cluster"
+            )
+        real_start(self)
+
+    multiprocessing.process.BaseProcess.start = guarded_start  # type: ignore[method-assign]
+
+
+if _FAST:
+    _refuse_processes()
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_setup(item: pytest.Item):  # type: ignore[no-untyped-def]
+    _running.append(item.nodeid)
+    try:
+        return (yield)
+    finally:
+        _running.pop()
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_call(item: pytest.Item):  # type: ignore[no-untyped-def]
+    _running.append(item.nodeid)
+    try:
+        return (yield)
+    finally:
+        _running.pop()

@@ -27,6 +27,8 @@ from types import TracebackType
 
 import pytest
 
+from tests.support.markers import starts_processes
+
 START_TIMEOUT_S = 5.0
 STOP_TIMEOUT_S = 5.0
 
@@ -198,6 +200,7 @@ class EtcdServer:
 
 
 @pytest.fixture
+@starts_processes
 def etcd_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[EtcdServer]:
     """A started etcd of its own for one test; import this name into a test module to use it."""
     with EtcdServer(data_dir=str(tmp_path_factory.mktemp("etcd"))) as server:

@@ -4,7 +4,7 @@ Layouts (checkpoint.py owns the tensor names and scale conventions):
 - `compressed-tensors` (default): `quantization_config` in config.json as llm-compressor writes its
   NVFP4A16 scheme (format `nvfp4-pack-quantized`, weights: 4-bit float, strategy `tensor_group`, group 16,
   symmetric, no activation quantization; `lm_head` ignored). vLLM reads it; so does the compressed-tensors
-  library's own decompressor (tests/test_nvfp4_methods.py checks it decodes to our weights).
+  library's own decompressor (tests/engine/nvfp4/test_nvfp4_methods.py checks it decodes to our weights).
 - `modelopt`: `quant_method: modelopt`, `quant_algo: NVFP4`, plus hf_quant_config.json, as ModelOpt exports.
   rackserve runs NVFP4 weights with 16-bit activations (W4A16), so no static `input_scale` is written;
   a W4A4 consumer (TensorRT-LLM's NVFP4 GEMMs) needs activation scales that this export does not calibrate.

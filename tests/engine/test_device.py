@@ -1,0 +1,102 @@
+"""Device selection: `--device auto|cpu|cuda|cuda:N`, and never a silent CPU run when a GPU was asked for.
+
+On this CPU-only machine `cuda` must fail at start-up with a message naming the device, both in the engine and
+in a real worker process; `auto` must pick the CPU and say so in the KV layout it advertises. The GPU paths
+themselves are checked by `make gpu-check` on a GPU machine (scripts/gpu_check.py).
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from services.engine.config import EngineConfig
+from services.engine.device import DeviceUnavailableError, parse_device_spec, resolve_device
+from services.engine.engine import KvLayout, KvMismatchError, LLMEngine
+from services.engine.sampling import SamplingParams
+from tests.conftest import tiny_llama
+
+NO_CUDA = not torch.cuda.is_available()
+
+
+@pytest.mark.parametrize(
+    ("spec", "want"),
+    [("auto", ("auto", None)), ("cpu", ("cpu", None)), ("cuda", ("cuda", None)), ("CUDA:1", ("cuda", 1))],
+)
+def test_device_specs_parse(spec, want):
+    assert parse_device_spec(spec) == want
+
+
+@pytest.mark.parametrize("spec", ["gpu", "cpu:0", "cuda:", "cuda:x", "auto:1", ""])
+def test_malformed_device_is_refused_in_the_config(spec):
+    with pytest.raises(ValueError, match="device must be auto, cpu, cuda or cuda:N"):
+        EngineConfig(device=spec)
+
+
+@pytest.mark.skipif(not NO_CUDA, reason="this machine has a GPU")
+def test_auto_means_cpu_without_a_gpu_and_the_layout_says_so():
+    assert resolve_device("auto") == torch.device("cpu")
+    eng = LLMEngine(tiny_llama(), EngineConfig(dtype="float32", device="auto", num_kv_blocks=16))
+    assert eng.device.type == "cpu" and eng.kv.data.device.type == "cpu"
+    assert eng.kv_layout.device_kind == "cpu"
+    assert eng.kv.scratch_block is None  # graphs (and their scratch block) are CUDA-only
+    assert len(eng.generate([[1, 2, 3]], SamplingParams(max_tokens=4, temperature=0))[0]) == 4
+
+
+@pytest.mark.skipif(not NO_CUDA, reason="this machine has a GPU")
+@pytest.mark.parametrize("spec", ["cuda", "cuda:0", "cuda:3"])
+def test_asking_for_cuda_without_one_fails_naming_the_device(spec):
+    with pytest.raises(DeviceUnavailableError, match=f"device '{spec}' was asked for") as e:
+        LLMEngine(tiny_llama(), EngineConfig(dtype="float32", device=spec, num_kv_blocks=16))
+    assert "--device cpu" in str(e.value)
+
+
+@pytest.mark.skipif(not NO_CUDA, reason="this machine has a GPU")
+@pytest.mark.cluster
+def test_a_decode_worker_asked_for_cuda_exits_at_start_with_the_reason():
+    """The real worker process, as a GPU pod without a visible GPU would start it: it must not come up on CPU."""
+    proc = subprocess.run(
+        [sys.executable, "-m", "services.cli", "decode", "--etcd", "http://127.0.0.1:1", "--device", "cuda"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode != 0
+    assert "device 'cuda' was asked for" in proc.stderr
+
+
+def test_staged_kv_bytes_cross_devices_but_device_handles_need_the_same_kind():
+    base = dict(
+        model_fingerprint="f", num_layers=2, num_kv_heads=2, head_dim=16, block_size=16, dtype="float32"
+    )
+    cpu, gpu = KvLayout(**base, device_kind="cpu"), KvLayout(**base, device_kind="cuda")
+    cpu.check_compatible(gpu)  # host bytes: the same format whichever device wrote them
+    with pytest.raises(KvMismatchError, match="device_kind mismatch"):
+        cpu.check_compatible(gpu, same_device=True)
+
+
+def test_export_kv_blocks_is_the_tensor_the_staged_bytes_come_from():
+    """export_kv (staged bytes) and export_kv_blocks (device tensor) are the same blocks; importing either into a
+    second engine continues with the same tokens as the engine that computed the prompt."""
+    cfg = EngineConfig(dtype="float32", num_kv_blocks=32, device="cpu")
+    src, dst_a, dst_b = (LLMEngine(tiny_llama(), cfg) for _ in range(3))
+    prompt = list(range(1, 40))
+    greedy = SamplingParams(max_tokens=6, temperature=0)
+    want = src.generate([prompt], greedy)[0]
+    src.add_request("p", prompt, SamplingParams(max_tokens=1, temperature=0), hold_kv=True)
+    while src.has_unfinished():
+        src.step()
+    staged = src.export_kv("p", len(prompt))
+    blocks = src.export_kv_blocks("p", len(prompt))
+    assert blocks.shape[0] == staged.num_blocks and blocks.view(torch.uint8).numpy().tobytes() == staged.data
+    device_direct = type(staged)(src.kv_layout, staged.token_ids, blocks)
+    for dst, kv in ((dst_a, staged), (dst_b, device_direct)):
+        dst.add_request("d", prompt, greedy, kv=kv)
+        got: list[int] = []
+        while dst.has_unfinished():
+            for out in dst.step():
+                got += out.new_token_ids
+        assert got == want

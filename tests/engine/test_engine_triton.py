@@ -1,0 +1,126 @@
+"""The engine with decode attention on the Triton paged kernel gives the tokens of the torch path.
+
+This is the GPU worker's attention backend (`--attention-backend triton`, the default on CUDA) driven through the
+real engine — scheduler, block tables over scattered blocks, chunked prefill mixed with decodes, prefix-cache hits,
+a mid-run KV import — on Triton's CPU interpreter. TRITON_INTERPRET must be set before triton is imported and
+other test modules import triton for real, so the engines run in a child process (this file as a script).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from tests.support.paths import REPO
+
+pytestmark = pytest.mark.cluster  # starts a child interpreter under TRITON_INTERPRET
+
+pytest.importorskip("triton")
+
+
+def _child() -> None:
+    os.environ["TRITON_INTERPRET"] = "1"
+    sys.path.insert(0, str(REPO))
+    from services.engine.config import EngineConfig
+    from services.engine.engine import LLMEngine
+    from services.engine.sampling import SamplingParams
+    from tests.conftest import tiny_llama
+
+    model = tiny_llama(seed=3, layers=2)
+    shared = list(range(7, 39))  # two whole blocks every prompt but the last shares: prefix-cache hits
+    prompts = [shared + [1, 2, 3], shared + list(range(50, 71)), list(range(100, 105)), shared[:20]]
+    params = [SamplingParams(max_tokens=12, temperature=0)] * 3 + [
+        SamplingParams(max_tokens=12, temperature=0.8, seed=11)
+    ]
+    from services.engine.cuda_graphs import DecodeGraphs
+    from services.engine.model import PagedKvCache
+
+    class EagerGraphs(DecodeGraphs):
+        """DecodeGraphs with each "graph" an eager call over the same static buffers: what the graph replays,
+        minus CUDA. It pins the bucket choice, the padding rows and their scratch-block writes."""
+
+        def _capture(self) -> None:
+            for b in self.buckets:
+                self._graphs[b] = _Replay(self, b)  # type: ignore[assignment]
+
+    class _Replay:
+        def __init__(self, owner: EagerGraphs, b: int) -> None:
+            self.owner, self.b = owner, b
+
+        def replay(self) -> None:
+            self.owner._logits[self.b] = self.owner._forward(self.b)
+
+    result = {}
+    for backend in ("torch", "triton", "graphs"):
+        cfg = EngineConfig(
+            dtype="float32",
+            num_kv_blocks=48,
+            block_size=16,
+            max_num_batched_tokens=32,  # the long prompts prefill in chunks, beside running decodes
+            attention_backend="torch" if backend == "torch" else "triton",
+        )
+        eng = LLMEngine(model, cfg)
+        if (
+            backend == "graphs"
+        ):  # a cache with the scratch block graphs pad into; buckets 2 and 5: 1, 3, 4 pad
+            eng.kv = PagedKvCache(model.config, 48, 16, eng.kv.dtype, "cpu", scratch_blocks=1)
+            eng.graphs = EagerGraphs(eng.model, eng.kv, eng.max_model_len, max_batch=5)
+            eng.graphs.buckets = [2, 5]
+        # scatter the free list so block tables are not contiguous
+        eng.blocks.allocate(5)
+        outs = eng.generate(prompts, params)
+        # continue a prompt from imported KV (the decode side of disaggregation)
+        src = LLMEngine(model, cfg)
+        src.add_request("p", prompts[1], SamplingParams(max_tokens=1, temperature=0), hold_kv=True)
+        while src.has_unfinished():
+            src.step()
+        eng.add_request("d", prompts[1], SamplingParams(max_tokens=8, temperature=0), kv=src.export_kv("p"))
+        got: list[int] = []
+        while eng.has_unfinished():
+            for o in eng.step():
+                got += o.new_token_ids
+        result[backend] = {"generate": outs, "imported": got, "hits": eng.stats().prefix_hits_tokens}
+        if backend == "graphs":
+            assert eng.graphs is not None
+            scratch = eng.kv.scratch_block
+            result[backend]["scratch_written"] = bool(eng.kv.data[:, :, :, scratch].abs().sum() > 0)
+            result[backend]["replayed"] = sorted(
+                b for b, g in eng.graphs._graphs.items() if b in eng.graphs._logits
+            )
+    print(json.dumps(result))
+
+
+@pytest.fixture(scope="module")
+def res() -> dict:
+    """Both engines' outputs, from one child process."""
+    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(REPO)}
+    proc = subprocess.run(
+        [sys.executable, __file__, "--child"], capture_output=True, text=True, timeout=600, env=env, cwd=REPO
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    res = json.loads(proc.stdout.strip().splitlines()[-1])
+    return res
+
+
+def test_triton_decode_attention_in_the_engine_gives_the_torch_paths_tokens(res):
+    assert res["triton"]["generate"] == res["torch"]["generate"]
+    assert res["triton"]["imported"] == res["torch"]["imported"]
+    assert all(len(t) == 12 for t in res["triton"]["generate"])
+    assert res["triton"]["hits"] > 0  # the shared prefix was served from the cache, not recomputed
+
+
+def test_decode_graph_buffers_pad_into_the_scratch_block_and_keep_the_tokens(res):
+    """The CUDA-graph runner's static buffers, bucket choice and padded rows (replayed eagerly here: no CUDA)
+    decode exactly what the eager engine decodes; padding writes only the scratch block."""
+    assert res["graphs"]["generate"] == res["torch"]["generate"]
+    assert res["graphs"]["imported"] == res["torch"]["imported"]
+    assert res["graphs"]["scratch_written"]  # the padded rows' K/V went to the scratch block
+    assert res["graphs"]["replayed"] == [2, 5]  # 4 sequences (padded to 5), at the end 1 (padded to 2)
+
+
+if __name__ == "__main__" and "--child" in sys.argv:
+    _child()

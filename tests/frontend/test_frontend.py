@@ -1,0 +1,717 @@
+"""The frontend, specified by what a client sees.
+
+Three rigs, cheapest first:
+- a scripted cluster in this process: the real app (uvicorn, real sockets) in front of a scripted router and
+  decode worker over real gRPC, for the paths a healthy worker never takes (a crash after 3 tokens, a refusal,
+  a hang past the deadline, a stream cut short) and for what the frontend sends on the wire;
+- the real frontend process on a real etcd with no router or worker: every client error, exact status and
+  OpenAI error fields, and 503 + Retry-After;
+- the whole aggregated path with real processes (etcd, router, decode worker, frontend) and the official
+  `openai` client, when the router and decode servers exist in the tree.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import re
+import subprocess
+import sys
+import threading
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import grpc
+import httpx
+import openai
+import pytest
+import uvicorn
+
+from services.discovery import WorkerDirectory
+from services.engine.tokenizer import Tokenizer
+from services.frontend.app import FrontendConfig, create_app
+from services.frontend.coordinator import ChannelPool, Coordinator
+from services.frontend.output import TextAssembler
+from services.frontend.server import DEFAULT_MODEL_NAME, load_tokenizer
+from services.rpc import pb, pb_grpc
+from tests.support.cluster import wait_frontend_ready
+from tests.support.etcd import EtcdServer, free_port
+from tests.support.markers import starts_processes
+from tests.support.paths import REPO
+
+MODEL = DEFAULT_MODEL_NAME
+FRANCE: Any = [{"role": "user", "content": "What is the capital of France?"}]
+ANSWER = "The capital of France is Paris."
+STARTUP_TIMEOUT_S = 90.0
+
+
+@pytest.fixture(scope="module")
+def tokenizer() -> Tokenizer:
+    return load_tokenizer("")[0]
+
+
+# ---- text assembly, without any server ------------------------------------------------------------------------
+
+
+def test_text_assembler_never_splits_a_character_and_holds_back_a_possible_stop(tokenizer: Tokenizer) -> None:
+    text = "Café 🙂 naïve — done. STOP here"
+    ids = tokenizer.encode(text)
+    plain = TextAssembler(tokenizer, prompt_token_ids=[], stop=[])
+    pieces = [plain.push([i]) for i in ids] + [plain.finish()]
+    assert "".join(pieces) == text and not any("\ufffd" in p for p in pieces)
+
+    stopping = TextAssembler(tokenizer, prompt_token_ids=[], stop=["STOP", "done!"])
+    pieces = [stopping.push([i]) for i in ids] + [stopping.finish()]
+    assert "".join(pieces) == "Café 🙂 naïve — done. " and stopping.stop_hit == "STOP"
+    # "done" could still have become "done!", so it waited for the next token.
+    assert not any(p.endswith("done") for p in pieces) and "done." in pieces
+
+
+# ---- rig 1: a scripted router and decode worker ---------------------------------------------------------------
+
+
+class ScriptedDecode(pb_grpc.DecodeWorkerServicer):
+    """Answers every prompt with ANSWER, one token per chunk; words in the prompt change the script."""
+
+    def __init__(self, tokenizer: Tokenizer) -> None:
+        self.tokenizer = tokenizer
+        self.calls: list[tuple[pb.DecodeRequest, dict[str, str], float | None]] = []
+        self.cancelled = threading.Event()
+        self.answer = tokenizer.encode(ANSWER) + [tokenizer.eos_token_id or 0]
+
+    async def Decode(self, request: pb.DecodeRequest, context: grpc.aio.ServicerContext):  # noqa: N802
+        metadata = {k: v for k, v in context.invocation_metadata() if isinstance(v, str)}
+        self.calls.append((request, metadata, context.time_remaining()))
+        prompt = self.tokenizer.decode(request.prompt_token_ids)
+        try:
+            if "[refuse]" in prompt:
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "the script refuses this prompt")
+            if "[hang]" in prompt:
+                await asyncio.sleep(3600)
+            for i, token_id in enumerate(self.answer):
+                if "[crash-after-3]" in prompt and i == 3:
+                    await context.abort(grpc.StatusCode.UNAVAILABLE, "scripted crash")
+                if "[cut-after-3]" in prompt and i == 3:
+                    return
+                last = i == len(self.answer) - 1
+                token = pb.Token(token_id=token_id, index=i)
+                if request.params.logprobs >= 0:
+                    token.has_logprob, token.logprob = True, -0.25
+                    alternatives = [(token_id, -0.25), (self.answer[0], -3.0)][: request.params.logprobs]
+                    token.top_logprobs.extend(pb.TopLogprob(token_id=t, logprob=lp) for t, lp in alternatives)
+                chunk = pb.DecodeChunk(tokens=[token], finished=last)
+                if last:
+                    chunk.finish_reason, chunk.stop_reason = "stop", str(token_id)
+                if i == 0:
+                    chunk.prompt_tokens, chunk.cached_tokens = len(request.prompt_token_ids), 16
+                yield chunk
+                await asyncio.sleep(0.3 if "[slow]" in prompt else 0.005)
+        except asyncio.CancelledError:
+            self.cancelled.set()
+            raise
+
+
+class ScriptedRouter(pb_grpc.RouterServicer):
+    def __init__(self) -> None:
+        self.decode_endpoint = ""
+        self.failures: list[pb.FailureReport] = []
+        self.reported = threading.Event()
+
+    async def Route(self, request: pb.RouteRequest, context: grpc.aio.ServicerContext) -> pb.RoutePlan:  # noqa: N802
+        decode = pb.WorkerRef(worker_id="decode-scripted", endpoint=self.decode_endpoint, role="decode")
+        return pb.RoutePlan(decode=decode, reason="scripted")
+
+    async def ReportFailure(self, request: pb.FailureReport, context: grpc.aio.ServicerContext) -> pb.Empty:  # noqa: N802
+        self.failures.append(request)
+        self.reported.set()
+        return pb.Empty()
+
+
+class StaticWorkers:
+    def __init__(self, *workers: pb.WorkerInfo) -> None:
+        self._workers = list(workers)
+
+    def workers(self, role: str) -> list[pb.WorkerInfo]:
+        return [w for w in self._workers if w.role == role]
+
+    def suppress(self, worker_id: str, seconds: float) -> None:
+        pass
+
+
+class ScriptedCluster:
+    """The real app on a real port, with the scripted router and worker, on one event loop in a thread."""
+
+    def __init__(self, tokenizer: Tokenizer) -> None:
+        self.tokenizer = tokenizer
+        self.decode = ScriptedDecode(tokenizer)
+        self.router = ScriptedRouter()
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, name="scripted-cluster", daemon=True)
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+
+    def __enter__(self) -> ScriptedCluster:
+        self.thread.start()
+        asyncio.run_coroutine_threadsafe(self._start(), self.loop).result(30)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        asyncio.run_coroutine_threadsafe(self._stop(), self.loop).result(30)
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(10)
+
+    async def _grpc_server(self, add: Any, servicer: Any) -> tuple[grpc.aio.Server, str]:
+        server = grpc.aio.server()
+        add(servicer, server)
+        port = server.add_insecure_port("127.0.0.1:0")
+        await server.start()
+        return server, f"127.0.0.1:{port}"
+
+    async def _start(self) -> None:
+        self.decode_server, decode_endpoint = await self._grpc_server(
+            pb_grpc.add_DecodeWorkerServicer_to_server, self.decode
+        )
+        self.router_server, router_endpoint = await self._grpc_server(
+            pb_grpc.add_RouterServicer_to_server, self.router
+        )
+        self.router.decode_endpoint = decode_endpoint
+        directory = StaticWorkers(
+            pb.WorkerInfo(worker_id="router-scripted", role="router", endpoint=router_endpoint),
+            pb.WorkerInfo(
+                worker_id="decode-scripted", role="decode", endpoint=decode_endpoint, max_model_len=512
+            ),
+        )
+        config = FrontendConfig(served_model_name=MODEL, request_timeout_s=2.0)
+        app = create_app(config, self.tokenizer, directory, Coordinator(directory, ChannelPool()))
+        self.http = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="warning"))
+        self.serving = asyncio.get_running_loop().create_task(self.http.serve())
+        while not self.http.started:
+            assert not self.serving.done(), "uvicorn exited while starting"
+            await asyncio.sleep(0.02)
+
+    async def _stop(self) -> None:
+        self.http.should_exit = True
+        await self.serving
+        await self.decode_server.stop(0)
+        await self.router_server.stop(0)
+
+
+@pytest.fixture(scope="module")
+def scripted(tokenizer: Tokenizer) -> Iterator[ScriptedCluster]:
+    with ScriptedCluster(tokenizer) as cluster:
+        yield cluster
+
+
+def chat(content: str, **fields: Any) -> dict[str, Any]:
+    return {"model": MODEL, "messages": [{"role": "user", "content": content}], **fields}
+
+
+def sse_events(response: httpx.Response) -> list[Any]:
+    """The `data:` payloads of an event stream, `[DONE]` as the string."""
+    events = []
+    for line in response.iter_lines():
+        if line.startswith("data: "):
+            data = line[len("data: ") :]
+            events.append(data if data == "[DONE]" else json.loads(data))
+    return events
+
+
+def test_chat_sends_prompt_seed_deadline_and_trace_context_to_the_worker(scripted: ScriptedCluster) -> None:
+    r = httpx.post(f"{scripted.url}/v1/chat/completions", json=chat("hello"), timeout=10)
+    assert r.status_code == 200, r.text
+    body = r.json()
+    assert body["choices"][0]["message"] == {"role": "assistant", "content": ANSWER}
+    assert body["choices"][0]["finish_reason"] == "stop"
+    request, metadata, time_remaining = scripted.decode.calls[-1]
+    prompt = scripted.tokenizer.encode_chat([{"role": "user", "content": "hello"}])
+    assert list(request.prompt_token_ids) == prompt
+    assert body["usage"] == {
+        "prompt_tokens": len(prompt),
+        "completion_tokens": len(scripted.decode.answer),
+        "total_tokens": len(prompt) + len(scripted.decode.answer),
+        "prompt_tokens_details": {"cached_tokens": 16},
+    }
+    assert request.params.seed != 0 and request.params.max_tokens == 512 - len(prompt)
+    assert re.fullmatch(r"00-[0-9a-f]{32}-[0-9a-f]{16}-01", metadata["traceparent"])
+    assert metadata["x-request-id"] == request.request_id == r.headers["x-request-id"]
+    assert time_remaining is not None and 0 < time_remaining <= 2.0
+
+
+def test_client_trace_is_continued_and_request_ids_stay_unique(scripted: ScriptedCluster) -> None:
+    trace_id = "4bf92f3577b34da6a3ce929d0e0e4736"
+    headers = {"traceparent": f"00-{trace_id}-00f067aa0ba902b7-01", "x-request-id": "client-req-1"}
+    r = httpx.post(
+        f"{scripted.url}/v1/chat/completions", json=chat("hi", seed=7), headers=headers, timeout=10
+    )
+    assert r.status_code == 200
+    request, metadata, _ = scripted.decode.calls[-1]
+    assert (
+        metadata["traceparent"].startswith(f"00-{trace_id}-")
+        and "00f067aa0ba902b7" not in metadata["traceparent"]
+    )
+    assert request.params.seed == 7
+    # the client gets its own id back; ours (what the worker saw) travels beside it
+    assert r.headers["x-request-id"] == "client-req-1"
+    assert r.headers["x-rackserve-request-id"] == request.request_id
+    # The client's x-request-id goes to the log only: two requests reusing it stay two requests to the worker.
+    httpx.post(f"{scripted.url}/v1/chat/completions", json=chat("hi"), headers=headers, timeout=10)
+    assert scripted.decode.calls[-1][0].request_id != request.request_id
+
+
+def test_stop_string_truncates_and_streamed_text_never_shows_it(scripted: ScriptedCluster) -> None:
+    with httpx.stream(
+        "POST",
+        f"{scripted.url}/v1/chat/completions",
+        json=chat("x", stream=True, stop=["France is"]),
+        timeout=10,
+    ) as r:
+        events = sse_events(r)
+    deltas = [e["choices"][0]["delta"].get("content") or "" for e in events[:-1] if e["choices"]]
+    assert "".join(deltas) == "The capital of "
+    assert all("France" not in d for d in deltas)  # held back until " is" showed it to be the stop string
+    assert events[-2]["choices"][0]["finish_reason"] == "stop"
+    assert events[-1] == "[DONE]"
+    r = httpx.post(f"{scripted.url}/v1/completions", json={"model": MODEL, "prompt": "x", "stop": "France"})
+    assert r.json()["choices"][0] == {
+        "index": 0,
+        "text": "The capital of ",
+        "logprobs": None,
+        "finish_reason": "stop",
+    }
+
+
+def test_stream_usage_and_logprobs(scripted: ScriptedCluster) -> None:
+    body = chat("x", stream=True, stream_options={"include_usage": True}, logprobs=True, top_logprobs=2)
+    with httpx.stream("POST", f"{scripted.url}/v1/chat/completions", json=body, timeout=10) as r:
+        events = sse_events(r)
+    assert events[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}
+    usage_event = events[-2]
+    assert usage_event["choices"] == [] and usage_event["usage"]["completion_tokens"] == len(
+        scripted.decode.answer
+    )
+    entries = [c for e in events[1:-2] for c in e["choices"][0]["logprobs"]["content"]]
+    assert [e["token"] for e in entries][:3] == ["The", " capital", " of"]
+    assert entries[1]["bytes"] == list(b" capital") and entries[1]["logprob"] == -0.25
+    assert [t["logprob"] for t in entries[1]["top_logprobs"]] == [-0.25, -3.0]
+    r = httpx.post(
+        f"{scripted.url}/v1/completions", json={"model": MODEL, "prompt": [1, 2, 3], "logprobs": 1}
+    )
+    lp = r.json()["choices"][0]["logprobs"]
+    assert lp["tokens"][:2] == ["The", " capital"] and lp["text_offset"][:3] == [0, 3, 11]
+    assert lp["top_logprobs"][1] == {" capital": -0.25}
+
+
+def test_worker_invalid_argument_is_400(scripted: ScriptedCluster) -> None:
+    for stream in (False, True):
+        r = httpx.post(
+            f"{scripted.url}/v1/chat/completions", json=chat("[refuse]", stream=stream), timeout=10
+        )
+        assert r.status_code == 400
+        assert r.json()["error"]["type"] == "invalid_request_error"
+        assert "the script refuses this prompt" in r.json()["error"]["message"]
+
+
+def test_worker_past_the_deadline_is_504(scripted: ScriptedCluster) -> None:
+    r = httpx.post(f"{scripted.url}/v1/chat/completions", json=chat("[hang]"), timeout=10)
+    assert r.status_code == 504, r.text
+    assert r.json()["error"]["type"] == "timeout_error"
+
+
+def test_decode_crash_after_3_tokens_reports_failure_and_ends_stream_with_error(
+    scripted: ScriptedCluster,
+) -> None:
+    scripted.router.reported.clear()
+    with httpx.stream(
+        "POST", f"{scripted.url}/v1/chat/completions", json=chat("[crash-after-3]", stream=True), timeout=10
+    ) as r:
+        assert r.status_code == 200
+        events = sse_events(r)
+    text = "".join(
+        e["choices"][0]["delta"].get("content") or ""
+        for e in events
+        if isinstance(e, dict) and "choices" in e
+    )
+    assert text == "The capital of"
+    error = events[-2]["error"]
+    assert error["type"] == "service_unavailable_error" and "after 3 tokens" in error["message"]
+    assert events[-1] == "[DONE]"
+    assert scripted.router.reported.wait(5)
+    report = scripted.router.failures[-1]
+    assert report.worker_id == "decode-scripted" and "UNAVAILABLE" in report.cause
+
+
+def test_stream_cut_short_every_time_fails_past_the_migration_limit_not_silently(
+    scripted: ScriptedCluster,
+) -> None:
+    # The scripted router always names the one scripted worker, which cuts every attempt after 3 tokens.
+    r = httpx.post(f"{scripted.url}/v1/chat/completions", json=chat("[cut-after-3]"), timeout=10)
+    assert r.status_code == 503
+    error = r.json()["error"]
+    assert error["code"] == "migration_limit_exceeded"
+    assert "after 3 tokens" in error["message"] and "--migration-limit 3" in error["message"]
+
+
+def test_client_disconnect_cancels_the_worker_call(scripted: ScriptedCluster) -> None:
+    for stream in (True, False):
+        scripted.decode.cancelled.clear()
+        with httpx.Client(timeout=10) as client:
+            if stream:
+                with client.stream(
+                    "POST", f"{scripted.url}/v1/chat/completions", json=chat("[slow]", stream=True)
+                ) as r:
+                    next(r.iter_lines())
+            else:
+                with pytest.raises(httpx.ReadTimeout):
+                    client.post(f"{scripted.url}/v1/chat/completions", json=chat("[slow]"), timeout=0.5)
+        # Well before the 2 s request deadline, which would also cancel it.
+        assert scripted.decode.cancelled.wait(1.0), f"worker call not cancelled (stream={stream})"
+
+
+def test_metrics_count_requests_and_tokens(scripted: ScriptedCluster) -> None:
+    httpx.post(f"{scripted.url}/v1/chat/completions", json=chat("metrics"), timeout=10)
+    text = httpx.get(f"{scripted.url}/metrics").text
+    assert re.search(
+        r'rackserve_frontend_requests_total\{endpoint="chat_completions",status="200"\} [1-9]', text
+    )
+    assert re.search(r"rackserve_time_to_first_token_seconds_count [1-9]", text)
+    assert re.search(r"rackserve_generation_tokens_total [1-9]", text)
+
+
+# ---- processes ------------------------------------------------------------------------------------------------
+
+
+def spawn(
+    module: str, *args: str, log_dir: Path, env: dict[str, str] | None = None
+) -> subprocess.Popen[bytes]:
+    """`python -m module args`, its output in log_dir/<module>.log (shown when a test fails)."""
+    log = open(log_dir / f"{module.rsplit('.', 2)[-2]}.log", "ab")  # noqa: SIM115 - the process owns it
+    environment = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1", **(env or {})}
+    return subprocess.Popen(
+        [sys.executable, "-m", module, *args], cwd=REPO, env=environment, stdout=log, stderr=subprocess.STDOUT
+    )
+
+
+def stop_all(processes: list[subprocess.Popen[bytes]]) -> None:
+    for p in processes:
+        if p.poll() is None:
+            p.terminate()
+    for p in processes:
+        try:
+            p.wait(15)
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait()
+
+
+def wait_healthy(
+    url: str, processes: list[subprocess.Popen[bytes]], log_dir: Path, roles: tuple[str, ...] = ()
+) -> None:
+    """Until GET /health answers and shows at least one worker of each of `roles`; else stop all, with logs."""
+    try:
+        wait_frontend_ready(
+            url, roles, STARTUP_TIMEOUT_S, lambda: [p.args for p in processes if p.poll() is not None]
+        )
+    except RuntimeError as exc:
+        logs = "\n".join(
+            f"--- {f.name}\n{f.read_text(errors='replace')[-3000:]}" for f in log_dir.glob("*.log")
+        )
+        stop_all(processes)
+        raise RuntimeError(f"{exc}\n{logs}") from exc
+
+
+# ---- rig 2: the real frontend process, etcd, and nothing else ------------------------------------------------
+
+BODY_LIMIT_BYTES = 65536
+
+
+@pytest.fixture(scope="module")
+@starts_processes
+def lonely(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, str]]:
+    """(frontend url, etcd url): a frontend with no router or worker; its body limit set by environment."""
+    log_dir = tmp_path_factory.mktemp("lonely")
+    with EtcdServer(data_dir=str(log_dir / "etcd")) as etcd:
+        port = free_port()
+        env = {"RACKSERVE_MAX_BODY_BYTES": str(BODY_LIMIT_BYTES)}
+        frontend = spawn(
+            "services.frontend.server", "--etcd", etcd.url, "--port", str(port), log_dir=log_dir, env=env
+        )
+        url = f"http://127.0.0.1:{port}"
+        try:
+            wait_healthy(url, [frontend], log_dir)
+            yield url, etcd.url
+        finally:
+            stop_all([frontend])
+
+
+def assert_error(
+    r: httpx.Response, status: int, type: str, param: str | None = None, code: str | None = None
+) -> str:
+    assert r.status_code == status, r.text
+    error = r.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"}
+    assert (error["type"], error["param"]) == (type, param), error
+    if code is not None:
+        assert error["code"] == code, error
+    return str(error["message"])
+
+
+def test_no_router_is_503_with_retry_after(lonely: tuple[str, str]) -> None:
+    url = lonely[0]
+    for stream in (False, True):
+        r = httpx.post(f"{url}/v1/chat/completions", json=chat("hi", stream=stream), timeout=10)
+        assert_error(r, 503, "service_unavailable_error", code="no_routers")
+        assert int(r.headers["retry-after"]) >= 1
+    r = httpx.post(f"{url}/v1/completions", json={"model": MODEL, "prompt": "hi"}, timeout=10)
+    assert_error(r, 503, "service_unavailable_error", code="no_routers")
+
+
+@pytest.mark.parametrize(
+    ("body", "status", "param", "code", "says"),
+    [
+        (chat("hi", max_tokens="ten"), 400, "max_tokens", "invalid_value", "integer"),
+        (chat("hi", temperature="hot"), 400, "temperature", "invalid_value", "number"),
+        (chat("hi", temperature=3), 400, "temperature", "invalid_value", "less than or equal to 2"),
+        (chat("hi", stop=7), 400, "stop", "invalid_value", "string"),
+        ({"model": MODEL}, 400, "messages", "invalid_value", "field required"),
+        ({"model": MODEL, "messages": []}, 400, "messages", "invalid_value", "at least 1"),
+        (
+            {"model": MODEL, "messages": [{"role": "wizard", "content": "x"}]},
+            400,
+            "messages[0].role",
+            None,
+            "user",
+        ),
+        (chat("hi", n=17), 400, "n", "invalid_value", "less than or equal to 16"),
+        (chat("hi", max_tokens=0), 400, "max_tokens", "invalid_value", "greater than or equal to 1"),
+        (chat("hi", max_completion_tokens=-1), 400, "max_completion_tokens", "invalid_value", "greater than"),
+        (chat("hi", max_tokens=9000), 400, "max_tokens", "context_length_exceeded", "8192"),
+        (
+            chat("word " * 9000),
+            400,
+            "messages",
+            "context_length_exceeded",
+            "8192 tokens, but the prompt has 90",
+        ),
+        (chat("hi", model="gpt-4"), 404, "model", "model_not_found", "'gpt-4'"),
+    ],
+    ids=[
+        "max_tokens-string",
+        "temperature-string",
+        "temperature-3",
+        "stop-int",
+        "messages-missing",
+        "messages-empty",
+        "role-unknown",
+        "n-17",
+        "max_tokens-0",
+        "max_completion_tokens-negative",
+        "prompt-plus-max_tokens-too-long",
+        "prompt-too-long",
+        "model-unknown",
+    ],  # fmt: skip
+)
+def test_chat_request_errors(
+    lonely: tuple[str, str], body: dict[str, Any], status: int, param: str, code: str | None, says: str
+) -> None:
+    r = httpx.post(f"{lonely[0]}/v1/chat/completions", json=body, timeout=10)
+    message = assert_error(r, status, "invalid_request_error", param, code)
+    assert says in message
+
+
+@pytest.mark.parametrize(
+    ("body", "param", "says"),
+    [
+        ({"model": MODEL, "prompt": ["a"] * 65}, "prompt", "at most 64 prompts"),
+        ({"model": MODEL, "prompt": [1, 999999]}, "prompt", "999999"),
+        ({"model": MODEL, "prompt": ""}, "prompt", "empty"),
+        ({"model": MODEL, "prompt": "hi", "logprobs": 50}, "logprobs", "20"),
+        ({"model": MODEL, "prompt": "hi", "suffix": "x"}, "suffix", "not supported"),
+        ({"model": MODEL, "prompt": "hi", "max_tokens": 0}, "max_tokens", "echo"),
+    ],
+)
+def test_completion_request_errors(
+    lonely: tuple[str, str], body: dict[str, Any], param: str, says: str
+) -> None:
+    r = httpx.post(f"{lonely[0]}/v1/completions", json=body, timeout=10)
+    assert says in assert_error(r, 400, "invalid_request_error", param)
+
+
+def test_malformed_body_and_limits(lonely: tuple[str, str]) -> None:
+    url = f"{lonely[0]}/v1/chat/completions"
+    headers = {"content-type": "application/json"}
+    r = httpx.post(url, content=b'{"model": "x", "messages": [', headers=headers)
+    assert "not valid JSON" in assert_error(r, 400, "invalid_request_error", code="invalid_json")
+    r = httpx.post(url, content=b"[1, 2]", headers=headers)
+    assert "object" in assert_error(r, 400, "invalid_request_error")
+    r = httpx.post(url, content=b"", headers=headers)
+    assert_error(r, 400, "invalid_request_error", code="invalid_json")
+    r = httpx.post(url, json=chat("x" * BODY_LIMIT_BYTES))
+    assert str(BODY_LIMIT_BYTES) in assert_error(r, 413, "invalid_request_error", code="request_too_large")
+    # Without a content-length (a chunked upload), the limit holds as the bytes arrive.
+    chunks = iter([b'{"model": "', b"x" * BODY_LIMIT_BYTES, b'"}'])
+    r = httpx.post(url, content=chunks, headers=headers)
+    assert_error(r, 413, "invalid_request_error", code="request_too_large")
+
+
+def test_unknown_routes_and_methods_answer_in_openai_shape(lonely: tuple[str, str]) -> None:
+    assert_error(httpx.get(f"{lonely[0]}/v1/nothing"), 404, "not_found_error")
+    assert_error(httpx.get(f"{lonely[0]}/v1/chat/completions"), 405, "invalid_request_error")
+
+
+def test_models_health_and_registration(lonely: tuple[str, str]) -> None:
+    url, etcd_url = lonely
+    models = httpx.get(f"{url}/v1/models").json()
+    assert [m["id"] for m in models["data"]] == [MODEL] and models["data"][0]["max_model_len"] == 8192
+    reply = httpx.get(f"{url}/health")  # readiness: no decode worker is routable yet
+    health = reply.json()
+    assert reply.status_code == 503 and health["status"] == "unavailable"
+    assert health["workers"] == {"router": 0, "prefill": 0, "decode": 0}
+
+    async def registered() -> list[pb.WorkerInfo]:
+        directory = WorkerDirectory(etcd_url, roles=("frontend",))
+        await directory.start()
+        try:
+            return await directory.wait_for("frontend", 1, 5.0)
+        finally:
+            await directory.close()
+
+    (me,) = asyncio.run(registered())
+    assert me.role == "frontend" and me.endpoint == url.removeprefix("http://") and me.model_name == MODEL
+
+
+# ---- rig 3: etcd, router, decode worker and frontend as real processes, through the openai client -----------
+
+
+@pytest.fixture(scope="module")
+@starts_processes
+def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, str]]:
+    """(frontend url, etcd url) of a running aggregated cluster."""
+    missing = [m for m in ("router", "decode") if not (REPO / "services" / m / "server.py").exists()]
+    if missing:
+        pytest.skip(f"services/{{{','.join(missing)}}}/server.py not in the tree yet")
+    log_dir = tmp_path_factory.mktemp("cluster")
+    with EtcdServer(data_dir=str(log_dir / "etcd")) as etcd:
+        port = free_port()
+        url = f"http://127.0.0.1:{port}"
+        processes = [
+            spawn(
+                "services.decode.server",
+                *("--etcd", etcd.url, "--port", "0", "--threads", "1", "--dtype", "float32"),
+                log_dir=log_dir,
+            ),
+            spawn("services.router.server", "--etcd", etcd.url, "--port", "0", log_dir=log_dir),
+            spawn("services.frontend.server", "--etcd", etcd.url, "--port", str(port), log_dir=log_dir),
+        ]
+        try:
+            wait_healthy(url, processes, log_dir, roles=("router", "decode"))
+            yield url, etcd.url
+        finally:
+            stop_all(processes)
+
+
+@pytest.fixture
+def client(cluster: tuple[str, str]) -> Iterator[openai.OpenAI]:
+    with openai.OpenAI(base_url=f"{cluster[0]}/v1", api_key="x", max_retries=0, timeout=60) as c:
+        yield c
+
+
+def test_openai_client_streams_the_capital_of_france(client: openai.OpenAI) -> None:
+    stream = client.chat.completions.create(model=MODEL, messages=FRANCE, temperature=0, stream=True)
+    chunks = list(stream)
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == ANSWER
+    assert chunks[-1].choices[0].finish_reason == "stop"
+
+
+def test_openai_client_non_streaming_gives_the_same_with_usage(
+    client: openai.OpenAI, tokenizer: Tokenizer
+) -> None:
+    reply = client.chat.completions.create(model=MODEL, messages=FRANCE, temperature=0)
+    assert reply.choices[0].message.content == ANSWER and reply.choices[0].finish_reason == "stop"
+    assert reply.usage is not None
+    assert reply.usage.prompt_tokens == len(tokenizer.encode_chat(FRANCE))
+    assert reply.usage.completion_tokens >= len(tokenizer.encode(ANSWER))
+    assert reply.usage.total_tokens == reply.usage.prompt_tokens + reply.usage.completion_tokens
+
+
+def test_openai_client_completions_and_stream_usage(client: openai.OpenAI, tokenizer: Tokenizer) -> None:
+    prompt = tokenizer.apply_chat_template(FRANCE)
+    reply = client.completions.create(model=MODEL, prompt=prompt, max_tokens=32, temperature=0)
+    assert reply.choices[0].text == ANSWER
+    ids = tokenizer.encode(prompt)
+    stream = client.completions.create(
+        model=MODEL,
+        prompt=ids,
+        max_tokens=3,
+        temperature=0,
+        stream=True,
+        stream_options={"include_usage": True},
+    )
+    chunks = list(stream)
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == "The capital of"
+    assert chunks[-2].choices[0].finish_reason == "length"
+    assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens == 3
+
+
+def test_stop_string_with_a_real_worker(client: openai.OpenAI) -> None:
+    reply = client.chat.completions.create(model=MODEL, messages=FRANCE, temperature=0, stop=[" Paris"])
+    assert reply.choices[0].message.content == "The capital of France is"
+    assert reply.choices[0].finish_reason == "stop"
+
+
+def test_16_concurrent_requests_all_complete(client: openai.OpenAI) -> None:
+    def ask(i: int) -> str | None:
+        reply = client.chat.completions.create(model=MODEL, messages=FRANCE, temperature=0, seed=i)
+        return reply.choices[0].message.content
+
+    with ThreadPoolExecutor(16) as pool:
+        answers = list(pool.map(ask, range(16)))
+    assert answers == [ANSWER] * 16
+
+
+def test_client_disconnect_aborts_the_generation_on_the_worker(cluster: tuple[str, str]) -> None:
+    url, etcd_url = cluster
+    decode_endpoint = asyncio.run(_endpoint_of("decode", etcd_url))
+    # Greedy counting goes on for thousands of tokens: only the disconnect can end it within the test.
+    counting = {
+        "model": MODEL,
+        "prompt": "1, 2, 3, 4, 5, 6, 7, 8, 9, 10,",
+        "max_tokens": 4000,
+        "temperature": 0,
+    }
+    with httpx.stream("POST", f"{url}/v1/completions", json={**counting, "stream": True}, timeout=30) as r:
+        assert r.status_code == 200
+        for _ in zip(range(5), r.iter_lines(), strict=False):
+            pass
+        assert asyncio.run(_load(decode_endpoint, lambda load: load.running >= 1, timeout_s=5.0))
+    idle = asyncio.run(
+        _load(decode_endpoint, lambda load: load.running == 0 and load.waiting == 0, timeout_s=5.0)
+    )
+    assert idle, "the worker kept generating after the client went away"
+
+
+async def _endpoint_of(role: str, etcd_url: str) -> str:
+    directory = WorkerDirectory(etcd_url, roles=(role,))
+    await directory.start()
+    try:
+        return (await directory.wait_for(role, 1, 5.0))[0].endpoint
+    finally:
+        await directory.close()
+
+
+async def _load(endpoint: str, condition: Callable[[pb.LoadSnapshot], bool], timeout_s: float) -> bool:
+    """Whether the worker's load stream shows `condition` within `timeout_s`."""
+    async with grpc.aio.insecure_channel(endpoint) as channel:
+        stub = pb_grpc.DecodeWorkerStub(channel)
+        call = stub.Subscribe(pb.SubscribeRequest(subscriber_id="test-frontend"), timeout=timeout_s)
+        try:
+            async for event in call:
+                if event.HasField("load") and condition(event.load):
+                    return True
+        except grpc.aio.AioRpcError as e:
+            if e.code() != grpc.StatusCode.DEADLINE_EXCEEDED:
+                raise
+        return False

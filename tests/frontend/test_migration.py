@@ -1,0 +1,165 @@
+"""The coordinator's migration rules at the edges real workers do not reach on their own.
+
+Real workers never repeat or skip a token index, and a whole-cluster router outage is slow to stage; here two
+scripted in-process decode workers (real gRPC servers on real sockets, each answering from a fixed script that
+continues after `emitted_token_ids` exactly as a real worker does) misbehave on purpose, and the test checks what
+the client gets from `Coordinator.generate`. Real faults on real workers are tests/cluster/test_chaos.py.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+
+import grpc
+import pytest
+
+from services.frontend.coordinator import ChannelPool, Coordinator, Phase, RequestState
+from services.frontend.errors import ApiError
+from services.rpc import pb, pb_grpc
+from tests.support.cluster import greedy, run
+
+ANSWER = [101, 102, 103, 104, 105, 106, 107, 108]
+
+
+class ScriptedDecode(pb_grpc.DecodeWorkerServicer):
+    """Streams ANSWER from index len(emitted); `mode` breaks it: "repeat" re-sends the last emitted index first
+    and then dies after 2 tokens, "skip" jumps an index, "die" resets after 2 tokens, "ok" finishes."""
+
+    def __init__(self, mode: str) -> None:
+        self.mode = mode
+        self.calls: list[pb.DecodeRequest] = []
+
+    async def Decode(  # noqa: N802
+        self, request: pb.DecodeRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[pb.DecodeChunk]:
+        self.calls.append(request)
+        start = len(request.emitted_token_ids)
+        if self.mode == "repeat" and start:
+            start -= 1  # a buggy resume: one token the client already has
+        sent = 0
+        i = start
+        while i < len(ANSWER):
+            if self.mode in ("die", "repeat") and sent == 2:
+                await context.abort(grpc.StatusCode.UNAVAILABLE, "scripted crash")
+            if self.mode == "skip" and sent == 2:
+                i += 1
+            last = i == len(ANSWER) - 1
+            yield pb.DecodeChunk(
+                tokens=[pb.Token(token_id=ANSWER[i], index=i)],
+                finished=last,
+                finish_reason="length" if last else "",
+            )
+            sent += 1
+            i += 1
+            await asyncio.sleep(0.005)
+
+
+class ScriptedRouter(pb_grpc.RouterServicer):
+    """Round-robin over the decode workers not excluded, like the real router's agg mode."""
+
+    def __init__(self, workers: dict[str, str], down: bool = False) -> None:
+        self.workers = workers
+        self.down = down
+        self.reports: list[pb.FailureReport] = []
+
+    async def Route(self, request: pb.RouteRequest, context: grpc.aio.ServicerContext) -> pb.RoutePlan:  # noqa: N802
+        if self.down:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "router down")
+        live = [w for w in sorted(self.workers) if w not in request.exclude_worker_ids]
+        if not live:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "no decode workers")
+        ref = pb.WorkerRef(worker_id=live[0], endpoint=self.workers[live[0]], role="decode")
+        return pb.RoutePlan(decode=ref, reason="scripted")
+
+    async def ReportFailure(self, request: pb.FailureReport, context: grpc.aio.ServicerContext) -> pb.Empty:  # noqa: N802
+        self.reports.append(request)
+        return pb.Empty()
+
+
+class Workers:
+    def __init__(self, infos: list[pb.WorkerInfo]) -> None:
+        self.infos = infos
+        self.suppressed: set[str] = set()
+
+    def workers(self, role: str) -> list[pb.WorkerInfo]:
+        return [w for w in self.infos if w.role == role and w.worker_id not in self.suppressed]
+
+    def suppress(self, worker_id: str, seconds: float) -> None:
+        self.suppressed.add(worker_id)
+
+
+async def serve(servicer: object, add: object) -> tuple[grpc.aio.Server, str]:
+    server = grpc.aio.server()
+    add(servicer, server)  # type: ignore[operator]
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    return server, f"127.0.0.1:{port}"
+
+
+async def generate(
+    modes: dict[str, str], router_down: bool = False, limit: int = 3
+) -> tuple[list[list[int]], RequestState | ApiError, ScriptedRouter, dict[str, ScriptedDecode]]:
+    """Run one request through a coordinator over scripted decode workers; the batches the client got."""
+    servers, endpoints, decodes = [], {}, {}
+    for worker_id, mode in modes.items():
+        decodes[worker_id] = ScriptedDecode(mode)
+        server, endpoints[worker_id] = await serve(
+            decodes[worker_id], pb_grpc.add_DecodeWorkerServicer_to_server
+        )
+        servers.append(server)
+    router = ScriptedRouter(endpoints, down=router_down)
+    server, router_endpoint = await serve(router, pb_grpc.add_RouterServicer_to_server)
+    servers.append(server)
+    infos = [pb.WorkerInfo(worker_id="router-s", role="router", endpoint=router_endpoint)]
+    infos += [pb.WorkerInfo(worker_id=w, role="decode", endpoint=e) for w, e in endpoints.items()]
+    channels = ChannelPool()
+    coordinator = Coordinator(Workers(infos), channels, migration_limit=limit, stall_timeout_s=5.0)
+    state = coordinator.new_request("r1", [1, 2, 3], greedy(len(ANSWER)), timeout_s=20.0)
+    batches: list[list[int]] = []
+    outcome: RequestState | ApiError = state
+    try:
+        async for batch in coordinator.generate(state):
+            batches.append([t.token_id for t in batch.tokens])
+    except ApiError as e:
+        outcome = e
+    finally:
+        await coordinator.close()
+        await channels.close()
+        for s in servers:
+            await s.stop(0)
+    return batches, outcome, router, decodes
+
+
+def test_a_resumed_worker_that_repeats_a_token_index_does_not_repeat_it_to_the_client() -> None:
+    batches, state, router, decodes = run(lambda: generate({"d1": "die", "d2": "repeat", "d3": "ok"}))
+    assert isinstance(state, RequestState) and state.phase is Phase.DONE
+    assert [t for b in batches for t in b] == ANSWER  # each token once, in order, despite the repeat
+    assert [m.from_worker_id for m in state.migration_log] == ["d1", "d2"]
+    assert [m.at_token for m in state.migration_log] == [2, 3]
+    assert [len(c.emitted_token_ids) for c in decodes["d3"].calls] == [3]
+    assert {r.worker_id for r in router.reports} == {"d1", "d2"}
+
+
+def test_a_worker_that_skips_a_token_index_is_failed_and_the_request_resumes_at_the_gap() -> None:
+    batches, state, _, decodes = run(lambda: generate({"d1": "skip", "d2": "ok"}))
+    assert isinstance(state, RequestState) and state.phase is Phase.DONE
+    assert [t for b in batches for t in b] == ANSWER
+    assert state.migration_log[0].cause == "decode_failed" and "skipped" in state.migration_log[0].detail
+    assert list(decodes["d2"].calls[0].emitted_token_ids) == ANSWER[:2]
+
+
+@pytest.mark.parametrize("limit", [0, 1])
+def test_past_the_migration_limit_the_error_names_the_limit_and_every_failure(limit: int) -> None:
+    batches, error, _, _ = run(lambda: generate({"d1": "die", "d2": "die", "d3": "ok"}, limit=limit))
+    assert isinstance(error, ApiError) and error.status == 503 and error.code == "migration_limit_exceeded"
+    assert f"--migration-limit {limit}" in error.message
+    assert "decode_failed" in error.message and f"after {2 * (limit + 1)} tokens" in error.message
+    assert [t for b in batches for t in b] == ANSWER[: 2 * (limit + 1)]  # what it got, once each
+
+
+def test_with_every_router_down_a_local_fallback_plan_serves_the_request() -> None:
+    batches, state, _, _ = run(lambda: generate({"d1": "ok"}, router_down=True))
+    assert isinstance(state, RequestState) and state.phase is Phase.DONE
+    assert [t for b in batches for t in b] == ANSWER
+    assert state.plan is not None and "fallback" in state.plan.reason

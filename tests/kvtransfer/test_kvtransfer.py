@@ -1,0 +1,566 @@
+"""KV transfer (services/kvtransfer): real sockets, real /dev/shm segments, real NIXL agents, and the producer in
+its own process wherever the behaviour depends on it (pulls across processes, a producer that dies)."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import multiprocessing as mp
+import os
+import signal
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import numpy as np
+import pytest
+
+from services.kvtransfer import (
+    NIXL,
+    SHM,
+    TCP,
+    KvSink,
+    KvSource,
+    TransferConfig,
+    TransferIntegrityError,
+    TransferNotFound,
+    TransferPeerGone,
+    TransferTicket,
+    TransferTimeout,
+    choose_backend,
+)
+from services.kvtransfer import shm as shm_mod
+from services.kvtransfer.nixl import load_nixl
+from services.kvtransfer.ticket import Checksum, checksum_of
+from tests.support.markers import starts_processes
+
+try:
+    load_nixl()
+    HAVE_NIXL = True
+except Exception:
+    HAVE_NIXL = False
+
+BACKENDS = [TCP, SHM, pytest.param(NIXL, marks=pytest.mark.skipif(not HAVE_NIXL, reason="nixl-cu12 missing"))]
+KiB, MiB = 1 << 10, 1 << 20
+needs_nixl_mark = pytest.mark.skipif(not HAVE_NIXL, reason="nixl-cu12 missing")
+
+
+def payload(size: int, seed: int) -> bytes:
+    return np.random.default_rng(seed).bytes(size)
+
+
+# --- a producer in its own process, driven over a pipe ---
+def _producer_main(conn: Any, stall_after_bytes: int | None, config: TransferConfig | None) -> None:
+    async def serve() -> None:
+        source = await KvSource.start(config or TransferConfig())
+        source._test_stall_after_bytes = stall_after_bytes
+        loop = asyncio.get_running_loop()
+        while True:
+            cmd, *args = await loop.run_in_executor(None, conn.recv)
+            if cmd == "publish":
+                key, size, seed, ttl_s = args
+                t = source.publish(key, payload(size, seed), ttl_s)
+                conn.send((t.to_json(), t.agent_metadata))
+            elif cmd == "retract":
+                source.retract(*args)
+                conn.send(None)
+            elif cmd == "flip":
+                source._flip_byte_for_test(*args)
+                conn.send(None)
+            elif cmd == "stop":
+                await source.close()
+                conn.send(None)
+                return
+
+    asyncio.run(serve())
+
+
+class Producer:
+    def __init__(self, stall_after_bytes: int | None = None, config: TransferConfig | None = None) -> None:
+        ctx = mp.get_context("spawn")
+        self.conn, child = ctx.Pipe()
+        self.proc = ctx.Process(target=_producer_main, args=(child, stall_after_bytes, config), daemon=True)
+        self.proc.start()
+
+    def call(self, *cmd: Any) -> Any:
+        self.conn.send(cmd)
+        if not self.conn.poll(30):
+            raise TimeoutError(f"producer did not answer {cmd[0]}")
+        return self.conn.recv()
+
+    def publish(self, key: str, size: int, seed: int = 0, ttl_s: float = 60.0) -> TransferTicket:
+        text, md = self.call("publish", key, size, seed, ttl_s)
+        return TransferTicket.from_json(text, md)  # as the decode worker rebuilds it from a KvHandle
+
+    def kill(self) -> None:
+        if self.proc.is_alive():
+            os.kill(self.proc.pid, signal.SIGKILL)  # type: ignore[arg-type]
+        self.proc.join(10)
+
+    def stop(self) -> None:
+        if self.proc.is_alive():
+            try:
+                self.call("stop")
+            except (TimeoutError, OSError, EOFError):
+                pass
+            self.proc.join(10)
+        self.kill()
+
+
+@pytest.fixture(scope="module")
+@starts_processes
+def producer() -> Iterator[Producer]:
+    p = Producer()
+    yield p
+    p.stop()
+
+
+def pull(
+    ticket: TransferTicket,
+    backend: str,
+    deadline_s: float = 20.0,
+    config: TransferConfig | None = None,
+    **kw: Any,
+) -> Any:
+    async def go() -> Any:
+        sink = await KvSink.start(config or TransferConfig())
+        try:
+            return await sink.pull(ticket, deadline_s, backend=backend, **kw)
+        finally:
+            await sink.close()
+
+    return asyncio.run(go())
+
+
+# --- round trips ---
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_pull_from_another_process_returns_identical_bytes(producer: Producer, backend: str) -> None:
+    for i, size in enumerate((1 * KiB, 1 * MiB, 16 * MiB)):
+        ticket = producer.publish(f"rt-{backend}-{size}", size, seed=i)
+        got = pull(ticket, backend)
+        assert got.backend == backend and got.bytes == size and got.seconds > 0
+        assert bytes(got.data) == payload(size, i)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_pull_into_a_reused_buffer_fills_it(producer: Producer, backend: str) -> None:
+    ticket = producer.publish(f"into-{backend}", 1 * MiB, seed=7)
+    buf = bytearray(2 * MiB)
+    got = pull(ticket, backend, into=buf)
+    assert bytes(got.data) == payload(1 * MiB, 7) and bytes(buf[: 1 * MiB]) == payload(1 * MiB, 7)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_unknown_key_is_transfer_not_found(producer: Producer, backend: str) -> None:
+    ticket = producer.publish(f"real-{backend}", 1 * KiB)
+    with pytest.raises(TransferNotFound):
+        pull(dataclasses.replace(ticket, key=f"nope-{backend}"), backend)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_flipped_byte_is_integrity_error(producer: Producer, backend: str) -> None:
+    ticket = producer.publish(f"flip-{backend}", 1 * MiB)
+    producer.call("flip", f"flip-{backend}", 12345)
+    with pytest.raises(TransferIntegrityError, match="checksum"):  # NIXL verifies it when asked to
+        pull(ticket, backend, config=TransferConfig(nixl_verify_checksum=True))
+
+
+@needs_nixl_mark
+def test_nixl_pull_by_default_checks_size_and_publication_not_the_checksum(producer: Producer) -> None:
+    ticket = producer.publish("flip-default", 1 * MiB, seed=5)
+    producer.call("flip", "flip-default", 12345)  # a producer bug: bytes changed after publish
+    got = pull(ticket, NIXL)  # the default NIXL check leaves this to the transport (README: KV transfer)
+    assert got.bytes == 1 * MiB and bytes(got.data) != payload(1 * MiB, 5)
+    with pytest.raises(TransferIntegrityError, match="checksum"):
+        pull(ticket, TCP)  # TCP and shm pulls always verify the checksum
+
+
+needs_nixl = needs_nixl_mark
+
+
+@needs_nixl
+def test_nixl_chunked_check_catches_a_flipped_byte_in_the_last_chunk(producer: Producer) -> None:
+    size = 5 * MiB + 123  # chunks of 1 MiB: the flip lands in the sixth, partial chunk
+    ticket = producer.publish("flip-late", size)
+    assert ticket.checksum.startswith("xxh3:")
+    producer.call("flip", "flip-late", size - 7)
+    with pytest.raises(TransferIntegrityError, match="checksum"):
+        pull(ticket, NIXL, config=TransferConfig(nixl_chunk_bytes=1 * MiB, nixl_verify_checksum=True))
+
+
+@pytest.mark.parametrize("check", ["xxh3", "crc32", "none"])
+def test_checksum_fed_in_pieces_equals_the_one_shot_value_and_changes_with_one_bit(check: str) -> None:
+    data = bytearray(payload(3 * MiB + 5, 9))
+    pieces = Checksum(check)
+    for start in range(0, len(data), 1 * MiB):
+        pieces.update(memoryview(data)[start : start + 1 * MiB])
+    assert pieces.hexdigest() == checksum_of(data, check)
+    data[-1] ^= 1
+    assert (checksum_of(data, check) != pieces.hexdigest()) == (check != "none")
+
+
+@pytest.mark.cluster
+def test_nixl_only_producer_serves_payloads_across_chunk_and_page_boundaries() -> None:
+    p = Producer(config=TransferConfig(backends=(TCP, NIXL), nixl_chunk_bytes=1 * MiB))
+    try:
+        for i, size in enumerate((1 * KiB, 2 * MiB, 5 * MiB + 123)):  # unstaged, one huge page, partial chunk
+            ticket = p.publish(f"staged-{size}", size, seed=20 + i)
+            assert SHM not in ticket.backends
+            for backend in [TCP, NIXL] if HAVE_NIXL else [TCP]:
+                got = pull(ticket, backend, config=TransferConfig(nixl_chunk_bytes=1 * MiB))
+                assert got.bytes == size and bytes(got.data) == payload(size, 20 + i)
+    finally:
+        p.stop()
+
+
+@needs_nixl
+@pytest.mark.parametrize("lanes", [2, 3])
+def test_nixl_pull_split_over_lanes_returns_every_byte_in_place(producer: Producer, lanes: int) -> None:
+    """A READ split over several agents (contiguous page-aligned parts, the last one ragged) lands each part at
+    its offset, into a fresh buffer and into a reused larger one; with the checksum verified it stays whole."""
+    size = 9 * MiB + 4321
+    ticket = producer.publish(f"lanes-{lanes}", size, seed=31)
+    config = TransferConfig(nixl_lanes=lanes, nixl_lane_min_bytes=1 * MiB)
+
+    async def pull_and_count_reading_agents() -> tuple[bytes, int]:
+        sink = await KvSink.start(config)
+        try:
+            got = await sink.pull(ticket, 20.0, backend=NIXL)
+            return bytes(got.data), sum(1 for peers in sink._peers.values() if peers)
+        finally:
+            await sink.close()
+
+    data, readers = asyncio.run(pull_and_count_reading_agents())
+    assert data == payload(size, 31) and readers == lanes  # every lane read its part
+    into = bytearray(size + 3 * 4096)
+    got = pull(ticket, NIXL, config=config, into=into)
+    assert bytes(got.data) == payload(size, 31) and bytes(into[:size]) == payload(size, 31)
+    checked = TransferConfig(nixl_lanes=lanes, nixl_lane_min_bytes=1 * MiB, nixl_verify_checksum=True)
+    assert bytes(pull(ticket, NIXL, config=checked).data) == payload(size, 31)
+
+
+def test_transfer_config_refuses_zero_lanes() -> None:
+    with pytest.raises(ValueError, match="nixl_lanes"):
+        TransferConfig(nixl_lanes=0)
+
+
+@needs_nixl
+@pytest.mark.cluster
+def test_sink_pulls_from_a_restarted_producer_after_pulling_from_its_predecessor() -> None:
+    async def go() -> None:
+        sink = await KvSink.start(TransferConfig())
+        buf = bytearray(4 * MiB)  # one reused, registered receive buffer across both producers
+        try:
+            for generation in range(2):
+                p = Producer(config=TransferConfig(backends=(TCP, NIXL)))
+                try:
+                    ticket = p.publish("same-key", 3 * MiB, seed=generation)
+                    got = await sink.pull(ticket, 20.0, backend=NIXL, into=buf)
+                    assert bytes(got.data) == payload(3 * MiB, generation)
+                finally:
+                    p.stop()
+        finally:
+            await sink.close()
+
+    asyncio.run(go())
+
+
+def test_ticket_promising_more_bytes_than_published_is_integrity_error(producer: Producer) -> None:
+    ticket = producer.publish("short", 1 * KiB)
+    with pytest.raises(TransferIntegrityError):
+        pull(dataclasses.replace(ticket, size=ticket.size + 100), TCP)
+
+
+# --- a producer that dies or stalls ---
+@pytest.mark.cluster
+def test_producer_killed_mid_tcp_stream_raises_peer_gone_before_deadline() -> None:
+    p = Producer(stall_after_bytes=4 * MiB)
+    try:
+        ticket = p.publish("dying", 16 * MiB)
+
+        async def go() -> float:
+            sink = await KvSink.start(TransferConfig(backends=(TCP,)))
+            task = asyncio.create_task(sink.pull(ticket, 20.0, backend=TCP))
+            await asyncio.sleep(0.5)  # the sink is now waiting for bytes that do not come
+            assert not task.done()
+            t0 = time.monotonic()
+            p.kill()
+            with pytest.raises(TransferPeerGone):
+                await task
+            await sink.close()
+            return time.monotonic() - t0
+
+        assert asyncio.run(go()) < 5.0  # the connection reset, not the 20 s deadline, ended it
+    finally:
+        p.kill()
+
+
+@pytest.mark.cluster
+def test_stalled_producer_hits_the_deadline_as_transfer_timeout() -> None:
+    p = Producer(stall_after_bytes=1 * MiB)
+    try:
+        ticket = p.publish("stalled", 4 * MiB)
+        t0 = time.monotonic()
+        with pytest.raises(TransferTimeout):
+            pull(ticket, TCP, deadline_s=1.0)
+        assert time.monotonic() - t0 < 5.0
+    finally:
+        p.stop()
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.cluster
+def test_pull_after_producer_died_raises_peer_gone_quickly(backend: str) -> None:
+    p = Producer()
+    ticket = p.publish("orphan", 1 * MiB)
+    p.kill()
+    t0 = time.monotonic()
+    with pytest.raises(TransferPeerGone):
+        pull(ticket, backend, deadline_s=10.0)
+    assert time.monotonic() - t0 < 5.0
+
+
+@pytest.mark.cluster
+def test_segments_of_a_killed_producer_are_swept_by_the_next_source() -> None:
+    p = Producer()
+    p.publish("left-behind", 64 * KiB)
+    pid = p.proc.pid
+    p.kill()
+    assert any(n.startswith(f"{shm_mod.PREFIX}{pid}-") for n in os.listdir("/dev/shm"))
+
+    async def restart() -> None:
+        await (await KvSource.start(TransferConfig(backends=(TCP, SHM)))).close()
+
+    asyncio.run(restart())
+    assert not any(n.startswith(f"{shm_mod.PREFIX}{pid}-") for n in os.listdir("/dev/shm"))
+
+
+# --- lifetimes, in one process ---
+def own_segments() -> list[str]:
+    return [n for n in os.listdir("/dev/shm") if n.startswith(f"{shm_mod.PREFIX}{os.getpid()}-")]
+
+
+def test_ttl_expiry_retracts_and_unlinks_the_shm_segment() -> None:
+    async def go() -> None:
+        source = await KvSource.start(TransferConfig())
+        sink = await KvSink.start(TransferConfig())
+        ticket = source.publish("short-lived", payload(256 * KiB, 1), ttl_s=0.3)
+        assert len(own_segments()) == 1
+        assert bytes((await sink.pull(ticket, 5.0, backend=SHM)).data) == payload(256 * KiB, 1)
+        await asyncio.sleep(0.6)
+        assert source.live_keys() == [] and own_segments() == []
+        for backend in sink.supported:
+            with pytest.raises(TransferNotFound):
+                await sink.pull(ticket, 5.0, backend=backend)
+        await sink.close()
+        await source.close()
+
+    asyncio.run(go())
+
+
+def test_retract_during_a_pull_frees_only_after_the_reader_is_done() -> None:
+    async def go() -> None:
+        source = await KvSource.start(TransferConfig())
+        source._test_stall_after_bytes = 1 * MiB
+        sink = await KvSink.start(TransferConfig())
+        ticket = source.publish("pinned", payload(2 * MiB, 3), ttl_s=30)
+        task = asyncio.create_task(sink.pull(ticket, 0.5, backend=TCP))
+        await asyncio.sleep(0.2)
+        source.retract("pinned")
+        assert source.live_keys() == [] and len(own_segments()) == 1  # a reader still holds it
+        with pytest.raises(TransferTimeout):
+            await task
+        await asyncio.sleep(0.2)  # the reader's connection closes; the source frees on the unpin
+        assert own_segments() == []
+        await sink.close()
+        await source.close()
+
+    asyncio.run(go())
+
+
+def test_control_connection_serves_consecutive_pulls_and_a_closed_idle_one_is_replaced() -> None:
+    async def go() -> None:
+        source = await KvSource.start(TransferConfig(backends=(TCP,), control_idle_s=0.3))
+        sink = await KvSink.start(TransferConfig(backends=(TCP,)))  # keeps its idle connections far longer
+        ticket = source.publish("again", payload(64 * KiB, 4), ttl_s=30)
+        for _ in range(3):
+            assert bytes((await sink.pull(ticket, 5.0)).data) == payload(64 * KiB, 4)
+        assert len(source._conns) == 1  # one connection served all three pulls
+        await asyncio.sleep(0.8)  # the producer closes it as idle; the sink still holds its end
+        assert len(source._conns) == 0
+        assert bytes((await sink.pull(ticket, 5.0)).data) == payload(64 * KiB, 4)
+        await sink.close()
+        await source.close()
+
+    asyncio.run(go())
+
+
+def test_concurrent_pulls_on_one_sink_each_get_their_own_bytes() -> None:
+    async def go() -> None:
+        source = await KvSource.start(TransferConfig())
+        sink = await KvSink.start(TransferConfig(nixl_chunk_bytes=1 * MiB))
+        tickets = [source.publish(f"c{i}", payload(3 * MiB + i, 30 + i), ttl_s=30) for i in range(4)]
+        for backend in sink.supported:  # four at once per backend: chunked NIXL reads interleave on one agent
+            got = await asyncio.gather(*(sink.pull(t, 10.0, backend=backend) for t in tickets))
+            assert [bytes(g.data) for g in got] == [payload(3 * MiB + i, 30 + i) for i in range(4)]
+        await sink.close()
+        await source.close()
+
+    asyncio.run(go())
+
+
+def test_close_frees_every_publication() -> None:
+    async def go() -> None:
+        source = await KvSource.start(TransferConfig())
+        for i in range(3):
+            source.publish(f"k{i}", payload(64 * KiB, i), ttl_s=30)
+        assert len(own_segments()) == 3
+        await source.close()
+        assert own_segments() == []
+
+    asyncio.run(go())
+
+
+# --- choosing a backend ---
+def test_choose_backend_prefers_shm_on_one_node_then_nixl_then_tcp() -> None:
+    pref = [SHM, NIXL, TCP]
+    everything = {TCP: "h:1", SHM: "node-a", NIXL: "agent"}
+    assert choose_backend(pref, everything, [TCP, SHM, NIXL], same_node=True) == SHM
+    assert choose_backend(pref, everything, [TCP, SHM, NIXL], same_node=False) == NIXL
+    assert choose_backend(pref, {TCP: "h:1", SHM: "node-a"}, [TCP, SHM, NIXL], same_node=False) == TCP
+    assert choose_backend(pref, everything, [TCP, SHM], same_node=False) == TCP
+    assert choose_backend([TCP, NIXL], everything, [TCP, SHM, NIXL], same_node=True) == TCP
+
+
+def test_sink_chooses_shm_for_a_producer_on_its_node(producer: Producer) -> None:
+    ticket = producer.publish("choose", 1 * KiB)
+
+    async def go() -> tuple[str, str]:
+        sink = await KvSink.start(TransferConfig())
+        try:
+            far = dataclasses.replace(ticket, backends={**ticket.backends, SHM: "another-node"})
+            return sink.choose(ticket), sink.choose(far)
+        finally:
+            await sink.close()
+
+    near, far = asyncio.run(go())
+    assert near == SHM and far == (NIXL if HAVE_NIXL else TCP)
+
+
+# --- wire compression ---
+@pytest.mark.parametrize(("method", "max_ratio", "max_rel_err"), [("nvfp4", 0.30, 0.20), ("fp8", 0.27, 0.06)])
+def test_compressed_pull_returns_the_dtype_back_within_the_quantization_error(
+    method: str, max_ratio: float, max_rel_err: float
+) -> None:
+    import torch
+
+    kv = torch.randn(4, 2, 16, 64, generator=torch.Generator().manual_seed(0))  # fp32, head_dim 64
+    raw = kv.numpy().tobytes()
+
+    async def go() -> Any:
+        source = await KvSource.start(TransferConfig(backends=(TCP,)))
+        sink = await KvSink.start(TransferConfig(backends=(TCP,)))
+        ticket = source.publish("q", raw, ttl_s=30, compress=method, kv_dtype="fp32", head_dim=64)
+        got = await sink.pull(ticket, 5.0)
+        await sink.close()
+        await source.close()
+        return ticket, got
+
+    ticket, got = asyncio.run(go())
+    assert ticket.raw_size == len(raw) and ticket.size / len(raw) < max_ratio
+    back = torch.frombuffer(got.data, dtype=torch.float32).view_as(kv)
+    rel = ((back - kv).norm() / kv.norm()).item()
+    assert rel < max_rel_err
+
+
+# --- NIXL pulls that READ before the producer's reply ---
+@needs_nixl
+@pytest.mark.cluster
+def test_eager_nixl_pull_of_a_retracted_or_republished_key_is_not_found_never_stale_bytes() -> None:
+    p = Producer(config=TransferConfig(backends=(TCP, NIXL), checksum="none"))  # nothing but size to check
+    try:
+        gone = p.publish("gone", 4 * MiB, seed=1)
+        old = p.publish("reused", 4 * MiB, seed=2)
+        assert gone.nixl_addr and gone.serial and gone.serial != old.serial
+        p.call("retract", "gone")
+        p.call("retract", "reused")
+        new = p.publish("reused", 4 * MiB, seed=3)  # same key and size, new bytes
+
+        async def go() -> None:
+            sink = await KvSink.start(TransferConfig())
+            try:
+                assert sink._may_read_eagerly(gone, 20.0)  # the READ starts before the reply
+                for stale in (gone, old):
+                    with pytest.raises(TransferNotFound):
+                        await sink.pull(stale, 20.0, backend=NIXL)
+                got = await sink.pull(new, 20.0, backend=NIXL)  # the refused pulls left the sink usable
+                assert bytes(got.data) == payload(4 * MiB, 3)
+            finally:
+                await sink.close()
+
+        asyncio.run(go())
+    finally:
+        p.stop()
+
+
+@needs_nixl
+def test_nixl_pull_waits_for_the_reply_when_the_ticket_lacks_the_region_or_expires_within_the_deadline(
+    producer: Producer,
+) -> None:
+    ticket = producer.publish("ordered", 3 * MiB, seed=8)
+    old_style = dataclasses.replace(ticket, nixl_addr=0, serial="")  # a ticket from an older producer
+    short = producer.publish("short-ttl", 3 * MiB, seed=9, ttl_s=2.0)
+
+    async def go() -> None:
+        sink = await KvSink.start(TransferConfig())
+        try:
+            assert not sink._may_read_eagerly(old_style, 20.0) and not sink._may_read_eagerly(short, 20.0)
+            assert bytes((await sink.pull(old_style, 20.0, backend=NIXL)).data) == payload(3 * MiB, 8)
+            assert bytes((await sink.pull(short, 20.0, backend=NIXL)).data) == payload(3 * MiB, 9)
+        finally:
+            await sink.close()
+
+    asyncio.run(go())
+
+
+@needs_nixl
+def test_eager_nixl_pull_releases_its_pin_so_a_retract_frees_the_segment() -> None:
+    async def go() -> None:
+        source = await KvSource.start(TransferConfig())  # tcp, shm, nixl: NIXL reads the shm segment
+        sink = await KvSink.start(TransferConfig())
+        ticket = source.publish("pinned-eager", payload(2 * MiB, 6), ttl_s=30)
+        assert sink._may_read_eagerly(ticket, 5.0)
+        assert bytes((await sink.pull(ticket, 5.0, backend=NIXL)).data) == payload(2 * MiB, 6)
+        for _ in range(50):  # the "done" reaches the source's loop
+            await asyncio.sleep(0.01)
+            if all(pub.pins == 0 for pub in source._pubs.values()):
+                break
+        source.retract("pinned-eager")
+        assert own_segments() == []  # no reader holds it: freed at once
+        await sink.close()
+        await source.close()
+
+    asyncio.run(go())
+
+
+def test_checked_nixl_read_ends_in_short_pieces_and_covers_the_payload_once() -> None:
+    from services.kvtransfer.sink import read_chunks
+
+    for size, chunk in (
+        (64 * MiB, 8 * MiB),
+        (5 * MiB + 123, 1 * MiB),
+        (3 * MiB, 8 * MiB),
+        (8 * MiB, 8 * MiB),
+    ):
+        pieces = read_chunks(size, chunk)
+        assert [o for o, _ in pieces] == [sum(n for _, n in pieces[:i]) for i in range(len(pieces))]
+        assert sum(n for _, n in pieces) == size and all(0 < n <= chunk for _, n in pieces)
+    assert [n // MiB for _, n in read_chunks(64 * MiB, 8 * MiB)] == [8] * 7 + [4, 2, 1, 1]
+
+
+def test_ticket_from_a_newer_producer_with_unknown_fields_still_parses() -> None:
+    ticket = TransferTicket(key="k", size=3, checksum="none", endpoint="127.0.0.1:1", backends={TCP: "x"})
+    text = ticket.to_json()[:-1] + ',"field_from_the_future":1}'
+    assert TransferTicket.from_json(text) == ticket
+    with pytest.raises(ValueError, match="not a transfer ticket"):
+        TransferTicket.from_json("[1, 2]")

@@ -1,0 +1,389 @@
+"""The planner: its decision over the simulator, its damping, what it reads from real /metrics text, its
+Kubernetes patches (against a real HTTP server), and a real `rackserve up --planner` moving capacity from
+prefill to decode when the traffic changes shape, without losing a request."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import random
+import subprocess
+import sys
+import threading
+import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+import httpx
+import pytest
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+
+from loadgen.sim.profile import load_profile
+from services.planner import observe
+from services.planner.kube import KubeScaler
+from services.planner.plan import (
+    Damper,
+    Limits,
+    Observation,
+    Prediction,
+    Slo,
+    candidates,
+    choose,
+    damp,
+    evaluate,
+    live_profile,
+)
+from services.telemetry import metrics as m
+from tests.support.etcd import free_port
+
+CPU = load_profile("cpu_smollm2")
+# long prompts, one output token each / short prompts, long outputs — the two shapes of the issue
+LONG_PROMPTS = Observation(
+    window_s=10, requests=20, input_tokens=[(1024, 0.0), (2048, 20.0)], output_tokens=[(1, 20.0)],
+    prompt_tokens=20 * 1500, generation_tokens=20,
+)  # fmt: skip
+LONG_OUTPUTS = Observation(
+    window_s=10, requests=40, input_tokens=[(16, 0.0), (32, 40.0)], output_tokens=[(64, 0.0), (128, 40.0)],
+    prompt_tokens=40 * 24, generation_tokens=40 * 100,
+)  # fmt: skip
+
+
+def test_long_prompts_size_prefill_and_long_outputs_size_decode() -> None:
+    limits, slo = Limits(1, 3, 1, 3, max_workers=4), Slo(ttft_s=1.0, itl_s=0.08)
+    a, binding_a = choose(evaluate(LONG_PROMPTS, CPU, candidates(limits)), slo)
+    b, binding_b = choose(evaluate(LONG_OUTPUTS, CPU, candidates(limits)), slo)
+    assert a is not None and b is not None
+    assert (binding_a, binding_b) == ("ttft", "itl")
+    assert a.prefill > a.decode and b.decode > b.prefill
+    assert b.meets(slo) and b.workers == 3  # (1, 2) is the fewest workers under the ITL target
+
+
+def test_the_fewest_workers_that_meet_both_slos_win_else_the_smallest_miss() -> None:
+    slo = Slo(ttft_s=1.0, itl_s=0.1)
+    preds = [Prediction(1, 1, 2.0, 0.05), Prediction(2, 1, 0.9, 0.05), Prediction(2, 2, 0.5, 0.04)]
+    best, binding = choose(preds, slo)
+    assert (best.prefill, best.decode, binding) == (2, 1, "ttft")
+    # nothing meets: the one that misses by least, not the biggest
+    missing = [Prediction(1, 1, 3.0, 0.3), Prediction(2, 1, 1.5, 0.3), Prediction(1, 2, 3.0, 0.12)]
+    best, binding = choose(missing, slo)
+    assert (best.prefill, best.decode, binding) == (1, 2, "ttft")
+    assert choose([], slo) == (None, "none")
+
+
+def test_scaling_is_damped_one_step_per_pool_held_down_and_bounded() -> None:
+    limits, damper = Limits(1, 4, 1, 4), Damper(hold_down_s=30.0)
+    assert damp((1, 1), (4, 3), limits, damper, now=0.0) == (2, 2)  # one step each, not the jump
+    assert damp((2, 2), (4, 3), limits, damper, now=10.0) == (3, 3)  # up: the next interval
+    assert damp((3, 3), (1, 1), limits, damper, now=20.0) == (3, 3)  # down: held down after a change
+    assert damp((3, 3), (1, 1), limits, damper, now=41.0) == (2, 2)
+    assert damp((3, 3), (9, 0), limits, Damper(0.0), now=0.0) == (4, 2)  # never past --max-*/--min-*
+    assert damp((1, 1), (1, 1), limits, Damper(0.0), now=0.0) == (1, 1)
+    # a budget of 3: moving capacity is a swap in one interval, a step up alone waits for room
+    budget = Limits(1, 2, 1, 2, max_workers=3)
+    assert damp((2, 1), (1, 2), budget, Damper(0.0), now=0.0) == (1, 2)
+    assert damp((2, 1), (2, 2), budget, Damper(0.0), now=0.0) == (2, 1)
+    with pytest.raises(ValueError, match="max-workers"):
+        Limits(2, 4, 2, 4, max_workers=3)
+    assert all(p + d <= 3 for p, d in candidates(budget)) and (2, 1) in candidates(budget)
+
+
+def test_live_profile_takes_the_measured_prefill_rate_and_step_time() -> None:
+    obs = Observation(window_s=10, requests=10, prompt_tokens=1000, generation_tokens=1000,
+                      prefill_tokens_per_s=800.0, decode_step_s=0.2, decode_batch=4.0)  # fmt: skip
+    live = live_profile(CPU, obs)
+    assert live.prefill_tokens_per_s == 800.0
+    ctx = 4 * (100 + 100 / 2)
+    assert live.decode_step_s(4, int(ctx)) == pytest.approx(0.2, rel=1e-3)
+    assert live_profile(CPU, Observation(window_s=1, requests=0)) is CPU
+
+
+def test_observation_from_real_metrics_text() -> None:
+    """The planner reads the names metrics.py exports: two scrapes of a registry with those metrics."""
+    reg = CollectorRegistry()
+    names = (m.PROMPT_TOKENS_PER_REQUEST, m.OUTPUT_TOKENS_PER_REQUEST, m.TTFT_S, m.INTER_TOKEN_S)
+    h = {
+        x._name: Histogram(x._name, "d", buckets=x._upper_bounds[:-1], registry=reg)  # type: ignore[attr-defined]
+        for x in names
+    }
+    cached = Counter(m.CACHED_PROMPT_TOKENS._name, "d", registry=reg)  # type: ignore[attr-defined]
+    before = observe.parse(generate_latest(reg).decode())
+    for _ in range(10):
+        h[m.PROMPT_TOKENS_PER_REQUEST._name].observe(400)  # type: ignore[attr-defined]
+        h[m.OUTPUT_TOKENS_PER_REQUEST._name].observe(50)  # type: ignore[attr-defined]
+        h[m.TTFT_S._name].observe(0.3)  # type: ignore[attr-defined]
+        h[m.INTER_TOKEN_S._name].observe(0.02)  # type: ignore[attr-defined]
+    cached.inc(1000)
+    after = observe.parse(generate_latest(reg).decode())
+    obs = observe.observation(observe.delta(after, before), {}, window_s=5.0)
+    assert obs.requests == 10 and obs.rate_rps == 2.0
+    assert obs.mean_input() == 400 and obs.mean_output() == 50
+    assert obs.hit_rate == pytest.approx(0.25)
+    assert 0.25 <= obs.ttft_p90_s <= 0.5 and 0.01 <= obs.itl_p90_s <= 0.025
+    assert sum(c for _, c in obs.input_tokens) == 10
+    # a source that restarted (its counters went down) counts from zero, never negative
+    assert observe.delta(before, after) == before
+
+
+class _FakeApiServer(ThreadingHTTPServer):
+    """A real HTTP server in the Kubernetes API's shape for the scale subresource: it records each call."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[str, str, str, dict | None]] = []
+        self.replicas = {"rackserve-prefill": 2, "rackserve-decode": 1}
+        outer = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def _name(self) -> str:
+                return self.path.split("/deployments/")[1].split("/")[0]
+
+            def do_GET(self) -> None:  # noqa: N802
+                outer.calls.append(("GET", self.path, self.headers.get("Authorization", ""), None))
+                self._send({"spec": {"replicas": outer.replicas[self._name()]}})
+
+            def do_PATCH(self) -> None:  # noqa: N802
+                body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+                outer.calls.append(("PATCH", self.path, self.headers["Content-Type"], body))
+                outer.replicas[self._name()] = body["spec"]["replicas"]
+                self._send({"spec": body["spec"]})
+
+            def _send(self, obj: dict) -> None:
+                raw = json.dumps(obj).encode()
+                self.send_response(200)
+                self.send_header("Content-Length", str(len(raw)))
+                self.end_headers()
+                self.wfile.write(raw)
+
+            def log_message(self, *a: object) -> None:
+                pass
+
+        super().__init__(("127.0.0.1", 0), Handler)
+
+
+def test_kubernetes_mode_patches_only_the_scale_subresource_of_the_two_deployments() -> None:
+    api = _FakeApiServer()
+    threading.Thread(target=api.serve_forever, daemon=True).start()
+    try:
+        scaler = KubeScaler(
+            f"http://127.0.0.1:{api.server_address[1]}", "prod",
+            {"prefill": "rackserve-prefill", "decode": "rackserve-decode"}, "tok", True, 2.0,
+        )  # fmt: skip
+
+        async def go() -> None:
+            await scaler.apply((1, 2))
+            await scaler.apply((1, 2))  # unchanged: nothing sent
+            await scaler.close()
+
+        asyncio.run(go())
+    finally:
+        api.shutdown()
+    patches = [c for c in api.calls if c[0] == "PATCH"]
+    base = "/apis/apps/v1/namespaces/prod/deployments"
+    assert [(p[1], p[2], p[3]) for p in patches] == [
+        (f"{base}/rackserve-prefill/scale", "application/merge-patch+json", {"spec": {"replicas": 1}}),
+        (f"{base}/rackserve-decode/scale", "application/merge-patch+json", {"spec": {"replicas": 2}}),
+    ]
+    assert all(c[2] == "Bearer tok" for c in api.calls if c[0] == "GET")
+    assert api.replicas == {"rackserve-prefill": 1, "rackserve-decode": 2}
+
+
+def test_planner_flags_are_checked() -> None:
+    from services.planner.server import _config, add_arguments
+
+    p = argparse.ArgumentParser()
+    add_arguments(p)
+    with pytest.raises(ValueError, match="slo"):
+        _config(p.parse_args(["--slo-itl-ms", "0"]))
+    with pytest.raises(ValueError, match="min-prefill"):
+        _config(p.parse_args(["--min-prefill", "3", "--max-prefill", "2"]))
+
+
+# ---- a real cluster -----------------------------------------------------------------------------------------
+
+
+def _numbers(rng: random.Random, n: int) -> str:
+    return " ".join(str(rng.randrange(10_000)) for _ in range(n))  # no shared prefix between prompts
+
+
+@pytest.mark.cluster
+def test_up_planner_moves_capacity_from_prefill_to_decode_without_losing_a_request() -> None:
+    """`rackserve up --planner` (local mode), budget 3 workers, starting at 2 prefill + 1 decode. Long prompts
+    with one output token keep it there (TTFT binds); short prompts with long outputs make it drain a prefill
+    worker and start a decode worker (ITL binds). Every request of both phases answers 200 with its tokens,
+    and the launcher's log shows the drain: the worker leaves with requests in flight and exits cleanly."""
+    port = free_port()
+    cmd = [sys.executable, "-m", "services.cli", "up", "--port", str(port), "--mode", "disagg"]
+    cmd += [
+        "--prefill",
+        "2",
+        "--decode",
+        "1",
+        "--planner",
+        "--planner-interval-s",
+        "3",
+        "--hold-down-s",
+        "60",
+    ]
+    cmd += ["--max-workers", "3", "--max-prefill", "2", "--max-decode", "2"]
+    cmd += ["--slo-ttft-ms", "1000", "--slo-itl-ms", "20", "--ready-timeout-s", "420"]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    assert proc.stdout is not None
+    lines: list[str] = []
+    ready = threading.Event()
+
+    def pump() -> None:
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            lines.append(line)
+            if "rackserve is ready" in line:
+                ready.set()
+
+    threading.Thread(target=pump, daemon=True).start()
+    url = f"http://127.0.0.1:{port}"
+    stop = threading.Event()
+    results: list[tuple[str, int, int]] = []  # (phase, status, completion tokens)
+
+    def client(phase: str, seed: int, prompt_words: int, max_tokens: int) -> None:
+        rng = random.Random(seed)
+        with httpx.Client(base_url=url, timeout=300) as c:
+            while not stop.is_set():
+                r = c.post("/v1/completions", json={
+                    "model": "SmolLM2-135M-Instruct", "prompt": _numbers(rng, prompt_words),
+                    "max_tokens": max_tokens, "temperature": 0,
+                })  # fmt: skip
+                tokens = r.json().get("usage", {}).get("completion_tokens", 0) if r.status_code == 200 else 0
+                results.append((phase, r.status_code, tokens))
+
+    def plan() -> dict:
+        r = httpx.get(f"{url}/v1/plan", timeout=30)  # a loaded 2-core CI box
+        assert r.status_code == 200, r.text + "\n" + "".join(lines[-60:])
+        return r.json()
+
+    def wait_plan(pred, timeout_s: float) -> dict:  # noqa: ANN001
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            p = plan()
+            if pred(p):
+                return p
+            time.sleep(1)
+        pytest.fail(
+            f"plan never reached the expected state; last: {json.dumps(p)[:2000]}\n" + "".join(lines[-40:])
+        )
+
+    def run_phase(name: str, seeds: range, words: int, max_tokens: int, until) -> dict:  # noqa: ANN001
+        """Clients send this shape until `until()` returns a plan; they stop before the phase ends."""
+        stop.clear()
+        threads = [threading.Thread(target=client, args=(name, s, words, max_tokens)) for s in seeds]
+        for t in threads:
+            t.start()
+        try:
+            return until()
+        finally:
+            stop.set()
+            for t in threads:
+                t.join(timeout=180)
+
+    try:
+        assert ready.wait(450), "rackserve up did not become ready:\n" + "".join(lines[-40:])
+
+        def two_sized_decisions() -> dict:
+            first = wait_plan(lambda p: p.get("candidates"), 120)
+            return wait_plan(lambda p: p["time"] > first["time"] and p.get("candidates"), 90)
+
+        # long prompts, one token each: still 2 prefill + 1 decode, TTFT the binding SLO
+        a = run_phase("long_prompts", range(3), 200, 1, two_sized_decisions)
+        assert a["desired"] == {"prefill": 2, "decode": 1} and a["binding_slo"] == "ttft", a
+        both = {"prefill": 1, "decode": 2}
+
+        def rebalanced() -> dict:
+            b = wait_plan(lambda p: p["actual"] == both and p["desired"] == both, 150)
+            time.sleep(3)  # traffic keeps flowing on the new shape
+            return b
+
+        b = run_phase("long_outputs", range(100, 108), 8, 48, rebalanced)
+        assert b["binding_slo"] == "itl", b
+    finally:
+        stop.set()
+        proc.send_signal(2)
+        try:
+            proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+    log = "".join(lines)
+    by_phase = {ph: [r for r in results if r[0] == ph] for ph in ("long_prompts", "long_outputs")}
+    assert all(len(v) >= 3 for v in by_phase.values()), {k: len(v) for k, v in by_phase.items()}
+    assert all(status == 200 for _, status, _ in results), [r for r in results if r[1] != 200]
+    assert all(n >= 1 for _, _, n in results)
+    # the drain, in order: the planner's decision, the SIGTERM, the worker leaving, its clean exit
+    drain = log.index("planner: draining prefill-1")
+    assert log.index("started decode-1") > 0
+    assert log.index("[prefill-1]", drain) and "prefill prefill-1 draining" in log[drain:]
+    assert "prefill prefill-1 stopped" in log[drain:]
+    assert "exited with status" not in log
+
+
+# ---- the chart ------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.cluster
+def test_chart_planner_profile_validates_strictly_and_its_rbac_is_the_minimum(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The ci profile with the planner in kubernetes mode: kubernetes-validate --strict accepts every object (the
+    planner's Deployment, Role, RoleBinding, ServiceAccount, NetworkPolicy), the Role allows get/patch on the two
+    worker Deployments' scale subresource and nothing else, and the env parses with the planner's own flags."""
+    from services.planner.server import add_arguments as planner_arguments
+    from tests import test_chart as chart
+
+    profile = chart.CHART / "ci" / "planner-kubernetes-values.yaml"
+    manifest = chart.render_text("-f", str(profile))
+    out = subprocess.run([str(chart.BIN / "kubernetes-validate"), "--strict", "-"], input=manifest,
+                         capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert out.returncode == 0, out.stdout + out.stderr
+    for kind in ("deployment", "role", "rolebinding", "serviceaccount", "networkpolicy"):
+        assert f"passed for resource {kind}/rs-rackserve-planner" in out.stdout + out.stderr, kind
+    objs = chart.render("-f", str(profile))
+    role = chart.find(objs, "Role", "rs-rackserve-planner")
+    assert role["rules"] == [{
+        "apiGroups": ["apps"], "resources": ["deployments/scale"],
+        "resourceNames": ["rs-rackserve-prefill", "rs-rackserve-decode"], "verbs": ["get", "patch"],
+    }]  # fmt: skip
+    binding = chart.find(objs, "RoleBinding", "rs-rackserve-planner")
+    assert binding["subjects"] == [
+        {"kind": "ServiceAccount", "name": "rs-rackserve-planner", "namespace": "llm"}
+    ]
+    assert not [o for o in objs if o["kind"] in ("ClusterRole", "ClusterRoleBinding") and "planner" in str(o)]
+    dep = chart.find(objs, "Deployment", "rs-rackserve-planner")
+    spec = dep["spec"]["template"]["spec"]
+    assert dep["spec"]["replicas"] == 1 and spec["serviceAccountName"] == "rs-rackserve-planner"
+    assert spec["automountServiceAccountToken"] is True
+    env = chart.env_of(chart.container(dep, "planner"))
+    for name, value in env.items():
+        if isinstance(value, str):
+            monkeypatch.setenv(name, value)
+    parser = argparse.ArgumentParser()
+    planner_arguments(parser)
+    known = {a.dest for a in parser._actions}
+    assert all(n.removeprefix("RACKSERVE_").lower() in known for n in env if n.startswith("RACKSERVE_")), env
+    args = parser.parse_args([])
+    assert (args.scale_mode, args.kube_namespace, args.kube_prefill_deployment) == (
+        "kubernetes", "llm", "rs-rackserve-prefill",
+    )  # fmt: skip
+    assert (args.slo_ttft_ms, args.max_workers, args.port) == (1500.0, 6, 8090)
+    # the frontend forwards GET /v1/plan to it; it reads the workers' /metrics: both admitted, nothing else
+    policy = chart.find(objs, "NetworkPolicy", "rs-rackserve-planner")
+    assert [p["port"] for p in policy["spec"]["ingress"][0]["ports"]] == [8090]
+    workers = chart.find(objs, "NetworkPolicy", "rs-rackserve-workers")
+    assert any("planner" in json.dumps(rule.get("from", [])) for rule in workers["spec"]["ingress"])
+
+
+@pytest.mark.cluster
+def test_chart_recommend_mode_gets_no_token_and_no_role() -> None:
+    from tests import test_chart as chart
+
+    objs = chart.render("--set", "planner.enabled=true")
+    dep = chart.find(objs, "Deployment", "rs-rackserve-planner")
+    assert dep["spec"]["template"]["spec"]["automountServiceAccountToken"] is False
+    assert not [
+        o for o in objs if o["kind"] in ("Role", "RoleBinding") and "planner" in o["metadata"]["name"]
+    ]
+    assert not [o for o in chart.render() if "planner" in o["metadata"]["name"]]  # off by default
