@@ -217,13 +217,13 @@ def _hf_model(dtype_name: str) -> Any:
     transformers 5 would otherwise keep GGUF weights packed and, without its hub matmul kernel (offline here),
     unpack every weight on every forward; `dequantize=True` gives the plain bf16/fp32 model this compares to.
     """
-    import torch
     from transformers import AutoModelForCausalLM, GgufConfig
 
+    from services.engine.config import torch_dtype
     from services.engine.model_files import smollm2_gguf_path
 
     path = Path(smollm2_gguf_path())
-    dtype = {"bfloat16": torch.bfloat16, "float32": torch.float32}[dtype_name]
+    dtype = torch_dtype(dtype_name)
     model = AutoModelForCausalLM.from_pretrained(
         str(path.parent), gguf_file=path.name, dtype=dtype, quantization_config=GgufConfig(dequantize=True)
     )

@@ -54,6 +54,7 @@ from services.runtime.args import (
     add_service_arguments,
 )
 from services.runtime.async_engine import AsyncEngine, RequestStream, RequestTiming
+from services.runtime.channels import ChannelPool
 from services.runtime.errors import (
     KV_UNAVAILABLE_PREFIX,
     KvDataLossError,
@@ -63,7 +64,7 @@ from services.runtime.errors import (
 )
 from services.runtime.host import ServiceHost, service_main
 from services.runtime.rpc import request_meta
-from services.runtime.tls import open_channel
+from services.runtime.tasks import BackgroundTasks
 from services.runtime.worker import EngineWorker, run_engine_worker
 from services.telemetry import metrics, tracing
 
@@ -97,8 +98,8 @@ class DecodeWorker(EngineWorker, pb_grpc.DecodeWorkerServicer):
         self.preference = preference
         self.pull_timeout_s = pull_timeout_s
         self.release_timeout_s = release_timeout_s
-        self._producers: dict[str, grpc.aio.Channel] = {}  # producer endpoint -> channel, for Release
-        self._acks: set[asyncio.Task[None]] = set()  # referenced until done
+        self._producers = ChannelPool(host.tls)  # a channel per producer endpoint, for Release
+        self._acks = BackgroundTasks()
         # export a zero per failure reason from the start, so rate() reads 0 rather than nothing
         for reason in ("unavailable", "data_loss", "precondition"):
             metrics.KV_TRANSFER_FAILURES.labels(reason)
@@ -265,13 +266,8 @@ class DecodeWorker(EngineWorker, pb_grpc.DecodeWorkerServicer):
             return
 
         async def release() -> None:
-            channel = self._producers.get(handle.producer_endpoint)
-            if channel is None:
-                channel = self._producers[handle.producer_endpoint] = open_channel(
-                    handle.producer_endpoint, self.host.tls
-                )
             try:
-                await pb_grpc.PrefillWorkerStub(channel).Release(
+                await pb_grpc.PrefillWorkerStub(self._producers.get(handle.producer_endpoint)).Release(
                     pb.ReleaseRequest(request_id=handle.request_id),
                     metadata=(("x-request-id", handle.request_id),),
                     timeout=self.release_timeout_s,
@@ -282,14 +278,11 @@ class DecodeWorker(EngineWorker, pb_grpc.DecodeWorkerServicer):
                     handle.request_id, handle.producer_worker_id, e.code().name,
                 )  # fmt: skip
 
-        task = asyncio.get_running_loop().create_task(release())
-        self._acks.add(task)
-        task.add_done_callback(self._acks.discard)
+        self._acks.spawn(release(), name=f"release {handle.request_id}")
 
     async def close(self) -> None:
-        if self._acks:
-            await asyncio.gather(*self._acks, return_exceptions=True)
-        await asyncio.gather(*(c.close(grace=None) for c in self._producers.values()), return_exceptions=True)
+        await self._acks.wait()
+        await self._producers.close()
 
 
 async def _with_heartbeats(stream: RequestStream, engine: AsyncEngine) -> AsyncIterator[RequestOutput | None]:

@@ -8,15 +8,28 @@ from __future__ import annotations
 import dataclasses
 import json
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    import torch
 
 SUPPORTED_ARCHITECTURES = ("llama",)  # Llama 2/3, SmolLM and Qwen2-style layouts map onto this
-SUPPORTED_DTYPES = ("float32", "bfloat16")
+SUPPORTED_DTYPES = ("float32", "bfloat16")  # torch's own names: `torch_dtype` maps them
 SUPPORTED_QUANT = ("none", "nvfp4")
 ATTENTION_BACKENDS = ("auto", "torch", "triton")  # auto: Triton paged attention on CUDA, torch ops elsewhere
 # the data-free NVFP4 methods, quantized at load (services/engine/nvfp4/methods.py); gptq is offline only
 NVFP4_LOAD_METHODS = ("rtn", "four_over_six", "mse")
 NVFP4_METHODS = (*NVFP4_LOAD_METHODS, "gptq")  # all of them: `rackserve quantize --method`
+
+
+def torch_dtype(name: str) -> torch.dtype:
+    """The torch dtype an engine dtype name (one of SUPPORTED_DTYPES) stands for."""
+    import torch  # here: the router and the launcher read this module without loading torch
+
+    if name not in SUPPORTED_DTYPES:
+        raise ValueError(f"dtype must be one of {SUPPORTED_DTYPES}, got {name!r}")
+    dtype: torch.dtype = getattr(torch, name)
+    return dtype
 
 
 class ModelLoadError(ValueError):

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from services.engine.config import EngineConfig, ModelConfig
+from services.engine.config import EngineConfig, ModelConfig, torch_dtype
 from services.engine.device import plan_kv_memory, resolve_device
 from services.engine.kv_cache import BlockManager, KvEvent, NoFreeBlocksError
 from services.engine.loader import LoadedModel, load_model, model_fingerprint
@@ -31,8 +31,6 @@ if TYPE_CHECKING:
     from services.engine.cuda_graphs import DecodeGraphs
 
 log = logging.getLogger("rackserve.engine")
-
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
 class PromptTooLongError(ValueError):
@@ -132,7 +130,7 @@ class LLMEngine:
         loaded = model if isinstance(model, LoadedModel) else load_model(model)
         self.model_config: ModelConfig = loaded.config
         self.model_path = loaded.source
-        self.dtype = _DTYPES[cfg.dtype]
+        self.dtype = torch_dtype(cfg.dtype)
         quant_id = "none"
         kw: dict[str, object] = {}
         if cfg.quant == "nvfp4" or loaded.quantization != "none":

@@ -39,7 +39,7 @@ from services.engine.sampling import draw_seed
 from services.engine.structured import GrammarError, Grammars
 from services.engine.tokenizer import ChatTemplateError, Tokenizer
 from services.frontend.auth import AuthConfig, Guard, Principal, authorize
-from services.frontend.coordinator import Coordinator, EmittedToken, Phase, RequestState, WorkerView
+from services.frontend.coordinator import Coordinator, WorkerView
 from services.frontend.dependencies import json_body, openapi_body
 from services.frontend.errors import (
     CLIENT_CLOSED_REQUEST,
@@ -84,6 +84,7 @@ from services.frontend.protocol import (
     ToolCallDelta,
     Usage,
 )
+from services.frontend.request_state import EmittedToken, Phase, RequestState
 from services.frontend.timeline import RequestObserver
 from services.rpc import pb
 from services.telemetry import metrics

@@ -16,8 +16,8 @@ from collections.abc import Sequence
 from functools import lru_cache
 
 from services.engine.tokenizer import IncrementalDetokenizer, Tokenizer
-from services.frontend.coordinator import EmittedToken
 from services.frontend.protocol import ChatLogprobs, CompletionLogprobs, TokenLogprob, TopLogprob
+from services.frontend.request_state import EmittedToken
 
 
 class TextAssembler:

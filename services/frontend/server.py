@@ -26,15 +26,11 @@ from services.discovery import EtcdSecurity, Registration, WorkerDirectory
 from services.engine.tokenizer import Tokenizer
 from services.frontend.app import DEFAULT_MAX_MODEL_LEN, FrontendConfig, create_app
 from services.frontend.auth import AuthConfig, load_api_keys
-from services.frontend.coordinator import (
-    DEFAULT_MIGRATION_LIMIT,
-    DEFAULT_STALL_TIMEOUT_S,
-    ChannelPool,
-    Coordinator,
-)
+from services.frontend.coordinator import DEFAULT_MIGRATION_LIMIT, DEFAULT_STALL_TIMEOUT_S, Coordinator
 from services.frontend.timeline import DEFAULT_TIMELINE_HISTORY, RequestObserver
 from services.rpc import pb
 from services.runtime.args import add_flag, add_security_arguments, add_telemetry_arguments, switch
+from services.runtime.channels import ChannelPool
 from services.runtime.tls import GrpcTls
 from services.telemetry import tracing
 

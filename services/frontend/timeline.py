@@ -22,7 +22,7 @@ import threading
 from collections import OrderedDict
 from typing import Any
 
-from services.frontend.coordinator import Phase, RequestState
+from services.frontend.request_state import Phase, RequestState
 from services.telemetry import metrics, tracing
 
 log = logging.getLogger("rackserve.requests")

@@ -1,11 +1,13 @@
 """The control channel every pull starts with: length-prefixed JSON messages over one TCP connection.
 
-    sink -> source  {"op": "open", "key": ..., "backend": "tcp"|"shm"|"nixl"[, "eager": true]}
-    source -> sink  {"ok": true, "size": N, "checksum": ..., "serial": ..., <backend fields>}
-                    or  {"ok": false, "error": ...}
+    sink -> source  Open(key, backend "tcp"|"shm"|"nixl"|"cuda_ipc"[, eager])
+    source -> sink  Grant(size, checksum, encoding, serial, <backend fields>) or Refusal(error, detail)
     tcp:       N raw payload bytes follow the reply on the same connection
-    shm, nixl: the sink reads through the side channel, then sends {"op": "done"}; closing also unpins
-    then the next {"op": "open"} may follow on the same connection (the sink keeps idle ones per producer)
+    shm, nixl, cuda_ipc: the sink reads through the side channel, then sends Done(); closing also unpins
+    then the next Open may follow on the same connection (the sink keeps idle ones per producer)
+
+The messages and their JSON shape are control.py's; this module frames them (a 4-byte big-endian length, then
+the compact JSON object).
 
 The open pins the payload on the source until done or disconnect, so a retract or TTL expiry never frees memory
 under a reader. An eager NIXL reader (the ticket names the region) starts its READ as it sends the open and keeps
@@ -20,6 +22,8 @@ import json
 import socket
 import struct
 from typing import Any
+
+from .control import ControlMessage
 
 _LEN = struct.Struct("!I")
 MAX_MESSAGE_BYTES = 1 << 20
@@ -36,9 +40,14 @@ async def recv_exactly(sock: socket.socket, view: memoryview) -> None:
         got += n
 
 
-async def send_message(sock: socket.socket, msg: dict[str, Any]) -> None:
-    body = json.dumps(msg, separators=(",", ":")).encode()
-    await asyncio.get_running_loop().sock_sendall(sock, _LEN.pack(len(body)) + body)
+def encode(msg: ControlMessage) -> bytes:
+    """The bytes `msg` travels as: its length, then its JSON object, compact."""
+    body = json.dumps(msg.to_wire(), separators=(",", ":")).encode()
+    return _LEN.pack(len(body)) + body
+
+
+async def send_message(sock: socket.socket, msg: ControlMessage) -> None:
+    await asyncio.get_running_loop().sock_sendall(sock, encode(msg))
 
 
 async def recv_message(sock: socket.socket) -> dict[str, Any]:

@@ -10,7 +10,6 @@ never hand back unverified bytes and never wait past the deadline — a dead pro
 from __future__ import annotations
 
 import asyncio
-import base64
 import concurrent.futures
 import json
 import logging
@@ -21,6 +20,7 @@ from dataclasses import dataclass
 from typing import Any, TypeVar
 
 from . import buffers, protocol, shm
+from .control import NOT_FOUND, Done, Grant, Open, Refusal, Reply, reply_from_wire
 from .errors import (
     TransferError,
     TransferIntegrityError,
@@ -169,7 +169,7 @@ class KvSink:
             torch.cuda.synchronize(local.device)
             return local
 
-        async def move(sock: socket.socket, reply: dict[str, Any]) -> Any:
+        async def move(sock: socket.socket, reply: Grant) -> Any:
             try:
                 return await asyncio.to_thread(copy)
             except cuda_ipc.CudaIpcUnavailable as exc:
@@ -197,14 +197,19 @@ class KvSink:
     ) -> bool:
         """Fill `view`; True when `checksum` has already been fed every byte (NIXL verifies while reading)."""
 
-        async def move(sock: socket.socket, reply: dict[str, Any]) -> bool:
+        async def move(sock: socket.socket, reply: Grant) -> bool:
             if backend == TCP:
                 await protocol.recv_exactly(sock, view)
             elif backend == SHM:
-                await asyncio.to_thread(shm.copy_out, self.config.shm_dir, reply["shm"], view)
+                if reply.shm is None:
+                    raise TransferUnavailable(f"producer granted shm for {ticket.key!r} without a segment")
+                await asyncio.to_thread(shm.copy_out, self.config.shm_dir, reply.shm, view)
             else:
-                addr, md = int(reply["nixl"]["addr"]), base64.b64decode(reply["nixl"]["md"])
-                return await self._nixl_read(ticket, addr, md, view, keepalive, checksum)
+                if reply.nixl is None or reply.nixl.md is None:
+                    raise TransferUnavailable(f"producer granted nixl for {ticket.key!r} without its region")
+                return await self._nixl_read(
+                    ticket, reply.nixl.addr, reply.nixl.md, view, keepalive, checksum
+                )
             return False
 
         return await self._exchange(ticket, backend, move)
@@ -213,7 +218,7 @@ class KvSink:
         self,
         ticket: TransferTicket,
         backend: str,
-        move: Callable[[socket.socket, dict[str, Any]], Awaitable[T]],
+        move: Callable[[socket.socket, Grant], Awaitable[T]],
     ) -> T:
         """One pull's control exchange, whatever moves the data: open (the producer pins the publication),
         check the reply, `move` the data, done (unpin; TCP's stream ends by itself), and keep the connection
@@ -221,12 +226,12 @@ class KvSink:
         sock, reply = await self._open(ticket, backend)
         reusable = False
         try:
-            reusable = not reply.get("ok")  # a refusal ends the exchange cleanly
-            _check_reply(ticket, backend, reply)
+            reusable = not reply.ok  # a refusal ends the exchange cleanly
+            grant = _check_reply(ticket, backend, reply)
             try:
-                out = await move(sock, reply)
+                out = await move(sock, grant)
                 if backend != TCP:
-                    await protocol.send_message(sock, {"op": "done"})
+                    await protocol.send_message(sock, Done())
                 reusable = True
                 return out
             except FileNotFoundError as exc:
@@ -282,7 +287,7 @@ class KvSink:
             # progress a first READ from this sink needs, so waiting for the READ would only wait for the deadline.
             await asyncio.wait((reply_task, read_task), return_when=asyncio.FIRST_COMPLETED)
             try:
-                reply = await reply_task
+                reply = reply_from_wire(await reply_task)
             except (OSError, ValueError) as exc:
                 if not reused:
                     raise TransferPeerGone(
@@ -292,12 +297,12 @@ class KvSink:
                 # the ticket was issued; the new pin covers the rest of the READ).
                 sock.close()
                 sock, reply = await self._open(ticket, NIXL, eager=True)
-            if not reply.get("ok"):
+            if not reply.ok:
                 reusable = True
             _check_reply(ticket, NIXL, reply)
             await read_task  # its error, if any, now stands: the producer held this publication throughout
             try:
-                await protocol.send_message(sock, {"op": "done"})
+                await protocol.send_message(sock, Done())
             except OSError as exc:
                 raise TransferPeerGone(f"producer {ticket.endpoint} went away after {ticket.key}") from exc
             reusable = True
@@ -310,14 +315,14 @@ class KvSink:
 
     async def _open(
         self, ticket: TransferTicket, backend: str, eager: bool = False
-    ) -> tuple[socket.socket, dict[str, Any]]:
+    ) -> tuple[socket.socket, Reply]:
         """Send the open and read the reply, on an idle connection to this producer if one is kept (a stale
         one — the producer closed it or restarted — is dropped and the open retried on a new connection)."""
         while True:
             sock, reused = await self._send_open(ticket, backend, eager)
             try:
-                return sock, await protocol.recv_message(sock)
-            except (OSError, ValueError) as exc:
+                return sock, reply_from_wire(await protocol.recv_message(sock))
+            except (OSError, ValueError) as exc:  # a garbled or malformed reply too (ControlMessageError)
                 sock.close()
                 if not reused:
                     raise TransferPeerGone(f"producer {ticket.endpoint} unreachable: {exc}") from exc
@@ -329,9 +334,7 @@ class KvSink:
         self, ticket: TransferTicket, backend: str, eager: bool = False
     ) -> tuple[socket.socket, bool]:
         """Send an open on a kept idle connection to the producer (True: reused) or on a new one."""
-        msg: dict[str, Any] = {"op": "open", "key": ticket.key, "backend": backend}
-        if eager:
-            msg["eager"] = True
+        msg = Open(ticket.key, backend, eager)
         idle = self._idle.get(ticket.endpoint, [])
         while idle:
             sock, since = idle.pop()
@@ -530,22 +533,24 @@ def read_chunks(size: int, chunk_bytes: int) -> list[tuple[int, int]]:
     return out
 
 
-def _check_reply(ticket: TransferTicket, backend: str, reply: dict[str, Any]) -> None:
-    """Raise the typed error for a refused open or for a producer that now holds another publication."""
-    if not reply.get("ok"):
-        if reply.get("error") == "not_found":
+def _check_reply(ticket: TransferTicket, backend: str, reply: Reply) -> Grant:
+    """The grant, if it is for the publication the ticket names; else the typed error for a refused open or for
+    a producer that now holds another publication."""
+    if isinstance(reply, Refusal):
+        if reply.error == NOT_FOUND:
             raise TransferNotFound(f"producer {ticket.endpoint} does not hold {ticket.key!r}")
-        raise TransferUnavailable(f"producer refused {backend} for {ticket.key!r}: {reply}")
-    if ticket.serial and reply.get("serial") != ticket.serial:
+        raise TransferUnavailable(f"producer refused {backend} for {ticket.key!r}: {reply.to_wire()}")
+    if ticket.serial and reply.serial != ticket.serial:
         raise TransferNotFound(
             f"producer {ticket.endpoint} no longer holds the publication of {ticket.key!r} this ticket names "
-            f"(serial {ticket.serial}; it now holds {reply.get('serial')})"
+            f"(serial {ticket.serial}; it now holds {reply.serial})"
         )
-    if reply.get("size") != ticket.size or reply.get("checksum") != ticket.checksum:
+    if reply.size != ticket.size or reply.checksum != ticket.checksum:
         raise TransferIntegrityError(
-            f"{ticket.key}: producer now holds {reply.get('size')} bytes / {reply.get('checksum')}, "
+            f"{ticket.key}: producer now holds {reply.size} bytes / {reply.checksum}, "
             f"the ticket says {ticket.size} / {ticket.checksum}"
         )
+    return reply
 
 
 async def _update_in_slices(checksum: Checksum, view: memoryview, slice_bytes: int) -> None:

@@ -10,8 +10,8 @@ block the loop for longer than a registration or one memcpy of the payload.
 from __future__ import annotations
 
 import asyncio
-import base64
 import contextlib
+import dataclasses
 import itertools
 import json
 import logging
@@ -23,7 +23,20 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from services.runtime.tasks import BackgroundTasks
+
 from . import buffers, protocol, shm
+from .control import (
+    BAD_REQUEST,
+    NOT_FOUND,
+    UNAVAILABLE,
+    ControlMessageError,
+    Done,
+    Grant,
+    NixlRegion,
+    Open,
+    Refusal,
+)
 from .nixl import NixlAgent, open_agent_if_enabled
 from .ticket import (
     CUDA_IPC,
@@ -68,7 +81,7 @@ class KvSource:
         self._listener = listener
         self._nixl = nixl
         self._pubs: dict[str, _Publication] = {}
-        self._conns: set[asyncio.Task[None]] = set()
+        self._conns = BackgroundTasks()  # one task per control connection being served
         self._nixl_readers = 0
         self._progress: asyncio.Task[None] | None = None
         self._closed = False
@@ -249,9 +262,7 @@ class KvSource:
         while True:
             conn, _ = await loop.sock_accept(self._listener)
             protocol.tune(conn, self.config.socket_buffer_bytes)
-            task = loop.create_task(self._serve(conn))
-            self._conns.add(task)
-            task.add_done_callback(self._conns.discard)
+            self._conns.spawn(self._serve(conn))
 
     async def _serve(self, conn: socket.socket) -> None:
         """Serve pulls on one control connection, one after another: a sink keeps its connection for the next
@@ -273,33 +284,28 @@ class KvSource:
                     msg = await protocol.recv_message(conn)
             except ConnectionResetError:
                 return False  # the sink closed its idle connection
-            key, backend = str(msg.get("key")), str(msg.get("backend"))
-            if msg.get("op") != "open":
-                await protocol.send_message(
-                    conn, {"ok": False, "error": "bad_request", "detail": "expected open"}
-                )
+            try:
+                open_ = Open.from_wire(msg)
+            except ControlMessageError as exc:  # not an open ("expected open"), or a malformed one
+                await protocol.send_message(conn, Refusal(BAD_REQUEST, str(exc)))
                 return False
+            key, backend = open_.key, open_.backend
             pub = self._pubs.get(key)
             if pub is None:
-                await protocol.send_message(conn, {"ok": False, "error": "not_found", "detail": key})
+                await protocol.send_message(conn, Refusal(NOT_FOUND, key))
                 return True
-            reply: dict[str, Any] = {
-                "ok": True,
-                "size": len(pub.view),
-                "checksum": pub.checksum,
-                "encoding": pub.encoding,
-                "serial": pub.serial,
-            }
+            reply = Grant(len(pub.view), pub.checksum, pub.encoding, pub.serial)
             if backend == SHM and pub.segment is not None:
-                reply["shm"] = pub.segment.name
+                reply = dataclasses.replace(reply, shm=pub.segment.name)
             elif backend == NIXL and pub.nixl_reg is not None and self._nixl is not None:
-                reply["nixl"] = {"addr": pub.addr, "agent": self._nixl.name}
-                if not msg.get("eager"):  # an eager reader took the metadata from its ticket
-                    reply["nixl"]["md"] = base64.b64encode(pub.nixl_md).decode()
+                md = None if open_.eager else pub.nixl_md  # an eager reader took the metadata from its ticket
+                reply = dataclasses.replace(reply, nixl=NixlRegion(pub.addr, self._nixl.name, md))
             elif backend == CUDA_IPC and pub.device_copy is not None:
-                reply["cuda_ipc"] = True  # the handle travelled in the ticket; this open pins the device copy
+                reply = dataclasses.replace(
+                    reply, cuda_ipc=True
+                )  # the handle came in the ticket; the open pins it
             elif backend != TCP:
-                await protocol.send_message(conn, {"ok": False, "error": "unavailable", "detail": backend})
+                await protocol.send_message(conn, Refusal(UNAVAILABLE, backend))
                 return True
             pub.pins += 1
             if self.debug_on_pull is not None:
@@ -313,8 +319,8 @@ class KvSource:
                 self._nixl_readers += 1
                 self._ensure_progress()
             async with asyncio.timeout(self.config.max_pin_s):
-                done = await protocol.recv_message(conn)  # "done", or EOF when the reader goes away
-            return done.get("op") == "done"
+                Done.from_wire(await protocol.recv_message(conn))  # or EOF when the reader goes away
+            return True
         except (OSError, ValueError, TimeoutError) as exc:
             log.debug("KV pull connection ended: %s", exc)
             return False
@@ -361,12 +367,11 @@ class KvSource:
             return
         self._closed = True
         self._accept.cancel()
-        for task in list(self._conns):
-            task.cancel()
         if self._progress is not None:
             self._progress.cancel()
+        await self._conns.cancel()
         await asyncio.gather(
-            self._accept, *self._conns, *([self._progress] if self._progress else []), return_exceptions=True
+            self._accept, *([self._progress] if self._progress else []), return_exceptions=True
         )
         self._listener.close()
         for key in list(self._pubs):

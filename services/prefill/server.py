@@ -45,6 +45,7 @@ from services.runtime.async_engine import AsyncEngine
 from services.runtime.errors import WorkerUnavailableError
 from services.runtime.host import ServiceHost, service_main
 from services.runtime.rpc import request_meta
+from services.runtime.tasks import BackgroundTasks
 from services.runtime.worker import EngineWorker, run_engine_worker
 from services.telemetry import tracing
 
@@ -79,7 +80,7 @@ class PrefillWorker(EngineWorker, pb_grpc.PrefillWorkerServicer):
         self.kv_ttl_s = kv_ttl_s
         self.kv_compress = kv_compress
         self._expiry: dict[str, asyncio.TimerHandle] = {}  # request id -> the timer that frees its held KV
-        self._expiring: set[asyncio.Task[None]] = set()  # referenced until done, or asyncio may drop them
+        self._expiring = BackgroundTasks()
 
     async def Prefill(  # noqa: N802 - gRPC method name
         self, request: pb.PrefillRequest, context: grpc.aio.ServicerContext
@@ -206,9 +207,7 @@ class PrefillWorker(EngineWorker, pb_grpc.PrefillWorkerServicer):
         loop = asyncio.get_running_loop()
 
         def expire() -> None:
-            task = loop.create_task(self._expire(request_id))
-            self._expiring.add(task)
-            task.add_done_callback(self._expiring.discard)
+            self._expiring.spawn(self._expire(request_id), name=f"expire {request_id}")
 
         return loop.call_later(max(0.0, unix_s - time.time()), expire)
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 
+from services.engine.config import SUPPORTED_DTYPES, torch_dtype
 from services.engine.engine import KvLayout, KvMismatchError, RequestOutput
 from services.engine.kv_cache import KvEvent
 from services.engine.sampling import SamplingParams
@@ -19,7 +20,7 @@ from services.runtime.async_engine import LoadStats
 
 KV_DTYPES = {"bfloat16": pb.KV_DTYPE_BF16, "float32": pb.KV_DTYPE_FP32}
 KV_DTYPE_NAMES = {"bfloat16": "bf16", "float32": "fp32"}  # WorkerInfo.kv_dtype, as docs/design.md spells them
-KV_DTYPE_BYTES = {"bfloat16": 2, "float32": 4}
+KV_DTYPE_BYTES = {name: torch_dtype(name).itemsize for name in SUPPORTED_DTYPES}
 
 
 def kv_bytes_per_token(layout: KvLayout) -> int:

@@ -197,6 +197,7 @@ __all__ = [
     "context_of",
     "enabled",
     "monotonic_to_unix_s",
+    "new_traceparent",
     "parse_traceparent",
     "pinned_ids",
     "server_span",

@@ -18,9 +18,11 @@ import pytest
 from services.discovery import WorkerDirectory
 from services.engine.model_files import smollm2_gguf_path
 from services.engine.tokenizer import Tokenizer
-from services.frontend.coordinator import ChannelPool, Coordinator, Phase
+from services.frontend.coordinator import Coordinator
+from services.frontend.request_state import Phase
 from services.kvtransfer import KvSink, TransferConfig, TransferNotFound, TransferTicket
 from services.rpc import pb, pb_grpc
+from services.runtime.channels import ChannelPool
 from tests.support.cluster import (
     RPC_TIMEOUT_S,
     WORKER_FLAGS,

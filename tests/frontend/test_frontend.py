@@ -33,10 +33,11 @@ import uvicorn
 from services.discovery import WorkerDirectory
 from services.engine.tokenizer import Tokenizer
 from services.frontend.app import FrontendConfig, create_app
-from services.frontend.coordinator import ChannelPool, Coordinator
+from services.frontend.coordinator import Coordinator
 from services.frontend.output import TextAssembler
 from services.frontend.server import DEFAULT_MODEL_NAME, load_tokenizer
 from services.rpc import pb, pb_grpc
+from services.runtime.channels import ChannelPool
 from tests.support.cluster import wait_frontend_ready
 from tests.support.etcd import EtcdServer, free_port
 from tests.support.markers import starts_processes

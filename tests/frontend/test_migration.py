@@ -14,9 +14,11 @@ from collections.abc import AsyncIterator
 import grpc
 import pytest
 
-from services.frontend.coordinator import ChannelPool, Coordinator, Phase, RequestState
+from services.frontend.coordinator import Coordinator
 from services.frontend.errors import ApiError
+from services.frontend.request_state import Phase, RequestState
 from services.rpc import pb, pb_grpc
+from services.runtime.channels import ChannelPool
 from tests.support.cluster import greedy, run
 
 ANSWER = [101, 102, 103, 104, 105, 106, 107, 108]

@@ -204,7 +204,7 @@ def test_waterfall_draws_one_bar_per_phase_on_a_shared_axis() -> None:
 # end-of-request hook in a process of its own (tracing is process-wide), exporting to a real receiver.
 MIGRATED_REQUEST = r"""
 import sys, time
-from services.frontend.coordinator import Migration, Phase, RequestState
+from services.frontend.request_state import Migration, Phase, RequestState
 from services.frontend.timeline import RequestObserver
 from services.rpc import pb
 from services.telemetry import tracing
