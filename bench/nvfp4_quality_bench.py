@@ -138,7 +138,8 @@ def main() -> None:
 
     def engine_for(method: str | None, dtype: str) -> LLMEngine:
         # every method through the pre-quantized path with quantize_model's bytes, which are the bytes
-        # `--quant nvfp4 --nvfp4-method m` quantizes at load (tests/engine/nvfp4/test_nvfp4_methods.py): no second quantize
+        # `--quant nvfp4 --nvfp4-method m` quantizes at load (tests/engine/nvfp4/test_nvfp4_methods.py): no second
+        # quantize
         if method is None:
             return LLMEngine(loaded, EngineConfig(dtype=dtype, num_kv_blocks=96), tokenizer=tok)
         pre = LoadedModel(
