@@ -332,7 +332,7 @@ def test_chart_planner_profile_validates_strictly_and_its_rbac_is_the_minimum(
     planner's Deployment, Role, RoleBinding, ServiceAccount, NetworkPolicy), the Role allows get/patch on the two
     worker Deployments' scale subresource and nothing else, and the env parses with the planner's own flags."""
     from services.planner.server import add_arguments as planner_arguments
-    from tests import test_chart as chart
+    from tests.deploy import test_chart as chart
 
     profile = chart.CHART / "ci" / "planner-kubernetes-values.yaml"
     manifest = chart.render_text("-f", str(profile))
@@ -378,7 +378,7 @@ def test_chart_planner_profile_validates_strictly_and_its_rbac_is_the_minimum(
 
 @pytest.mark.cluster
 def test_chart_recommend_mode_gets_no_token_and_no_role() -> None:
-    from tests import test_chart as chart
+    from tests.deploy import test_chart as chart
 
     objs = chart.render("--set", "planner.enabled=true")
     dep = chart.find(objs, "Deployment", "rs-rackserve-planner")
