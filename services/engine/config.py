@@ -17,6 +17,7 @@ ATTENTION_BACKENDS = ("auto", "torch", "triton")  # auto: Triton paged attention
 # the data-free NVFP4 methods, quantized at load (services/engine/nvfp4/methods.py); gptq is offline only
 NVFP4_LOAD_METHODS = ("rtn", "four_over_six", "mse")
 NVFP4_METHODS = (*NVFP4_LOAD_METHODS, "gptq")  # all of them: `rackserve quantize --method`
+TIER2_CODECS = ("bf16", "fp8", "nvfp4")  # how KV tier 2 keeps a block (engine/kv_tier.py)
 
 
 class ModelLoadError(ValueError):
@@ -125,8 +126,6 @@ class EngineConfig:
         from services.engine.device import parse_device_spec
 
         parse_device_spec(self.device)  # a malformed spec fails here, before any weight is read
-        from services.engine.kv_tier import TIER2_CODECS
-
         if self.kv_tier2_codec not in TIER2_CODECS:
             raise ValueError(f"kv_tier2_codec must be one of {TIER2_CODECS}, got {self.kv_tier2_codec!r}")
         if self.kv_tier2_bytes < 0:

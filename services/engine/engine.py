@@ -115,6 +115,7 @@ class EngineStats:
     preemptions: int
     step_s: float  # exponential average of recent step times
     batch_size: int
+    block_bytes: int = 0  # bytes of one primary block
     tier2: TierStats | None = None  # the host tier, when it is on
 
 
@@ -522,6 +523,7 @@ class LLMEngine:
             preemptions=self._preemptions,
             step_s=self._step_s,
             batch_size=self._last_batch,
+            block_bytes=self.kv.block_bytes,
             tier2=self.tier2.stats() if self.tier2 is not None else None,
         )
 

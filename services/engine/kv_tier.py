@@ -25,9 +25,8 @@ from dataclasses import dataclass
 import torch
 
 from services.engine import kv_codec
+from services.engine.config import TIER2_CODECS
 from services.engine.nvfp4.recipe import NVFP4Tensor
-
-TIER2_CODECS = ("bf16", "fp8", "nvfp4")
 
 
 @dataclass
