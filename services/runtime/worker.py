@@ -42,6 +42,8 @@ class EngineWorker:
         assert engine.engine is not None
         self.facts = engine.engine  # read-only here: fingerprint, kv_layout, max_model_len, model_config
         metrics.export_engine(host.role, engine.stats)
+        if self.facts.tier2 is not None:  # observed on the engine thread, after each restore
+            self.facts.tier2.restore_observer = metrics.KV_TIER_RESTORE_S.labels(host.role, "host").observe
 
     def request_id(self, given: str, context: grpc.aio.ServicerContext) -> str:
         """The message's request id, else the caller's x-request-id, else a fresh one."""
