@@ -311,18 +311,14 @@ class EngineCollector(Collector):
             for tier, value in values:
                 family.add_metric([self.role, tier], value)
             yield family
-        if t2 is not None:
-            for name, doc, value in (
-                (KV_TIER_HITS, "Prompt blocks restored from a KV tier instead of recomputed", t2.hits),
-                (
-                    KV_TIER_MISSES,
-                    "Prompt blocks past the primary pool's prefix that a tier did not hold",
-                    t2.misses,
-                ),
-            ):
-                counter = CounterMetricFamily(name, doc, labels=["role", "tier"])
-                counter.add_metric([self.role, "host"], float(value))
-                yield counter
+        for name, doc, attr in (
+            (KV_TIER_HITS, "Prompt blocks restored from a KV tier instead of recomputed", "hits"),
+            (KV_TIER_MISSES, "Prompt blocks past the primary pool's prefix that no tier held", "misses"),
+        ):
+            counter = CounterMetricFamily(name, doc, labels=["role", "tier"])
+            if t2 is not None:  # declared either way (dashboards name it); samples only where the tier is on
+                counter.add_metric([self.role, "host"], float(getattr(t2, attr)))
+            yield counter
 
 
 _engine_collector = EngineCollector()
