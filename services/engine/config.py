@@ -96,7 +96,7 @@ class EngineConfig:
     nvfp4_method: str = "rtn"  # how --quant nvfp4 picks scales and codes at load (nvfp4/methods.py)
     # tier 2 of the KV cache (engine/kv_tier.py): host bytes for blocks evicted from the pool; 0 = off
     kv_tier2_bytes: int = 0
-    kv_tier2_codec: str = "fp8"  # one of TIER2_CODECS: bf16 (lossless) | fp8 | nvfp4 (docs/kv-tiers.md)
+    kv_tier2_codec: str = "bf16"  # one of TIER2_CODECS: bf16 (lossless) | fp8 | nvfp4 (docs/kv-tiers.md)
     extra: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
