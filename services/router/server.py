@@ -372,10 +372,6 @@ async def serve(args: argparse.Namespace) -> None:
         await directory.close()
 
 
-if __name__ == "__main__":
-    sys.exit(service_main(ROLE, __doc__ or "", add_arguments, serve))
-
-
 def apply_kv_event(state: RouterState, worker_id: str, kv: pb.KvBlockEvent, computed: bool) -> None:
     """One KvBlockEvent from a worker into the router's state, by kind (and so by tier). `computed`: stored
     blocks are new work (not the snapshot that opens a stream)."""
@@ -390,3 +386,7 @@ def apply_kv_event(state: RouterState, worker_id: str, kv: pb.KvBlockEvent, comp
         state.on_restored(worker_id, hashes)
     elif kv.kind == pb.KvBlockEvent.DROPPED:
         state.on_tier2_dropped(worker_id, hashes)
+
+
+if __name__ == "__main__":
+    sys.exit(service_main(ROLE, __doc__ or "", add_arguments, serve))
