@@ -1,13 +1,15 @@
 """KV tier 2 in a real decode worker process (agg: it prefills locally): a prompt whose blocks were pushed out of
 the worker's tiny primary pool is restored from tier 2 — the same tokens as its first, cold run — and the worker
 says so where an operator and the router look: its /metrics (tier-2 hits, restore seconds) and its Subscribe
-stream (OFFLOADED, then RESTORED, for the prompt's block hashes). A bad tier flag stops the worker at start."""
+stream (OFFLOADED, then RESTORED, for the prompt's block hashes), and a real router process's prefix index
+follows both tiers. A bad tier flag stops the worker at start."""
 
 from __future__ import annotations
 
 import asyncio
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 
 import grpc
@@ -41,9 +43,12 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalCluster]:
     log_dir = str(tmp_path_factory.mktemp("kv_tier_worker"))
 
     def start(etcd_url: str) -> list[Proc]:
-        return [start_process("services.decode.server", "decode-t", etcd_url, log_dir, *FLAGS)]
+        return [
+            start_process("services.decode.server", "decode-t", etcd_url, log_dir, *FLAGS),
+            start_process("services.router.server", "router-t", etcd_url, log_dir, "--metrics-port", "0"),
+        ]
 
-    with local_cluster(log_dir, start, {"decode": 1}) as c:
+    with local_cluster(log_dir, start, {"decode": 1, "router": 1}) as c:
         yield c
 
 
@@ -55,6 +60,30 @@ def metric(endpoint: str, name: str, **labels: str) -> float:
         for s in f.samples
         if s.name == name and all(s.labels.get(k) == v for k, v in labels.items())
     )
+
+
+def router_sees(
+    cluster: LocalCluster, prompt: list[int], cached: int, indexed: int, timeout_s: float = 15.0
+) -> None:
+    """Until the router's plan for `prompt` counts `cached` tokens in the worker's pool and its index holds
+    `indexed` (worker, block) entries over both tiers."""
+    router = cluster.endpoints["router-t"]
+    metrics_ep = cluster.infos["router-t"].metrics_endpoint
+
+    async def route() -> pb.RoutePlan:
+        async with grpc.aio.insecure_channel(router) as channel:
+            req = pb.RouteRequest(request_id="probe", token_ids=prompt, need_prefill=True)
+            return await pb_grpc.RouterStub(channel).Route(req, timeout=5.0)
+
+    deadline = time.monotonic() + timeout_s
+    while True:
+        got = (run(route).score_terms["cached_tokens"], metric(metrics_ep, "rackserve_router_indexed_blocks"))
+        if got == (cached, indexed):
+            return
+        assert time.monotonic() < deadline, (
+            f"router: (cached tokens, indexed entries) = {got}, want {(cached, indexed)}"
+        )
+        time.sleep(0.2)
 
 
 async def kv_events(endpoint: str, want: int, timeout_s: float = 20.0) -> list[pb.KvBlockEvent]:
@@ -85,9 +114,15 @@ def test_a_worker_restores_an_evicted_prefix_from_tier_2_with_the_cold_runs_toke
         req = pb.DecodeRequest(request_id=rid, prompt_token_ids=prompt, params=greedy(16, ignore_eos=True))
         return run(lambda: decode(ep, req), 120)
 
+    full_a, full_b = (
+        (len(a) + 15) // BS,
+        (len(b) + 15) // BS,
+    )  # full blocks each computed (prompt + 15 tokens)
     first = ask("a-cold", a)
     assert first[0].cached_tokens == 0
+    router_sees(cluster, a, cached=len(a) // BS * BS, indexed=full_a)
     ask("b", b)  # needs the whole pool: A's blocks leave it, for tier 2
+    router_sees(cluster, a, cached=0, indexed=full_b + full_a)  # B in the pool, A in tier 2
 
     async def again() -> tuple[list[pb.DecodeChunk], list[pb.KvBlockEvent]]:
         watch = asyncio.create_task(kv_events(ep, len(hashes)))
@@ -107,6 +142,9 @@ def test_a_worker_restores_an_evicted_prefix_from_tier_2_with_the_cold_runs_toke
     assert metric(metrics_ep, "rackserve_kv_tier_restore_seconds_count", tier="host") == 1
     assert metric(metrics_ep, "rackserve_kv_tier_capacity_bytes", tier="host") == 64 << 20
     assert metric(metrics_ep, "rackserve_kv_tier_capacity_bytes", tier="primary") == POOL * BLOCK_BYTES
+    # A is back in the pool (its restored blocks and its recomputed last one, whose tier-2 copy was dropped), B in
+    # tier 2: the router's index says the same
+    router_sees(cluster, a, cached=len(a) // BS * BS, indexed=full_a + full_b)
 
 
 @pytest.mark.parametrize(
