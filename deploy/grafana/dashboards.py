@@ -20,6 +20,7 @@ DATASOURCE = {"type": "prometheus", "uid": "${datasource}"}
 RI = "$__rate_interval"
 SERVER_ERRORS = 'status=~"5.."'
 DISAGG = 'shape="disagg"'
+HOST = 'tier="host"'  # KV tier 2
 
 
 def q(expr: str, legend: str = "") -> dict[str, Any]:
@@ -238,6 +239,31 @@ def overview() -> Board:
             )
         ],
         "percentunit",
+    )
+    b.panel(
+        "KV tiers: bytes used / capacity",
+        [
+            q("sum by (role, tier) (rackserve_kv_tier_used_bytes)", "used {{role}} {{tier}}"),
+            q("sum by (role, tier) (rackserve_kv_tier_capacity_bytes)", "capacity {{role}} {{tier}}"),
+        ],
+        "bytes",
+        description="tier=primary: the paged KV pool; tier=host: tier 2, where evicted prefix blocks wait for a "
+        "hit (--kv-tier2-bytes; absent when off)",
+    )
+    b.panel(
+        "Tier-2 hit rate (blocks) and restore p90",
+        [
+            q(
+                f"{rate('rackserve_kv_tier_hits_total', 'role', HOST)} / "
+                f"({rate('rackserve_kv_tier_hits_total', 'role', HOST)} + "
+                f"{rate('rackserve_kv_tier_misses_total', 'role', HOST)})",
+                "hit rate {{role}}",
+            ),
+            q(quantile(0.9, "rackserve_kv_tier_restore_seconds", "role"), "restore p90 {{role}} (s)"),
+        ],
+        "short",
+        description="Of the prompt blocks past the primary pool's prefix, the share tier 2 restored instead of "
+        "recomputing; and how long one request's restore took",
     )
     b.panel(
         "Running / waiting requests",

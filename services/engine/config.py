@@ -20,6 +20,7 @@ ATTENTION_BACKENDS = ("auto", "torch", "triton")  # auto: Triton paged attention
 # the data-free NVFP4 methods, quantized at load (services/engine/nvfp4/methods.py); gptq is offline only
 NVFP4_LOAD_METHODS = ("rtn", "four_over_six", "mse")
 NVFP4_METHODS = (*NVFP4_LOAD_METHODS, "gptq")  # all of them: `rackserve quantize --method`
+TIER2_CODECS = ("bf16", "fp8", "nvfp4")  # how KV tier 2 keeps a block (engine/kv_tier.py)
 
 
 def torch_dtype(name: str) -> torch.dtype:
@@ -106,6 +107,9 @@ class EngineConfig:
     enforce_eager: bool = False  # True: no CUDA graphs for decode steps
     attention_backend: str = "auto"  # one of ATTENTION_BACKENDS
     nvfp4_method: str = "rtn"  # how --quant nvfp4 picks scales and codes at load (nvfp4/methods.py)
+    # tier 2 of the KV cache (engine/kv_tier.py): host bytes for blocks evicted from the pool; 0 = off
+    kv_tier2_bytes: int = 0
+    kv_tier2_codec: str = "bf16"  # one of TIER2_CODECS: bf16 (lossless) | fp8 | nvfp4 (docs/kv-tiers.md)
     extra: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -135,5 +139,11 @@ class EngineConfig:
         from services.engine.device import parse_device_spec
 
         parse_device_spec(self.device)  # a malformed spec fails here, before any weight is read
+        if self.kv_tier2_codec not in TIER2_CODECS:
+            raise ValueError(f"kv_tier2_codec must be one of {TIER2_CODECS}, got {self.kv_tier2_codec!r}")
+        if self.kv_tier2_bytes < 0:
+            raise ValueError(f"kv_tier2_bytes must be >= 0 (0 turns tier 2 off), got {self.kv_tier2_bytes}")
+        if self.kv_tier2_bytes and not self.enable_prefix_caching:
+            raise ValueError("kv_tier2_bytes needs the prefix cache: tier 2 keeps evicted cached blocks")
         if self.max_num_batched_tokens < self.block_size:
             raise ValueError("max_num_batched_tokens must be at least block_size")

@@ -21,6 +21,7 @@ import torch
 from services.engine.config import EngineConfig, ModelConfig, torch_dtype
 from services.engine.device import plan_kv_memory, resolve_device
 from services.engine.kv_cache import BlockManager, KvEvent, NoFreeBlocksError
+from services.engine.kv_tier import HostKvTier, TierEntry, TierStats
 from services.engine.loader import LoadedModel, load_model, model_fingerprint
 from services.engine.model import AttnMetadata, PagedKvCache, PrefillSegment, Transformer
 from services.engine.sampling import RowContext, Sampled, SamplingParams, sample_batch
@@ -112,6 +113,8 @@ class EngineStats:
     preemptions: int
     step_s: float  # exponential average of recent step times
     batch_size: int
+    block_bytes: int = 0  # bytes of one primary block
+    tier2: TierStats | None = None  # the host tier, when it is on
 
 
 class LLMEngine:
@@ -193,7 +196,29 @@ class LLMEngine:
             "paged KV cache on %s: %d blocks of %d tokens, %.3f GiB",
             device, num_blocks, cfg.block_size, num_blocks * per_block / (1 << 30),
         )  # fmt: skip
-        self.blocks = BlockManager(num_blocks, cfg.block_size, cfg.enable_prefix_caching)
+        self.tier2: HostKvTier | None = None
+        if cfg.kv_tier2_bytes:
+            kv = self.kv
+            self.tier2 = HostKvTier(
+                cfg.kv_tier2_bytes,
+                cfg.kv_tier2_codec,
+                (
+                    loaded.config.num_layers,
+                    2,
+                    loaded.config.num_kv_heads,
+                    cfg.block_size,
+                    loaded.config.head_dim,
+                ),
+                self.dtype,
+                lambda b: kv.read_blocks(torch.tensor([b], device=device))[0],
+                pin_memory=device.type == "cuda",
+            )
+            log.info(
+                "KV tier 2 in host memory: %.3f GiB, codec %s, %d blocks",
+                cfg.kv_tier2_bytes / (1 << 30), cfg.kv_tier2_codec,
+                cfg.kv_tier2_bytes // self.tier2.block_nbytes,
+            )  # fmt: skip
+        self.blocks = BlockManager(num_blocks, cfg.block_size, cfg.enable_prefix_caching, self.tier2)
         self.scheduler = Scheduler(self.blocks, cfg.max_num_seqs, cfg.max_num_batched_tokens)
         self.requests: dict[str, Request] = {}
         self.kv_layout = KvLayout(
@@ -319,6 +344,8 @@ class LLMEngine:
         t0 = time.perf_counter()
         decision = self.scheduler.schedule()
         self._preemptions += len(decision.preempted)
+        for block_ids, entries in decision.restored:
+            self._write_restored(block_ids, entries)
         for request_id in decision.imported:
             self._write_imported(request_id)
         if decision.empty:
@@ -494,6 +521,8 @@ class LLMEngine:
             preemptions=self._preemptions,
             step_s=self._step_s,
             batch_size=self._last_batch,
+            block_bytes=self.kv.block_bytes,
+            tier2=self.tier2.stats() if self.tier2 is not None else None,
         )
 
     # ------------------------------------------------------------------------------------------ KV export/import
@@ -555,6 +584,17 @@ class LLMEngine:
         # queue (the bytes wait here), never a failure.
         req.import_tokens, req.import_blocks = n, nblocks
         self._pending_kv[req.request_id] = kv.data
+
+    def _write_restored(self, block_ids: list[int], entries: list[TierEntry]) -> None:
+        """The scheduler restored blocks from tier 2 into fresh primary blocks: decode and write their K/V."""
+        assert self.tier2 is not None
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        t0 = time.perf_counter()
+        self.kv.write_blocks(self._h2d(block_ids), self.tier2.decode(entries, self.device))
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)  # the restore's own time, not whatever the stream ran before
+        self.tier2.observe_restore(len(block_ids), time.perf_counter() - t0)
 
     def _write_imported(self, request_id: str) -> None:
         """The scheduler just gave an importing request its blocks: copy the KV it brought into them."""

@@ -5,14 +5,26 @@ the prefix cache; when its last user lets go it stays cached but becomes *free*,
 least-recently-freed order — reusing a cached block evicts its hash. Every store and eviction is recorded as a
 `KvEvent` so the router's global prefix index can follow along.
 
-The tensors themselves live in model.PagedKvCache; this room only hands out block ids.
+With a second tier (kv_tier.HostKvTier), an evicted block's K/V moves there instead of vanishing, and a lookup
+that misses the primary pool can continue into it: `take_tier2` removes the blocks to restore, the scheduler
+allocates primary blocks for them and `commit_restored` makes each a normal cached block again (same chained
+hash, same parent). Events name the tier: `stored`/`evicted` keep their meaning for the primary pool (computed
+into it / left it); `offloaded` follows an `evicted` when the block went to tier 2, `restored` is tier 2 -> primary
+(not computed), `dropped` is a block leaving tier 2 for good.
+
+The tensors themselves live in model.PagedKvCache (and the tier); this room only hands out block ids.
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
+
+if TYPE_CHECKING:
+    from services.engine.kv_tier import HostKvTier, TierEntry
+
+KvEventKind = Literal["stored", "evicted", "offloaded", "restored", "dropped"]
 
 
 class NoFreeBlocksError(RuntimeError):
@@ -21,7 +33,7 @@ class NoFreeBlocksError(RuntimeError):
 
 @dataclass(frozen=True)
 class KvEvent:
-    kind: Literal["stored", "evicted"]
+    kind: KvEventKind
     block_hash: int
     parent_hash: int  # ROOT_HASH for a first block; lets an index rebuild chains
     block_id: int
@@ -39,6 +51,7 @@ class BlockManager:
     num_blocks: int
     block_size: int
     enable_prefix_caching: bool = True
+    tier2: HostKvTier | None = None
     blocks: list[BlockState] = field(init=False)
     _free: OrderedDict[int, None] = field(init=False)  # head = evicted first
     _cached: dict[int, int] = field(init=False)  # block hash -> block id
@@ -79,6 +92,20 @@ class BlockManager:
                 break
             found.append(bid)
         return found
+
+    def lookup_tier2(self, hashes: list[int]) -> int:
+        """How many leading hashes (the ones after the primary pool's prefix) tier 2 holds; counts the rest as
+        tier-2 misses."""
+        if self.tier2 is None or not self.enable_prefix_caching:
+            return 0
+        n = 0
+        while n < len(hashes) and hashes[n] in self.tier2:
+            n += 1
+        return n
+
+    def count_tier2_misses(self, num_blocks: int) -> None:
+        if self.tier2 is not None:
+            self.tier2.misses += num_blocks
 
     def free_after_acquiring(self, cached_ids: list[int]) -> int:
         """How many blocks would be free after taking these cached ones (some of them may sit in the free list)."""
@@ -130,12 +157,34 @@ class BlockManager:
         st.block_hash, st.parent_hash = block_hash, parent_hash
         self._cached[block_hash] = block_id
         self._events.append(KvEvent("stored", block_hash, parent_hash, block_id))
+        if self.tier2 is not None and self.tier2.discard(block_hash) is not None:
+            # recomputed while a copy sat in tier 2 (an earlier block of its chain was gone): one tier at a time
+            self._events.append(KvEvent("dropped", block_hash, parent_hash, -1))
+
+    def take_tier2(self, hashes: list[int]) -> list[TierEntry]:
+        """Remove blocks from tier 2 to restore them (before allocating their primary blocks, so the evictions
+        that allocation causes cannot push them out)."""
+        assert self.tier2 is not None
+        return [self.tier2.take(h) for h in hashes]
+
+    def commit_restored(self, block_ids: list[int], hashes: list[int], parents: list[int]) -> None:
+        """Freshly allocated blocks now hold restored K/V: cached under their hashes again, like computed ones."""
+        for b, h, parent in zip(block_ids, hashes, parents, strict=True):
+            st = self.blocks[b]
+            assert st.block_hash is None and h not in self._cached
+            st.block_hash, st.parent_hash = h, parent
+            self._cached[h] = b
+            self._events.append(KvEvent("restored", h, parent, b))
 
     def _evict(self, b: int) -> None:
         st = self.blocks[b]
         assert st.block_hash is not None
         del self._cached[st.block_hash]
         self._events.append(KvEvent("evicted", st.block_hash, st.parent_hash, b))
+        if self.tier2 is not None:  # its K/V is still in the pool: copy it out before the block is reused
+            for h, parent in self.tier2.put(st.block_hash, st.parent_hash, b):
+                self._events.append(KvEvent("dropped", h, parent, -1))
+            self._events.append(KvEvent("offloaded", st.block_hash, st.parent_hash, b))
         st.block_hash = None
 
     def drain_events(self) -> list[KvEvent]:
@@ -145,3 +194,7 @@ class BlockManager:
     def cached_hashes(self) -> list[int]:
         """Every hash the cache holds now (for a router that subscribes late and needs a snapshot)."""
         return list(self._cached)
+
+    def tier2_hashes(self) -> list[int]:
+        """Every hash tier 2 holds now (the snapshot's second part)."""
+        return self.tier2.hashes() if self.tier2 is not None else []

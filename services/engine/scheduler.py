@@ -6,7 +6,9 @@ the free KV blocks allow (prompts longer than the budget are prefilled in chunks
 brings its KV (imported from a prefill worker) gets its blocks at admission too: while the pool is full it waits
 in the queue, in order, and never fails for it. When a running
 sequence needs a block and none is free, the most recently admitted sequence is preempted: its blocks are
-released and it is recomputed later from its tokens (prefix caching usually makes that cheap).
+released and it is recomputed later from its tokens (prefix caching usually makes that cheap). With a second KV
+tier, the blocks of a prefix that follow the primary pool's hit and sit in tier 2 are restored at admission:
+they take freshly allocated blocks, count as cached tokens, and the runner writes their K/V before the step.
 
 The scheduler's decision is a `SchedulerOutput`: plain data the runner executes and a log or test can read.
 """
@@ -20,6 +22,7 @@ from enum import Enum
 
 from services.engine.block_hash import ROOT_HASH, block_hashes
 from services.engine.kv_cache import BlockManager
+from services.engine.kv_tier import TierEntry
 from services.engine.sampling import SamplingParams
 
 
@@ -78,6 +81,8 @@ class SchedulerOutput:
     preempted: list[str]
     num_batched_tokens: int
     imported: list[str] = field(default_factory=list)  # admitted now with imported KV: write it first
+    # blocks brought back from tier 2 at admission: (primary block ids, their taken entries); write them first
+    restored: list[tuple[list[int], list[TierEntry]]] = field(default_factory=list)
 
     @property
     def empty(self) -> bool:
@@ -106,6 +111,7 @@ class Scheduler:
         bs = self.blocks.block_size
 
         imported: list[str] = []
+        restored: list[tuple[list[int], list[TierEntry]]] = []
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
@@ -133,6 +139,7 @@ class Scheduler:
             req = self.waiting[0]
             cached: list[int] = []
             hashes: list[int] = []
+            n_restore = 0
             if req.import_blocks:  # it brought its KV: blocks for it and this chunk, or keep waiting
                 start = req.import_tokens
                 n = min(req.num_tokens - start, budget)
@@ -153,25 +160,37 @@ class Scheduler:
                 # leave at least one token to compute, so the step yields logits to sample from
                 hashes = block_hashes(req.all_ids[: req.num_tokens - 1], bs)
                 cached = self.blocks.lookup_prefix(hashes)
-            start = max(req.num_computed_tokens, len(cached) * bs)
+                n_restore = self.blocks.lookup_tier2(hashes[len(cached) :])
+            hit = len(cached) + n_restore
+            start = max(req.num_computed_tokens, hit * bs)
             n = min(req.num_tokens - start, budget)
             need = self.blocks.blocks_for(start + n) - len(req.block_ids) - len(cached)
             if need > self.blocks.free_after_acquiring(cached):
                 break
             self.waiting.popleft()
+            if hashes:
+                self.blocks.count_tier2_misses(len(hashes) - hit)
+            entries = self.blocks.take_tier2(hashes[len(cached) : hit]) if n_restore else []
             if cached:
                 self.blocks.acquire(cached)
                 req.block_ids = list(cached)
-                req.hashes = hashes[: len(cached)]
+            if hit:
+                req.hashes = hashes[:hit]
                 req.num_computed_tokens = start
                 if not req.output_ids:
                     req.num_cached_tokens = start
-            req.block_ids += self.blocks.allocate(need)
+            fresh = self.blocks.allocate(need)
+            if n_restore:
+                ids = fresh[:n_restore]
+                parents = [hashes[k - 1] if k else ROOT_HASH for k in range(len(cached), hit)]
+                self.blocks.commit_restored(ids, hashes[len(cached) : hit], parents)
+                restored.append((ids, entries))
+            req.block_ids += fresh
             req.status = RequestStatus.RUNNING
             self.running.append(req)
             chunks.append(ScheduledChunk(req.request_id, start, n, start + n == req.num_tokens))
             budget -= n
-        return SchedulerOutput(chunks, preempted, self.max_num_batched_tokens - budget, imported)
+        return SchedulerOutput(chunks, preempted, self.max_num_batched_tokens - budget, imported, restored)
 
     def _preempt(self, req: Request) -> None:
         self.running.remove(req)

@@ -1,8 +1,9 @@
 """Transfer-only KV compression: quantize the KV bytes for the wire, dequantize on arrival, same dtype back.
 
 nvfp4 uses the engine's NVFP4 wire format (services/engine/nvfp4/kv.py, the one recipe); fp8 is e4m3 with one
-fp32 scale per head_dim row. The KV cache itself is never touched; this module must never decide whether to
-compress (the caller does) and never change the element count or dtype the receiver gets back.
+fp32 scale per head_dim row. The arithmetic of both is services/engine/kv_codec.py's (the host KV tier uses the
+same); this module only frames it as bytes. The KV cache itself is never touched; this module must never decide
+whether to compress (the caller does) and never change the element count or dtype the receiver gets back.
 
 fp8 payload (little endian), version 1:  magic b"F8KV" | u8 version | u8 dtype code | u16 0 | i64 rows |
 i64 head_dim | f32 scales[rows] | e4m3 bytes[rows * head_dim]
@@ -14,11 +15,12 @@ import struct
 
 import torch
 
+from services.engine.kv_codec import fp8_decode, fp8_encode
+
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 _CODES = {"fp32": 0, "bf16": 1, "fp16": 2}
 _NAMES = {v: k for k, v in _CODES.items()}
 _FP8 = struct.Struct("<4sBBHqq")
-_FP8_MAX = 448.0
 
 
 def _as_tensor(payload: bytes | bytearray | memoryview, kv_dtype: str, head_dim: int) -> torch.Tensor:
@@ -39,9 +41,7 @@ def encode(payload: bytes | bytearray | memoryview, method: str, kv_dtype: str, 
 
         return quantize_kv_for_wire(kv)
     if method == "fp8":
-        x = kv.float()
-        scale = (x.abs().amax(dim=1) / _FP8_MAX).clamp_min(1e-30)
-        q = (x / scale[:, None]).to(torch.float8_e4m3fn)
+        scale, q = fp8_encode(kv)
         head = _FP8.pack(b"F8KV", 1, _CODES[kv_dtype], 0, kv.shape[0], head_dim)
         return b"".join((head, scale.numpy().tobytes(), q.view(torch.uint8).numpy().tobytes()))
     raise ValueError(f"unknown KV wire compression {method!r}; use 'nvfp4' or 'fp8'")
@@ -62,7 +62,7 @@ def decode(payload: bytes | bytearray | memoryview, method: str) -> bytearray:
         raw = torch.frombuffer(bytearray(view[_FP8.size :]), dtype=torch.uint8)
         scale = raw[: rows * 4].view(torch.float32)
         q = raw[rows * 4 :].view(torch.float8_e4m3fn).view(rows, head_dim)
-        t = (q.float() * scale[:, None]).to(DTYPES[_NAMES[code]])
+        t = fp8_decode(scale, q, DTYPES[_NAMES[code]])
     else:
         raise ValueError(f"unknown KV wire encoding {method!r}")
     return bytearray(t.contiguous().view(torch.uint8).numpy())

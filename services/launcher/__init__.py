@@ -21,7 +21,7 @@ import urllib.error
 import urllib.request
 from dataclasses import dataclass, field
 
-from services.engine.config import SUPPORTED_DTYPES, EngineConfig
+from services.engine.config import SUPPORTED_DTYPES, TIER2_CODECS, EngineConfig
 from services.router.policy import DEFAULT_MODE, MODES
 
 ROLES = ("router", "prefill", "decode", "frontend", "planner")
@@ -51,6 +51,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--threads", type=int, default=1, help="torch threads per worker (pin them on small machines)"
     )
     p.add_argument("--kv-cache-bytes", type=int, default=256 << 20, help="KV cache per worker")
+    p.add_argument(
+        "--kv-tier2-bytes", type=int, default=0,
+        help="host memory per worker for KV tier 2 (evicted prefix blocks, restored on a hit); 0: off",
+    )  # fmt: skip
+    p.add_argument("--kv-tier2-codec", default=EngineConfig.kv_tier2_codec, choices=TIER2_CODECS)
     p.add_argument(
         "--mode",
         default=DEFAULT_MODE,
@@ -181,6 +186,7 @@ class Cluster:
         base = [sys.executable, "-m", "services.cli"]
         common = ["--etcd", self.etcd_url]
         engine = ["--dtype", a.dtype, "--threads", str(a.threads), "--kv-cache-bytes", str(a.kv_cache_bytes)]
+        engine += ["--kv-tier2-bytes", str(a.kv_tier2_bytes), "--kv-tier2-codec", a.kv_tier2_codec]
         engine += ["--model", a.model] if a.model else []
         # every worker uses the same device; on one GPU they split its memory instead of each taking 90 %
         share = a.gpu_memory_utilization / max(1, a.prefill + a.decode)

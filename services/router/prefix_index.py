@@ -9,6 +9,12 @@ Memory is bounded by `max_entries` (worker, block) pairs: past it, new stored bl
 then under-reports a cache, never over-reports one) and `dropped` counts them. A worker's entries vanish with
 `remove_worker` (its lease expired, it drained, or it restarted with a new epoch).
 
+Tiers: `stored`/`evicted` follow a worker's primary KV pool (what `overlaps` answers for); a worker with a second
+tier also reports blocks `offloaded` to it, `restored` from it (back in the pool) and `tier2_dropped` from it, and
+`tiered_overlaps` says, per worker, how many leading blocks its pool holds and how many more its tier 2 holds
+right after them (what a restore instead of a recompute would cover). Tier-2 entries count against the same
+`max_entries`.
+
 This room is plain data: no I/O, no clock, no request state.
 """
 
@@ -31,6 +37,7 @@ class PrefixIndex:
         self._worker_of_slot: dict[int, str] = {}
         self._free_slots: list[int] = []
         self._entries = 0
+        self._tier2: dict[str, set[int]] = {}  # worker id -> the hashes its second tier holds
 
     # ------------------------------------------------------------------------------------------ updates
 
@@ -58,8 +65,36 @@ class PrefixIndex:
                 mine.discard(h)
                 self._unset(h, keep)
 
+    def offloaded(self, worker_id: str, hashes: Iterable[int]) -> None:
+        """Blocks that entered the worker's tier 2 (its `evicted` from the pool comes separately)."""
+        mine = self._tier2.setdefault(worker_id, set())
+        for h in hashes:
+            if h in mine:
+                continue
+            if self._entries >= self.max_entries:
+                self.dropped += 1
+                continue
+            mine.add(h)
+            self._entries += 1
+
+    def tier2_dropped(self, worker_id: str, hashes: Iterable[int]) -> None:
+        """Blocks that left the worker's tier 2 (pushed out, or recomputed into its pool)."""
+        mine = self._tier2.get(worker_id)
+        if mine is None:
+            return
+        for h in hashes:
+            if h in mine:
+                mine.discard(h)
+                self._entries -= 1
+
+    def restored(self, worker_id: str, hashes: Sequence[int]) -> None:
+        """Blocks brought back from the worker's tier 2 into its pool."""
+        self.tier2_dropped(worker_id, hashes)
+        self.stored(worker_id, hashes)
+
     def remove_worker(self, worker_id: str) -> None:
-        """Forget every block of worker_id and free its slot."""
+        """Forget every block of worker_id (both tiers) and free its slot."""
+        self._entries -= len(self._tier2.pop(worker_id, ()))
         mine = self._blocks.pop(worker_id, None)
         if mine is None:
             return
@@ -92,6 +127,24 @@ class PrefixIndex:
         if hashes and alive:
             self._record(found, alive, len(hashes))
         return found
+
+    def tiered_overlaps(self, hashes: Sequence[int]) -> dict[str, tuple[int, int]]:
+        """worker id -> (leading blocks of `hashes` in its pool, the blocks right after those in its tier 2);
+        workers holding neither are left out."""
+        found = {w: (d, 0) for w, d in self.overlaps(hashes).items()}
+        for w, mine in self._tier2.items():
+            if not mine:
+                continue
+            d0 = found.get(w, (0, 0))[0]
+            d1 = 0
+            while d0 + d1 < len(hashes) and hashes[d0 + d1] in mine:
+                d1 += 1
+            if d0 + d1:
+                found[w] = (d0, d1)
+        return found
+
+    def tier2_blocks_of(self, worker_id: str) -> int:
+        return len(self._tier2.get(worker_id, ()))
 
     def blocks_of(self, worker_id: str) -> int:
         return len(self._blocks.get(worker_id, ()))

@@ -178,11 +178,8 @@ class WorkerViews:
             )
             return True
         if event.HasField("kv"):
-            if event.kv.kind == pb.KvBlockEvent.STORED:
-                state.on_stored(worker_id, list(event.kv.block_hashes), computed=loaded)
-                metrics.INDEX_DROPPED_BLOCKS.set(state.index.dropped)
-            else:
-                state.on_evicted(worker_id, list(event.kv.block_hashes))
+            apply_kv_event(state, worker_id, event.kv, computed=loaded)
+            metrics.INDEX_DROPPED_BLOCKS.set(state.index.dropped)
         return loaded
 
     async def close(self) -> None:
@@ -373,6 +370,22 @@ async def serve(args: argparse.Namespace) -> None:
         await host.close()
         await views.close()
         await directory.close()
+
+
+def apply_kv_event(state: RouterState, worker_id: str, kv: pb.KvBlockEvent, computed: bool) -> None:
+    """One KvBlockEvent from a worker into the router's state, by kind (and so by tier). `computed`: stored
+    blocks are new work (not the snapshot that opens a stream)."""
+    hashes = list(kv.block_hashes)
+    if kv.kind == pb.KvBlockEvent.STORED:
+        state.on_stored(worker_id, hashes, computed=computed)
+    elif kv.kind == pb.KvBlockEvent.EVICTED:
+        state.on_evicted(worker_id, hashes)
+    elif kv.kind == pb.KvBlockEvent.OFFLOADED:
+        state.on_offloaded(worker_id, hashes)
+    elif kv.kind == pb.KvBlockEvent.RESTORED:
+        state.on_restored(worker_id, hashes)
+    elif kv.kind == pb.KvBlockEvent.DROPPED:
+        state.on_tier2_dropped(worker_id, hashes)
 
 
 if __name__ == "__main__":

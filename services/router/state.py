@@ -115,6 +115,19 @@ class RouterState:
     def on_evicted(self, worker_id: str, hashes: list[int]) -> None:
         self.index.evicted(worker_id, hashes)
 
+    def on_offloaded(self, worker_id: str, hashes: list[int]) -> None:
+        """Blocks that moved from the worker's pool to its tier 2 (their eviction from the pool is on_evicted)."""
+        if worker_id in self.workers:
+            self.index.offloaded(worker_id, hashes)
+
+    def on_restored(self, worker_id: str, hashes: list[int]) -> None:
+        """Blocks back in the worker's pool from its tier 2: cached again, but not computed (no rate sample)."""
+        if worker_id in self.workers:
+            self.index.restored(worker_id, hashes)
+
+    def on_tier2_dropped(self, worker_id: str, hashes: list[int]) -> None:
+        self.index.tier2_dropped(worker_id, hashes)
+
     def forget_blocks(self, worker_id: str) -> None:
         """Before a fresh snapshot of the worker's cache (its event stream reopened)."""
         self.index.clear_worker(worker_id)

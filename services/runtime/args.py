@@ -19,6 +19,7 @@ from services.engine.config import (
     NVFP4_LOAD_METHODS,
     SUPPORTED_DTYPES,
     SUPPORTED_QUANT,
+    TIER2_CODECS,
     EngineConfig,
 )
 
@@ -120,6 +121,10 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     add_flag(g, "--max-num-batched-tokens", 512, "token budget of one step (longer prompts are chunked)", int)
     add_flag(g, "--max-model-len", 0, "context length (0: the model's)", int)
     switch(g, "--no-prefix-caching", "turn the prefix cache off")
+    add_flag(g, "--kv-tier2-bytes", 0, "host memory for KV tier 2: cached blocks evicted from the KV cache are "
+             "kept there and restored on a prefix hit (0: off; docs/kv-tiers.md)", _non_negative_int)  # fmt: skip
+    add_flag(g, "--kv-tier2-codec", EngineConfig.kv_tier2_codec, "how tier 2 keeps a block: bf16 (lossless, the "
+             "cache dtype as is), fp8 or nvfp4 (compressed)", choices=TIER2_CODECS)  # fmt: skip
     add_flag(g, "--threads", 1, "torch CPU threads for this worker (0: torch's default)", int)
     switch(g, "--no-cpu-kernels", "run the model on plain torch ops instead of the fused CPU kernels")
     add_flag(g, "--device", "auto", "where the engine computes: auto (CUDA when visible), cpu, cuda or cuda:N; "
@@ -137,6 +142,13 @@ KV_BACKENDS = (
     "nixl",
     "tcp",
 )  # services.kvtransfer's names; not imported here (it loads numpy and NIXL)
+
+
+def _non_negative_int(text: str) -> int:
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be at least 0, got {value}")
+    return value
 
 
 def _positive_int(text: str) -> int:
@@ -203,6 +215,8 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         max_num_batched_tokens=args.max_num_batched_tokens,
         max_model_len=args.max_model_len,
         enable_prefix_caching=not args.no_prefix_caching,
+        kv_tier2_bytes=args.kv_tier2_bytes,
+        kv_tier2_codec=args.kv_tier2_codec,
         num_threads=args.threads,
         cpu_kernels=not args.no_cpu_kernels,
         device=args.device,

@@ -151,6 +151,15 @@ def load_snapshot(s: LoadStats) -> pb.LoadSnapshot:
     )
 
 
+_KV_EVENT_KINDS = {
+    "stored": pb.KvBlockEvent.STORED,
+    "evicted": pb.KvBlockEvent.EVICTED,
+    "offloaded": pb.KvBlockEvent.OFFLOADED,
+    "restored": pb.KvBlockEvent.RESTORED,
+    "dropped": pb.KvBlockEvent.DROPPED,
+}
+
+
 def kv_block_events(events: list[KvEvent]) -> Iterator[pb.KvBlockEvent]:
     """Consecutive events of one kind in one message; stored blocks only while they chain parent to child."""
     kind: str | None = None
@@ -159,16 +168,13 @@ def kv_block_events(events: list[KvEvent]) -> Iterator[pb.KvBlockEvent]:
         chained = (
             msg is not None
             and ev.kind == kind
-            and (ev.kind == "evicted" or ev.parent_hash == msg.block_hashes[-1])
+            and (ev.kind != "stored" or ev.parent_hash == msg.block_hashes[-1])
         )
         if not chained:
             if msg is not None:
                 yield msg
             kind = ev.kind
-            msg = pb.KvBlockEvent(
-                kind=pb.KvBlockEvent.STORED if ev.kind == "stored" else pb.KvBlockEvent.EVICTED,
-                parent_hash=ev.parent_hash,
-            )
+            msg = pb.KvBlockEvent(kind=_KV_EVENT_KINDS[ev.kind], parent_hash=ev.parent_hash)
         assert msg is not None
         msg.block_hashes.append(ev.block_hash)
     if msg is not None:

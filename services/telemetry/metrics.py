@@ -226,6 +226,15 @@ KV_TRANSFER_FAILURES = Counter(
     "KV pulls that failed, by reason (unavailable | data_loss | precondition)",
     ["reason"],
 )
+# The KV cache's tiers: the primary pool (the paged cache the model reads) and the host tier 2 (engine/kv_tier.py).
+KV_TIERS = ("primary", "host")
+KV_TIER_RESTORE_BUCKETS_S = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1)
+KV_TIER_RESTORE_S = Histogram(
+    "rackserve_kv_tier_restore_seconds",
+    "Restoring one request's prefix blocks from a KV tier into the primary pool (decode + write), by role and tier",
+    ["role", "tier"],
+    buckets=KV_TIER_RESTORE_BUCKETS_S,
+)
 ENGINE_STEP_S = Histogram(
     "rackserve_engine_step_seconds",
     "One engine step (a batch of decode rows and prefill chunks), by role: role=decode is the decode step",
@@ -241,6 +250,11 @@ KV_FREE_BLOCKS = "rackserve_kv_free_blocks"
 KV_TOTAL_BLOCKS = "rackserve_kv_total_blocks"
 BATCH_SIZE = "rackserve_batch_size"
 PREEMPTIONS = "rackserve_preemptions"
+KV_TIER_CAPACITY_BYTES = "rackserve_kv_tier_capacity_bytes"
+KV_TIER_USED_BYTES = "rackserve_kv_tier_used_bytes"
+KV_TIER_BLOCKS = "rackserve_kv_tier_blocks"
+KV_TIER_HITS = "rackserve_kv_tier_hits"  # counters: exported with the _total suffix
+KV_TIER_MISSES = "rackserve_kv_tier_misses"
 
 
 class EngineCollector(Collector):
@@ -271,6 +285,40 @@ class EngineCollector(Collector):
         )
         preempted.add_metric([self.role], float(s.preemptions))
         yield preempted
+        yield from self._tiers(s)
+
+    def _tiers(self, s: Any) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
+        """Per KV tier: capacity and occupancy; hits and misses of tier 2 (the primary pool's hits are
+        rackserve_prefix_cache_hits). A worker without tier 2 exports the primary tier only."""
+        block = float(getattr(s, "block_bytes", 0))
+        rows: dict[str, list[tuple[str, float]]] = {
+            KV_TIER_CAPACITY_BYTES: [("primary", s.total_blocks * block)],
+            KV_TIER_USED_BYTES: [("primary", (s.total_blocks - s.free_blocks) * block)],
+            KV_TIER_BLOCKS: [("primary", float(s.total_blocks - s.free_blocks))],
+        }
+        t2 = getattr(s, "tier2", None)
+        if t2 is not None:
+            rows[KV_TIER_CAPACITY_BYTES].append(("host", float(t2.capacity_bytes)))
+            rows[KV_TIER_USED_BYTES].append(("host", float(t2.used_bytes)))
+            rows[KV_TIER_BLOCKS].append(("host", float(t2.blocks)))
+        docs = {
+            KV_TIER_CAPACITY_BYTES: "Bytes a KV tier can hold, by tier (primary pool | host tier 2)",
+            KV_TIER_USED_BYTES: "Bytes of a KV tier in use (primary: blocks allocated; host: blocks kept)",
+            KV_TIER_BLOCKS: "KV blocks in a tier now (primary: allocated; host: kept for a later hit)",
+        }
+        for name, values in rows.items():
+            family = GaugeMetricFamily(name, docs[name], labels=["role", "tier"])
+            for tier, value in values:
+                family.add_metric([self.role, tier], value)
+            yield family
+        for name, doc, attr in (
+            (KV_TIER_HITS, "Prompt blocks restored from a KV tier instead of recomputed", "hits"),
+            (KV_TIER_MISSES, "Prompt blocks past the primary pool's prefix that no tier held", "misses"),
+        ):
+            counter = CounterMetricFamily(name, doc, labels=["role", "tier"])
+            if t2 is not None:  # declared either way (dashboards name it); samples only where the tier is on
+                counter.add_metric([self.role, "host"], float(getattr(t2, attr)))
+            yield counter
 
 
 _engine_collector = EngineCollector()
