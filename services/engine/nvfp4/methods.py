@@ -11,7 +11,7 @@ layout reads it unchanged. recipe.py stays the one owner of the arithmetic: the 
 | `rtn`           | the recipe's e4m3(g_e * amax / 6)                      | round to nearest (the recipe)   |
 | `four_over_six` | amax/6 or amax/4, whichever errs less (arXiv 2512.02010)| round to nearest                |
 | `mse`           | the least-squared-error byte among the rtn byte -5..+1 | round to nearest                |
-| `gptq`          | `mse` on the error-corrected block                     | column by column, error feedback|
+| `gptq`          | `mse`'s, on the original weights (static groups)       | activation order, error feedback|
 
 `rtn` is `recipe.quantize`, byte for byte. The tensor scale is the recipe's (2688 / amax) for every method.
 `gptq` needs the Hessian of the layer's inputs (2 X^T X over a calibration set, see calibration.py); the
