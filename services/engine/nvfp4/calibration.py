@@ -17,6 +17,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -107,11 +108,15 @@ def quantize_model(
     method: str,
     hessians: dict[str, torch.Tensor] | None = None,
     progress: Callable[[str], None] | None = None,
+    **gptq_kw: Any,
 ) -> dict[str, NVFP4Tensor]:
-    """Every block projection of a dense model as NVFP4 with `method`, canonical names (`layers.3.q_proj`)."""
+    """Every block projection of a dense model as NVFP4 with `method`, canonical names (`layers.3.q_proj`).
+    `gptq_kw` are methods.gptq's options (act_order, scales, damp), refused for the other methods."""
     check_method(method)
     if method == "gptq" and hessians is None:
         raise ValueError("quantize_model: method 'gptq' needs the calibration Hessians (collect_hessians)")
+    if method != "gptq" and gptq_kw:
+        raise ValueError(f"quantize_model: {sorted(gptq_kw)} apply to gptq only, not {method!r}")
     weights = loaded.weights  # type: ignore[attr-defined]
     out: dict[str, NVFP4Tensor] = {}
     for i in range(loaded.config.num_layers):  # type: ignore[attr-defined]
@@ -123,7 +128,7 @@ def quantize_model(
                 raise ValueError(f"layer {i}: already quantized; quantize a dense (GGUF or bf16) model")
             h = hessians[f"layers.{i}.{attr}"] if method == "gptq" and hessians is not None else None
             with torch.no_grad():
-                q = quantize_with(torch.cat(dense), method, hessian=h)
+                q = quantize_with(torch.cat(dense), method, hessian=h, **gptq_kw)
             for name, part in zip(names, split_rows(q, [w.shape[0] for w in dense]), strict=True):
                 out[name] = part
         if progress is not None:

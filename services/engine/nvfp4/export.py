@@ -83,9 +83,14 @@ def _hf_config(cfg: Any, quantization_config: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def quantization_config(layout: Layout, method: str) -> dict[str, Any]:
-    """config.json's `quantization_config` for `layout`; `rackserve` records the method and recipe it used."""
-    provenance = {"method": method, "recipe": QUANT_RECIPE_ID}
+def quantization_config(
+    layout: Layout, method: str, gptq_options: dict[str, Any] | None = None
+) -> dict[str, Any]:
+    """config.json's `quantization_config` for `layout`; `rackserve` records the method and recipe it used
+    (and gptq's options: act order, scale rule, damping, calibration size)."""
+    provenance: dict[str, Any] = {"method": method, "recipe": QUANT_RECIPE_ID}
+    if method == "gptq":
+        provenance["gptq"] = dict(gptq_options or {})
     if layout == "modelopt":
         return {
             "quant_method": "modelopt",
@@ -105,6 +110,9 @@ def quantization_config(layout: Layout, method: str) -> dict[str, Any]:
         "scale_dtype": "torch.float8_e4m3fn",
         "observer": "minmax" if method != "gptq" else "mse",
     }
+    if method == "gptq" and (gptq_options or {}).get("act_order", True):
+        # compressed-tensors' "weight" ordering: calibrated in activation order, the format unchanged (no g_idx)
+        weights["actorder"] = "weight"
     return {
         "quant_method": "compressed-tensors",
         "format": "nvfp4-pack-quantized",
@@ -132,8 +140,10 @@ def write_checkpoint(
     layout: Layout,
     method: str,
     tokenizer: Any | None = None,
+    gptq_options: dict[str, Any] | None = None,
 ) -> Path:
-    """Write `quantized` (canonical projection names) and the rest of `loaded` as a Hugging Face directory."""
+    """Write `quantized` (canonical projection names) and the rest of `loaded` as a Hugging Face directory.
+    `gptq_options` (what produced a gptq `quantized`) are recorded in the quantization config."""
     from safetensors.torch import save_file
 
     if layout not in LAYOUTS:
@@ -155,7 +165,7 @@ def write_checkpoint(
         else:
             raise ValueError(f"{name}: the source is already quantized; quantize a dense model")
     save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
-    qcfg = quantization_config(layout, method)
+    qcfg = quantization_config(layout, method, gptq_options)
     (out / "config.json").write_text(json.dumps(_hf_config(loaded.config, qcfg), indent=2) + "\n")
     if layout == "modelopt":
         hf_quant = {"producer": {"name": "rackserve"}, "quantization": {k: qcfg[k] for k in
@@ -177,9 +187,11 @@ def quantize_to_dir(
     out_dir: str | Path,
     layout: Layout = "compressed-tensors",
     progress: Callable[[str], None] | None = None,
+    act_order: bool | None = None,
 ) -> dict[str, float]:
     """`rackserve quantize`: load `model` (GGUF or dense HF dir), quantize with `method` (gptq: calibrate
-    first), write `out_dir`. Returns the seconds spent per phase."""
+    first), write `out_dir`. Returns the seconds spent per phase. `act_order` is gptq's (default on); set
+    for another method it is refused, since it would change nothing."""
     from services.engine.loader import load_model
     from services.engine.tokenizer import Tokenizer
 
@@ -187,6 +199,11 @@ def quantize_to_dir(
     from .methods import check_method
 
     check_method(method)
+    if act_order is not None and method != "gptq":
+        raise ValueError(f"act order applies to gptq only, not to {method!r}")
+    gptq_options: dict[str, Any] = {}
+    if method == "gptq":
+        gptq_options = {"act_order": True if act_order is None else act_order}
     times: dict[str, float] = {}
     t = time.perf_counter()
     loaded = load_model(model)
@@ -205,9 +222,11 @@ def quantize_to_dir(
         if progress is not None:
             progress(f"calibration: {len(windows)} windows, {sum(len(w) for w in windows)} tokens")
     t = time.perf_counter()
-    quantized = quantize_model(loaded, method, hessians, progress)
+    quantized = quantize_model(loaded, method, hessians, progress, **gptq_options)
     times["quantize_s"] = time.perf_counter() - t
     t = time.perf_counter()
-    write_checkpoint(loaded, quantized, out_dir, layout, method, tok)
+    if hessians is not None:
+        gptq_options["calibration_windows"] = len(windows)
+    write_checkpoint(loaded, quantized, out_dir, layout, method, tok, gptq_options)
     times["write_s"] = time.perf_counter() - t
     return times

@@ -11,7 +11,7 @@ layout reads it unchanged. recipe.py stays the one owner of the arithmetic: the 
 | `rtn`           | the recipe's e4m3(g_e * amax / 6)                      | round to nearest (the recipe)   |
 | `four_over_six` | amax/6 or amax/4, whichever errs less (arXiv 2512.02010)| round to nearest                |
 | `mse`           | the least-squared-error byte among the rtn byte -5..+1 | round to nearest                |
-| `gptq`          | `mse` on the error-corrected block                     | column by column, error feedback|
+| `gptq`          | `mse`'s, on the original weights (static groups)       | activation order, error feedback|
 
 `rtn` is `recipe.quantize`, byte for byte. The tensor scale is the recipe's (2688 / amax) for every method.
 `gptq` needs the Hessian of the layer's inputs (2 X^T X over a calibration set, see calibration.py); the
@@ -176,18 +176,30 @@ def quantize_with(
     )
 
 
+GPTQ_SCALES = ("static", "dynamic")
+"""How gptq picks each 16-column block's E4M3 scale: `static` (the default: mse's search on the original
+weights, before any error feedback, as GPTQ's static groups), `dynamic` (mse's search on the block's
+error-corrected weights when the column loop first reaches one of its columns). Within noise of each other in
+perplexity (docs/nvfp4-quality.md); static is the faster."""
+
+
 def gptq(
     w: torch.Tensor,
     hessian: torch.Tensor,
     *,
     damp: float = 0.01,
     block_columns: int = 128,
+    act_order: bool = True,
+    scales: str = "static",
 ) -> NVFP4Tensor:
-    """GPTQ (Frantar et al. 2022) onto the NVFP4 grid: columns in order, each column's rounding error spread
+    """GPTQ (Frantar et al. 2022) onto the NVFP4 grid: columns one at a time, each column's rounding error spread
     over the columns not yet quantized through the inverse Hessian, so that the layer's *output* on the
-    calibration inputs moves least. Each 16-column block's scale is chosen (as `mse` does) when the loop
-    reaches it, from the error-corrected weights; the tensor scale is the recipe's, from the original amax.
+    calibration inputs moves least. The tensor scale is the recipe's, from the original amax; each 16-column
+    block's scale is chosen as `scales` says (GPTQ_SCALES). Blocks stay the format's 16 consecutive columns
+    whatever the order.
 
+    `act_order` quantizes the columns in order of decreasing Hessian diagonal (the loudest inputs first, while
+    the most columns are left to absorb their error), GPTQ's "desc_act"; off, in index order.
     w: [N, K] with K % 16 == 0; hessian: [K, K], 2 X^T X / n of the layer's inputs (any positive multiple).
     `damp` is added to the diagonal as a share of its mean (GPTQ's percdamp), for a stable Cholesky.
     """
@@ -196,24 +208,34 @@ def gptq(
     n, k = w.shape
     if tuple(hessian.shape) != (k, k):
         raise ValueError(f"gptq: hessian must be [{k}, {k}] for a weight of {tuple(w.shape)}")
-    _, g, _ = _blocks(w)
-    # Transposed ([K, N]: one column of W is one contiguous row here), float32 like the reference GPTQ.
-    wt = w.detach().to(torch.float32).T.contiguous()
+    if scales not in GPTQ_SCALES:
+        raise ValueError(f"gptq: scales must be one of {GPTQ_SCALES}, got {scales!r}")
+    if not damp > 0:
+        raise ValueError(f"gptq: damp must be positive, got {damp}")
+    blocks, g, _ = _blocks(w)
     h = hessian.detach().to(torch.float64).clone()
     dead = torch.diag(h) == 0
     h[dead, dead] = 1.0
     h += torch.eye(k, dtype=torch.float64) * (damp * float(torch.diag(h).mean()))
+    perm = torch.argsort(torch.diag(h), descending=True, stable=True) if act_order else torch.arange(k)
+    h = h[perm][:, perm]
     hinv = torch.linalg.cholesky(torch.cholesky_inverse(torch.linalg.cholesky(h)), upper=True).to(
         torch.float32
     )
+    # Transposed and permuted ([K, N]: one column of W is one contiguous row here), float32 like GPTQ.
+    wt = w.detach().to(torch.float32).T[perm].contiguous()
 
     codes = torch.zeros((k, n), dtype=torch.uint8)
     scale_fp8 = torch.zeros((k // BLOCK_SIZE, n), dtype=torch.float8_e4m3fn)
+    chosen = torch.zeros(k // BLOCK_SIZE, dtype=torch.bool)
+    if scales == "static":
+        scale_fp8[:] = _pick_scales(blocks, g, _mse_candidates(blocks, g)).T
+        chosen[:] = True
     step = max(BLOCK_SIZE, block_columns // BLOCK_SIZE * BLOCK_SIZE)
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # thousands of tiny ops: thread wake-ups cost more than they win (~5x, 2 cores)
     try:
-        _gptq_columns(wt, hinv, g, codes, scale_fp8, step)
+        _gptq_columns(wt, hinv, g, perm, codes, scale_fp8, chosen, step)
     finally:
         torch.set_num_threads(threads)
     codes = codes.T.contiguous()
@@ -230,23 +252,39 @@ def _gptq_columns(
     wt: torch.Tensor,
     hinv: torch.Tensor,
     g: torch.Tensor,
+    perm: torch.Tensor,
     codes: torch.Tensor,
     scale_fp8: torch.Tensor,
+    chosen: torch.Tensor,
     step: int,
 ) -> None:
-    """gptq's loop on W^T [K, N] in place, filling codes [K, N] and scale_fp8 [K/16, N]."""
+    """gptq's loop on the permuted W^T [K, N] in place, filling codes [K, N] and scale_fp8 [K/16, N] (original
+    column order). A block whose scale is not `chosen` yet gets it from its 16 columns' current values, all
+    still unquantized then (a column is quantized only under its block's scale)."""
     k = wt.shape[0]
+    position = torch.empty_like(perm)
+    position[perm] = torch.arange(k)
+    order = perm.tolist()
     for c1 in range(0, k, step):
         c2 = min(c1 + step, k)
         w1 = wt[c1:c2].clone()
         err1 = torch.zeros_like(w1)
         hinv1 = hinv[c1:c2, c1:c2]
         for i in range(c2 - c1):
-            col = c1 + i
-            if col % BLOCK_SIZE == 0:
-                grp = w1[i : i + BLOCK_SIZE].T.unsqueeze(1)  # [N, 1, 16]: each row's block, error-corrected
-                scale_fp8[col // BLOCK_SIZE] = _pick_scales(grp, g, _mse_candidates(grp, g)).squeeze(1)
-            s = scale_fp8[col // BLOCK_SIZE]
+            col = order[c1 + i]
+            blk = col // BLOCK_SIZE
+            if not chosen[blk]:
+                pos = position[blk * BLOCK_SIZE : (blk + 1) * BLOCK_SIZE]
+                inside = (pos >= c1) & (pos < c2)
+                cur = torch.empty((BLOCK_SIZE, wt.shape[1]), dtype=torch.float32)
+                cur[inside] = w1[pos[inside] - c1]
+                later = pos[~inside]  # beyond this lazy block: apply its pending updates first
+                if len(later):
+                    cur[~inside] = wt[later] - hinv[c1 : c1 + i, later].T @ err1[:i]
+                grp = cur.T.unsqueeze(1)  # [N, 1, 16]: each row's block, error-corrected so far
+                scale_fp8[blk] = _pick_scales(grp, g, _mse_candidates(grp, g)).squeeze(1)
+                chosen[blk] = True
+            s = scale_fp8[blk]
             code = encode_blocks(w1[i].unsqueeze(-1), s, g)  # [N, 1]: one element of each row's block
             codes[col] = code.squeeze(-1)
             e = (w1[i] - decode_blocks(code, s, g).squeeze(-1)) / hinv1[i, i]
