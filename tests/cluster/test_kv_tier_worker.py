@@ -21,6 +21,7 @@ from services.engine.block_hash import block_hashes
 from services.engine.model_files import smollm2_gguf_path
 from services.engine.tokenizer import Tokenizer
 from services.rpc import pb, pb_grpc
+from tests.engine.test_kv_tier import BS, POOL, TEXT_A, TEXT_B
 from tests.support.cluster import (
     LocalCluster,
     Proc,
@@ -31,7 +32,6 @@ from tests.support.cluster import (
     start_process,
     token_ids,
 )
-from tests.test_kv_tier import BS, POOL, TEXT_A, TEXT_B
 
 BLOCK_BYTES = 30 * 2 * 3 * BS * 64 * 2  # SmolLM2-135M, bf16: layers x (K, V) x kv heads x tokens x head_dim
 FLAGS = ["--dtype", "bfloat16", "--threads", "1", "--kv-cache-bytes", str(POOL * BLOCK_BYTES)]
