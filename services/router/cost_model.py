@@ -1,10 +1,12 @@
 """The cost model behind the TTFT-estimate policy: every parameter a named setting, calibrated online.
 
-An estimate of time to first token for one (prefill worker, decode worker) plan is the sum of four terms:
+An estimate of time to first token for one (prefill worker, decode worker) plan is the sum of five terms:
 
   queue_s      prompt tokens already waiting on the prefilling worker (its load report plus this router's
                pending reservations), divided by that worker's prefill rate
   prefill_s    this request's uncached tokens / the prefill rate, plus a per-request overhead
+  restore_s    the prompt's blocks the worker holds in its tier 2 (right after those in its pool), brought back
+               instead of recomputed: their tokens / the prefill rate × `tier2_restore_fraction`
   transfer_s   remote plans only: link latency + KV bytes / link bandwidth, by topology class
   admission_s  the decode worker's wait before the request joins its batch: none when it is idle, else half
                a step (the one running), plus one step per request already waiting there, plus
@@ -77,6 +79,11 @@ class CostSettings:
     cross_zone_bytes_per_s: float = setting(1e9, "link bandwidth, across zones")
     cross_zone_latency_s: float = setting(0.01, "link latency, across zones")
     unlabeled_link: str = setting(SAME_RACK, "the link class assumed when a worker has no topology labels")
+    tier2_restore_fraction: float = setting(
+        0.1,
+        "a tier-2 prefix block's restore time as a share of computing it at the worker's prefill rate "
+        "(docs/kv-tiers.md: a bf16 restore reached the first token in 0.10x a recompute's time on CPU)",
+    )
     rate_ewma_alpha: float = setting(0.3, "calibration: weight of a new prefill-rate measurement")
     rate_min_busy_s: float = setting(0.2, "calibration: busy seconds one prefill-rate measurement spans")
 

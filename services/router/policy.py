@@ -164,6 +164,23 @@ class ClusterView:
                     found[worker_id] = n
         return found
 
+    def tier2_overlaps(self, query: RouteQuery, overlaps: dict[str, int]) -> dict[str, int]:
+        """worker id -> blocks of the prompt its tier 2 holds right after the leading run `overlaps` (this
+        view's `overlaps(query)`) counts for it: what a restore would bring back instead of a recompute."""
+        found: dict[str, int] = {}
+        if not self.index.has_tier2():
+            return found
+        for size in sorted({w.block_size for w in self.workers.values()}):
+            for worker_id, (pool, tier2) in self.index.tiered_overlaps(query.hashes(size)).items():
+                w = self.workers.get(worker_id)
+                if w is None or w.block_size != size or not tier2:
+                    continue
+                # a pending request may soon have computed part of the tier-2 run into the pool
+                extra = pool + tier2 - max(pool, overlaps.get(worker_id, 0))
+                if extra > 0:
+                    found[worker_id] = extra
+        return found
+
 
 # ------------------------------------------------------------------------------------------ outputs
 
@@ -172,8 +189,9 @@ class ClusterView:
 class PlanScore:
     """One plan — who prefills (None: the decode worker itself) and who decodes — and its estimate.
 
-    terms (seconds unless named): queue_s, prefill_s, transfer_s, admission_s, interference_s, plus
-    cached_tokens and uncached_tokens; estimated_ttft_s = queue + prefill + transfer + admission;
+    terms (seconds unless named): queue_s, prefill_s, restore_s, transfer_s, admission_s, interference_s,
+    plus cached_tokens (the pool's hit), tier2_tokens (restored from tier 2) and uncached_tokens (computed);
+    estimated_ttft_s = queue + prefill + restore + transfer + admission;
     score = what the policy minimised (for ttft: estimate + interference; for a baseline: its own cost)."""
 
     prefill: str | None
@@ -190,7 +208,7 @@ class PlanScore:
 @dataclass(frozen=True)
 class Decision:
     policy: str
-    reason: str  # cache_hit | least_queue | least_compute | topology | decode_admission | local_prefill | …
+    reason: str  # cache_hit | tier2_hit | least_queue | least_compute | topology | local_prefill | …
     chosen: PlanScore
     runner_up: PlanScore | None = None
     detail: str = ""  # the rule in words, e.g. "auto: prompt 12 < 256 tokens"
@@ -218,6 +236,22 @@ def rendezvous(request_id: str, key: str) -> int:
     return int.from_bytes(digest, "little")
 
 
+class Side(NamedTuple):
+    """The prefilling worker's part of a plan: seconds, and the prompt's tokens by where they come from."""
+
+    queue_s: float
+    prefill_s: float  # computing the uncached tokens, plus the per-request overheads
+    restore_s: float  # bringing the tier-2 run back into the pool
+    cached: int  # in the pool already
+    restored: int  # from tier 2
+    uncached: int  # computed
+
+    @property
+    def busy_s(self) -> float:
+        """The worker's own time on this prompt (compute + restore)."""
+        return self.prefill_s + self.restore_s
+
+
 class Estimator:
     """The TTFT terms of one plan, from CostSettings and the workers' state."""
 
@@ -231,21 +265,33 @@ class Estimator:
         rate = self.s.prefill_tokens_per_s
         return rate / self.s.decode_prefill_slowdown if local and self.s.decode_prefill_slowdown > 0 else rate
 
-    def uncached(self, query: RouteQuery, w: WorkerState, overlaps: dict[str, int]) -> tuple[int, int]:
-        """(cached, uncached) prompt tokens on worker w; the last prompt token is always computed."""
+    def uncached(
+        self, query: RouteQuery, w: WorkerState, overlaps: dict[str, int], tier2: dict[str, int] | None = None
+    ) -> tuple[int, int, int]:
+        """(cached in the pool, restored from tier 2, uncached) prompt tokens on worker w; the last prompt token
+        is always computed."""
         n = query.num_tokens
-        cached = min(overlaps.get(w.worker_id, 0) * w.block_size, max(0, n - 1))
-        return cached, n - cached
+        top = max(0, n - 1)
+        pool = overlaps.get(w.worker_id, 0)
+        cached = min(pool * w.block_size, top)
+        restored = min((pool + (tier2 or {}).get(w.worker_id, 0)) * w.block_size, top) - cached
+        return cached, restored, n - cached - restored
 
     def prefill_side(
-        self, query: RouteQuery, w: WorkerState, overlaps: dict[str, int], local: bool
-    ) -> tuple[float, float, int, int]:
-        """(queue_s, prefill_s, cached, uncached) when w prefills."""
+        self,
+        query: RouteQuery,
+        w: WorkerState,
+        overlaps: dict[str, int],
+        local: bool,
+        tier2: dict[str, int] | None = None,
+    ) -> Side:
+        """The prefilling side of a plan on w: its queue, compute and tier-2 restore."""
         rate = self.prefill_rate(w, local)
-        cached, uncached = self.uncached(query, w, overlaps)
+        cached, restored, uncached = self.uncached(query, w, overlaps, tier2)
         queue_s = (w.queued_prefill_tokens + w.pending_prefill_tokens) / rate
         prefill_s = uncached / rate + self.s.prefill_overhead_s + (0.0 if local else self.s.remote_overhead_s)
-        return queue_s, prefill_s, cached, uncached
+        restore_s = restored * self.s.tier2_restore_fraction / rate
+        return Side(queue_s, prefill_s, restore_s, cached, restored, uncached)
 
     def admission_s(self, query: RouteQuery, d: WorkerState) -> float:
         step_s = d.step_s or self.s.default_step_s
@@ -263,22 +309,29 @@ class Estimator:
         return latency_s + kv_bytes / bytes_per_s, cls
 
     def plan(
-        self, query: RouteQuery, p: WorkerState | None, d: WorkerState, overlaps: dict[str, int]
+        self,
+        query: RouteQuery,
+        p: WorkerState | None,
+        d: WorkerState,
+        overlaps: dict[str, int],
+        tier2: dict[str, int] | None = None,
     ) -> PlanScore:
         local = p is None
-        queue_s, prefill_s, cached, uncached = self.prefill_side(query, p or d, overlaps, local)
+        side = self.prefill_side(query, p or d, overlaps, local, tier2)
         transfer_s = 0.0 if p is None else self.transfer_s(query, p, d)[0]
         admission_s = self.admission_s(query, d)
-        interference_s = prefill_s * d.running * self.s.interference_weight if local else 0.0
-        ttft = queue_s + prefill_s + transfer_s + admission_s
+        interference_s = side.busy_s * d.running * self.s.interference_weight if local else 0.0
+        ttft = side.queue_s + side.busy_s + transfer_s + admission_s
         terms = {
-            "queue_s": queue_s,
-            "prefill_s": prefill_s,
+            "queue_s": side.queue_s,
+            "prefill_s": side.prefill_s,
+            "restore_s": side.restore_s,
             "transfer_s": transfer_s,
             "admission_s": admission_s,
             "interference_s": interference_s,
-            "cached_tokens": float(cached),
-            "uncached_tokens": float(uncached),
+            "cached_tokens": float(side.cached),
+            "tier2_tokens": float(side.restored),
+            "uncached_tokens": float(side.uncached),
         }
         return PlanScore(p.worker_id if p else None, d.worker_id, terms, ttft, ttft + interference_s)
 
@@ -320,15 +373,17 @@ def term_reason(winner: PlanScore, runner_up: PlanScore | None) -> str:
         name: runner_up.terms[name] - winner.terms[name]
         for name in ("queue_s", "prefill_s", "transfer_s", "admission_s", "interference_s")
     }
+    # the prompt's own time on the worker: computing what is not cached plus restoring what is in tier 2
+    savings["prefill_s"] += runner_up.terms["restore_s"] - winner.terms["restore_s"]
     best = max(savings, key=lambda k: savings[k])
     if savings[best] <= 0:
         return "near_best_spread"
     if best == "prefill_s":
-        return (
-            "cache_hit"
-            if winner.terms["cached_tokens"] > runner_up.terms["cached_tokens"]
-            else "least_compute"
-        )
+        if winner.terms["cached_tokens"] > runner_up.terms["cached_tokens"]:
+            return "cache_hit"  # the pool holds more of the prompt
+        if winner.terms["tier2_tokens"] > runner_up.terms["tier2_tokens"]:
+            return "tier2_hit"  # tier 2 holds more of it: restored instead of recomputed
+        return "least_compute"
     return {
         "queue_s": "least_queue",
         "transfer_s": "topology",
@@ -643,6 +698,7 @@ class TtftEstimate(Policy[TtftSettings]):
         why: str,
     ) -> Decision:
         overlaps = view.overlaps(query)
+        tier2 = view.tier2_overlaps(query, overlaps)
         est = self.estimator
         weight = self.settings.interference_weight
         admission = {d.worker_id: est.admission_s(query, d) for d in decodes}
@@ -650,11 +706,11 @@ class TtftEstimate(Policy[TtftSettings]):
         candidates: list[Candidate] = []
         if remote is not True:
             for d in decodes:
-                queue_s, prefill_s, _, _ = est.prefill_side(query, d, overlaps, local=True)
-                score = queue_s + prefill_s + admission[d.worker_id] + prefill_s * d.running * weight
+                side = est.prefill_side(query, d, overlaps, True, tier2)
+                score = side.queue_s + side.busy_s + admission[d.worker_id] + side.busy_s * d.running * weight
                 candidates.append((score, None, d))
         if remote is not False:
-            candidates += self._remote_candidates(query, prefills, decodes, overlaps, admission)
+            candidates += self._remote_candidates(query, prefills, decodes, overlaps, tier2, admission)
         if not candidates:  # disagg forced but nothing compatible
             why = f"{why}; no prefill worker compatible with any decode worker"
             return self.decide(view, query, prefills, decodes, False, why)
@@ -669,8 +725,8 @@ class TtftEstimate(Policy[TtftSettings]):
         )
         others = [c for c in candidates if c is not chosen_c]
         runner_c = min(others, key=lambda c: c[0]) if others else None
-        chosen = est.plan(query, chosen_c[1], chosen_c[2], overlaps)
-        runner_up = est.plan(query, runner_c[1], runner_c[2], overlaps) if runner_c else None
+        chosen = est.plan(query, chosen_c[1], chosen_c[2], overlaps, tier2)
+        runner_up = est.plan(query, runner_c[1], runner_c[2], overlaps, tier2) if runner_c else None
         shape = "agg" if chosen.prefill is None else "disagg"
         return Decision(self.name, term_reason(chosen, runner_up), chosen, runner_up, f"{shape}: {why}")
 
@@ -680,6 +736,7 @@ class TtftEstimate(Policy[TtftSettings]):
         prefills: list[WorkerState],
         decodes: list[WorkerState],
         overlaps: dict[str, int],
+        tier2: dict[str, int],
         admission: dict[str, float],
     ) -> list[Candidate]:
         """Per decode worker, the prefill workers whose plan could be near-best for it, scored.
@@ -691,8 +748,8 @@ class TtftEstimate(Policy[TtftSettings]):
         est = self.estimator
         side: dict[str, float] = {}
         for p in prefills:
-            queue_s, prefill_s, _, _ = est.prefill_side(query, p, overlaps, local=False)
-            side[p.worker_id] = queue_s + prefill_s
+            plan_side = est.prefill_side(query, p, overlaps, False, tier2)
+            side[p.worker_id] = plan_side.queue_s + plan_side.busy_s
         groups: dict[tuple[str, str], list[WorkerState]] = {}
         for p in sorted(prefills, key=lambda p: side[p.worker_id]):
             for label, value in (("node", p.node), ("rack", p.rack), ("zone", p.zone)):

@@ -143,6 +143,10 @@ class PrefixIndex:
                 found[w] = (d0, d1)
         return found
 
+    def has_tier2(self) -> bool:
+        """Does any worker's tier 2 hold a block (else `tiered_overlaps` is `overlaps`)?"""
+        return any(self._tier2.values())
+
     def tier2_blocks_of(self, worker_id: str) -> int:
         return len(self._tier2.get(worker_id, ()))
 

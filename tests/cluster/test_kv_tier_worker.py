@@ -63,10 +63,15 @@ def metric(endpoint: str, name: str, **labels: str) -> float:
 
 
 def router_sees(
-    cluster: LocalCluster, prompt: list[int], cached: int, indexed: int, timeout_s: float = 15.0
+    cluster: LocalCluster,
+    prompt: list[int],
+    cached: int,
+    indexed: int,
+    tier2: int = 0,
+    timeout_s: float = 15.0,
 ) -> None:
-    """Until the router's plan for `prompt` counts `cached` tokens in the worker's pool and its index holds
-    `indexed` (worker, block) entries over both tiers."""
+    """Until the router's plan for `prompt` counts `cached` tokens in the worker's pool and `tier2` to restore
+    from its tier 2, and its index holds `indexed` (worker, block) entries over both tiers."""
     router = cluster.endpoints["router-t"]
     metrics_ep = cluster.infos["router-t"].metrics_endpoint
 
@@ -77,11 +82,16 @@ def router_sees(
 
     deadline = time.monotonic() + timeout_s
     while True:
-        got = (run(route).score_terms["cached_tokens"], metric(metrics_ep, "rackserve_router_indexed_blocks"))
-        if got == (cached, indexed):
+        terms = run(route).score_terms
+        got = (
+            terms["cached_tokens"],
+            terms["tier2_tokens"],
+            metric(metrics_ep, "rackserve_router_indexed_blocks"),
+        )
+        if got == (cached, tier2, indexed):
             return
         assert time.monotonic() < deadline, (
-            f"router: (cached tokens, indexed entries) = {got}, want {(cached, indexed)}"
+            f"router: (cached tokens, tier-2 tokens, indexed entries) = {got}, want {(cached, tier2, indexed)}"
         )
         time.sleep(0.2)
 
@@ -122,7 +132,8 @@ def test_a_worker_restores_an_evicted_prefix_from_tier_2_with_the_cold_runs_toke
     assert first[0].cached_tokens == 0
     router_sees(cluster, a, cached=len(a) // BS * BS, indexed=full_a)
     ask("b", b)  # needs the whole pool: A's blocks leave it, for tier 2
-    router_sees(cluster, a, cached=0, indexed=full_b + full_a)  # B in the pool, A in tier 2
+    # B in the pool, A in tier 2: the router's plan restores A's prefix instead of recomputing it
+    router_sees(cluster, a, cached=0, tier2=len(a) // BS * BS, indexed=full_b + full_a)
 
     async def again() -> tuple[list[pb.DecodeChunk], list[pb.KvBlockEvent]]:
         watch = asyncio.create_task(kv_events(ep, len(hashes)))

@@ -431,3 +431,102 @@ def test_a_setting_the_policy_does_not_have_is_refused_by_name() -> None:
         make_policy("ttft", overlap_weight=2.0)
     with pytest.raises(ValueError, match="near_best_s"):
         make_policy("ttft", near_best_s=-1.0)
+
+
+# ------------------------------------------------------------------------------------ tier 2: restore vs recompute
+
+
+def offload(state: RouterState, worker_id: str, tokens: list[int]) -> None:
+    """The worker computed `tokens`' blocks, then its pool pushed them out into its tier 2 (its events, in order)."""
+    hashes = block_hashes(tokens, BS)
+    state.on_stored(worker_id, hashes, computed=False)
+    state.on_evicted(worker_id, hashes)
+    state.on_offloaded(worker_id, hashes)
+
+
+def test_with_equal_load_a_worker_holding_the_prefix_in_tier_2_beats_a_cold_one() -> None:
+    tokens = prompt(2048)
+    state = router(P("A"), P("B"), D("d"), mode="disagg")
+    offload(state, "A", tokens)
+    assert state.index.overlaps(block_hashes(tokens, BS)) == {}  # nothing left in any pool
+    decision = state.route(RouteQuery("t2", token_ids=tokens), 0.0)
+    assert decision.prefill == "A" and decision.reason == "tier2_hit"
+    chosen, runner = decision.chosen.terms, decision.runner_up.terms if decision.runner_up else {}
+    # 128 full blocks: all but the last token restored (the last one is always computed)
+    assert (chosen["cached_tokens"], chosen["tier2_tokens"], chosen["uncached_tokens"]) == (0, 2047, 1)
+    assert chosen["restore_s"] == pytest.approx(2047 * CostSettings().tier2_restore_fraction / 4000.0)
+    assert (runner["tier2_tokens"], runner["uncached_tokens"], runner["restore_s"]) == (0, 2048, 0)
+    assert decision.estimated_ttft_s < decision.runner_up.estimated_ttft_s  # type: ignore[union-attr]
+    # once the worker restores it, the same prefix is a pool hit there and no longer a tier-2 one
+    state.on_restored("A", block_hashes(tokens, BS))
+    state.reservations.expire(state.workers, 1e9)
+    again = state.route(RouteQuery("t2-again", token_ids=tokens), 1.0)
+    assert again.prefill == "A" and again.reason == "cache_hit"
+    assert (again.chosen.terms["cached_tokens"], again.chosen.terms["tier2_tokens"]) == (2047, 0)
+
+
+def test_a_pool_hit_beats_a_tier_2_hit_of_the_same_prefix() -> None:
+    tokens = prompt(2048)
+    state = router(P("A"), P("B"), D("d"), mode="disagg")
+    cache(state, "A", tokens)
+    offload(state, "B", tokens)
+    decision = state.route(RouteQuery("pool", token_ids=tokens), 0.0)
+    assert decision.prefill == "A" and decision.reason == "cache_hit"
+    assert decision.runner_up is not None and decision.runner_up.prefill == "B"
+    assert decision.runner_up.terms["tier2_tokens"] == 2047 and decision.runner_up.terms["restore_s"] > 0
+    assert decision.chosen.terms["restore_s"] == 0 and decision.chosen.terms["cached_tokens"] == 2047
+
+
+def test_tier_2_continues_the_pools_run_and_a_decode_worker_restores_locally() -> None:
+    tokens = prompt(640)
+    state = router(D("d0"), D("d1"), mode="agg")
+    offload(state, "d0", tokens)  # all 40 blocks went to d0's tier 2, then a prompt restored the first 20
+    state.on_restored("d0", block_hashes(tokens[:320], BS))
+    decision = state.route(RouteQuery("agg-t2", token_ids=tokens), 0.0)
+    assert decision.decode == "d0" and decision.prefill is None
+    assert (decision.chosen.terms["cached_tokens"], decision.chosen.terms["tier2_tokens"]) == (320, 319)
+    assert decision.reason == "cache_hit" and decision.runner_up is not None  # its pool holds more, too
+    assert decision.runner_up.terms["uncached_tokens"] == 640
+
+
+@pytest.mark.parametrize(
+    ("a_queued_tokens", "fraction", "expected", "reason"),
+    [(1000, 0.1, "A", "tier2_hit"), (4000, 0.1, "B", "least_queue"), (1000, 1.0, "B", "least_queue")],
+    ids=["A_short_queue", "A_long_queue", "restore_as_slow_as_recompute"],
+)
+def test_a_loaded_worker_with_a_tier_2_hit_loses_to_an_idle_cold_one_when_the_arithmetic_says_so(
+    a_queued_tokens: int, fraction: float, expected: str, reason: str
+) -> None:
+    """2048 tokens at 4000 tok/s: B computes all of them (0.512 s); A restores 2047 (0.0512 s at 0.1) and
+    computes 1, but first waits for its queue: A wins below ~1840 queued tokens, loses above; with restores
+    priced as recompute (fraction 1.0) its 1000-token queue is enough to lose."""
+    tokens = prompt(2048)
+    settings = CostSettings(tier2_restore_fraction=fraction)
+    state = RouterState(make_policy("ttft", "disagg", settings=settings))
+    for w in (P("A"), P("B"), D("d")):
+        state.add_worker(w)
+    offload(state, "A", tokens)
+    state.on_load("A", 0.0, queued_prefill_tokens=a_queued_tokens, running=1)
+    decision = state.route(RouteQuery("loaded", token_ids=tokens), 1.0)
+    assert decision.prefill == expected and decision.reason == reason
+    assert decision.runner_up is not None
+    a = decision.chosen if expected == "A" else decision.runner_up
+    b = decision.runner_up if expected == "A" else decision.chosen
+    assert a.terms["queue_s"] == pytest.approx(a_queued_tokens / 4000.0)
+    assert a.terms["restore_s"] == pytest.approx(2047 * fraction / 4000.0)
+    assert a.estimated_ttft_s - b.estimated_ttft_s == pytest.approx(
+        (a_queued_tokens + 2047 * fraction + 1 - 2048) / 4000.0
+    )
+
+
+def test_the_restore_fraction_is_a_flag_and_an_environment_variable(monkeypatch: pytest.MonkeyPatch) -> None:
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    args = parser.parse_args(["--tier2-restore-fraction", "0.25"])
+    assert policy_from_args(args).settings.tier2_restore_fraction == 0.25
+    monkeypatch.setenv("RACKSERVE_TIER2_RESTORE_FRACTION", "0.5")
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    assert policy_from_args(parser.parse_args([])).settings.tier2_restore_fraction == 0.5
+    with pytest.raises(ValueError, match="tier2_restore_fraction"):
+        CostSettings(tier2_restore_fraction=-0.1)
