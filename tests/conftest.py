@@ -140,8 +140,7 @@ if _FAST:
     _refuse_processes()
 
 
-@pytest.hookimpl(wrapper=True)
-def pytest_runtest_setup(item: pytest.Item):  # type: ignore[no-untyped-def]
+def _while_running(item: pytest.Item):  # type: ignore[no-untyped-def]
     _running.append(item.nodeid)
     try:
         return (yield)
@@ -149,10 +148,6 @@ def pytest_runtest_setup(item: pytest.Item):  # type: ignore[no-untyped-def]
         _running.pop()
 
 
-@pytest.hookimpl(wrapper=True)
-def pytest_runtest_call(item: pytest.Item):  # type: ignore[no-untyped-def]
-    _running.append(item.nodeid)
-    try:
-        return (yield)
-    finally:
-        _running.pop()
+# a test's own phases (fixture setup included); collection and teardown are not the test starting something
+pytest_runtest_setup = pytest.hookimpl(wrapper=True)(_while_running)
+pytest_runtest_call = pytest.hookimpl(wrapper=True)(_while_running)

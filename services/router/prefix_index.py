@@ -20,7 +20,7 @@ This room is plain data: no I/O, no clock, no request state.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 
 DEFAULT_MAX_ENTRIES = 8_000_000
 
@@ -41,10 +41,8 @@ class PrefixIndex:
 
     # ------------------------------------------------------------------------------------------ updates
 
-    def stored(self, worker_id: str, hashes: Iterable[int]) -> None:
-        bit = 1 << self._slot_of(worker_id)
-        mine = self._blocks[worker_id]
-        owners = self._owners
+    def _admit(self, mine: set[int], hashes: Iterable[int]) -> Iterator[int]:
+        """Add the hashes `mine` lacks while the index has room (counting the rest as dropped); yield each added."""
         for h in hashes:
             if h in mine:
                 continue
@@ -52,8 +50,14 @@ class PrefixIndex:
                 self.dropped += 1
                 continue
             mine.add(h)
-            owners[h] = owners.get(h, 0) | bit
             self._entries += 1
+            yield h
+
+    def stored(self, worker_id: str, hashes: Iterable[int]) -> None:
+        bit = 1 << self._slot_of(worker_id)
+        owners = self._owners
+        for h in self._admit(self._blocks[worker_id], hashes):
+            owners[h] = owners.get(h, 0) | bit
 
     def evicted(self, worker_id: str, hashes: Iterable[int]) -> None:
         mine = self._blocks.get(worker_id)
@@ -67,15 +71,8 @@ class PrefixIndex:
 
     def offloaded(self, worker_id: str, hashes: Iterable[int]) -> None:
         """Blocks that entered the worker's tier 2 (its `evicted` from the pool comes separately)."""
-        mine = self._tier2.setdefault(worker_id, set())
-        for h in hashes:
-            if h in mine:
-                continue
-            if self._entries >= self.max_entries:
-                self.dropped += 1
-                continue
-            mine.add(h)
-            self._entries += 1
+        for _ in self._admit(self._tier2.setdefault(worker_id, set()), hashes):
+            pass
 
     def tier2_dropped(self, worker_id: str, hashes: Iterable[int]) -> None:
         """Blocks that left the worker's tier 2 (pushed out, or recomputed into its pool)."""
