@@ -30,7 +30,16 @@ from loadgen.sim.engine import ClusterConfig, Simulator, block_hashes_for
 from loadgen.sim.profile import Profile, load_profile
 from loadgen.trace import DEFAULT_TRACE, load_records, mooncake
 from loadgen.workload import RequestSpec
-from services.planner.plan import Damper, Limits, Observation, Slo, candidates, choose, damp, evaluate
+from services.planner.plan import (
+    Damper,
+    Limits,
+    Observation,
+    Slo,
+    candidates,
+    choose,
+    damp,
+    evaluate_fewest,
+)
 
 SLO = rep.Slo(ttft_s=2.0, itl_p90_s=0.05)  # the goodput SLO, per request (as loadgen/experiments.py)
 
@@ -70,6 +79,46 @@ def static_run(specs: list[RequestSpec], hashes: list[list[int]], profile: Profi
     return {"prefill": p, "decode": d, **_summary(results, (p + d) * end)}
 
 
+def initial_sizes(
+    specs: Sequence[RequestSpec],
+    hashes: Sequence[list[int]],
+    profile: Profile,
+    limits: Limits,
+    slo: Slo,
+    window_s: float,
+    replay_requests: int,
+) -> tuple[int, int]:
+    """The planner's own recommendation for the first window's traffic: where an operator deploys it (a Dynamo
+    planner operator starts from its profile-based recommendation, not from a guess). Only the first `window_s`
+    of the trace is looked at; its prefix hit rate is that of an unbounded cache over the window."""
+    first = [i for i, s in enumerate(specs) if s.arrival_s - specs[0].arrival_s <= window_s]
+    seen: set[int] = set()
+    cached = 0
+    for i in first:
+        hit = 0
+        for h in hashes[i]:
+            if h not in seen:
+                break
+            hit += 1
+        cached += min(hit * profile.block_size, specs[i].input_tokens - 1)
+        seen.update(hashes[i])
+    obs = Observation(
+        window_s=window_s,
+        requests=len(first),
+        prompt_tokens=float(sum(specs[i].input_tokens for i in first)),
+        generation_tokens=float(sum(specs[i].output_tokens for i in first)),
+        cached_tokens=float(cached),
+        input_samples=[specs[i].input_tokens for i in first],
+        output_samples=[specs[i].output_tokens for i in first],
+    )
+    best, _ = choose(
+        evaluate_fewest(obs, profile, candidates(limits), slo, "disagg", 0, replay_requests), slo
+    )
+    if best is None:
+        return max(1, limits.max_workers // 2), max(1, limits.max_workers - limits.max_workers // 2)
+    return best.prefill, best.decode
+
+
 def planner_run(
     specs: list[RequestSpec],
     hashes: list[list[int]],
@@ -80,11 +129,13 @@ def planner_run(
     hold_down_s: float,
     start_s: float,
     replay_requests: int,
+    start: tuple[int, int] | None = None,
     min_window_requests: int = 10,
 ) -> dict[str, Any]:
-    start = (max(1, total // 2), max(1, total - total // 2))
-    sim = Simulator(profile, ClusterConfig(start[0], start[1], mode="disagg"))
     limits = Limits(1, total - 1, 1, total - 1, max_workers=total)
+    if start is None:
+        start = initial_sizes(specs, hashes, profile, limits, slo, interval_s, replay_requests)
+    sim = Simulator(profile, ClusterConfig(start[0], start[1], mode="disagg"))
     damper = Damper(hold_down_s)
     stopped: dict[str, float] = {}
     billed = {
@@ -134,7 +185,7 @@ def planner_run(
                 backlog=sum(1 for r in sim.reqs if r.arrival_s <= now and r.t_prefill_start is None),
                 output_samples=[r.emitted for r in done],
             )
-            preds = evaluate(obs, profile, candidates(limits), "disagg", 0, replay_requests)
+            preds = evaluate_fewest(obs, profile, candidates(limits), slo, "disagg", 0, replay_requests)
             best, binding = choose(preds, slo)
             if best is not None:
                 desired = damp(desired, (best.prefill, best.decode), limits, damper, now)
@@ -155,7 +206,13 @@ def planner_run(
     results = sim.run(specs, hashes)
     bill(max((r.t_done or 0.0) for r in sim.reqs))
     worker_s = billed["seconds"]
-    return {"prefill": "planner", "decode": "planner", **_summary(results, worker_s), "timeline": timeline}
+    return {
+        "prefill": "planner",
+        "decode": "planner",
+        **_summary(results, worker_s),
+        "start": list(start),
+        "timeline": timeline,
+    }
 
 
 def main(argv: list[str] | None = None) -> int:
