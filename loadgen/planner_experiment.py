@@ -215,6 +215,16 @@ def planner_run(
     }
 
 
+def _sizes(text: str, total: int) -> tuple[int, int]:
+    try:
+        p, d = (int(x) for x in text.split(","))
+    except ValueError:
+        raise SystemExit(f"--start wants auto or P,D (two integers), got {text!r}") from None
+    if p < 1 or d < 1 or p + d > total:
+        raise SystemExit(f"--start {text}: need P >= 1, D >= 1 and P + D <= --total {total}")
+    return p, d
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--trace", default=DEFAULT_TRACE)
@@ -228,8 +238,13 @@ def main(argv: list[str] | None = None) -> int:
         default="0.5,2,0.75",
         help="rate multipliers, one per equal slice of the trace's time span",
     )
-    ap.add_argument("--interval-s", type=float, default=15.0)
-    ap.add_argument("--hold-down-s", type=float, default=60.0)
+    ap.add_argument("--interval-s", type=float, default=3.0, help="seconds between the planner's decisions")
+    ap.add_argument("--hold-down-s", type=float, default=60.0, help="the planner's scale-down stabilization")
+    ap.add_argument(
+        "--start",
+        default="auto",
+        help="the planner's starting pools, P,D; auto: its own recommendation for the first interval's traffic",
+    )
     ap.add_argument("--start-s", type=float, default=20.0, help="a new worker's time to serve")
     ap.add_argument("--slo-ttft-ms", type=float, default=1000.0, help="the planner's p90 TTFT target")
     ap.add_argument("--slo-itl-ms", type=float, default=40.0, help="the planner's p90 ITL target")
@@ -238,6 +253,7 @@ def main(argv: list[str] | None = None) -> int:
     a = ap.parse_args(argv)
     profile = load_profile(a.profile)
     phases = [float(x) for x in a.phases.split(",")]
+    start = None if a.start == "auto" else _sizes(a.start, a.total)
     specs = warp(mooncake(load_records(a.trace, a.limit), scale=1, materialize=False), phases)
     hashes = block_hashes_for(specs, profile.block_size)
     t0 = time.time()
@@ -248,7 +264,7 @@ def main(argv: list[str] | None = None) -> int:
     best = max(statics, key=lambda r: (r["good"], -r["worker_s"]))
     slo = Slo(a.slo_ttft_ms / 1000, a.slo_itl_ms / 1000)
     plan = planner_run(specs, hashes, profile, a.total, slo, a.interval_s, a.hold_down_s, a.start_s,
-                       a.replay_requests)  # fmt: skip
+                       a.replay_requests, start)  # fmt: skip
     print(json.dumps({k: v for k, v in plan.items() if k != "timeline"}), flush=True)
     lines = [
         f"**Planner vs static splits of {a.total} workers** — Mooncake trace, first {len(specs)} records, rate "
@@ -256,7 +272,8 @@ def main(argv: list[str] | None = None) -> int:
         "mode disagg, TTFT policy; "
         f"goodput SLO TTFT <= {SLO.ttft_s:g} s and ITL p90 <= {SLO.itl_p90_s * 1000:g} ms per request; planner "
         f"target p90 TTFT {a.slo_ttft_ms:g} ms / ITL {a.slo_itl_ms:g} ms, interval {a.interval_s:g} s, hold-down "
-        f"{a.hold_down_s:g} s, worker start {a.start_s:g} s\n",
+        f"{a.hold_down_s:g} s, worker start {a.start_s:g} s, starting at {plan['start'][0]}P + "
+        f"{plan['start'][1]}D ({a.start})\n",
         "| cluster | goodput req/s | SLO met | TTFT p90 ms | ITL p90 ms | errors | worker-seconds |",
         "|---|---|---|---|---|---|---|",
     ]
