@@ -39,7 +39,6 @@ from services.planner.plan import (
     choose,
     damp,
     evaluate_fewest,
-    urgent_pool,
 )
 
 SLO = rep.Slo(ttft_s=2.0, itl_p90_s=0.05)  # the goodput SLO, per request (as loadgen/experiments.py)
@@ -189,8 +188,7 @@ def planner_run(
             preds = evaluate_fewest(obs, profile, candidates(limits), slo, "disagg", 0, replay_requests)
             best, binding = choose(preds, slo)
             if best is not None:
-                target = (best.prefill, best.decode)
-                desired = damp(desired, target, limits, damper, now, urgent_pool(best, slo))
+                desired = damp(desired, (best.prefill, best.decode), limits, damper, now)
             window_start = now
             timeline.append({"t": now, "desired": list(desired), "binding": binding, "rate": obs.rate_rps})
         for role, want in zip(("prefill", "decode"), desired, strict=True):

@@ -13,14 +13,12 @@ from services.planner.plan import (
     Damper,
     Limits,
     Observation,
-    Prediction,
     Slo,
     candidates,
     choose,
     damp,
     evaluate,
     evaluate_fewest,
-    urgent_pool,
 )
 
 CPU = load_profile("cpu_smollm2")
@@ -86,18 +84,3 @@ def test_benchmark_planner_starts_from_its_recommendation_and_keeps_to_damping_a
     sizes = [tuple(run["start"])] + [tuple(e["desired"]) for e in run["timeline"]]
     for (p0, d0), (p1, d1) in zip(sizes, sizes[1:], strict=False):
         assert abs(p1 - p0) <= 1 and abs(d1 - d0) <= 1 and p1 + d1 <= total and p1 >= 1 and d1 >= 1
-
-
-def test_a_missed_slo_takes_the_budget_from_the_other_pool_without_its_hold_down() -> None:
-    budget = Limits(1, 7, 1, 7, max_workers=8)
-    damper = Damper(hold_down_s=60.0)
-    assert damp((6, 2), (6, 2), budget, damper, now=0.0) == (6, 2)  # decode wanted 2 a moment ago
-    # TTFT is predicted missed and the target wants a worker moved to prefill: it moves at once
-    assert damp((6, 2), (7, 1), budget, damper, now=3.0) == (6, 2)
-    assert damp((6, 2), (7, 1), budget, damper, now=6.0, urgent="prefill") == (7, 1)
-    # only towards the missed SLO: with TTFT missed, decode's step up still waits for prefill's hold-down
-    assert damp((7, 1), (6, 2), budget, damper, now=9.0, urgent="prefill") == (7, 1)
-    slo = Slo(ttft_s=1.0, itl_s=0.05)
-    assert urgent_pool(Prediction(7, 1, 1.5, 0.01), slo) == "prefill"
-    assert urgent_pool(Prediction(2, 1, 0.5, 0.09), slo) == "decode"
-    assert urgent_pool(Prediction(7, 1, 0.5, 0.01), slo) == "" and urgent_pool(None, slo) == ""

@@ -341,25 +341,10 @@ class Damper:
 
 
 def damp(
-    actual: tuple[int, int],
-    target: tuple[int, int],
-    limits: Limits,
-    damper: Damper,
-    now: float,
-    urgent: str = "",
+    actual: tuple[int, int], target: tuple[int, int], limits: Limits, damper: Damper, now: float
 ) -> tuple[int, int]:
-    """One damped step of both pools. `urgent` ("prefill" or "decode") names the pool whose SLO the chosen
-    target is predicted to miss (choose's binding SLO when no candidate meets both): under a full budget its step
-    up takes the worker of the other pool's step down at once, without that pool's hold-down — capacity moves
-    to the SLO that is being missed, and only in that direction, so it cannot swing back on the same rule."""
-    lo_p, lo_d = max(1, limits.min_prefill), limits.min_decode
-    p = damper.step("prefill", actual[0], target[0], lo_p, limits.max_prefill, now)
-    d = damper.step("decode", actual[1], target[1], lo_d, limits.max_decode, now)
-    if limits.max_workers and p + d > limits.max_workers:
-        if urgent == "prefill" and p > actual[0] and target[1] < actual[1] and actual[1] > lo_d:
-            d = actual[1] - 1
-        elif urgent == "decode" and d > actual[1] and target[0] < actual[0] and actual[0] > lo_p:
-            p = actual[0] - 1
+    p = damper.step("prefill", actual[0], target[0], max(1, limits.min_prefill), limits.max_prefill, now)
+    d = damper.step("decode", actual[1], target[1], limits.min_decode, limits.max_decode, now)
     if limits.max_workers and p + d > limits.max_workers:
         # a step up that the budget cannot hold yet waits for the other pool's step down to land
         if p > actual[0]:
@@ -367,10 +352,3 @@ def damp(
         if d > actual[1] and p + d > limits.max_workers:
             d = actual[1]
     return p, d
-
-
-def urgent_pool(pred: Prediction | None, slo: Slo) -> str:
-    """The pool whose SLO a chosen candidate misses ("" when it meets both): prefill for TTFT, decode for ITL."""
-    if pred is None or pred.meets(slo):
-        return ""
-    return "prefill" if binding_slo(pred, slo) == "ttft" else "decode"

@@ -47,7 +47,6 @@ from services.planner.plan import (
     damp,
     evaluate,
     live_profile,
-    urgent_pool,
 )
 from services.rpc import pb
 from services.runtime.args import add_flag, add_security_arguments
@@ -197,7 +196,6 @@ class Planner:
         # first sized decision, and in recommend mode, it is what runs
         base = self.desired if self.desired is not None and self.args.scale_mode != "recommend" else actual
         preds: list[Any] = []
-        urgent = ""
         profile = self.base_profile
         if obs is None:
             outcome, binding, target = "no_data", "none", base
@@ -213,9 +211,8 @@ class Planner:
             )
             best, binding = choose(preds, self.slo)
             target = (best.prefill, best.decode) if best is not None else base
-            urgent = urgent_pool(best, self.slo)
             outcome = ""
-        desired = damp(base, target, self.limits, self.damper, now, urgent) if outcome != "no_data" else base
+        desired = damp(base, target, self.limits, self.damper, now) if outcome != "no_data" else base
         if not outcome:
             dp, dd = desired[0] - base[0], desired[1] - base[1]
             if dp == dd == 0:
