@@ -8,7 +8,8 @@ third of its time span each), so the load the cluster must carry changes over ti
 - the planner (services/planner/plan.py, the code the service runs): every `--interval-s` it takes the
   window's arrivals (rate, input lengths) and finished requests (output lengths, prefix hits), replays them
   through this simulator on every candidate (P, D) with P + D <= --total, picks the fewest workers that meet
-  its SLO, and steps the pools by one per interval (hold-down `--hold-down-s`). A new worker serves
+  its SLO, and steps the pools by one per interval (down only once every decision of `--hold-down-s` wanted
+  it; it starts from its own recommendation for the first interval, `--start auto`). A new worker serves
   `--start-s` after it is asked for (it costs from the moment it is asked for); a drained one takes no new
   work and stops when what it holds is done.
 Reported: goodput (requests meeting the SLO per second) and worker-seconds; the planner as a ratio to the best
