@@ -8,7 +8,8 @@ third of its time span each), so the load the cluster must carry changes over ti
 - the planner (services/planner/plan.py, the code the service runs): every `--interval-s` it takes the
   window's arrivals (rate, input lengths) and finished requests (output lengths, prefix hits), replays them
   through this simulator on every candidate (P, D) with P + D <= --total, picks the fewest workers that meet
-  its SLO, and steps the pools by one per interval (hold-down `--hold-down-s`). A new worker serves
+  its SLO, and steps the pools by one per interval (down only once every decision of `--hold-down-s` wanted
+  it; it starts from its own recommendation for the first interval, `--start auto`). A new worker serves
   `--start-s` after it is asked for (it costs from the moment it is asked for); a drained one takes no new
   work and stops when what it holds is done.
 Reported: goodput (requests meeting the SLO per second) and worker-seconds; the planner as a ratio to the best
@@ -30,7 +31,16 @@ from loadgen.sim.engine import ClusterConfig, Simulator, block_hashes_for
 from loadgen.sim.profile import Profile, load_profile
 from loadgen.trace import DEFAULT_TRACE, load_records, mooncake
 from loadgen.workload import RequestSpec
-from services.planner.plan import Damper, Limits, Observation, Slo, candidates, choose, damp, evaluate
+from services.planner.plan import (
+    Damper,
+    Limits,
+    Observation,
+    Slo,
+    candidates,
+    choose,
+    damp,
+    evaluate_fewest,
+)
 
 SLO = rep.Slo(ttft_s=2.0, itl_p90_s=0.05)  # the goodput SLO, per request (as loadgen/experiments.py)
 
@@ -70,6 +80,46 @@ def static_run(specs: list[RequestSpec], hashes: list[list[int]], profile: Profi
     return {"prefill": p, "decode": d, **_summary(results, (p + d) * end)}
 
 
+def initial_sizes(
+    specs: Sequence[RequestSpec],
+    hashes: Sequence[list[int]],
+    profile: Profile,
+    limits: Limits,
+    slo: Slo,
+    window_s: float,
+    replay_requests: int,
+) -> tuple[int, int]:
+    """The planner's own recommendation for the first window's traffic: where an operator deploys it (a Dynamo
+    planner operator starts from its profile-based recommendation, not from a guess). Only the first `window_s`
+    of the trace is looked at; its prefix hit rate is that of an unbounded cache over the window."""
+    first = [i for i, s in enumerate(specs) if s.arrival_s - specs[0].arrival_s <= window_s]
+    seen: set[int] = set()
+    cached = 0
+    for i in first:
+        hit = 0
+        for h in hashes[i]:
+            if h not in seen:
+                break
+            hit += 1
+        cached += min(hit * profile.block_size, specs[i].input_tokens - 1)
+        seen.update(hashes[i])
+    obs = Observation(
+        window_s=window_s,
+        requests=len(first),
+        prompt_tokens=float(sum(specs[i].input_tokens for i in first)),
+        generation_tokens=float(sum(specs[i].output_tokens for i in first)),
+        cached_tokens=float(cached),
+        input_samples=[specs[i].input_tokens for i in first],
+        output_samples=[specs[i].output_tokens for i in first],
+    )
+    best, _ = choose(
+        evaluate_fewest(obs, profile, candidates(limits), slo, "disagg", 0, replay_requests), slo
+    )
+    if best is None:
+        return max(1, limits.max_workers // 2), max(1, limits.max_workers - limits.max_workers // 2)
+    return best.prefill, best.decode
+
+
 def planner_run(
     specs: list[RequestSpec],
     hashes: list[list[int]],
@@ -80,11 +130,13 @@ def planner_run(
     hold_down_s: float,
     start_s: float,
     replay_requests: int,
+    start: tuple[int, int] | None = None,
     min_window_requests: int = 10,
 ) -> dict[str, Any]:
-    start = (max(1, total // 2), max(1, total - total // 2))
-    sim = Simulator(profile, ClusterConfig(start[0], start[1], mode="disagg"))
     limits = Limits(1, total - 1, 1, total - 1, max_workers=total)
+    if start is None:
+        start = initial_sizes(specs, hashes, profile, limits, slo, interval_s, replay_requests)
+    sim = Simulator(profile, ClusterConfig(start[0], start[1], mode="disagg"))
     damper = Damper(hold_down_s)
     stopped: dict[str, float] = {}
     billed = {
@@ -134,7 +186,7 @@ def planner_run(
                 backlog=sum(1 for r in sim.reqs if r.arrival_s <= now and r.t_prefill_start is None),
                 output_samples=[r.emitted for r in done],
             )
-            preds = evaluate(obs, profile, candidates(limits), "disagg", 0, replay_requests)
+            preds = evaluate_fewest(obs, profile, candidates(limits), slo, "disagg", 0, replay_requests)
             best, binding = choose(preds, slo)
             if best is not None:
                 desired = damp(desired, (best.prefill, best.decode), limits, damper, now)
@@ -155,7 +207,23 @@ def planner_run(
     results = sim.run(specs, hashes)
     bill(max((r.t_done or 0.0) for r in sim.reqs))
     worker_s = billed["seconds"]
-    return {"prefill": "planner", "decode": "planner", **_summary(results, worker_s), "timeline": timeline}
+    return {
+        "prefill": "planner",
+        "decode": "planner",
+        **_summary(results, worker_s),
+        "start": list(start),
+        "timeline": timeline,
+    }
+
+
+def _sizes(text: str, total: int) -> tuple[int, int]:
+    try:
+        p, d = (int(x) for x in text.split(","))
+    except ValueError:
+        raise SystemExit(f"--start wants auto or P,D (two integers), got {text!r}") from None
+    if p < 1 or d < 1 or p + d > total:
+        raise SystemExit(f"--start {text}: need P >= 1, D >= 1 and P + D <= --total {total}")
+    return p, d
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -171,8 +239,13 @@ def main(argv: list[str] | None = None) -> int:
         default="0.5,2,0.75",
         help="rate multipliers, one per equal slice of the trace's time span",
     )
-    ap.add_argument("--interval-s", type=float, default=15.0)
-    ap.add_argument("--hold-down-s", type=float, default=60.0)
+    ap.add_argument("--interval-s", type=float, default=3.0, help="seconds between the planner's decisions")
+    ap.add_argument("--hold-down-s", type=float, default=60.0, help="the planner's scale-down stabilization")
+    ap.add_argument(
+        "--start",
+        default="auto",
+        help="the planner's starting pools, P,D; auto: its own recommendation for the first interval's traffic",
+    )
     ap.add_argument("--start-s", type=float, default=20.0, help="a new worker's time to serve")
     ap.add_argument("--slo-ttft-ms", type=float, default=1000.0, help="the planner's p90 TTFT target")
     ap.add_argument("--slo-itl-ms", type=float, default=40.0, help="the planner's p90 ITL target")
@@ -181,6 +254,7 @@ def main(argv: list[str] | None = None) -> int:
     a = ap.parse_args(argv)
     profile = load_profile(a.profile)
     phases = [float(x) for x in a.phases.split(",")]
+    start = None if a.start == "auto" else _sizes(a.start, a.total)
     specs = warp(mooncake(load_records(a.trace, a.limit), scale=1, materialize=False), phases)
     hashes = block_hashes_for(specs, profile.block_size)
     t0 = time.time()
@@ -191,7 +265,7 @@ def main(argv: list[str] | None = None) -> int:
     best = max(statics, key=lambda r: (r["good"], -r["worker_s"]))
     slo = Slo(a.slo_ttft_ms / 1000, a.slo_itl_ms / 1000)
     plan = planner_run(specs, hashes, profile, a.total, slo, a.interval_s, a.hold_down_s, a.start_s,
-                       a.replay_requests)  # fmt: skip
+                       a.replay_requests, start)  # fmt: skip
     print(json.dumps({k: v for k, v in plan.items() if k != "timeline"}), flush=True)
     lines = [
         f"**Planner vs static splits of {a.total} workers** — Mooncake trace, first {len(specs)} records, rate "
@@ -199,7 +273,8 @@ def main(argv: list[str] | None = None) -> int:
         "mode disagg, TTFT policy; "
         f"goodput SLO TTFT <= {SLO.ttft_s:g} s and ITL p90 <= {SLO.itl_p90_s * 1000:g} ms per request; planner "
         f"target p90 TTFT {a.slo_ttft_ms:g} ms / ITL {a.slo_itl_ms:g} ms, interval {a.interval_s:g} s, hold-down "
-        f"{a.hold_down_s:g} s, worker start {a.start_s:g} s\n",
+        f"{a.hold_down_s:g} s, worker start {a.start_s:g} s, starting at {plan['start'][0]}P + "
+        f"{plan['start'][1]}D ({a.start})\n",
         "| cluster | goodput req/s | SLO met | TTFT p90 ms | ITL p90 ms | errors | worker-seconds |",
         "|---|---|---|---|---|---|---|",
     ]

@@ -272,6 +272,31 @@ def evaluate(
     return [simulate_candidate(specs, hashes, profile, p, d, mode) for p, d in pairs]
 
 
+def evaluate_fewest(
+    obs: Observation,
+    profile: Profile,
+    pairs: Sequence[tuple[int, int]],
+    slo: Slo,
+    mode: str = "disagg",
+    seed: int = 0,
+    max_requests: int = 200,
+) -> list[Prediction]:
+    """`evaluate`, by increasing P + D, stopping after the first total at which some candidate meets both SLOs:
+    `choose` never takes a candidate with more workers than that, so its answer is the same as over every
+    candidate, for less simulation. When none meets, every candidate is simulated."""
+    specs = replay_workload(obs, profile.block_size, seed, max_requests)
+    if not specs:
+        return []
+    hashes = block_hashes_for(specs, profile.block_size)
+    out: list[Prediction] = []
+    for n in sorted({p + d for p, d in pairs}):
+        level = [simulate_candidate(specs, hashes, profile, p, d, mode) for p, d in pairs if p + d == n]
+        out.extend(level)
+        if any(x.meets(slo) for x in level):
+            break
+    return out
+
+
 def binding_slo(pred: Prediction, slo: Slo) -> str:
     """The SLO nearest to (or furthest past) its limit for this candidate: the one that sizes the cluster."""
     return "ttft" if pred.ttft_p90_s / slo.ttft_s >= pred.itl_p90_s / slo.itl_s else "itl"
@@ -294,22 +319,25 @@ def choose(preds: Sequence[Prediction], slo: Slo) -> tuple[Prediction | None, st
 
 @dataclass
 class Damper:
-    """Scaling is damped: per pool at most one step per interval, and no step down within `hold_down_s` of
-    that pool's last change (a step up is never held: missing the SLO costs more than a worker-minute, the
-    asymmetry of Kubernetes' HPA stabilization windows)."""
+    """Scaling is damped the way Kubernetes' HPA damps it: per pool at most one step per interval; a step up is
+    never held (missing the SLO costs more than a worker-minute: the HPA's scale-up stabilization window is 0), a
+    step down goes no lower than the highest target of the last `hold_down_s` (the HPA's scale-down
+    stabilization window): a pool shrinks only once every decision of the window wanted it smaller, so one
+    quiet interval between busy ones never gives a worker up, and a pool that just grew keeps its worker."""
 
     hold_down_s: float = 30.0
-    last_change: dict[str, float] = field(default_factory=dict)
+    wanted: dict[str, list[tuple[float, int]]] = field(default_factory=dict)  # pool -> (time, target)
 
     def step(self, pool: str, actual: int, target: int, lo: int, hi: int, now: float) -> int:
         target = min(hi, max(lo, target))
-        if target == actual:
-            return actual
-        last = self.last_change.get(pool)
-        if target < actual and last is not None and now - last < self.hold_down_s:
+        window = [(t, n) for t, n in self.wanted.get(pool, []) if now - t < self.hold_down_s]
+        self.wanted[pool] = [*window, (now, target)]
+        if target > actual:
+            return actual + 1
+        ceiling = max(n for _, n in self.wanted[pool])
+        if target == actual or ceiling >= actual:
             return min(hi, max(lo, actual))
-        self.last_change[pool] = now
-        return actual + (1 if target > actual else -1)
+        return actual - 1
 
 
 def damp(
@@ -321,8 +349,6 @@ def damp(
         # a step up that the budget cannot hold yet waits for the other pool's step down to land
         if p > actual[0]:
             p = actual[0]
-            damper.last_change.pop("prefill", None)
         if d > actual[1] and p + d > limits.max_workers:
             d = actual[1]
-            damper.last_change.pop("decode", None)
     return p, d

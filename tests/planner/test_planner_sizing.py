@@ -1,0 +1,86 @@
+"""The planner's sizing and damping against surges: a queued backlog is load to drain within the SLO, a pool
+grows within one interval and shrinks only after every decision of the hold-down wanted it smaller (the HPA's
+stabilization windows), the pruned replay decides as the full one does, and the simulated benchmark's planner
+starts from its own recommendation and keeps to the damping and the budget."""
+
+from __future__ import annotations
+
+from loadgen import planner_experiment as pe
+from loadgen.sim.engine import block_hashes_for
+from loadgen.sim.profile import load_profile
+from loadgen.trace import load_records, mooncake
+from services.planner.plan import (
+    Damper,
+    Limits,
+    Observation,
+    Slo,
+    candidates,
+    choose,
+    damp,
+    evaluate,
+    evaluate_fewest,
+)
+
+CPU = load_profile("cpu_smollm2")
+# 300-token prompts, one output token, 1 request/s: one prefill worker (1,600 tokens/s) keeps up with it
+STEADY = Observation(
+    window_s=20, requests=20, input_tokens=[(256, 0.0), (512, 20.0)], output_tokens=[(1, 20.0)],
+    prompt_tokens=20 * 300, generation_tokens=20, input_samples=[300] * 20, output_samples=[1] * 20,
+)  # fmt: skip
+LIMITS, SLO = Limits(1, 4, 1, 2, max_workers=6), Slo(ttft_s=1.0, itl_s=0.1)
+
+
+def test_a_backlog_is_load_to_drain_so_prefill_grows_within_one_interval() -> None:
+    calm, _ = choose(evaluate(STEADY, CPU, candidates(LIMITS)), SLO)
+    assert calm is not None and (calm.prefill, calm.decode) == (1, 1)
+    # the same arrival rate with 40 requests queued now: one prefill worker would take 7 s to drain them
+    queued = Observation(**{**STEADY.__dict__, "backlog": 40})
+    surge, binding = choose(evaluate(queued, CPU, candidates(LIMITS)), SLO)
+    assert surge is not None and surge.prefill > 1 and binding == "ttft"
+    damper = Damper(hold_down_s=60.0)
+    assert damp((2, 1), (1, 1), LIMITS, damper, now=0.0) == (1, 1)  # calm: a step down
+    # the next interval the backlog is there: a step up at once, though the pool changed 5 s ago
+    assert damp((1, 1), (surge.prefill, surge.decode), LIMITS, damper, now=5.0) == (2, 1)
+
+
+def test_scale_down_waits_until_every_decision_of_the_hold_down_wanted_less() -> None:
+    damper, lim = Damper(hold_down_s=60.0), Limits(1, 4, 1, 4)
+    assert damp((3, 1), (3, 1), lim, damper, now=0.0) == (3, 1)
+    for t in (15.0, 30.0, 45.0):  # quiet since 15 s: the decision at 0 s still wanted 3
+        assert damp((3, 1), (1, 1), lim, damper, now=t) == (3, 1)
+    assert damp((3, 1), (1, 1), lim, damper, now=60.0) == (2, 1)  # the window is all quiet: one step
+    assert damp((2, 1), (1, 1), lim, damper, now=75.0) == (1, 1)  # still all quiet: the next step
+    assert damp((1, 1), (0, 1), lim, damper, now=90.0) == (1, 1)  # never below --min-prefill
+    # one quiet interval between busy ones never gives a worker up
+    noisy = Damper(hold_down_s=60.0)
+    for t, want in [(0, 3), (15, 1), (30, 3), (45, 1), (60, 3), (75, 1), (90, 1)]:
+        assert damp((3, 1), (want, 1), lim, noisy, now=float(t)) == (3, 1)
+    assert damp((4, 1), (9, 1), lim, noisy, now=105.0) == (4, 1)  # never above --max-prefill
+
+
+def test_the_pruned_replay_chooses_what_the_full_replay_chooses() -> None:
+    limits = Limits(1, 4, 1, 4, max_workers=6)
+    pairs = candidates(limits)
+    for obs in (STEADY, Observation(**{**STEADY.__dict__, "backlog": 40})):
+        full = evaluate(obs, CPU, pairs)
+        pruned = evaluate_fewest(obs, CPU, pairs, SLO)
+        assert choose(pruned, SLO) == choose(full, SLO)
+        assert {(p.prefill, p.decode) for p in pruned} <= set(pairs)
+    # the steady load is met at 2 workers: nothing larger is simulated
+    assert max(p.workers for p in evaluate_fewest(STEADY, CPU, pairs, SLO)) == 2
+
+
+def test_benchmark_planner_starts_from_its_recommendation_and_keeps_to_damping_and_budget() -> None:
+    profile = load_profile("h200_node")
+    specs = pe.warp(mooncake(load_records(limit=150), scale=1, materialize=False), [0.5, 2, 0.75])
+    hashes = block_hashes_for(specs, profile.block_size)
+    total, slo = 6, Slo(ttft_s=1.0, itl_s=0.04)
+    limits = Limits(1, total - 1, 1, total - 1, max_workers=total)
+    start = pe.initial_sizes(specs, hashes, profile, limits, slo, 10.0, 50)
+    assert start in candidates(limits)
+    run = pe.planner_run(specs, hashes, profile, total, slo, 10.0, 30.0, 5.0, 50)
+    assert run["start"] == list(pe.initial_sizes(specs, hashes, profile, limits, slo, 10.0, 50))
+    assert run["errors"] == 0 and run["good"] > 0
+    sizes = [tuple(run["start"])] + [tuple(e["desired"]) for e in run["timeline"]]
+    for (p0, d0), (p1, d1) in zip(sizes, sizes[1:], strict=False):
+        assert abs(p1 - p0) <= 1 and abs(d1 - d0) <= 1 and p1 + d1 <= total and p1 >= 1 and d1 >= 1
