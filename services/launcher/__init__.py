@@ -89,12 +89,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--min-decode", type=int, default=1, help="fewest decode workers the planner may ask for")
     g.add_argument("--max-decode", type=int, default=4, help="most decode workers the planner may ask for")
     g.add_argument("--max-workers", type=int, default=0, help="budget on prefill + decode (0: none)")
-    g.add_argument(
-        "--hold-down-s",
-        type=float,
-        default=30.0,
-        help="the planner's --hold-down-s (scale-down stabilization)",
-    )
+    g.add_argument("--hold-down-s", type=float, default=30.0, help="the planner's hold-down per pool")
     p.add_argument("--quiet", action="store_true", help="don't stream the services' logs")
     p.add_argument(
         "--api-key",

@@ -319,25 +319,22 @@ def choose(preds: Sequence[Prediction], slo: Slo) -> tuple[Prediction | None, st
 
 @dataclass
 class Damper:
-    """Scaling is damped the way Kubernetes' HPA damps it: per pool at most one step per interval; a step up is
-    never held (missing the SLO costs more than a worker-minute: the HPA's scale-up stabilization window is 0), a
-    step down goes no lower than the highest target of the last `hold_down_s` (the HPA's scale-down
-    stabilization window): a pool shrinks only once every decision of the window wanted it smaller, so one
-    quiet interval between busy ones never gives a worker up, and a pool that just grew keeps its worker."""
+    """Scaling is damped: per pool at most one step per interval, and no step down within `hold_down_s` of
+    that pool's last change (a step up is never held: missing the SLO costs more than a worker-minute, the
+    asymmetry of Kubernetes' HPA stabilization windows)."""
 
     hold_down_s: float = 30.0
-    wanted: dict[str, list[tuple[float, int]]] = field(default_factory=dict)  # pool -> (time, target)
+    last_change: dict[str, float] = field(default_factory=dict)
 
     def step(self, pool: str, actual: int, target: int, lo: int, hi: int, now: float) -> int:
         target = min(hi, max(lo, target))
-        window = [(t, n) for t, n in self.wanted.get(pool, []) if now - t < self.hold_down_s]
-        self.wanted[pool] = [*window, (now, target)]
-        if target > actual:
-            return actual + 1
-        ceiling = max(n for _, n in self.wanted[pool])
-        if target == actual or ceiling >= actual:
+        if target == actual:
+            return actual
+        last = self.last_change.get(pool)
+        if target < actual and last is not None and now - last < self.hold_down_s:
             return min(hi, max(lo, actual))
-        return actual - 1
+        self.last_change[pool] = now
+        return actual + (1 if target > actual else -1)
 
 
 def damp(
@@ -349,6 +346,8 @@ def damp(
         # a step up that the budget cannot hold yet waits for the other pool's step down to land
         if p > actual[0]:
             p = actual[0]
+            damper.last_change.pop("prefill", None)
         if d > actual[1] and p + d > limits.max_workers:
             d = actual[1]
+            damper.last_change.pop("decode", None)
     return p, d

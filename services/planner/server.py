@@ -76,8 +76,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_flag(g, "--min-decode", 1, "fewest decode workers", int)
     add_flag(g, "--max-decode", 4, "most decode workers", int)
     add_flag(g, "--max-workers", 0, "budget on prefill + decode workers together (0: none)", int)
-    add_flag(g, "--hold-down-s", 60.0, "a pool steps down only when every decision of this many seconds "
-             "wanted it smaller (the HPA's scale-down stabilization); a step up is never held", float)  # fmt: skip
+    add_flag(g, "--hold-down-s", 60.0, "no step in a pool within this long of its last step", float)
     add_flag(g, "--scale-mode", "recommend", "recommend: publish only; local: `rackserve up --planner` acts; "
              "kubernetes: patch the Deployments' replicas", choices=SCALE_MODES)  # fmt: skip
     add_flag(g, "--profile", "cpu_smollm2", "the simulator's cost profile (loadgen/profiles) that the live "

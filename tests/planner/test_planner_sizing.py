@@ -43,21 +43,6 @@ def test_a_backlog_is_load_to_drain_so_prefill_grows_within_one_interval() -> No
     assert damp((1, 1), (surge.prefill, surge.decode), LIMITS, damper, now=5.0) == (2, 1)
 
 
-def test_scale_down_waits_until_every_decision_of_the_hold_down_wanted_less() -> None:
-    damper, lim = Damper(hold_down_s=60.0), Limits(1, 4, 1, 4)
-    assert damp((3, 1), (3, 1), lim, damper, now=0.0) == (3, 1)
-    for t in (15.0, 30.0, 45.0):  # quiet since 15 s: the decision at 0 s still wanted 3
-        assert damp((3, 1), (1, 1), lim, damper, now=t) == (3, 1)
-    assert damp((3, 1), (1, 1), lim, damper, now=60.0) == (2, 1)  # the window is all quiet: one step
-    assert damp((2, 1), (1, 1), lim, damper, now=75.0) == (1, 1)  # still all quiet: the next step
-    assert damp((1, 1), (0, 1), lim, damper, now=90.0) == (1, 1)  # never below --min-prefill
-    # one quiet interval between busy ones never gives a worker up
-    noisy = Damper(hold_down_s=60.0)
-    for t, want in [(0, 3), (15, 1), (30, 3), (45, 1), (60, 3), (75, 1), (90, 1)]:
-        assert damp((3, 1), (want, 1), lim, noisy, now=float(t)) == (3, 1)
-    assert damp((4, 1), (9, 1), lim, noisy, now=105.0) == (4, 1)  # never above --max-prefill
-
-
 def test_the_pruned_replay_chooses_what_the_full_replay_chooses() -> None:
     limits = Limits(1, 4, 1, 4, max_workers=6)
     pairs = candidates(limits)
