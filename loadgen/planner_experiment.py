@@ -153,7 +153,12 @@ def planner_run(
     def pool(role: str) -> list[str]:
         return [w.worker_id for w in sim.workers.values() if w.role == role and not w.draining and not w.dead]
 
+    cancelled: dict[str, int] = {"prefill": 0, "decode": 0}  # asked for, then not wanted before they served
+
     def join(role: str) -> None:
+        if cancelled[role]:
+            cancelled[role] -= 1
+            return
         starting[role] -= 1
         sim.add_worker(role)
 
@@ -197,7 +202,14 @@ def planner_run(
             for _ in range(want - have):
                 starting[role] += 1
                 sim.at(now + start_s, lambda role=role: join(role))
-            for wid in sorted(pool(role), key=lambda x: int(x.split("-")[1]))[::-1][: max(0, have - want)]:
+            # scaling down takes a worker that is still starting first (as a ReplicaSet deletes a not-ready pod
+            # first), then drains serving ones: draining the serving worker while its replacement is still
+            # starting would leave the pool with nobody to serve
+            over = max(0, have - want)
+            unstart = min(over, starting[role])
+            starting[role] -= unstart
+            cancelled[role] += unstart
+            for wid in sorted(pool(role), key=lambda x: int(x.split("-")[1]))[::-1][: over - unstart]:
                 sim.drain_worker(wid)
         bill(now)
         if now <= last_arrival or any(r.t_done is None for r in sim.reqs):
