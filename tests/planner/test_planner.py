@@ -295,8 +295,11 @@ def test_up_planner_moves_capacity_from_prefill_to_decode_without_losing_a_reque
         both = {"prefill": 1, "decode": 2}
 
         def rebalanced() -> dict:
-            # the prefill pool shrinks once every decision of the 60 s hold-down wanted it smaller
-            b = wait_plan(lambda p: p["actual"] == both and p["desired"] == both, 240)
+            # the prefill pool shrinks after its hold-down; then a sized decision (not an `idle` window of too
+            # few arrivals on a loaded box, whose binding SLO is `none`) shows the new shape with ITL binding
+            b = wait_plan(
+                lambda p: p["actual"] == both and p["desired"] == both and p["binding_slo"] == "itl", 240
+            )
             time.sleep(3)  # traffic keeps flowing on the new shape
             return b
 
