@@ -39,7 +39,7 @@ from services.planner.plan import (
     candidates,
     choose,
     damp,
-    evaluate_fewest,
+    evaluate,
 )
 
 SLO = rep.Slo(ttft_s=2.0, itl_p90_s=0.05)  # the goodput SLO, per request (as loadgen/experiments.py)
@@ -113,7 +113,7 @@ def initial_sizes(
         output_samples=[specs[i].output_tokens for i in first],
     )
     best, _ = choose(
-        evaluate_fewest(obs, profile, candidates(limits), slo, "disagg", 0, replay_requests), slo
+        evaluate(obs, profile, candidates(limits), "disagg", 0, replay_requests, until_met=slo), slo
     )
     if best is None:
         return max(1, limits.max_workers // 2), max(1, limits.max_workers - limits.max_workers // 2)
@@ -191,7 +191,7 @@ def planner_run(
                 backlog=sum(1 for r in sim.reqs if r.arrival_s <= now and r.t_prefill_start is None),
                 output_samples=[r.emitted for r in done],
             )
-            preds = evaluate_fewest(obs, profile, candidates(limits), slo, "disagg", 0, replay_requests)
+            preds = evaluate(obs, profile, candidates(limits), "disagg", 0, replay_requests, until_met=slo)
             best, binding = choose(preds, slo)
             if best is not None:
                 desired = damp(desired, (best.prefill, best.decode), limits, damper, now)

@@ -264,35 +264,23 @@ def evaluate(
     mode: str = "disagg",
     seed: int = 0,
     max_requests: int = 200,
+    until_met: Slo | None = None,
 ) -> list[Prediction]:
+    """Replay the window through each candidate (P, D). With `until_met`, candidates go by increasing P + D and
+    the replay stops after the first total at which some candidate meets both SLOs: `choose` never takes a
+    candidate with more workers than that, so its answer is the same as over every candidate, for less
+    simulation (when none meets, every candidate is simulated)."""
     specs = replay_workload(obs, profile.block_size, seed, max_requests)
     if not specs:
         return []
     hashes = block_hashes_for(specs, profile.block_size)
-    return [simulate_candidate(specs, hashes, profile, p, d, mode) for p, d in pairs]
-
-
-def evaluate_fewest(
-    obs: Observation,
-    profile: Profile,
-    pairs: Sequence[tuple[int, int]],
-    slo: Slo,
-    mode: str = "disagg",
-    seed: int = 0,
-    max_requests: int = 200,
-) -> list[Prediction]:
-    """`evaluate`, by increasing P + D, stopping after the first total at which some candidate meets both SLOs:
-    `choose` never takes a candidate with more workers than that, so its answer is the same as over every
-    candidate, for less simulation. When none meets, every candidate is simulated."""
-    specs = replay_workload(obs, profile.block_size, seed, max_requests)
-    if not specs:
-        return []
-    hashes = block_hashes_for(specs, profile.block_size)
+    if until_met is None:
+        return [simulate_candidate(specs, hashes, profile, p, d, mode) for p, d in pairs]
     out: list[Prediction] = []
     for n in sorted({p + d for p, d in pairs}):
         level = [simulate_candidate(specs, hashes, profile, p, d, mode) for p, d in pairs if p + d == n]
         out.extend(level)
-        if any(x.meets(slo) for x in level):
+        if any(x.meets(until_met) for x in level):
             break
     return out
 

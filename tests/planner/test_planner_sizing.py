@@ -18,7 +18,6 @@ from services.planner.plan import (
     choose,
     damp,
     evaluate,
-    evaluate_fewest,
 )
 
 CPU = load_profile("cpu_smollm2")
@@ -48,11 +47,11 @@ def test_the_pruned_replay_chooses_what_the_full_replay_chooses() -> None:
     pairs = candidates(limits)
     for obs in (STEADY, Observation(**{**STEADY.__dict__, "backlog": 40})):
         full = evaluate(obs, CPU, pairs)
-        pruned = evaluate_fewest(obs, CPU, pairs, SLO)
+        pruned = evaluate(obs, CPU, pairs, until_met=SLO)
         assert choose(pruned, SLO) == choose(full, SLO)
         assert {(p.prefill, p.decode) for p in pruned} <= set(pairs)
     # the steady load is met at 2 workers: nothing larger is simulated
-    assert max(p.workers for p in evaluate_fewest(STEADY, CPU, pairs, SLO)) == 2
+    assert max(p.workers for p in evaluate(STEADY, CPU, pairs, until_met=SLO)) == 2
 
 
 def test_benchmark_planner_starts_from_its_recommendation_and_keeps_to_damping_and_budget() -> None:
