@@ -442,9 +442,7 @@ class LLMEngine:
             else:
                 ids = self._h2d(table)
                 qpos = torch.arange(a, b, device=self.device)
-                if (
-                    self.attention_backend == "triton"
-                ):  # the kernel reads the blocks in place: no gather index
+                if self.attention_backend == "triton":  # the kernel reads blocks in place: no gather index
                     seg = PrefillSegment(row, row + chunk.num_tokens, None, qpos, ids.to(torch.int32), a)
                 else:
                     seg = PrefillSegment(row, row + chunk.num_tokens, self.kv.gather_index(ids), qpos)
