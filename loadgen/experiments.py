@@ -94,6 +94,7 @@ TRACE_RUNS: tuple[tuple[str, str, float, bool, bool], ...] = (
     ("ttft (rate est. -30%)", "ttft", 0.7, True, True),
 )
 TRACE_LOADS = ((1.0, "auto"), (2.0, "auto"), (1.0, "disagg"), (2.0, "disagg"))
+SWEEP_LOADS = (1.6, 1.8, 1.9, 2.0, 2.1, 2.2)
 
 
 def trace_policies(out: list[str], reports: dict, trace_path: str, limit: int | None) -> None:
@@ -142,6 +143,23 @@ def trace_policies(out: list[str], reports: dict, trace_path: str, limit: int | 
         "ttft, both off | offered req/s |\n|---|---|---|---|---|---|---|---|"
     )
     out.extend(verdicts)
+    # mode disagg at 2x sits on the saturation cliff: goodput around it, so one point is not read alone
+    out.append(
+        "\n**Mode disagg around 2x (the saturation cliff)** — goodput req/s, host tier on every worker\n\n"
+        "| load | ttft | ttft, pulls off | dynamo_kv | ttft / dynamo_kv |\n|---|---|---|---|---|"
+    )
+    for rate in SWEEP_LOADS:
+        specs = [replace(s, arrival_s=s.arrival_s / rate) for s in base]
+        g = []
+        for policy, pull in (("ttft", True), ("ttft", False), ("dynamo_kv", False)):
+            cfg = ClusterConfig(4, 4, "disagg", policy, host_tier=True, peer_pull=pull)
+            r, _ = _run(specs, hashes, prof, cfg)
+            reports[f"sweep_x{rate:g}_disagg_{policy}{'' if pull else '_pulls_off'}"] = r
+            g.append(r["overall"]["goodput_requests_per_s"])
+        out.append(
+            f"| {rate:g}x | {g[0]:.2f} | {g[1]:.2f} | {g[2]:.2f} | {g[0] / g[2] if g[2] else 0:.2f}x |"
+        )
+        print(out[-1], flush=True)
 
 
 def _prompt(prefix: list[int], n_unique: int, seed: int) -> list[int]:
