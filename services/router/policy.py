@@ -332,26 +332,37 @@ class Estimator:
     ) -> Pull | None:
         """The peer pull that saves worker `a` the most time over computing the same tokens, or None. `have`:
         the prompt's leading blocks a holds (pool, tiers, pending). Sources are prefill workers other than a,
-        of a's model fingerprint and block size, holding at least `min_blocks` blocks more than a does."""
+        of a's model fingerprint and block size, holding at least `min_blocks` blocks more than a does. Runs
+        for every candidate of a decision: one tight loop, one Pull built."""
+        runs = sources.runs
+        need = max(1, sources.min_blocks)
+        if not runs or runs[0][0] - have < need:
+            return None  # longest first: nobody holds enough more than a does
         top = max(0, query.num_tokens - 1)
         bs = a.block_size
         kv = a.kv_bytes_per_token or self.s.kv_bytes_per_token
-        best: Pull | None = None
-        for run, b in sources.runs:
-            if run - have < max(1, sources.min_blocks):
-                break  # longest first: no later source has enough either
-            if b.worker_id == a.worker_id or b.fingerprint != a.fingerprint or b.block_size != bs:
+        overhead, unlabeled, links = self.s.peer_pull_overhead_s, self.s.unlabeled_link, self._links
+        have_tokens = min(have * bs, top)
+        best: tuple[float, WorkerState, int, int, float, str] | None = None
+        for run, b in runs:
+            extra = run - have
+            if extra < need:
+                break
+            if b is a or b.fingerprint != a.fingerprint or b.block_size != bs:
                 continue
-            tokens = min(run * bs, top) - min(have * bs, top)
+            tokens = min(run * bs, top) - have_tokens
             if tokens <= 0:
                 continue
-            cls = link_class(a, b, self.s.unlabeled_link)
-            bytes_per_s, latency_s = self._links[cls]
-            pull_s = self.s.peer_pull_overhead_s + latency_s + (run - have) * bs * kv / bytes_per_s
-            pull = Pull(b.worker_id, have, run - have, tokens, pull_s, tokens / rate, cls)
-            if pull.saved_s > 0 and (best is None or pull.saved_s > best.saved_s):
-                best = pull
-        return best
+            cls = link_class(a, b, unlabeled)
+            bytes_per_s, latency_s = links[cls]
+            pull_s = overhead + latency_s + extra * bs * kv / bytes_per_s
+            saved = tokens / rate - pull_s
+            if saved > 0 and (best is None or saved > best[0]):
+                best = (saved, b, extra, tokens, pull_s, cls)
+        if best is None:
+            return None
+        _, b, extra, tokens, pull_s, cls = best
+        return Pull(b.worker_id, have, extra, tokens, pull_s, tokens / rate, cls)
 
     def prefill_side(
         self,
@@ -374,7 +385,7 @@ class Estimator:
         from_host = min((pool + host) * bs, top) - cached
         from_disk = min((pool + host + disk) * bs, top) - cached - from_host
         pull = None
-        if sources is not None and sources.runs:
+        if sources is not None:
             pull = self.best_pull(query, w, pool + host + disk, sources, rate)
         uncached = n - cached - from_host - from_disk - (pull.tokens if pull is not None else 0)
         queue_s = (w.queued_prefill_tokens + w.pending_prefill_tokens) / rate
