@@ -20,6 +20,17 @@ def add_sim_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--policy", choices=POLICY_NAMES, default="ttft")
     g.add_argument("--max-inflight", type=int, default=1_000_000, help="frontend admission limit")
     g.add_argument(
+        "--host-tier",
+        action="store_true",
+        help="give every worker the profile's host-memory KV tier (as --kv-tier2-bytes does a real worker)",
+    )
+    g.add_argument(
+        "--peer-pull",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="the TTFT policy may plan prefix pulls between workers (the router's --peer-pull)",
+    )
+    g.add_argument(
         "--fail", action="append", default=[], metavar="T_S:WORKER_ID", help="kill a worker at T_S"
     )
 
@@ -39,7 +50,19 @@ def cmd_sim(a: argparse.Namespace) -> int:
     profile = load_profile(a.profile)
     a.materialize = False
     specs = build_workload(a)
-    cfg = ClusterConfig(a.prefill, a.decode, a.mode, a.policy, a.max_inflight, failures=failures, seed=a.seed)
+    if a.host_tier and not profile.host_tier_blocks:
+        raise ValueError(f"profile {profile.name} has no host tier (host_tier_blocks, host_link)")
+    cfg = ClusterConfig(
+        a.prefill,
+        a.decode,
+        a.mode,
+        a.policy,
+        a.max_inflight,
+        failures=failures,
+        seed=a.seed,
+        host_tier=a.host_tier,
+        peer_pull=a.peer_pull,
+    )
     results, sim = simulate(specs, profile, cfg)
     name = a.name or f"sim-{profile.name}-{a.mode}-{a.policy}"
     meta = {
@@ -49,6 +72,7 @@ def cmd_sim(a: argparse.Namespace) -> int:
         "profile_source": profile.source,
         "cluster": {"prefill": a.prefill, "decode": a.decode, "mode": a.mode, "policy": a.policy},
         "route_reasons": dict(sim.route_reasons),
+        "kv_moves": dict(sim.kv_moves),
     }
     report = rep.summarize(
         results, rep.Slo(a.slo_ttft_ms / 1000, a.slo_itl_ms / 1000), grouping_for(a, specs), meta

@@ -9,6 +9,13 @@ What it models, and how simply:
   running requests do not (capacity in blocks). The prefill emits the first token.
 - KV transfer: the prompt's KV bytes over the link class between the two workers (same node / rack / across
   racks); transfers queue on the sending and the receiving worker's one NIC.
+- host tier (`ClusterConfig.host_tier`, capacity and host link from the profile): a block the pool evicts moves
+  to the worker's host tier (LRU, its own capacity) instead of vanishing; a prompt whose next blocks are there
+  restores them instead of recomputing, the restore's time (the profile's host link) added to the step that
+  starts the request. Offloads, restores and drops are KV events to the router's index, as on a real worker.
+- peer pulls: when the router's plan has a `pull` (services/router/policy.py), the prefilling worker first
+  copies those blocks from the source's pool over the link class between them (on both workers' NICs); the
+  request waits for the pull, then prefills. Blocks the source evicted meanwhile are recomputed instead.
 - decode workers: continuous batching up to `max_batch`, admission by free KV blocks (prompt + output reserved);
   a worker in aggregated mode also runs prefill chunks, and those chunks stall its decode steps — the
   interference that disaggregation removes.
@@ -47,6 +54,10 @@ class ClusterConfig:
     seed: int = 0
     placement: dict[str, tuple[str, str]] = field(default_factory=dict)  # worker id → (node, rack) override
     rate_error: float = 1.0  # the router believes prefill runs this many times faster than it does
+    host_tier: bool = (
+        False  # each worker gets the profile's host-memory KV tier (a real worker's --kv-tier2-bytes)
+    )
+    peer_pull: bool = True  # the TTFT policy may plan prefix pulls between workers (the router's --peer-pull)
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -79,6 +90,11 @@ class Req:
     blocks_held: int = 0
     first_cached: int | None = None
     estimated_ttft_s: float | None = None  # the router's estimate at the first decision
+    pull_until: float | None = None  # waiting for a peer pull to land before its prefill may start
+    pull_end_block: int = 0  # the block after the last one that pull brings
+    restore_s: float = 0.0  # its restore from the host tier, charged to the step that starts it
+    pulled_blocks: int = 0  # blocks a peer pull brought (in its cached prefix)
+    restored_blocks: int = 0  # blocks its prefill restored from the host tier
 
     @property
     def emitted(self) -> int:
@@ -89,11 +105,14 @@ class Worker:
     def __init__(self, sim: Simulator, worker_id: str, role: str, node: str, rack: str) -> None:
         self.sim, self.worker_id, self.role, self.node, self.rack = sim, worker_id, role, node, rack
         self.capacity = sim.profile.kv_capacity_blocks
+        self.tier_capacity = sim.profile.host_tier_blocks if sim.cfg.host_tier else 0
+        self.tier: OrderedDict[int, None] = OrderedDict()  # host-tier blocks, LRU: oldest first
         self.used = 0  # blocks held by requests here
         self.cache: OrderedDict[int, None] = OrderedDict()  # free cached blocks, LRU: oldest first
         self.held: dict[int, int] = {}  # computed blocks that requests here still hold (shareable too): refs
         self.prefill_queue: deque[Req] = deque()
         self.pending: Counter[int] = Counter()  # block hashes of queued prefills (soon cached)
+        self.incoming: Counter[int] = Counter()  # block hashes a peer pull is copying here right now
         self.admit_queue: deque[Req] = deque()
         self.running: list[Req] = []
         self.busy = False
@@ -126,6 +145,58 @@ class Worker:
         gone = [h for h in gone if h not in self.held]
         if gone:
             self.sim.router.evicted(self.worker_id, gone)
+            if self.tier_capacity:
+                self._offload(gone)
+
+    def _offload(self, hashes: list[int]) -> None:
+        """Evicted pool blocks enter the host tier; its own LRU pushes the oldest out for good."""
+        tier = self.tier
+        for h in hashes:
+            tier[h] = None
+            tier.move_to_end(h)
+        self.sim.router.offloaded(self.worker_id, hashes)
+        dropped = []
+        while len(tier) > self.tier_capacity:
+            dropped.append(tier.popitem(last=False)[0])
+        if dropped:
+            self.sim.router.tier_dropped(self.worker_id, dropped)
+
+    def tier_run(self, hashes: Sequence[int], start: int) -> int:
+        """How many of `hashes` from `start` on the host tier holds, contiguously."""
+        n = 0
+        while start + n < len(hashes) and hashes[start + n] in self.tier:
+            n += 1
+        return n
+
+    def restore(self, hashes: list[int]) -> None:
+        """Host tier -> pool: cached again (not computed)."""
+        for h in hashes:
+            self.tier.pop(h, None)
+            self.cache[h] = None
+            self.cache.move_to_end(h)
+        self.sim.router.restored(self.worker_id, hashes)
+        self._fit_cache()
+
+    def receive(self, hashes: list[int]) -> None:
+        """Blocks a peer pull copied here: cached in the pool (a stored event: the router can route to them)."""
+        new = [h for h in hashes if h not in self.cache and h not in self.held]
+        for h in hashes:
+            if h in self.cache:
+                self.cache.move_to_end(h)
+            elif h not in self.held:
+                self.cache[h] = None
+        self._drop_from_tier(new)
+        if new:
+            self.sim.router.stored(self.worker_id, new)
+        self._fit_cache()
+
+    def _drop_from_tier(self, hashes: list[int]) -> None:
+        """Blocks now in the pool again by other means (computed, pulled) leave the host tier."""
+        if not self.tier:
+            return
+        gone = [h for h in hashes if self.tier.pop(h, 0) is None]
+        if gone:
+            self.sim.router.tier_dropped(self.worker_id, gone)
 
     def allocate(self, blocks: int) -> bool:
         if self.used + blocks > self.capacity:
@@ -154,6 +225,7 @@ class Worker:
         new = [h for h in hashes if h not in held and h not in cache]
         for h in hashes:
             held[h] = held.get(h, 0) + 1
+        self._drop_from_tier(new)
         if new:
             self.sim.router.stored(self.worker_id, new)
 
@@ -171,7 +243,7 @@ class Worker:
 class Simulator:
     def __init__(self, profile: Profile, cfg: ClusterConfig) -> None:
         self.profile, self.cfg = profile, cfg
-        self.router = SimRouter(profile, cfg.policy, cfg.mode, cfg.rate_error)
+        self.router = SimRouter(profile, cfg.policy, cfg.mode, cfg.rate_error, cfg.peer_pull)
         self.now = 0.0
         self._events: list[tuple[float, int, Callable[[], None]]] = []
         self._seq = 0
@@ -192,6 +264,8 @@ class Simulator:
         self.inflight = 0
         self.reqs: list[Req] = []
         self.route_reasons: Counter[str] = Counter()
+        # peer pulls planned, blocks they landed, blocks their source had lost (recomputed); host-tier restores
+        self.kv_moves: Counter[str] = Counter()
 
     def warm(self, worker_id: str, hashes: list[int]) -> None:
         """Put blocks in a worker's prefix cache before the run (a scenario's starting state)."""
@@ -274,13 +348,55 @@ class Simulator:
         self.route_reasons[d.reason] += 1
         r.decode_worker, r.prefill_worker = d.decode, d.prefill
         r.estimated_ttft_s = r.estimated_ttft_s if r.estimated_ttft_s is not None else d.estimated_ttft_s
-        self._enqueue_prefill(self.workers[d.prefill or d.decode], r)
+        target = self.workers[d.prefill or d.decode]
+        pull = d.chosen.pull
+        if pull is not None:
+            self._pull(self.workers[pull.source], target, r, pull.start_block, pull.blocks)
+        self._enqueue_prefill(target, r)
+
+    # ---- peer pulls ------------------------------------------------------------------------------------------
+    @staticmethod
+    def _awaits_pull(w: Worker, r: Req) -> bool:
+        at = w.match(r.hashes)
+        return at < len(r.hashes) and w.incoming[r.hashes[at]] > 0
+
+    def _pull(self, src: Worker, dst: Worker, r: Req, start: int, blocks: int) -> None:
+        """Copy r's blocks [start, start + blocks) from src's pool to dst over their link (both NICs busy);
+        r's prefill waits for it. What src no longer holds when the copy is read is recomputed instead."""
+        p = self.profile
+        hashes = r.hashes[start : start + blocks]
+        begin = max(self.now, src.nic_free_s, dst.nic_free_s)
+        end = begin + p.transfer_s(blocks * p.block_size * p.kv_bytes_per_token, self.link_class(src, dst))
+        src.nic_free_s = dst.nic_free_s = end
+        r.pull_until, r.pull_end_block = end, start + blocks
+        dst.incoming.update(hashes)
+        self.kv_moves["pulls"] += 1
+
+        def landed() -> None:
+            dst.incoming.subtract(hashes)
+            if r.pull_until != end:
+                return  # migrated meanwhile (a newer plan owns it)
+            r.pull_until = None
+            if dst.dead or r.prefill_worker != dst.worker_id and r.decode_worker != dst.worker_id:
+                return
+            have = 0 if src.dead else src.match(hashes)
+            if have:
+                dst.receive(hashes[:have])
+            r.pulled_blocks += have
+            self.kv_moves["pulled_blocks"] += have
+            self.kv_moves["pull_lost_blocks"] += len(hashes) - have
+            self._kick(dst)
+
+        self.at(end, landed)
 
     # ---- prefill ---------------------------------------------------------------------------------------------
     def _enqueue_prefill(self, w: Worker, r: Req) -> None:
         if math.ceil((r.input_tokens + r.spec.output_tokens) / self.profile.block_size) > w.capacity:
             return self._finish(r, failed=f"{r.input_tokens} prompt tokens exceed a worker's KV capacity")
-        est_cached = min(w.match(r.hashes) * self.profile.block_size, r.input_tokens - 1)
+        have = w.match(r.hashes)
+        if r.pull_until is not None:  # the planned pull will have brought the blocks up to its end
+            have = max(have, r.pull_end_block)
+        est_cached = min(have * self.profile.block_size, r.input_tokens - 1)
         r.remaining_prefill = r.input_tokens - est_cached  # re-estimated when it starts
         w.queued_tokens += r.remaining_prefill
         w.pending.update(r.hashes)
@@ -298,6 +414,12 @@ class Simulator:
         r.blocks_held = need
         hit = w.match(r.hashes)
         w.touch(r.hashes[:hit])
+        if w.tier and (k := w.tier_run(r.hashes, hit)):  # the next blocks are in its host tier: restore them
+            w.restore(r.hashes[hit : hit + k])
+            r.restore_s += self.profile.restore_s(k)
+            r.restored_blocks += k
+            self.kv_moves["restored_blocks"] += k
+            hit += k
         cached = min(hit * bs, r.input_tokens - 1)
         w.queued_tokens -= r.remaining_prefill
         r.cached_tokens = cached
@@ -319,12 +441,18 @@ class Simulator:
         for r in list(w.prefill_queue):
             if budget <= 0:
                 break
+            if r.pull_until is not None:
+                continue  # its peer pull has not landed yet (a real worker enqueues it once pulled)
+            if w.incoming and r.t_prefill_start is None and self._awaits_pull(w, r):
+                continue  # its next blocks are being pulled here for another request: reuse them once landed
             if r.t_prefill_start is None or r.blocks_held == 0:
                 if not self._start_prefill(w, r):
                     break  # FIFO: later requests wait for blocks too
             n = min(budget, r.remaining_prefill)
             done = r.input_tokens - r.remaining_prefill
             step_s += n / p.prefill_tokens_per_s + n * (done + n / 2) * p.attn_s_per_token_pair
+            step_s += r.restore_s  # its restore from the host tier, before its first chunk
+            r.restore_s = 0.0
             chunks.append((r, n))
             budget -= n
         if chunks:

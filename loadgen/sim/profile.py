@@ -7,6 +7,11 @@ it into every report, so a number is never read without its provenance.
   prefill_s(new, ctx)   = prefill_overhead_s + new / prefill_tokens_per_s + new * (ctx + new/2) * attn_s_per_token_pair
   decode_step_s(b, ctx) = decode_base_s + b * decode_per_seq_s + ctx * decode_per_ctx_token_s   (ctx: batch's tokens)
   transfer_s(bytes, link) = links[link].latency_s + bytes / (links[link].gbps * 1e9)
+  restore_s(blocks)     = host_link.latency_s + blocks * block_size * kv_bytes_per_token / (host_link.gbps * 1e9)
+
+A profile may give each worker a host-memory KV tier (`host_tier_blocks`, 0: none) and the host link a restore
+crosses (`host_link`, e.g. PCIe between GPU and host memory); a simulated cluster uses it when its config asks
+(`ClusterConfig.host_tier`), as a real cluster does with `--kv-tier2-bytes`.
 """
 
 from __future__ import annotations
@@ -48,6 +53,8 @@ class Profile:
     links: dict[str, Link] = field(default_factory=dict)
     workers_per_node: int = 8
     nodes_per_rack: int = 1
+    host_tier_blocks: int = 0  # per worker: KV blocks its host-memory tier holds (0: the profile has no tier)
+    host_link: Link | None = None  # GPU <-> host memory, what a restore from the host tier crosses
     notes: str = ""
 
     def prefill_s(self, new_tokens: int, ctx_tokens: int) -> float:
@@ -66,6 +73,13 @@ class Profile:
         lk = self.links[link]
         return lk.latency_s + nbytes / (lk.gbps * 1e9)
 
+    def restore_s(self, blocks: int) -> float:
+        """Bringing `blocks` back from the host tier into the pool."""
+        if self.host_link is None or not blocks:
+            return 0.0
+        nbytes = blocks * self.block_size * self.kv_bytes_per_token
+        return self.host_link.latency_s + nbytes / (self.host_link.gbps * 1e9)
+
     def to_dict(self) -> dict:
         return asdict(self)
 
@@ -82,8 +96,12 @@ def load_profile(name_or_path: str) -> Profile:
     with open(path) as f:
         raw = json.load(f)
     raw["links"] = {k: Link(**v) for k, v in raw.get("links", {}).items()}
+    if raw.get("host_link") is not None:
+        raw["host_link"] = Link(**raw["host_link"])
     raw = {k: v for k, v in raw.items() if not k.startswith("_")}
     missing = [c for c in PROFILE_LINKS if c not in raw["links"]]
     if missing:
         raise ValueError(f"profile {path}: links lacks {missing}")
+    if raw.get("host_tier_blocks", 0) and raw.get("host_link") is None:
+        raise ValueError(f"profile {path}: host_tier_blocks needs a host_link (the restore's bandwidth)")
     return Profile(**raw)

@@ -8,7 +8,9 @@ Blocks of requests queued on a worker count as (soon) cached there through the v
 the router's reservations do; `ttft_no_pending` turns that off (scenario burst_same_prefix, docs/routing.md).
 
 The cost model's settings come from the profile, so the TTFT policy estimates with the simulated hardware's
-rates; `rate_error` skews the prefill rate the policy believes (1.3 = it thinks workers are 30% faster).
+rates (a host-tier restore's share of a recompute from the profile's host link, a peer pull over its links);
+`rate_error` skews the prefill rate the policy believes (1.3 = it thinks workers are 30% faster). Only the TTFT
+policy plans peer pulls (`peer_pull`, the router's --peer-pull); tiers are the workers' (loadgen/sim/engine.py).
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ from services.router.policy import (
     WorkerState,
     make_policy,
 )
-from services.router.prefix_index import PrefixIndex
+from services.router.prefix_index import HOST, PrefixIndex
 
 if TYPE_CHECKING:
     from loadgen.sim.engine import Worker
@@ -53,20 +55,30 @@ def cost_settings(profile: Profile, rate_error: float = 1.0) -> CostSettings:
         same_zone_latency_s=links[SAME_ZONE].latency_s,
         cross_zone_bytes_per_s=links[SAME_ZONE].gbps * 1e9,
         cross_zone_latency_s=links[SAME_ZONE].latency_s,
+        # a host-tier restore as a share of computing the same tokens, from the profile's host link
+        tier2_restore_fraction=(
+            profile.prefill_tokens_per_s * profile.kv_bytes_per_token / (profile.host_link.gbps * 1e9)
+            if profile.host_link is not None
+            else CostSettings().tier2_restore_fraction
+        ),
+        peer_pull_overhead_s=0.0,  # a simulated pull has only the link's latency and bandwidth, like a transfer
     )
 
 
 class SimRouter:
-    def __init__(self, profile: Profile, policy: str, mode: str, rate_error: float = 1.0) -> None:
+    def __init__(
+        self, profile: Profile, policy: str, mode: str, rate_error: float = 1.0, peer_pull: bool = True
+    ) -> None:
         if policy not in POLICY_NAMES:
             raise ValueError(f"unknown policy {policy!r}; choose from {', '.join(POLICY_NAMES)}")
         self.profile = profile
         self.count_pending = policy != "ttft_no_pending"
         self.rate_error = rate_error
         self.settings = cost_settings(profile, rate_error)
-        self.policy: Policy = make_policy(
-            "ttft" if policy == "ttft_no_pending" else policy, mode=mode, settings=self.settings
-        )
+        name = "ttft" if policy == "ttft_no_pending" else policy
+        self.policy: Policy = make_policy(name, mode=mode, settings=self.settings)
+        if name == "ttft":  # only the TTFT policy plans pulls
+            self.policy = make_policy(name, mode=mode, settings=self.settings, peer_pull=peer_pull)
         self.index = PrefixIndex()
         self.states: dict[str, WorkerState] = {}
         self._workers: dict[str, Worker] = {}
@@ -91,6 +103,15 @@ class SimRouter:
 
     def evicted(self, worker_id: str, hashes: list[int]) -> None:
         self.index.evicted(worker_id, hashes)
+
+    def offloaded(self, worker_id: str, hashes: list[int]) -> None:
+        self.index.offloaded(worker_id, hashes, HOST)
+
+    def restored(self, worker_id: str, hashes: list[int]) -> None:
+        self.index.restored(worker_id, hashes, HOST)
+
+    def tier_dropped(self, worker_id: str, hashes: list[int]) -> None:
+        self.index.tier2_dropped(worker_id, hashes, HOST)
 
     def worker_draining(self, worker_id: str) -> None:
         """No new work for it (its cached blocks are of no use to a request that cannot go there)."""

@@ -5,8 +5,14 @@ An estimate of time to first token for one (prefill worker, decode worker) plan 
   queue_s      prompt tokens already waiting on the prefilling worker (its load report plus this router's
                pending reservations), divided by that worker's prefill rate
   prefill_s    this request's uncached tokens / the prefill rate, plus a per-request overhead
-  restore_s    the prompt's blocks the worker holds in its tier 2 (right after those in its pool), brought back
-               instead of recomputed: their tokens / the prefill rate × `tier2_restore_fraction`
+  restore_s    the prompt's blocks the worker holds in its tiers (right after those in its pool), brought back
+               instead of recomputed: their tokens / the prefill rate × `tier2_restore_fraction` (host tier) or
+               × `disk_restore_fraction` (disk tier)
+  pull_s       a peer pull, when the plan has one: the prompt's blocks past what the worker holds (pool, tiers)
+               that another prefill worker's pool holds, copied from it instead of recomputed:
+               `peer_pull_overhead_s` + link latency + their KV bytes / link bandwidth (topology class of the
+               two workers). It is chosen only when cheaper than computing those tokens, and it does not wait
+               for the source's queue (the source's engine step is not involved)
   transfer_s   remote plans only: link latency + KV bytes / link bandwidth, by topology class
   admission_s  the decode worker's wait before the request joins its batch: none when it is idle, else half
                a step (the one running), plus one step per request already waiting there, plus
@@ -83,6 +89,14 @@ class CostSettings:
         0.1,
         "a tier-2 prefix block's restore time as a share of computing it at the worker's prefill rate "
         "(docs/kv-tiers.md: a bf16 restore reached the first token in 0.10x a recompute's time on CPU)",
+    )
+    disk_restore_fraction: float = setting(
+        0.3,
+        "a disk-tier prefix block's restore time as a share of computing it (an assumption until measured: "
+        "a local NVMe read is about 3x slower than a host-memory copy, docs/routing.md)",
+    )
+    peer_pull_overhead_s: float = setting(
+        0.015, "a peer pull's fixed cost on top of the link's: one remote RPC plus the pull's setup"
     )
     rate_ewma_alpha: float = setting(0.3, "calibration: weight of a new prefill-rate measurement")
     rate_min_busy_s: float = setting(0.2, "calibration: busy seconds one prefill-rate measurement spans")

@@ -152,46 +152,78 @@ class ClusterView:
 
     def overlaps(self, query: RouteQuery) -> dict[str, int]:
         """worker id -> leading blocks of the prompt it holds (indexed, or soon by a pending request)."""
-        found: dict[str, int] = {}
+        return self.split_overlaps(query)[1]
+
+    def split_overlaps(self, query: RouteQuery) -> tuple[dict[str, int], dict[str, int]]:
+        """(worker id -> leading blocks of the prompt its pool holds now, the same counting what this router's
+        pending requests will soon have computed there): one walk of the index per block size."""
+        pool: dict[str, int] = {}
         for size in sorted({w.block_size for w in self.workers.values()}):
             for worker_id, n in self.index.overlaps(query.hashes(size)).items():
                 w = self.workers.get(worker_id)
                 if w is not None and w.block_size == size:
-                    found[worker_id] = n
+                    pool[worker_id] = n
+        found = dict(pool)
         if self.pending_overlaps is not None:
             for worker_id, n in self.pending_overlaps(query).items():
                 if n > found.get(worker_id, 0):
                     found[worker_id] = n
-        return found
+        return pool, found
 
-    def tier2_overlaps(self, query: RouteQuery, overlaps: dict[str, int]) -> dict[str, int]:
-        """worker id -> blocks of the prompt its tier 2 holds right after the leading run `overlaps` (this
-        view's `overlaps(query)`) counts for it: what a restore would bring back instead of a recompute."""
-        found: dict[str, int] = {}
+    def tier2_overlaps(self, query: RouteQuery, overlaps: dict[str, int]) -> Tiers:
+        """worker id -> (host-tier blocks, disk-tier blocks) of the prompt its tiers hold right after the
+        leading run `overlaps` (this view's `overlaps(query)`) counts for it: what a restore would bring back
+        instead of a recompute. The walk starts where that run ends (the pool is not walked again)."""
+        found: Tiers = {}
         if not self.index.has_tier2():
             return found
         for size in sorted({w.block_size for w in self.workers.values()}):
-            for worker_id, (pool, tier2) in self.index.tiered_overlaps(query.hashes(size)).items():
+            for worker_id, run in self.index.tier_runs(query.hashes(size), overlaps).items():
                 w = self.workers.get(worker_id)
-                if w is None or w.block_size != size or not tier2:
-                    continue
-                # a pending request may soon have computed part of the tier-2 run into the pool
-                extra = pool + tier2 - max(pool, overlaps.get(worker_id, 0))
-                if extra > 0:
-                    found[worker_id] = extra
+                if w is not None and w.block_size == size:
+                    found[worker_id] = run
         return found
+
+
+Tiers = dict[str, tuple[int, int]]  # worker id -> (host blocks, disk blocks) right after its pool's run
 
 
 # ------------------------------------------------------------------------------------------ outputs
 
 
 @dataclass(frozen=True)
+class Pull:
+    """A planned peer pull: before prefilling, copy the prompt's blocks [start_block, start_block + blocks)
+    from `source` (a prefill worker whose pool holds them) instead of recomputing them."""
+
+    source: str
+    start_block: int  # the blocks before it the prefilling worker already has (pool, tiers, pending)
+    blocks: int
+    tokens: int  # prompt tokens those blocks spare from computing (the last prompt token is always computed)
+    pull_s: float  # the estimate: overhead + link latency + KV bytes / link bandwidth
+    compute_s: float  # computing those tokens on the prefilling worker instead
+    link: str  # the topology class between the two workers
+
+    @property
+    def saved_s(self) -> float:
+        return self.compute_s - self.pull_s
+
+    @property
+    def deadline_s(self) -> float:
+        """Past this the pull is not worth waiting for: computing the blocks would have been done (and never
+        less than twice the estimate, so a pull is not abandoned over an estimate's small error)."""
+        return max(self.compute_s, 2 * self.pull_s)
+
+
+@dataclass(frozen=True)
 class PlanScore:
     """One plan — who prefills (None: the decode worker itself) and who decodes — and its estimate.
 
-    terms (seconds unless named): queue_s, prefill_s, restore_s, transfer_s, admission_s, interference_s,
-    plus cached_tokens (the pool's hit), tier2_tokens (restored from tier 2) and uncached_tokens (computed);
-    estimated_ttft_s = queue + prefill + restore + transfer + admission;
+    terms (seconds unless named): queue_s, pull_s, prefill_s, restore_s, transfer_s, admission_s,
+    interference_s, plus cached_tokens (the pool's hit), tier2_tokens (restored from the worker's tiers, of
+    which disk_tokens from its disk tier), pulled_tokens (copied from a peer: `pull` says from whom) and
+    uncached_tokens (computed);
+    estimated_ttft_s = queue + pull + prefill + restore + transfer + admission;
     score = what the policy minimised (for ttft: estimate + interference; for a baseline: its own cost)."""
 
     prefill: str | None
@@ -199,6 +231,7 @@ class PlanScore:
     terms: dict[str, float]
     estimated_ttft_s: float
     score: float
+    pull: Pull | None = None
 
     @property
     def prefilling_worker(self) -> str:
@@ -241,15 +274,44 @@ class Side(NamedTuple):
 
     queue_s: float
     prefill_s: float  # computing the uncached tokens, plus the per-request overheads
-    restore_s: float  # bringing the tier-2 run back into the pool
+    restore_s: float  # bringing the tiers' run back into the pool
     cached: int  # in the pool already
-    restored: int  # from tier 2
+    restored: int  # from the worker's tiers (host and disk)
     uncached: int  # computed
+    disk: int = 0  # of `restored`, from the disk tier
+    pull: Pull | None = None  # the prompt's next blocks copied from a peer first (`pulled` tokens)
+
+    @property
+    def pull_s(self) -> float:
+        return self.pull.pull_s if self.pull is not None else 0.0
+
+    @property
+    def pulled(self) -> int:
+        return self.pull.tokens if self.pull is not None else 0
 
     @property
     def busy_s(self) -> float:
         """The worker's own time on this prompt (compute + restore)."""
         return self.prefill_s + self.restore_s
+
+    @property
+    def ttft_s(self) -> float:
+        """Its share of the TTFT: the pull (a transfer, not the worker's compute), the queue, the compute."""
+        return self.queue_s + self.pull_s + self.busy_s
+
+
+@dataclass(frozen=True)
+class PullSources:
+    """The prefill workers a prompt's blocks could be pulled from: (leading blocks their pool holds, worker),
+    longest first — what the index says now (blocks a pending request will compute are not there to copy)."""
+
+    runs: list[tuple[int, WorkerState]]
+    min_blocks: int
+
+    @classmethod
+    def of(cls, pool: dict[str, int], prefills: list[WorkerState], min_blocks: int) -> PullSources:
+        runs = [(pool[p.worker_id], p) for p in prefills if pool.get(p.worker_id, 0) >= max(1, min_blocks)]
+        return cls(sorted(runs, key=lambda r: (-r[0], r[1].worker_id)), min_blocks)
 
 
 class Estimator:
@@ -265,17 +327,42 @@ class Estimator:
         rate = self.s.prefill_tokens_per_s
         return rate / self.s.decode_prefill_slowdown if local and self.s.decode_prefill_slowdown > 0 else rate
 
-    def uncached(
-        self, query: RouteQuery, w: WorkerState, overlaps: dict[str, int], tier2: dict[str, int] | None = None
-    ) -> tuple[int, int, int]:
-        """(cached in the pool, restored from tier 2, uncached) prompt tokens on worker w; the last prompt token
-        is always computed."""
-        n = query.num_tokens
-        top = max(0, n - 1)
-        pool = overlaps.get(w.worker_id, 0)
-        cached = min(pool * w.block_size, top)
-        restored = min((pool + (tier2 or {}).get(w.worker_id, 0)) * w.block_size, top) - cached
-        return cached, restored, n - cached - restored
+    def best_pull(
+        self, query: RouteQuery, a: WorkerState, have: int, sources: PullSources, rate: float
+    ) -> Pull | None:
+        """The peer pull that saves worker `a` the most time over computing the same tokens, or None. `have`:
+        the prompt's leading blocks a holds (pool, tiers, pending). Sources are prefill workers other than a,
+        of a's model fingerprint and block size, holding at least `min_blocks` blocks more than a does. Runs
+        for every candidate of a decision: one tight loop, one Pull built."""
+        runs = sources.runs
+        need = max(1, sources.min_blocks)
+        if not runs or runs[0][0] - have < need:
+            return None  # longest first: nobody holds enough more than a does
+        top = max(0, query.num_tokens - 1)
+        bs = a.block_size
+        kv = a.kv_bytes_per_token or self.s.kv_bytes_per_token
+        overhead, unlabeled, links = self.s.peer_pull_overhead_s, self.s.unlabeled_link, self._links
+        have_tokens = min(have * bs, top)
+        best: tuple[float, WorkerState, int, int, float, str] | None = None
+        for run, b in runs:
+            extra = run - have
+            if extra < need:
+                break
+            if b is a or b.fingerprint != a.fingerprint or b.block_size != bs:
+                continue
+            tokens = min(run * bs, top) - have_tokens
+            if tokens <= 0:
+                continue
+            cls = link_class(a, b, unlabeled)
+            bytes_per_s, latency_s = links[cls]
+            pull_s = overhead + latency_s + extra * bs * kv / bytes_per_s
+            saved = tokens / rate - pull_s
+            if saved > 0 and (best is None or saved > best[0]):
+                best = (saved, b, extra, tokens, pull_s, cls)
+        if best is None:
+            return None
+        _, b, extra, tokens, pull_s, cls = best
+        return Pull(b.worker_id, have, extra, tokens, pull_s, tokens / rate, cls)
 
     def prefill_side(
         self,
@@ -283,15 +370,30 @@ class Estimator:
         w: WorkerState,
         overlaps: dict[str, int],
         local: bool,
-        tier2: dict[str, int] | None = None,
+        tier2: Tiers | None = None,
+        sources: PullSources | None = None,
     ) -> Side:
-        """The prefilling side of a plan on w: its queue, compute and tier-2 restore."""
+        """The prefilling side of a plan on w: its queue, compute, restore from its tiers, and — when `sources`
+        is given and it pays — a pull of the next blocks from a peer."""
         rate = self.prefill_rate(w, local)
-        cached, restored, uncached = self.uncached(query, w, overlaps, tier2)
+        n = query.num_tokens
+        top = max(0, n - 1)
+        bs = w.block_size
+        pool = overlaps.get(w.worker_id, 0)
+        host, disk = (tier2 or {}).get(w.worker_id, (0, 0))
+        cached = min(pool * bs, top)
+        from_host = min((pool + host) * bs, top) - cached
+        from_disk = min((pool + host + disk) * bs, top) - cached - from_host
+        pull = None
+        if sources is not None:
+            pull = self.best_pull(query, w, pool + host + disk, sources, rate)
+        uncached = n - cached - from_host - from_disk - (pull.tokens if pull is not None else 0)
         queue_s = (w.queued_prefill_tokens + w.pending_prefill_tokens) / rate
         prefill_s = uncached / rate + self.s.prefill_overhead_s + (0.0 if local else self.s.remote_overhead_s)
-        restore_s = restored * self.s.tier2_restore_fraction / rate
-        return Side(queue_s, prefill_s, restore_s, cached, restored, uncached)
+        restore_s = (
+            from_host * self.s.tier2_restore_fraction + from_disk * self.s.disk_restore_fraction
+        ) / rate
+        return Side(queue_s, prefill_s, restore_s, cached, from_host + from_disk, uncached, from_disk, pull)
 
     def admission_s(self, query: RouteQuery, d: WorkerState) -> float:
         step_s = d.step_s or self.s.default_step_s
@@ -314,16 +416,18 @@ class Estimator:
         p: WorkerState | None,
         d: WorkerState,
         overlaps: dict[str, int],
-        tier2: dict[str, int] | None = None,
+        tier2: Tiers | None = None,
+        sources: PullSources | None = None,
     ) -> PlanScore:
         local = p is None
-        side = self.prefill_side(query, p or d, overlaps, local, tier2)
+        side = self.prefill_side(query, p or d, overlaps, local, tier2, sources)
         transfer_s = 0.0 if p is None else self.transfer_s(query, p, d)[0]
         admission_s = self.admission_s(query, d)
         interference_s = side.busy_s * d.running * self.s.interference_weight if local else 0.0
-        ttft = side.queue_s + side.busy_s + transfer_s + admission_s
+        ttft = side.ttft_s + transfer_s + admission_s
         terms = {
             "queue_s": side.queue_s,
+            "pull_s": side.pull_s,
             "prefill_s": side.prefill_s,
             "restore_s": side.restore_s,
             "transfer_s": transfer_s,
@@ -331,9 +435,13 @@ class Estimator:
             "interference_s": interference_s,
             "cached_tokens": float(side.cached),
             "tier2_tokens": float(side.restored),
+            "disk_tokens": float(side.disk),
+            "pulled_tokens": float(side.pulled),
             "uncached_tokens": float(side.uncached),
         }
-        return PlanScore(p.worker_id if p else None, d.worker_id, terms, ttft, ttft + interference_s)
+        return PlanScore(
+            p.worker_id if p else None, d.worker_id, terms, ttft, ttft + interference_s, side.pull
+        )
 
 
 Candidate = tuple[float, "WorkerState | None", WorkerState]
@@ -367,14 +475,17 @@ def term_reason(winner: PlanScore, runner_up: PlanScore | None) -> str:
     """The term that most separates the winner from the runner-up, as a reason."""
     if runner_up is None:
         return "only_candidate"
+    if winner.pull is not None and winner.score + winner.pull.saved_s >= runner_up.score:
+        return "peer_pull"  # without the pull (computing those blocks instead) the winner would not have won
     if (winner.prefill is None) != (runner_up.prefill is None):
         return "local_prefill" if winner.prefill is None else "remote_prefill"
     savings = {
         name: runner_up.terms[name] - winner.terms[name]
         for name in ("queue_s", "prefill_s", "transfer_s", "admission_s", "interference_s")
     }
-    # the prompt's own time on the worker: computing what is not cached plus restoring what is in tier 2
+    # the prompt's own time: computing what is not cached, restoring what is in its tiers, pulling from a peer
     savings["prefill_s"] += runner_up.terms["restore_s"] - winner.terms["restore_s"]
+    savings["prefill_s"] += runner_up.terms["pull_s"] - winner.terms["pull_s"]
     best = max(savings, key=lambda k: savings[k])
     if savings[best] <= 0:
         return "near_best_spread"
@@ -383,6 +494,8 @@ def term_reason(winner: PlanScore, runner_up: PlanScore | None) -> str:
             return "cache_hit"  # the pool holds more of the prompt
         if winner.terms["tier2_tokens"] > runner_up.terms["tier2_tokens"]:
             return "tier2_hit"  # tier 2 holds more of it: restored instead of recomputed
+        if winner.terms["pulled_tokens"] > runner_up.terms["pulled_tokens"]:
+            return "peer_pull"
         return "least_compute"
     return {
         "queue_s": "least_queue",
@@ -412,6 +525,10 @@ class TtftSettings(PolicySettings):
     near_best_ratio: float = setting(0.05, "plans within this fraction of the best are spread by request id")
     near_best_s: float = setting(0.002, "… or within this many seconds of the best")
     near_best_max: int = setting(8, "… at most this many of the best plans")
+    peer_pull: bool = setting(
+        True, "plan prefix pulls: prefill on one worker after copying the prompt's cached blocks from a peer"
+    )
+    peer_pull_min_blocks: int = setting(4, "a peer pull is planned only for at least this many blocks")
 
 
 @dataclass(frozen=True)
@@ -697,8 +814,12 @@ class TtftEstimate(Policy[TtftSettings]):
         remote: bool | None,
         why: str,
     ) -> Decision:
-        overlaps = view.overlaps(query)
+        pool, overlaps = view.split_overlaps(query)
         tier2 = view.tier2_overlaps(query, overlaps)
+        opts = self.options
+        # prefill workers only can be pull sources (they own the KV they serve); eligible ones (healthy, not
+        # excluded, of the query's model) — a puller also checks the source's fingerprint against its own
+        sources = PullSources.of(pool, prefills, opts.peer_pull_min_blocks) if opts.peer_pull else None
         est = self.estimator
         weight = self.settings.interference_weight
         admission = {d.worker_id: est.admission_s(query, d) for d in decodes}
@@ -706,16 +827,17 @@ class TtftEstimate(Policy[TtftSettings]):
         candidates: list[Candidate] = []
         if remote is not True:
             for d in decodes:
-                side = est.prefill_side(query, d, overlaps, True, tier2)
-                score = side.queue_s + side.busy_s + admission[d.worker_id] + side.busy_s * d.running * weight
+                side = est.prefill_side(query, d, overlaps, True, tier2, sources)
+                score = side.ttft_s + admission[d.worker_id] + side.busy_s * d.running * weight
                 candidates.append((score, None, d))
         if remote is not False:
-            candidates += self._remote_candidates(query, prefills, decodes, overlaps, tier2, admission)
+            candidates += self._remote_candidates(
+                query, prefills, decodes, overlaps, tier2, admission, sources
+            )
         if not candidates:  # disagg forced but nothing compatible
             why = f"{why}; no prefill worker compatible with any decode worker"
             return self.decide(view, query, prefills, decodes, False, why)
         best = min(c[0] for c in candidates)
-        opts = self.options
         bar = best * (1 + opts.near_best_ratio) + opts.near_best_s
         rid = query.request_id
         near_max = max(1, opts.near_best_max)
@@ -725,9 +847,12 @@ class TtftEstimate(Policy[TtftSettings]):
         )
         others = [c for c in candidates if c is not chosen_c]
         runner_c = min(others, key=lambda c: c[0]) if others else None
-        chosen = est.plan(query, chosen_c[1], chosen_c[2], overlaps, tier2)
-        runner_up = est.plan(query, runner_c[1], runner_c[2], overlaps, tier2) if runner_c else None
+        chosen = est.plan(query, chosen_c[1], chosen_c[2], overlaps, tier2, sources)
+        runner_up = est.plan(query, runner_c[1], runner_c[2], overlaps, tier2, sources) if runner_c else None
         shape = "agg" if chosen.prefill is None else "disagg"
+        if chosen.pull is not None:
+            pull = chosen.pull
+            why = f"{why}; pull {pull.blocks} blocks from {pull.source} ({pull.link})"
         return Decision(self.name, term_reason(chosen, runner_up), chosen, runner_up, f"{shape}: {why}")
 
     def _remote_candidates(
@@ -736,8 +861,9 @@ class TtftEstimate(Policy[TtftSettings]):
         prefills: list[WorkerState],
         decodes: list[WorkerState],
         overlaps: dict[str, int],
-        tier2: dict[str, int],
+        tier2: Tiers,
         admission: dict[str, float],
+        sources: PullSources | None = None,
     ) -> list[Candidate]:
         """Per decode worker, the prefill workers whose plan could be near-best for it, scored.
 
@@ -748,8 +874,7 @@ class TtftEstimate(Policy[TtftSettings]):
         est = self.estimator
         side: dict[str, float] = {}
         for p in prefills:
-            plan_side = est.prefill_side(query, p, overlaps, False, tier2)
-            side[p.worker_id] = plan_side.queue_s + plan_side.busy_s
+            side[p.worker_id] = est.prefill_side(query, p, overlaps, False, tier2, sources).ttft_s
         groups: dict[tuple[str, str], list[WorkerState]] = {}
         for p in sorted(prefills, key=lambda p: side[p.worker_id]):
             for label, value in (("node", p.node), ("rack", p.rack), ("zone", p.zone)):

@@ -10,19 +10,24 @@ then under-reports a cache, never over-reports one) and `dropped` counts them. A
 `remove_worker` (its lease expired, it drained, or it restarted with a new epoch).
 
 Tiers: `stored`/`evicted` follow a worker's primary KV pool (what `overlaps` answers for); a worker with a second
-tier also reports blocks `offloaded` to it, `restored` from it (back in the pool) and `tier2_dropped` from it, and
-`tiered_overlaps` says, per worker, how many leading blocks its pool holds and how many more its tier 2 holds
-right after them (what a restore instead of a recompute would cover). Tier-2 entries count against the same
-`max_entries`.
+tier also reports blocks `offloaded` to it, `restored` from it (back in the pool) and `tier2_dropped` from it,
+each naming the tier (`HOST`: host memory; `DISK`: the local-disk tier below it). `tier_runs(hashes, starts)`
+says, per worker, how many blocks right after `starts[worker]` (the run its pool — and whatever the caller counts
+as soon cached — already covers) its tiers hold, split host / disk: what a restore instead of a recompute would
+cover, without walking the pool again. `tiered_overlaps` is the pool run and the tier run together. Tier entries
+count against the same `max_entries`.
 
 This room is plain data: no I/O, no clock, no request state.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 
 DEFAULT_MAX_ENTRIES = 8_000_000
+HOST, DISK = "host", "disk"  # the tiers below a worker's pool, nearest first (KvBlockEvent.Tier)
+TIERS = (HOST, DISK)
+_EMPTY: frozenset[int] = frozenset()
 
 
 class PrefixIndex:
@@ -37,7 +42,8 @@ class PrefixIndex:
         self._worker_of_slot: dict[int, str] = {}
         self._free_slots: list[int] = []
         self._entries = 0
-        self._tier2: dict[str, set[int]] = {}  # worker id -> the hashes its second tier holds
+        # tier -> worker id -> the hashes that tier of the worker holds
+        self._tiers: dict[str, dict[str, set[int]]] = {t: {} for t in TIERS}
 
     # ------------------------------------------------------------------------------------------ updates
 
@@ -69,14 +75,20 @@ class PrefixIndex:
                 mine.discard(h)
                 self._unset(h, keep)
 
-    def offloaded(self, worker_id: str, hashes: Iterable[int]) -> None:
-        """Blocks that entered the worker's tier 2 (its `evicted` from the pool comes separately)."""
-        for _ in self._admit(self._tier2.setdefault(worker_id, set()), hashes):
+    def _tier(self, tier: str) -> dict[str, set[int]]:
+        found = self._tiers.get(tier)
+        if found is None:
+            raise ValueError(f"tier must be one of {TIERS}, got {tier!r}")
+        return found
+
+    def offloaded(self, worker_id: str, hashes: Iterable[int], tier: str = HOST) -> None:
+        """Blocks that entered one of the worker's tiers (its `evicted` from the pool comes separately)."""
+        for _ in self._admit(self._tier(tier).setdefault(worker_id, set()), hashes):
             pass
 
-    def tier2_dropped(self, worker_id: str, hashes: Iterable[int]) -> None:
-        """Blocks that left the worker's tier 2 (pushed out, or recomputed into its pool)."""
-        mine = self._tier2.get(worker_id)
+    def tier2_dropped(self, worker_id: str, hashes: Iterable[int], tier: str = HOST) -> None:
+        """Blocks that left one of the worker's tiers (pushed out, moved down, or recomputed into its pool)."""
+        mine = self._tier(tier).get(worker_id)
         if mine is None:
             return
         for h in hashes:
@@ -84,14 +96,15 @@ class PrefixIndex:
                 mine.discard(h)
                 self._entries -= 1
 
-    def restored(self, worker_id: str, hashes: Sequence[int]) -> None:
-        """Blocks brought back from the worker's tier 2 into its pool."""
-        self.tier2_dropped(worker_id, hashes)
+    def restored(self, worker_id: str, hashes: Sequence[int], tier: str = HOST) -> None:
+        """Blocks brought back from one of the worker's tiers into its pool."""
+        self.tier2_dropped(worker_id, hashes, tier)
         self.stored(worker_id, hashes)
 
     def remove_worker(self, worker_id: str) -> None:
         """Forget every block of worker_id (both tiers) and free its slot."""
-        self._entries -= len(self._tier2.pop(worker_id, ()))
+        for by_worker in self._tiers.values():
+            self._entries -= len(by_worker.pop(worker_id, ()))
         mine = self._blocks.pop(worker_id, None)
         if mine is None:
             return
@@ -125,27 +138,47 @@ class PrefixIndex:
             self._record(found, alive, len(hashes))
         return found
 
+    def tier_runs(self, hashes: Sequence[int], starts: Mapping[str, int]) -> dict[str, tuple[int, int]]:
+        """worker id -> (host blocks, disk blocks) of the contiguous run of `hashes` its tiers hold from block
+        `starts.get(worker, 0)` on (the caller's pool run: no second walk of the pool); workers whose tiers
+        hold none of that run are left out."""
+        host, disk = self._tiers[HOST], self._tiers[DISK]
+        found: dict[str, tuple[int, int]] = {}
+        n = len(hashes)
+        for w in sorted(set(host) | set(disk)):
+            in_host, in_disk = host.get(w, _EMPTY), disk.get(w, _EMPTY)
+            if not in_host and not in_disk:
+                continue
+            at = starts.get(w, 0)
+            h_n = d_n = 0
+            while at < n:
+                h = hashes[at]
+                if h in in_host:
+                    h_n += 1
+                elif h in in_disk:
+                    d_n += 1
+                else:
+                    break
+                at += 1
+            if h_n or d_n:
+                found[w] = (h_n, d_n)
+        return found
+
     def tiered_overlaps(self, hashes: Sequence[int]) -> dict[str, tuple[int, int]]:
-        """worker id -> (leading blocks of `hashes` in its pool, the blocks right after those in its tier 2);
+        """worker id -> (leading blocks of `hashes` in its pool, the blocks right after those in its tiers);
         workers holding neither are left out."""
         found = {w: (d, 0) for w, d in self.overlaps(hashes).items()}
-        for w, mine in self._tier2.items():
-            if not mine:
-                continue
-            d0 = found.get(w, (0, 0))[0]
-            d1 = 0
-            while d0 + d1 < len(hashes) and hashes[d0 + d1] in mine:
-                d1 += 1
-            if d0 + d1:
-                found[w] = (d0, d1)
+        pool = {w: d for w, (d, _) in found.items()}
+        for w, (h_n, d_n) in self.tier_runs(hashes, pool).items():
+            found[w] = (pool.get(w, 0), h_n + d_n)
         return found
 
     def has_tier2(self) -> bool:
-        """Does any worker's tier 2 hold a block (else `tiered_overlaps` is `overlaps`)?"""
-        return any(self._tier2.values())
+        """Does any worker's tier below the pool hold a block (else `tier_runs` finds nothing)?"""
+        return any(mine for by_worker in self._tiers.values() for mine in by_worker.values())
 
-    def tier2_blocks_of(self, worker_id: str) -> int:
-        return len(self._tier2.get(worker_id, ()))
+    def tier2_blocks_of(self, worker_id: str, tier: str = HOST) -> int:
+        return len(self._tier(tier).get(worker_id, ()))
 
     def blocks_of(self, worker_id: str) -> int:
         return len(self._blocks.get(worker_id, ()))

@@ -22,6 +22,7 @@ import asyncio
 import contextlib
 import dataclasses
 import logging
+import os
 import sys
 import time
 import uuid
@@ -49,11 +50,11 @@ from services.router.policy import (
     make_policy,
     setting_flag,
 )
-from services.router.prefix_index import DEFAULT_MAX_ENTRIES
+from services.router.prefix_index import DEFAULT_MAX_ENTRIES, DISK, HOST
 from services.router.reservations import DEFAULT_ARRIVAL_GRACE_S, DEFAULT_TTL_S
 from services.router.state import DEFAULT_FAILURE_EXCLUSION_S, RouterState
 from services.rpc import pb, pb_grpc
-from services.runtime.args import add_flag, add_service_arguments
+from services.runtime.args import add_flag, add_service_arguments, env_name
 from services.runtime.errors import WorkerUnavailableError
 from services.runtime.host import ServiceHost, configure_logging, service_main
 from services.runtime.rpc import request_meta
@@ -195,8 +196,10 @@ def _ref(w: WorkerState) -> pb.WorkerRef:
     return pb.WorkerRef(worker_id=w.worker_id, endpoint=w.endpoint, role=w.role, epoch=w.epoch)
 
 
-def route_plan(decision: Decision, workers: dict[str, WorkerState]) -> pb.RoutePlan:
-    """The decision as the wire carries it: workers, reason, winner's and runner-up's terms, TTFT estimate."""
+def route_plan(decision: Decision, workers: dict[str, WorkerState], query: RouteQuery) -> pb.RoutePlan:
+    """The decision as the wire carries it: workers, reason, winner's and runner-up's terms, TTFT estimate,
+    and the peer pull it planned (the source's endpoint and epoch from discovery, the prompt's own chained
+    block hashes of the blocks to copy)."""
     chosen = decision.chosen
     plan = pb.RoutePlan(
         decode=_ref(workers[chosen.decode]),
@@ -208,6 +211,19 @@ def route_plan(decision: Decision, workers: dict[str, WorkerState]) -> pb.RouteP
     )
     if chosen.prefill is not None:
         plan.prefill.CopyFrom(_ref(workers[chosen.prefill]))
+    pull = chosen.pull
+    if pull is not None:
+        puller = workers[chosen.prefilling_worker]
+        plan.prefix_pull.CopyFrom(
+            pb.PrefixPull(
+                source=_ref(workers[pull.source]),
+                start_block=pull.start_block,
+                block_hashes=query.hashes(puller.block_size)[
+                    pull.start_block : pull.start_block + pull.blocks
+                ],
+                deadline_s=pull.deadline_s,
+            )
+        )
     runner: PlanScore | None = decision.runner_up
     if runner is not None:
         plan.runner_up_decode.CopyFrom(_ref(workers[runner.decode]))
@@ -264,7 +280,7 @@ class Router(pb_grpc.RouterServicer):
             raise WorkerUnavailableError(str(e)) from e
         shape = "agg" if decision.prefill is None else "disagg"
         metrics.DECISIONS.labels(decision.policy, decision.reason, shape).inc()
-        return route_plan(decision, self.state.workers)
+        return route_plan(decision, self.state.workers, query)
 
     async def ReportFailure(  # noqa: N802 - gRPC method name
         self, request: pb.FailureReport, context: grpc.aio.ServicerContext
@@ -280,10 +296,32 @@ class Router(pb_grpc.RouterServicer):
 T = TypeVar("T", bound="DataclassInstance")
 
 
+def parse_bool(raw: str, name: str) -> bool:
+    """An on/off setting from the environment: 1/true/yes/on or 0/false/no/off, else refused by name."""
+    value = raw.strip().lower()
+    if value in ("1", "true", "yes", "on"):
+        return True
+    if value in ("0", "false", "no", "off"):
+        return False
+    raise ValueError(f"{name} must be one of 1/true/yes/on or 0/false/no/off, got {raw!r}")
+
+
 def _add_settings_flags(group: argparse._ArgumentGroup, settings_type: type[Any]) -> None:
     """One flag per field of a settings dataclass, named, typed, defaulted and explained by the field."""
     for f in dataclasses.fields(settings_type):
-        add_flag(group, setting_flag(f), f.default, f.metadata["help"], type(f.default))
+        flag = setting_flag(f)
+        if isinstance(f.default, bool):  # --name / --no-name, its default from RACKSERVE_<NAME> when set
+            env = env_name(flag)
+            raw = os.environ.get(env)
+            default = f.default if raw is None else parse_bool(raw, env)
+            group.add_argument(
+                flag,
+                action=argparse.BooleanOptionalAction,
+                default=default,
+                help=f"{f.metadata['help']} [env {env}=1|0]",
+            )
+        else:
+            add_flag(group, flag, f.default, f.metadata["help"], type(f.default))
 
 
 def _settings_from_args(settings_type: type[T], args: argparse.Namespace) -> T:
@@ -376,16 +414,17 @@ def apply_kv_event(state: RouterState, worker_id: str, kv: pb.KvBlockEvent, comp
     """One KvBlockEvent from a worker into the router's state, by kind (and so by tier). `computed`: stored
     blocks are new work (not the snapshot that opens a stream)."""
     hashes = list(kv.block_hashes)
+    tier = DISK if kv.tier == pb.KvBlockEvent.DISK else HOST
     if kv.kind == pb.KvBlockEvent.STORED:
         state.on_stored(worker_id, hashes, computed=computed)
     elif kv.kind == pb.KvBlockEvent.EVICTED:
         state.on_evicted(worker_id, hashes)
     elif kv.kind == pb.KvBlockEvent.OFFLOADED:
-        state.on_offloaded(worker_id, hashes)
+        state.on_offloaded(worker_id, hashes, tier)
     elif kv.kind == pb.KvBlockEvent.RESTORED:
-        state.on_restored(worker_id, hashes)
+        state.on_restored(worker_id, hashes, tier)
     elif kv.kind == pb.KvBlockEvent.DROPPED:
-        state.on_tier2_dropped(worker_id, hashes)
+        state.on_tier2_dropped(worker_id, hashes, tier)
 
 
 if __name__ == "__main__":

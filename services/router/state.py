@@ -23,7 +23,7 @@ from dataclasses import replace
 
 from services.router.cost_model import RateMeter
 from services.router.policy import ClusterView, Decision, Policy, RouteQuery, WorkerState
-from services.router.prefix_index import DEFAULT_MAX_ENTRIES, PrefixIndex
+from services.router.prefix_index import DEFAULT_MAX_ENTRIES, HOST, PrefixIndex
 from services.router.reservations import DEFAULT_ARRIVAL_GRACE_S, DEFAULT_TTL_S, Reservations
 
 DEFAULT_FAILURE_EXCLUSION_S = 10.0
@@ -115,18 +115,20 @@ class RouterState:
     def on_evicted(self, worker_id: str, hashes: list[int]) -> None:
         self.index.evicted(worker_id, hashes)
 
-    def on_offloaded(self, worker_id: str, hashes: list[int]) -> None:
-        """Blocks that moved from the worker's pool to its tier 2 (their eviction from the pool is on_evicted)."""
+    def on_offloaded(self, worker_id: str, hashes: list[int], tier: str = HOST) -> None:
+        """Blocks that entered one of the worker's tiers (host, or disk below it); their eviction from the pool
+        is on_evicted."""
         if worker_id in self.workers:
-            self.index.offloaded(worker_id, hashes)
+            self.index.offloaded(worker_id, hashes, tier)
 
-    def on_restored(self, worker_id: str, hashes: list[int]) -> None:
-        """Blocks back in the worker's pool from its tier 2: cached again, but not computed (no rate sample)."""
+    def on_restored(self, worker_id: str, hashes: list[int], tier: str = HOST) -> None:
+        """Blocks back in the worker's pool from one of its tiers: cached again, but not computed (no rate
+        sample)."""
         if worker_id in self.workers:
-            self.index.restored(worker_id, hashes)
+            self.index.restored(worker_id, hashes, tier)
 
-    def on_tier2_dropped(self, worker_id: str, hashes: list[int]) -> None:
-        self.index.tier2_dropped(worker_id, hashes)
+    def on_tier2_dropped(self, worker_id: str, hashes: list[int], tier: str = HOST) -> None:
+        self.index.tier2_dropped(worker_id, hashes, tier)
 
     def forget_blocks(self, worker_id: str) -> None:
         """Before a fresh snapshot of the worker's cache (its event stream reopened)."""

@@ -10,7 +10,7 @@ import os
 import pytest
 
 from loadgen import report as rep
-from loadgen.sim.engine import ClusterConfig, block_hashes_for, simulate
+from loadgen.sim.engine import ClusterConfig, Simulator, block_hashes_for, simulate
 from loadgen.sim.profile import PROFILE_DIR, load_profile
 from loadgen.workload import Lengths, poisson_arrivals, synthetic
 from services.engine.block_hash import block_hashes
@@ -109,3 +109,104 @@ def test_every_profile_loads_and_says_where_its_numbers_come_from(path):
     assert prof.source.startswith(("measured", "published figures")), prof.source
     assert prof.prefill_s(512, 0) > 0 and prof.decode_step_s(8, 4096) > 0
     assert prof.transfer_s(1 << 30, "same_zone") >= prof.transfer_s(1 << 30, "same_node")
+
+
+# ---- KV tiers and peer pulls -------------------------------------------------------------------------------------
+
+
+def _tokens(rng, n):
+    from loadgen.workload import TOKEN_HI, TOKEN_LO
+
+    return [rng.randrange(TOKEN_LO, TOKEN_HI) for _ in range(n)]
+
+
+def test_a_worker_with_a_host_tier_restores_an_evicted_prefix_instead_of_recomputing_it():
+    # one aggregated worker whose pool holds ~2 prompts: a 16 k-token conversation, 6 other prompts that push it
+    # out of the pool, then the conversation's next turn
+    import random
+
+    from loadgen.workload import RequestSpec
+
+    prof = dataclasses.replace(load_profile("h200_node"), kv_capacity_blocks=600)
+    rng = random.Random(11)
+    first = _tokens(rng, 16384)
+    specs = [RequestSpec("turn-1", 16384, 8, arrival_s=0.0, token_ids=first)]
+    specs += [
+        RequestSpec(f"other-{i}", 16384, 8, arrival_s=1.0 + i, token_ids=_tokens(rng, 16384))
+        for i in range(6)
+    ]
+    specs.append(RequestSpec("turn-2", 16384 + 512, 8, arrival_s=10.0, token_ids=first + _tokens(rng, 512)))
+    hashes = block_hashes_for(specs, prof.block_size)
+    out = {}
+    for tier in (False, True):
+        results, sim = simulate(specs, prof, ClusterConfig(0, 1, "agg", "ttft", host_tier=tier), hashes)
+        out[tier] = ({r.request_id: r for r in results}["turn-2"], sim)
+    cold, (warm, sim) = out[False][0], out[True]
+    assert cold.ok and warm.ok
+    assert cold.cached_tokens == 0  # without a tier the pool lost the conversation: all recomputed
+    assert warm.cached_tokens == 16384  # with it, every block of the first turn came back from the host tier
+    assert sim.kv_moves["restored_blocks"] == 16384 // prof.block_size
+    assert warm.ttft_s < cold.ttft_s * 0.5
+    # the router's index heard it: the blocks are in the worker's pool again, and its tier no longer holds them
+    pool = sim.router.index.overlaps(hashes[-1])
+    assert pool["decode-0"] >= 16384 // prof.block_size
+    assert sim.router.index.tier_runs(hashes[-1], {}).get("decode-0", (0, 0))[0] == 0
+
+
+def test_a_planned_peer_pull_lands_the_prefix_on_the_idle_worker_and_lowers_ttft():
+    # prefill-0 holds a 16 k-token prefix; 8 requests sharing it arrive at once: with pulls, prefill-1 copies the
+    # prefix from prefill-0 instead of queueing behind it or recomputing
+    import random
+
+    from loadgen.workload import RequestSpec
+
+    prof = load_profile("h200_node")
+    rng = random.Random(5)
+    prefix = _tokens(rng, 16384)
+    specs = [
+        RequestSpec(f"hot-{i}", 16384 + 1024, 16, arrival_s=0.001 * i, token_ids=prefix + _tokens(rng, 1024))
+        for i in range(8)
+    ]
+    hashes = block_hashes_for(specs, prof.block_size)
+    prefix_hashes = hashes[0][: 16384 // prof.block_size]
+    ttft, sims = {}, {}
+    for pull in (False, True):
+        sim = Simulator(prof, ClusterConfig(2, 1, "disagg", "ttft", peer_pull=pull))
+        sim.warm("prefill-0", prefix_hashes)
+        results = sim.run(specs, hashes)
+        assert all(r.ok for r in results)
+        ttft[pull] = sum(r.ttft_s for r in results) / len(results)
+        sims[pull] = sim
+    off, on = sims[False], sims[True]
+    assert off.kv_moves["pulls"] == 0 and on.route_reasons["peer_pull"] >= 1
+    assert (
+        on.kv_moves["pulled_blocks"] == len(prefix_hashes) * on.kv_moves["pulls"]
+    )  # nothing lost on the way
+    pulled = [q for q in on.reqs if q.pulled_blocks]
+    assert pulled and all(q.prefill_worker == "prefill-1" and q.first_cached == 16384 for q in pulled)
+    # the blocks are on the target now, and the router's index says so
+    assert on.workers["prefill-1"].match(prefix_hashes) == len(prefix_hashes)
+    assert on.router.index.overlaps(prefix_hashes)["prefill-1"] == len(prefix_hashes)
+    assert off.workers["prefill-1"].match(prefix_hashes) == 0
+    assert ttft[True] < ttft[False]
+
+
+def test_a_pull_whose_source_dies_meanwhile_recomputes_and_still_answers():
+    import random
+
+    from loadgen.workload import RequestSpec
+
+    prof = load_profile("h200_node")
+    rng = random.Random(5)
+    prefix = _tokens(rng, 16384)
+    specs = [
+        RequestSpec(f"hot-{i}", 16384 + 1024, 16, arrival_s=0.001 * i, token_ids=prefix + _tokens(rng, 1024))
+        for i in range(8)
+    ]
+    hashes = block_hashes_for(specs, prof.block_size)
+    sim = Simulator(prof, ClusterConfig(2, 1, "disagg", "ttft", failures=[(0.0015, "prefill-0")]))
+    sim.warm("prefill-0", hashes[0][:256])
+    results = sim.run(specs, hashes)
+    assert all(r.ok for r in results)  # every request answered: the pulled one recomputed its prefix
+    assert sim.kv_moves["pulls"] >= 1 and sim.kv_moves["pull_lost_blocks"] == 256 * sim.kv_moves["pulls"]
+    assert sim.kv_moves["pulled_blocks"] == 0

@@ -67,7 +67,9 @@ def test_seed_case_80pct_cached_busy_a_vs_idle_cold_b(
     a_queued_tokens: int, expected: str, reason: str
 ) -> None:
     tokens = prompt(2048)
-    state = router(P("A"), P("B"), D("d"), mode="disagg")
+    # the choice between A's cache and B's empty queue (with peer pulls B would copy A's prefix instead:
+    # tests/test_router_pull.py)
+    state = router(P("A"), P("B"), D("d"), mode="disagg", peer_pull=False)
     cache(state, "A", tokens[: int(2048 * 0.8)])
     state.on_load("A", 0.0, queued_prefill_tokens=a_queued_tokens, running=1)
     decision = state.route(RouteQuery("seed", token_ids=tokens), 1.0)
@@ -385,7 +387,7 @@ def test_every_policy_answers_the_same_interface_and_the_plan_explains_itself(po
     state.add_worker(D("d1", endpoint="h:4"))
     decision = state.route(RouteQuery("any", token_ids=tokens), 0.0)
     assert decision.policy == policy and decision.reason
-    plan = route_plan(decision, state.workers)
+    plan = route_plan(decision, state.workers, RouteQuery("any", token_ids=tokens))
     assert plan.decode.endpoint in ("h:3", "h:4") and plan.reason_code == decision.reason
     assert plan.reason.startswith("disagg" if plan.HasField("prefill") else "agg")
     assert plan.estimated_ttft_s == pytest.approx(
@@ -416,8 +418,12 @@ def test_every_policy_setting_is_a_flag_that_the_environment_reaches(
     settings_type = REGISTRY[policy].Settings
     expected: dict[str, float] = {}
     for f in dataclasses.fields(settings_type):
-        value = f.default * 2 + 1  # not the default, and of the field's type
-        monkeypatch.setenv(env_name(setting_flag(f)), str(value))
+        if isinstance(f.default, bool):  # an on/off switch: the environment turns it the other way
+            value: float = not f.default
+            monkeypatch.setenv(env_name(setting_flag(f)), "1" if value else "0")
+        else:
+            value = f.default * 2 + 1  # not the default, and of the field's type
+            monkeypatch.setenv(env_name(setting_flag(f)), str(value))
         expected[f.name] = value
     parser = argparse.ArgumentParser()
     add_arguments(parser)
