@@ -5,12 +5,15 @@ still answers the same.
 
 The engine half runs in-process on the real SmolLM2 model (export_prefix's matching and pinning, import_prefix
 into another engine); the worker half runs real processes: etcd, prefill workers A and B (and B2, started with
-`--debug-die-in transfer`), and a decode worker that gives the cold references and decodes the continuation from
-A's KV (it runs without a prefix cache, so each of its runs is a cold one).
+`--debug-die-in transfer`), a decode worker that gives the cold references and decodes the continuation from
+A's KV (it runs without a prefix cache, so each of its runs is a cold one), and a decode worker that prefills
+locally and pulls as well. The frontend half runs the real app in front of them, with a router that answers a
+plan carrying a PrefixPull (the real router's pricing of pulls is not part of this test).
 """
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Iterator
 
 import grpc
@@ -178,13 +181,15 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalCluster]:
                 "--debug-die-in",
                 "transfer",
             ),
+            # a decode worker that prefills locally (agg) and keeps a prefix cache: it pulls too
+            start_process("services.decode.server", "decode-p", etcd_url, log_dir, *flags),
             # no prefix cache: every reference it computes is a cold run, whatever it saw before
             start_process(
                 "services.decode.server", "decode-d", etcd_url, log_dir, *WORKER_FLAGS, "--no-prefix-caching"
             ),
         ]
 
-    with local_cluster(log_dir, start, {"prefill": 3, "decode": 1}) as c:
+    with local_cluster(log_dir, start, {"prefill": 3, "decode": 2}) as c:
         yield c
 
 
@@ -371,3 +376,126 @@ def test_a_pull_behind_blocks_this_worker_lacks_is_refused_before_asking_the_pee
     assert got.pulled_tokens == 0 and got.cached_tokens == 0
     assert continuation(cluster, "g-pulled", g, got) == want
     assert pulls(cluster, "fallback_prefix_gone") == before + 1
+
+
+def test_a_local_prefill_on_a_decode_worker_pulls_the_prefix_and_streams_the_cold_runs_tokens(
+    cluster: LocalCluster, prompts: dict[str, list[int]]
+) -> None:
+    h = prompts["a"][::-1]  # new to every worker
+    want = cold(cluster, "h-cold", h)
+    prefill(cluster, "prefill-b", "h-warm", h)
+    release(cluster, "prefill-b", "h-warm")
+    pull = pb.PrefixPull(source=ref(cluster, "prefill-b"), start_block=0, block_hashes=block_hashes(h, BS))
+    req = pb.DecodeRequest(
+        request_id="h-pulled", prompt_token_ids=h, params=greedy(12, ignore_eos=True), prefix_pull=pull
+    )
+    chunks = run(lambda: decode(cluster.endpoints["decode-p"], req), 120)
+    usable = (len(h) - 1) // BS
+    assert chunks[0].pulled_tokens == usable * BS and chunks[0].cached_tokens == usable * BS
+    assert token_ids(chunks) == want
+    ep = cluster.infos["decode-p"].metrics_endpoint
+    assert metric(ep, "rackserve_peer_pulls_total", role="decode", outcome="pulled") == 1
+    assert metric(ep, "rackserve_peer_pull_blocks_total", role="decode") == usable
+    run(lambda: wait_for_load(cluster.endpoints["decode-p"], pb_grpc.DecodeWorkerStub, all_free), 20)
+
+
+class PlanRouter(pb_grpc.RouterServicer):
+    """Answers the plan it is given: the stand-in for a router that prices peer pulls."""
+
+    def __init__(self) -> None:
+        self.plan = pb.RoutePlan()
+
+    async def Route(self, request: pb.RouteRequest, context: grpc.aio.ServicerContext) -> pb.RoutePlan:  # noqa: N802
+        return self.plan
+
+
+class Workers:
+    def __init__(self, workers: list[pb.WorkerInfo]) -> None:
+        self._workers = workers
+
+    def workers(self, role: str) -> list[pb.WorkerInfo]:
+        return [w for w in self._workers if w.role == role]
+
+    def suppress(self, worker_id: str, seconds: float) -> None:
+        pass
+
+
+def test_the_frontend_sends_the_plans_prefix_pull_and_records_the_pulled_tokens(
+    cluster: LocalCluster, prompts: dict[str, list[int]], tok: Tokenizer
+) -> None:
+    import uvicorn
+
+    from services.frontend.app import FrontendConfig, create_app
+    from services.frontend.coordinator import Coordinator
+    from services.runtime.channels import ChannelPool
+    from tests.support.etcd import free_port
+
+    disagg, agg = prompts["a2"][::-1], prompts["c"][::-1]  # new to every worker (reversed: no test used them)
+    wants = {"disagg": cold(cluster, "fe-d-cold", disagg), "agg": cold(cluster, "fe-a-cold", agg)}
+    for rid, prompt in (("fe-d-warm", disagg), ("fe-a-warm", agg)):
+        prefill(cluster, "prefill-b", rid, prompt)
+        release(cluster, "prefill-b", rid)
+    router = PlanRouter()
+    port = free_port()
+
+    async def body() -> dict[str, tuple[dict[str, object], dict[str, object]]]:
+        server = grpc.aio.server()
+        pb_grpc.add_RouterServicer_to_server(router, server)
+        router_port = server.add_insecure_port("127.0.0.1:0")
+        await server.start()
+        infos = [cluster.infos[w] for w in ("prefill-a", "prefill-b", "decode-d", "decode-p")]
+        directory = Workers(
+            [*infos, pb.WorkerInfo(worker_id="r", role="router", endpoint=f"127.0.0.1:{router_port}")]
+        )
+        app = create_app(
+            FrontendConfig(served_model_name="m", request_timeout_s=120), tok, directory,
+            Coordinator(directory, ChannelPool()),
+        )  # fmt: skip
+        http = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+        serving = asyncio.get_running_loop().create_task(http.serve())
+        out = {}
+        try:
+            while not http.started:
+                await asyncio.sleep(0.02)
+            async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}", timeout=120) as client:
+                for mode, prompt in (("disagg", disagg), ("agg", agg)):
+                    pull = pb.PrefixPull(
+                        source=ref(cluster, "prefill-b"), start_block=0, block_hashes=block_hashes(prompt, BS)
+                    )
+                    router.plan = pb.RoutePlan(
+                        decode=ref(cluster, "decode-d" if mode == "disagg" else "decode-p")
+                    )
+                    if mode == "disagg":
+                        router.plan.prefill.CopyFrom(ref(cluster, "prefill-a"))
+                    router.plan.prefix_pull.CopyFrom(pull)
+                    req = {
+                        "model": "m",
+                        "prompt": prompt,
+                        "max_tokens": 12,
+                        "temperature": 0,
+                        "ignore_eos": True,
+                    }
+                    r = await client.post("/v1/completions", json=req)
+                    assert r.status_code == 200, r.text
+                    rid = r.headers["x-rackserve-request-id"]
+                    timeline = await client.get(f"/v1/requests/{rid}/timeline")
+                    out[mode] = (r.json(), timeline.json())
+        finally:
+            http.should_exit = True
+            await serving
+            await server.stop(0)
+        return out
+
+    got = run(body, 300)
+    for mode, prompt in (("disagg", disagg), ("agg", agg)):
+        answer, timeline = got[mode]
+        usable = (len(prompt) - 1) // BS
+        assert answer["choices"][0]["text"] == tok.decode(wants[mode])
+        assert answer["usage"]["prompt_tokens_details"]["cached_tokens"] == usable * BS
+        assert timeline["pulled_tokens"] == usable * BS
+        assert timeline["prefix_pull"] == {
+            "source": "prefill-b",
+            "start_block": 0,
+            "blocks": len(block_hashes(prompt, BS)),
+            "pulled_tokens": usable * BS,
+        }
