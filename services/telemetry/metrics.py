@@ -89,6 +89,10 @@ GENERATION_TOKENS = Counter("rackserve_generation_tokens", "Tokens generated and
 CACHED_PROMPT_TOKENS = Counter(
     "rackserve_cached_prompt_tokens", "Prompt tokens that a worker served from its prefix cache"
 )
+PULLED_PROMPT_TOKENS = Counter(
+    "rackserve_pulled_prompt_tokens",
+    "Of the cached prompt tokens: those whose KV the prefilling worker pulled from a peer (PrefixPull)",
+)
 WORKER_FAILURES = Counter(
     "rackserve_frontend_worker_failures",
     "Failed calls to a router or worker, reported by the frontend",
