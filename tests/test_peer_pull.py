@@ -499,3 +499,48 @@ def test_the_frontend_sends_the_plans_prefix_pull_and_records_the_pulled_tokens(
             "blocks": len(block_hashes(prompt, BS)),
             "pulled_tokens": usable * BS,
         }
+
+
+def test_export_prefix_holds_the_blocks_until_its_ttl_and_answers_empty_for_unknown_hashes(
+    cluster: LocalCluster, prompts: dict[str, list[int]]
+) -> None:
+    k = prompts["a"] + prompts["b"]  # warmed here as a whole, whatever B evicted before
+    prefill(cluster, "prefill-b", "k-warm", k)
+    release(cluster, "prefill-b", "k-warm")
+    hashes = block_hashes(k, BS)
+    ep = cluster.endpoints["prefill-b"]
+
+    async def export(rid: str, asked: list[int]) -> pb.ExportPrefixResponse:
+        async with grpc.aio.insecure_channel(ep) as channel:
+            req = pb.ExportPrefixRequest(request_id=rid, block_hashes=asked, ttl_s=2.0)
+            response: pb.ExportPrefixResponse = await pb_grpc.PrefillWorkerStub(channel).ExportPrefix(
+                req, timeout=20
+            )
+            return response
+
+    got = run(lambda: export("k-export", hashes), 30)
+    assert got.matched_blocks == len(hashes) and got.kv.num_tokens == len(hashes) * BS
+    assert got.kv.producer_worker_id == "prefill-b" and got.kv.transfer_endpoint
+    # held (pinned) now; with no Release, its TTL frees every block
+    run(
+        lambda: wait_for_load(
+            ep, pb_grpc.PrefillWorkerStub, lambda s: s.free_blocks == s.total_blocks - len(hashes)
+        )
+    )
+    run(lambda: wait_for_load(ep, pb_grpc.PrefillWorkerStub, all_free, timeout_s=20), 30)
+    with pytest.raises(grpc.aio.AioRpcError) as refused:  # a second hold of the same id while held is refused
+        run(lambda: _two_exports(ep, hashes), 30)
+    assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    empty = run(lambda: export("k-none", [h ^ 1 for h in hashes]), 30)  # hashes no block has
+    assert empty.matched_blocks == 0 and not empty.HasField("kv")
+    # the last block alone is an exact run (its hash chains it); the blocks asked after it are not its children
+    backwards = run(lambda: export("k-back", list(reversed(hashes))), 30)
+    assert backwards.matched_blocks == 1 and list(backwards.kv.block_ids) == list(got.kv.block_ids[-1:])
+
+
+async def _two_exports(endpoint: str, hashes: list[int]) -> None:
+    async with grpc.aio.insecure_channel(endpoint) as channel:
+        stub = pb_grpc.PrefillWorkerStub(channel)
+        for _ in range(2):
+            req = pb.ExportPrefixRequest(request_id="k-twice", block_hashes=hashes, ttl_s=30.0)
+            await stub.ExportPrefix(req, timeout=20)
