@@ -205,7 +205,19 @@ class PrefillWorker(EngineWorker, pb_grpc.PrefillWorkerServicer):
         ttl_s = request.ttl_s if request.ttl_s > 0 else self.kv_ttl_s
         hashes = list(request.block_hashes)
         with tracing.server_span("export_prefix", request_meta(context).traceparent, hold_id) as span:
-            export = await self.engine.call(lambda e: e.export_prefix(hold_id, hashes))
+            # the deadline starts before any await, so the blocks are freed even if this call dies from here on
+            expires_unix_ms = self._hold(hold_id, min(ttl_s, self.kv_max_hold_s))
+            try:
+                export = await self.engine.call(lambda e: e.export_prefix(hold_id, hashes))
+            except ValueError:  # the id names a request or hold of the engine's: nothing here is ours to free
+                self._held_since.pop(hold_id, None)
+                timer = self._expiry.pop(hold_id, None)
+                if timer is not None:
+                    timer.cancel()
+                raise
+            except BaseException:
+                await self._release(hold_id)
+                raise
             tracing.set_attributes(
                 span,
                 {
@@ -214,9 +226,9 @@ class PrefillWorker(EngineWorker, pb_grpc.PrefillWorkerServicer):
                 },
             )
             if export is None:
+                await self._release(hold_id)  # nothing is held
                 metrics.PREFIX_EXPORTS.labels("empty").inc()
                 return pb.ExportPrefixResponse()
-            expires_unix_ms = self._hold(hold_id, min(ttl_s, self.kv_max_hold_s))
             try:
                 layout = self.facts.kv_layout
                 ticket = self.source.publish(

@@ -118,6 +118,9 @@ class PrefixPuller:
             result.outcome, result.detail = f"fallback_{e.cause}", str(e)
         except Exception as e:  # noqa: BLE001 - any failure recomputes; the line names it
             result.outcome, result.detail = "fallback_refused", f"{type(e).__name__}: {e}"
+        except BaseException:  # cancelled (the caller went away): unpin here without waiting, then go
+            self._releases.spawn(self.engine.release(hold_id), name=f"unpin {hold_id}")
+            raise
         if result.outcome.startswith("fallback_"):
             # unpin whatever this pool pinned for the pull (idempotent; after an import the deadline cut short,
             # which the engine still runs first: its blocks are whole, they stay cached like computed ones)
