@@ -299,6 +299,17 @@ def overview() -> Board:
         ],
     )
     b.panel("Transfer failures/s", [q(rate("rackserve_kv_transfer_failures_total", "reason"), "{{reason}}")])
+    b.panel(
+        "Prefix pulls between workers",
+        [
+            q(rate("rackserve_peer_pulls_total", "role, outcome"), "pulls/s {{role}} {{outcome}}"),
+            q(rate("rackserve_peer_pull_blocks_total", "role"), "pulled blocks/s {{role}}"),
+            q(quantile(0.9, "rackserve_peer_pull_seconds", "role"), "pull p90 {{role}} (s)"),
+        ],
+        "short",
+        description="Prefix blocks a worker copied from a peer's pool instead of recomputing them (a plan's "
+        "PrefixPull), by outcome: pulled, local (already here), fallback_<cause> (recomputed)",
+    )
     b.row("Routing")
     b.panel(
         "Routing decisions/s by reason",

@@ -18,6 +18,9 @@ queue. A full KV pool is a wait, never an error: the request queues in the engin
 allocated (bounded by the call's deadline), sending an empty `waiting` chunk every `QUEUE_HEARTBEAT_S` so the
 caller knows the worker is busy, not hung; the wait is observed as `queue{role=decode}` and a `kv_admission` span.
 
+A local prefill whose request carries a `PrefixPull` first copies the named prefix blocks from the peer prefill
+worker (runtime/prefix_pull.py; any failure recomputes) and reports `pulled_tokens` on the first chunk.
+
 This room must never hold state past a request's stream, or talk to the router; the only other worker it
 calls is a KV producer, to pull and to acknowledge.
 """
@@ -63,6 +66,7 @@ from services.runtime.errors import (
     WorkerUnavailableError,
 )
 from services.runtime.host import ServiceHost, service_main
+from services.runtime.prefix_pull import PrefixPuller, PullResult
 from services.runtime.rpc import request_meta
 from services.runtime.tasks import BackgroundTasks
 from services.runtime.worker import EngineWorker, run_engine_worker
@@ -91,6 +95,7 @@ class DecodeWorker(EngineWorker, pb_grpc.DecodeWorkerServicer):
         pull_timeout_s: float = 10.0,
         release_timeout_s: float = 2.0,
         debug_die_after_tokens: int = 0,
+        prefix_pull_deadline_s: float = 2.0,
     ) -> None:
         super().__init__(host, engine)
         self.debug_die_after_tokens = debug_die_after_tokens
@@ -100,6 +105,9 @@ class DecodeWorker(EngineWorker, pb_grpc.DecodeWorkerServicer):
         self.release_timeout_s = release_timeout_s
         self._producers = ChannelPool(host.tls)  # a channel per producer endpoint, for Release
         self._acks = BackgroundTasks()
+        self.puller = PrefixPuller(
+            engine, sink, self._producers, ROLE, preference, prefix_pull_deadline_s, release_timeout_s
+        )
         # export a zero per failure reason from the start, so rate() reads 0 rather than nothing
         for reason in ("unavailable", "data_loss", "precondition"):
             metrics.KV_TRANSFER_FAILURES.labels(reason)
@@ -120,40 +128,69 @@ class DecodeWorker(EngineWorker, pb_grpc.DecodeWorkerServicer):
                 pulled = await self._pull(request_id, request.kv, len(request.prompt_token_ids), span)
             n = request.kv.num_tokens
             kv = KvExport(self.facts.kv_layout, list(request.prompt_token_ids[:n]), pulled.data)  # type: ignore[arg-type]
-        first = True
-        async with self.engine.generate(
-            request_id, request.prompt_token_ids, params, output_ids=request.emitted_token_ids, kv=kv
-        ) as stream:
-            async for out in _with_heartbeats(stream, self.engine):
-                if out is None:  # still queued for KV blocks (or a slow step): busy, not hung
-                    yield pb.DecodeChunk(waiting=True)
-                    continue
-                if out.finish_reason == "abort" and self.host.gate.draining:
-                    raise WorkerUnavailableError(
-                        f"worker {self.host.worker_id} drained before request {request_id!r} finished; "
-                        "resume it elsewhere with the tokens emitted so far"
-                    )
-                chunk = pb.DecodeChunk(
-                    tokens=wire.tokens(out, index),
-                    finished=out.finished,
-                    finish_reason=out.finish_reason or "",
-                    stop_reason=wire.stop_reason(out),
+        prefix: PullResult | None = None
+        if not request.HasField("kv") and request.HasField(
+            "prefix_pull"
+        ):  # local prefill: its prefix from a peer
+            with tracing.server_span("prefix_pull", traceparent, request_id) as span:
+                tokens = [*request.prompt_token_ids, *request.emitted_token_ids]
+                prefix = await self.puller.pull(request_id, request.prefix_pull, tokens)
+                tracing.set_attributes(
+                    span,
+                    {
+                        "rackserve.pull.source_worker_id": prefix.source_worker_id,
+                        "rackserve.pull.outcome": prefix.outcome,
+                        "rackserve.pull.blocks": prefix.blocks,
+                    },
                 )
-                if first:
-                    chunk.prompt_tokens, chunk.cached_tokens = out.num_prompt_tokens, out.num_cached_tokens
-                    chunk.queue_s = stream.timing.queue_s
-                    if pulled is None:  # aggregated: this worker ran the prompt
-                        self._local_prefill_span(traceparent, request_id, stream.timing, out)
-                    if pulled is not None:
-                        chunk.transfer_bytes, chunk.transfer_s = pulled.bytes, pulled.seconds
-                        chunk.transfer_backend = pulled.backend
-                        self._admission_span(traceparent, request_id, stream.timing)
-                    first = False
-                index += len(out.new_token_ids)
-                yield chunk
-                if not out.finished and 0 < self.debug_die_after_tokens <= index:
-                    await asyncio.sleep(0.2)  # let the chunk leave, so the client sees exactly N tokens
-                    self._die(request_id, index)
+        try:
+            first = True
+            async with self.engine.generate(
+                request_id, request.prompt_token_ids, params, output_ids=request.emitted_token_ids, kv=kv
+            ) as stream:
+                async for out in _with_heartbeats(stream, self.engine):
+                    if out is None:  # still queued for KV blocks (or a slow step): busy, not hung
+                        yield pb.DecodeChunk(waiting=True)
+                        continue
+                    if out.finish_reason == "abort" and self.host.gate.draining:
+                        raise WorkerUnavailableError(
+                            f"worker {self.host.worker_id} drained before request {request_id!r} finished; "
+                            "resume it elsewhere with the tokens emitted so far"
+                        )
+                    chunk = pb.DecodeChunk(
+                        tokens=wire.tokens(out, index),
+                        finished=out.finished,
+                        finish_reason=out.finish_reason or "",
+                        stop_reason=wire.stop_reason(out),
+                    )
+                    if first:
+                        chunk.prompt_tokens, chunk.cached_tokens = (
+                            out.num_prompt_tokens,
+                            out.num_cached_tokens,
+                        )
+                        chunk.queue_s = stream.timing.queue_s
+                        if prefix is not None:
+                            await self.puller.release(prefix)  # admitted: the pulled prefix needs no pin now
+                            chunk.pulled_tokens = prefix.pulled_tokens(
+                                self.facts.kv_layout.block_size, out.num_cached_tokens
+                            )
+                        if pulled is None:  # aggregated: this worker ran the prompt
+                            self._local_prefill_span(
+                                traceparent, request_id, stream.timing, out, chunk.pulled_tokens
+                            )
+                        if pulled is not None:
+                            chunk.transfer_bytes, chunk.transfer_s = pulled.bytes, pulled.seconds
+                            chunk.transfer_backend = pulled.backend
+                            self._admission_span(traceparent, request_id, stream.timing)
+                        first = False
+                    index += len(out.new_token_ids)
+                    yield chunk
+                    if not out.finished and 0 < self.debug_die_after_tokens <= index:
+                        await asyncio.sleep(0.2)  # let the chunk leave, so the client sees exactly N tokens
+                        self._die(request_id, index)
+        finally:
+            if prefix is not None:  # a stream that ended before its first chunk: unpin the prefix too
+                await self.puller.release(prefix)
         if pulled is not None:
             self._ack(request.kv)  # finished: the producer may free its copy
 
@@ -164,7 +201,12 @@ class DecodeWorker(EngineWorker, pb_grpc.DecodeWorkerServicer):
         os.kill(os.getpid(), signal.SIGKILL)
 
     def _local_prefill_span(
-        self, traceparent: str, request_id: str, timing: RequestTiming, out: RequestOutput
+        self,
+        traceparent: str,
+        request_id: str,
+        timing: RequestTiming,
+        out: RequestOutput,
+        pulled_tokens: int = 0,
     ) -> None:
         start_unix_s = tracing.monotonic_to_unix_s(timing.submitted_s)
         span = tracing.tracer().start_span(
@@ -172,7 +214,11 @@ class DecodeWorker(EngineWorker, pb_grpc.DecodeWorkerServicer):
             context=tracing.context_of(traceparent),
             kind=tracing.SpanKind.SERVER,
             start_time=tracing.unix_ns(start_unix_s),
-            attributes={tracing.REQUEST_ID: request_id, "rackserve.local": True},
+            attributes={
+                tracing.REQUEST_ID: request_id,
+                "rackserve.local": True,
+                "rackserve.pulled_tokens": pulled_tokens,
+            },
         )
         self.observe_prompt(span, request_id, timing, out.num_prompt_tokens, out.num_cached_tokens)
         span.end(end_time=tracing.unix_ns(start_unix_s + timing.queue_s + timing.compute_s))
@@ -282,6 +328,7 @@ class DecodeWorker(EngineWorker, pb_grpc.DecodeWorkerServicer):
 
     async def close(self) -> None:
         await self._acks.wait()
+        await self.puller.close()
         await self._producers.close()
 
 
@@ -337,6 +384,7 @@ async def serve(args: argparse.Namespace) -> None:
             args.kv_pull_timeout_s,
             args.kv_release_timeout_s,
             args.debug_die_after_tokens,
+            args.kv_prefix_pull_deadline_s,
         )
         workers.append(worker)
         return worker

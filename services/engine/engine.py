@@ -5,6 +5,11 @@ this file builds the token, position and attention metadata tensors), samples wh
 applies stop conditions and returns what changed. KV blocks can be exported to bytes and imported into another
 engine (`export_kv` / `import_kv`); the `KvLayout` they carry is checked field by field, so a cache from a
 different model, dtype or block size is refused, never reinterpreted.
+
+Prefix pulls between workers move cached blocks by hash, not by request: `export_prefix` pins the longest cached
+run of asked chained hashes under a hold id and copies its bytes out; `import_prefix` writes a peer's blocks into
+fresh pool blocks and commits them under their hashes, so the next admission of that prompt is an ordinary prefix
+hit. Both keep their blocks pinned under the hold id until `release_kv(hold_id)`.
 """
 
 from __future__ import annotations
@@ -18,6 +23,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from services.engine.block_hash import ROOT_HASH
 from services.engine.config import EngineConfig, ModelConfig, torch_dtype
 from services.engine.device import plan_kv_memory, resolve_device
 from services.engine.kv_cache import BlockManager, KvEvent, NoFreeBlocksError
@@ -86,6 +92,16 @@ class KvExport:
     @property
     def num_blocks(self) -> int:
         return -(-len(self.token_ids) // self.layout.block_size)
+
+
+@dataclass
+class PrefixExport:
+    """Cached blocks pinned under a hold for a peer (`export_prefix`): block-major bytes, in the asked order."""
+
+    block_ids: list[int]
+    block_hashes: list[int]
+    data: bytes
+    device_blocks: torch.Tensor | None = None  # on a GPU: the same blocks, still on the device (cuda_ipc)
 
 
 @dataclass
@@ -241,6 +257,9 @@ class LLMEngine:
         self._pending_kv: dict[
             str, bytes | torch.Tensor
         ] = {}  # request id -> imported KV waiting for its blocks
+        self._prefix_holds: dict[
+            str, list[int]
+        ] = {}  # hold id -> blocks pinned for a prefix pull (either end)
         self.graphs: DecodeGraphs | None = None
         if device.type == "cuda" and not cfg.enforce_eager and self.attention_backend == "triton":
             from services.engine.cuda_graphs import DecodeGraphs
@@ -331,10 +350,17 @@ class LLMEngine:
             self.scheduler.release_kv(req)
 
     def release_kv(self, request_id: str) -> None:
-        """Let go of a finished request's held KV blocks (they stay in the prefix cache until evicted)."""
+        """Let go of a finished request's held KV blocks, or of a prefix hold of that id (they stay in the prefix
+        cache until evicted)."""
         req = self.requests.pop(request_id, None)
         if req is not None:
             self.scheduler.release_kv(req)
+        pinned = self._prefix_holds.pop(request_id, None)
+        if pinned is not None:
+            self.blocks.release(pinned)
+
+    def holds_prefix(self, hold_id: str) -> bool:
+        return hold_id in self._prefix_holds
 
     def has_unfinished(self) -> bool:
         return self.scheduler.num_unfinished > 0
@@ -555,6 +581,87 @@ class LLMEngine:
         nblocks = -(-n // self.kv.block_size)
         return self.kv.read_blocks(self._h2d(req.block_ids[:nblocks]))
 
+    # ------------------------------------------------------------------------------------------ prefix pulls
+    def hold_cached_prefix(
+        self, hold_id: str, hashes: Sequence[int], parent: int | None = ROOT_HASH
+    ) -> list[int]:
+        """Pin, under hold_id, the longest run of cached blocks whose chained hashes are `hashes` from the first:
+        each block's recorded parent is the hash before it (and the first one's is `parent`; None: a run that
+        starts mid-prompt whose parent the asker did not name — its own hash already chains it). Returns the
+        pinned block ids (maybe none; then nothing is held)."""
+        if hold_id in self._prefix_holds or hold_id in self.requests:
+            raise ValueError(f"hold id {hold_id!r} is already in use on this worker")
+        found: list[int] = []
+        for h in hashes:
+            bid = self.blocks.lookup_prefix([h])
+            if not bid or (parent is not None and self.blocks.blocks[bid[0]].parent_hash != parent):
+                break
+            found.append(bid[0])
+            parent = h
+        if found:
+            self.blocks.acquire(found)
+            self._prefix_holds[hold_id] = found
+        return found
+
+    def export_prefix(
+        self, hold_id: str, hashes: Sequence[int], parent: int | None = None
+    ) -> PrefixExport | None:
+        """Pin the longest cached run of `hashes` (hold_cached_prefix) and copy its blocks out: staged host bytes,
+        plus the device copy on a GPU. None (and no hold) when the pool has not even the first block."""
+        ids = self.hold_cached_prefix(hold_id, hashes, parent)
+        if not ids:
+            return None
+        data = self.kv.read_blocks(self._h2d(ids))
+        host = data.cpu().view(torch.uint8).numpy().tobytes()
+        return PrefixExport(ids, list(hashes[: len(ids)]), host, data if data.is_cuda else None)
+
+    def import_prefix(
+        self,
+        hold_id: str,
+        hashes: Sequence[int],
+        parent: int,
+        data: bytes | bytearray | memoryview | torch.Tensor,
+    ) -> int:
+        """Write a peer's blocks (block-major, the export order; `hashes` their chained hashes, `parent` the
+        first one's parent) into this pool and commit them as cached prefix blocks, pinned under hold_id (which
+        may already pin this prompt's earlier blocks) until release_kv(hold_id). Blocks the pool already caches
+        are kept, not overwritten. Returns how many blocks were written."""
+        n = len(hashes)
+        size = data.numel() * data.element_size() if isinstance(data, torch.Tensor) else len(memoryview(data))
+        if size != n * self.kv.block_bytes:
+            raise KvMismatchError(
+                f"prefix payload has {size} bytes, {n} blocks need {n * self.kv.block_bytes}"
+            )
+        if isinstance(data, torch.Tensor) and data.dtype != self.kv.dtype:
+            raise KvMismatchError(f"KV blocks are {data.dtype}, this engine's cache is {self.kv.dtype}")
+        if not self.config.enable_prefix_caching:
+            raise ValueError("this worker runs without a prefix cache: pulled blocks could never be hit")
+        parents = [parent, *hashes[:-1]]
+        have = [self.blocks.lookup_prefix([h]) for h in hashes]
+        keep = [b[0] for b in have if b]
+        missing = [i for i, b in enumerate(have) if not b]
+        if keep:  # out of the free list first, so allocating the others cannot evict them
+            self.blocks.acquire(keep)
+        try:
+            fresh = self.blocks.allocate(len(missing))
+        except NoFreeBlocksError:
+            self.blocks.release(keep)
+            raise
+        if missing:
+            shape = (n, *self.kv.data.shape[:3], self.kv.block_size, self.kv.data.shape[-1])
+            if isinstance(data, torch.Tensor):
+                src = data.to(self.device).view(shape)
+            else:
+                src = torch.frombuffer(bytearray(data), dtype=torch.uint8).view(self.kv.dtype).view(shape)
+            src = src[torch.tensor(missing)] if len(missing) < n else src
+            if self.device.type == "cuda" and not src.is_cuda:
+                src = src.pin_memory().to(self.device, non_blocking=True)
+            self.kv.write_blocks(self._h2d(fresh), src)
+            for b, i in zip(fresh, missing, strict=True):
+                self.blocks.commit(b, hashes[i], parents[i])
+        self._prefix_holds.setdefault(hold_id, []).extend(keep + fresh)
+        return len(missing)
+
     def _import_into(self, req: Request, kv: KvExport) -> None:
         self.kv_layout.check_compatible(kv.layout, same_device=isinstance(kv.data, torch.Tensor))
         n = len(kv.token_ids)
@@ -650,6 +757,7 @@ __all__ = [
     "KvLayout",
     "KvMismatchError",
     "LLMEngine",
+    "PrefixExport",
     "PromptTooLongError",
     "RequestOutput",
     "RequestStatus",

@@ -411,6 +411,8 @@ class Frontend:
                 metrics.E2E_S.observe(done - state.timeline[0][1])
             if state.cached_tokens:
                 metrics.CACHED_PROMPT_TOKENS.inc(state.cached_tokens)
+            if state.pulled_tokens:
+                metrics.PULLED_PROMPT_TOKENS.inc(state.pulled_tokens)
             self.observer.finished(endpoint, state, status, error_type)
 
 

@@ -262,6 +262,8 @@ class Coordinator:
         request = pb.PrefillRequest(
             request_id=state.request_id, token_ids=state.prompt_token_ids, params=state.params
         )
+        if state.plan is not None and state.plan.HasField("prefix_pull"):  # copy the prefix from a peer first
+            request.prefix_pull.CopyFrom(state.plan.prefix_pull)
         stub = pb_grpc.PrefillWorkerStub(self.channels.get(worker.endpoint))
         peer = f"prefill worker {worker.worker_id}"
         timeout_s = min(self.stall_timeout_s, state.remaining_s())
@@ -275,6 +277,7 @@ class Coordinator:
                 raise stalled(worker, "prefill", detail, f"{peer} answered nothing for {timeout_s:g}s") from e
             raise lost_or_refused(e, worker, "prefill", detail, peer) from e
         state.cached_tokens = response.cached_tokens
+        state.pulled_tokens = response.pulled_tokens
         return response
 
     async def _decode(
@@ -288,6 +291,10 @@ class Coordinator:
             params=state.params,
             kv=kv,
         )
+        if kv is None and state.plan is not None and state.plan.HasField("prefix_pull"):
+            request.prefix_pull.CopyFrom(
+                state.plan.prefix_pull
+            )  # a local prefill: its prefix from a peer first
         stub = pb_grpc.DecodeWorkerStub(self.channels.get(worker.endpoint))
         call = stub.Decode(request, metadata=state.metadata(), timeout=state.remaining_s())
         peer = f"decode worker {worker.worker_id}"
@@ -309,6 +316,7 @@ class Coordinator:
                     state.advance(Phase.DECODING)
                     if kv is None:
                         state.cached_tokens = chunk.cached_tokens
+                        state.pulled_tokens = chunk.pulled_tokens
                     if chunk.transfer_backend:
                         state.transfer_bytes, state.transfer_s = chunk.transfer_bytes, chunk.transfer_s
                         state.transfer_backend = chunk.transfer_backend

@@ -112,6 +112,7 @@ class RequestState:
     failed_worker_ids: list[str] = field(default_factory=list)
     migrations: int = 0
     cached_tokens: int = 0
+    pulled_tokens: int = 0  # of cached_tokens: those whose KV the prefilling worker pulled from a peer
     finish_reason: str | None = None
     stop_reason: str | None = None
     error: str | None = None
@@ -202,6 +203,7 @@ class RequestState:
             "prompt_tokens": len(self.prompt_token_ids),
             "completion_tokens": len(self.emitted),
             "cached_tokens": self.cached_tokens,
+            "pulled_tokens": self.pulled_tokens,
             "decode_worker": self.plan.decode.worker_id if self.plan is not None else None,
             "prefill_worker": (
                 self.plan.prefill.worker_id

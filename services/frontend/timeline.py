@@ -79,6 +79,14 @@ def timeline_record(
             if state.transfer_s > 0
             else None,
         }
+    if plan is not None and plan.HasField("prefix_pull"):
+        pull = plan.prefix_pull
+        record["prefix_pull"] = {  # the plan's pull and what came of it (pulled_tokens 0: recomputed)
+            "source": pull.source.worker_id,
+            "start_block": pull.start_block,
+            "blocks": len(pull.block_hashes),
+            "pulled_tokens": state.pulled_tokens,
+        }
     if include_prompt:
         record["prompt_token_ids"] = list(state.prompt_token_ids)
     return record
@@ -198,6 +206,8 @@ def _emit_spans(state: RequestState, record: dict[str, Any]) -> None:
             "rackserve.prompt_tokens": record["prompt_tokens"],
             "rackserve.completion_tokens": record["completion_tokens"],
             "rackserve.cached_tokens": record["cached_tokens"],
+            "rackserve.pulled_tokens": record["pulled_tokens"],
+            "rackserve.prefix_pull.source": (record.get("prefix_pull") or {}).get("source"),
             "rackserve.ttft_s": record.get("ttft_s"),
             "rackserve.route.reason": record["route"]["reason"],
             "rackserve.prefill_worker": record["workers"]["prefill"],

@@ -14,6 +14,12 @@ stream runs (never past `--kv-max-hold-s` from the prefill) and releases it when
 frees what every ack missed. `--debug-die-in prefill|transfer` (test-only) makes the process SIGKILL itself during a
 Prefill call or as the first pull of its KV begins: the chaos suite's exact-moment prefill faults.
 
+Prefix pulls between workers: `ExportPrefix` holds the longest run of asked chained hashes this pool caches (from
+the first asked one) under the caller's id and publishes their bytes on the KvSource exactly like a prefill's KV
+(same KvHandle, TTL, ExtendHold and Release); none cached is an empty answer and no hold. A Prefill whose request
+carries a `PrefixPull` first copies those blocks from the named peer with this worker's KvSink
+(runtime/prefix_pull.py) — any failure recomputes — and reports `pulled_tokens`.
+
 This room must never decode past the first token, and never hold blocks without a deadline.
 """
 
@@ -32,7 +38,7 @@ import time
 import grpc
 from opentelemetry import trace
 
-from services.kvtransfer import KvSource, TransferConfig
+from services.kvtransfer import KvSink, KvSource, TransferConfig
 from services.rpc import pb, pb_grpc
 from services.runtime import wire
 from services.runtime.args import (
@@ -42,12 +48,14 @@ from services.runtime.args import (
     add_service_arguments,
 )
 from services.runtime.async_engine import AsyncEngine
+from services.runtime.channels import ChannelPool
 from services.runtime.errors import WorkerUnavailableError
 from services.runtime.host import ServiceHost, service_main
+from services.runtime.prefix_pull import PrefixPuller, PullResult
 from services.runtime.rpc import request_meta
 from services.runtime.tasks import BackgroundTasks
 from services.runtime.worker import EngineWorker, run_engine_worker
-from services.telemetry import tracing
+from services.telemetry import metrics, tracing
 
 log = logging.getLogger("rackserve.prefill")
 
@@ -69,9 +77,11 @@ class PrefillWorker(EngineWorker, pb_grpc.PrefillWorkerServicer):
         kv_compress: str | None = None,
         debug_die_in: str = "none",
         kv_max_hold_s: float = DEFAULT_KV_MAX_HOLD_S,
+        puller: PrefixPuller | None = None,
     ) -> None:
         super().__init__(host, engine)
         self.source = source
+        self.puller = puller  # None: PrefixPulls are ignored (the prompt is computed here)
         self.kv_max_hold_s = max(kv_max_hold_s, kv_ttl_s)
         self._held_since: dict[str, float] = {}  # request id -> when its hold began (time.time())
         self.debug_die_in = debug_die_in
@@ -81,14 +91,36 @@ class PrefillWorker(EngineWorker, pb_grpc.PrefillWorkerServicer):
         self.kv_compress = kv_compress
         self._expiry: dict[str, asyncio.TimerHandle] = {}  # request id -> the timer that frees its held KV
         self._expiring = BackgroundTasks()
+        for outcome in ("held", "empty"):
+            metrics.PREFIX_EXPORTS.labels(outcome)
 
     async def Prefill(  # noqa: N802 - gRPC method name
         self, request: pb.PrefillRequest, context: grpc.aio.ServicerContext
     ) -> pb.PrefillResponse:
         request_id = self.request_id(request.request_id, context)
-        with tracing.server_span("prefill", request_meta(context).traceparent, request_id) as span:
-            response = await self._prefill(request_id, request, span)
-            tracing.set_attributes(span, {"rackserve.kv_blocks": len(response.kv.block_ids)})
+        traceparent = request_meta(context).traceparent
+        with tracing.server_span("prefill", traceparent, request_id) as span:
+            pull: PullResult | None = None
+            if request.HasField("prefix_pull") and self.puller is not None:
+                with tracing.tracer().start_as_current_span("prefix_pull") as pull_span:
+                    pull = await self.puller.pull(request_id, request.prefix_pull, request.token_ids)
+                    pull_attributes(pull_span, pull)
+            try:
+                response = await self._prefill(request_id, request, span)
+            finally:
+                if pull is not None and self.puller is not None:
+                    await self.puller.release(pull)  # admitted (or failed): the prefix needs no pin now
+            if pull is not None:
+                response.pulled_tokens = pull.pulled_tokens(
+                    self.facts.kv_layout.block_size, response.cached_tokens
+                )
+            tracing.set_attributes(
+                span,
+                {
+                    "rackserve.kv_blocks": len(response.kv.block_ids),
+                    "rackserve.pulled_tokens": response.pulled_tokens,
+                },
+            )
             return response
 
     async def _prefill(
@@ -161,6 +193,69 @@ class PrefillWorker(EngineWorker, pb_grpc.PrefillWorkerServicer):
         response.kv.CopyFrom(kv)
         return response
 
+    async def ExportPrefix(  # noqa: N802 - gRPC method name
+        self, request: pb.ExportPrefixRequest, context: grpc.aio.ServicerContext
+    ) -> pb.ExportPrefixResponse:
+        """Hold and publish the longest cached run of the asked blocks for a peer; nothing cached: empty."""
+        hold_id = request.request_id
+        if not hold_id:
+            raise ValueError("ExportPrefixRequest.request_id (the hold's id) is empty")
+        if hold_id in self._expiry:
+            raise ValueError(f"a hold named {hold_id!r} exists already on this worker")
+        ttl_s = request.ttl_s if request.ttl_s > 0 else self.kv_ttl_s
+        hashes = list(request.block_hashes)
+        with tracing.server_span("export_prefix", request_meta(context).traceparent, hold_id) as span:
+            # the deadline starts before any await, so the blocks are freed even if this call dies from here on
+            expires_unix_ms = self._hold(hold_id, min(ttl_s, self.kv_max_hold_s))
+            try:
+                export = await self.engine.call(lambda e: e.export_prefix(hold_id, hashes))
+            except ValueError:  # the id names a request or hold of the engine's: nothing here is ours to free
+                self._held_since.pop(hold_id, None)
+                timer = self._expiry.pop(hold_id, None)
+                if timer is not None:
+                    timer.cancel()
+                raise
+            except BaseException:
+                await self._release(hold_id)
+                raise
+            tracing.set_attributes(
+                span,
+                {
+                    "rackserve.asked_blocks": len(hashes),
+                    "rackserve.matched_blocks": len(export.block_ids) if export else 0,
+                },
+            )
+            if export is None:
+                await self._release(hold_id)  # nothing is held
+                metrics.PREFIX_EXPORTS.labels("empty").inc()
+                return pb.ExportPrefixResponse()
+            try:
+                layout = self.facts.kv_layout
+                ticket = self.source.publish(
+                    hold_id,
+                    export.data,
+                    self.kv_max_hold_s,  # _hold's timer retracts it first; this is the backstop
+                    compress=self.kv_compress,
+                    kv_dtype=wire.KV_DTYPE_NAMES[layout.dtype],
+                    head_dim=layout.head_dim,
+                    device_payload=export.device_blocks,
+                )
+            except BaseException:
+                await self._release(hold_id)
+                raise
+            n = len(export.block_ids)
+            kv = wire.kv_handle(
+                layout, hold_id, export.block_ids, n * layout.block_size,
+                self.host.worker_id, self.host.epoch_ms, expires_unix_ms,
+            )  # fmt: skip
+            kv.producer_endpoint = self.host.endpoint
+            kv.transfer_endpoint = ticket.to_json()
+            kv.agent_metadata = ticket.agent_metadata
+            kv.transfer_backend = ",".join(sorted(ticket.backends))
+            metrics.PREFIX_EXPORTS.labels("held").inc()
+            metrics.PREFIX_EXPORT_BLOCKS.inc(n)
+            return pb.ExportPrefixResponse(kv=kv, matched_blocks=n)
+
     def worker_info(self) -> pb.WorkerInfo:
         info = super().worker_info()
         info.transfer_endpoint = json.dumps(self.source.advertise(), sort_keys=True)
@@ -196,12 +291,14 @@ class PrefillWorker(EngineWorker, pb_grpc.PrefillWorkerServicer):
             self.source.retract(request_id)
             await self.engine.release(request_id)
 
-    def _hold(self, request_id: str) -> int:
-        """Free the request's blocks kv_ttl_s from now unless released first; returns that time, unix ms."""
+    def _hold(self, request_id: str, ttl_s: float | None = None) -> int:
+        """Free the request's blocks ttl_s (default kv_ttl_s) from now unless released first; returns that time,
+        unix ms."""
+        ttl_s = self.kv_ttl_s if ttl_s is None else ttl_s
         now = time.time()
         self._held_since[request_id] = now
-        self._expiry[request_id] = self._expire_at(request_id, now + self.kv_ttl_s)
-        return int((now + self.kv_ttl_s) * 1000)
+        self._expiry[request_id] = self._expire_at(request_id, now + ttl_s)
+        return int((now + ttl_s) * 1000)
 
     def _expire_at(self, request_id: str, unix_s: float) -> asyncio.TimerHandle:
         loop = asyncio.get_running_loop()
@@ -239,13 +336,42 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
              "(prefill) or as the first pull of its KV begins (transfer)", choices=DEBUG_DIE_IN)  # fmt: skip
 
 
+def pull_attributes(span: trace.Span, pull: PullResult) -> None:
+    tracing.set_attributes(
+        span,
+        {
+            "rackserve.pull.source_worker_id": pull.source_worker_id,
+            "rackserve.pull.outcome": pull.outcome,
+            "rackserve.pull.first_block": pull.first_block,
+            "rackserve.pull.blocks": pull.blocks,
+            "rackserve.pull.seconds": pull.seconds,
+        },
+    )
+
+
 async def serve(args: argparse.Namespace) -> None:
     source = await KvSource.start(TransferConfig(backends=tuple(args.kv_backends), host=args.host))
+    # a prefill worker pulls too: the prefix blocks a plan's PrefixPull names, from a peer's KvSource
+    sink = await KvSink.start(
+        TransferConfig(
+            backends=tuple(args.kv_backends),
+            host=args.host,
+            nixl_verify_checksum=args.kv_nixl_verify_checksum,
+            nixl_lanes=args.kv_nixl_lanes,
+        )
+    )
     compress = None if args.kv_compress == "none" else args.kv_compress
+    pullers: list[tuple[PrefixPuller, ChannelPool]] = []
 
     def make(host: ServiceHost, engine: AsyncEngine) -> PrefillWorker:
+        channels = ChannelPool(host.tls)
+        puller = PrefixPuller(
+            engine, sink, channels, ROLE, args.kv_backend_preference, args.kv_prefix_pull_deadline_s,
+            args.kv_release_timeout_s, args.kv_ttl_s,
+        )  # fmt: skip
+        pullers.append((puller, channels))
         return PrefillWorker(
-            host, engine, source, args.kv_ttl_s, compress, args.debug_die_in, args.kv_max_hold_s
+            host, engine, source, args.kv_ttl_s, compress, args.debug_die_in, args.kv_max_hold_s, puller
         )
 
     try:
@@ -253,6 +379,10 @@ async def serve(args: argparse.Namespace) -> None:
             args, ROLE, SERVICE_NAME, GATED_METHODS, make, pb_grpc.add_PrefillWorkerServicer_to_server
         )
     finally:
+        for puller, channels in pullers:
+            await puller.close()
+            await channels.close()
+        await sink.close()
         await source.close()  # after the engine: tears NIXL down in order (no segfault at exit)
 
 

@@ -178,7 +178,7 @@ def add_kv_transfer_arguments(parser: argparse.ArgumentParser, role: str) -> Non
     )  # fmt: skip
     if role == "prefill":
         add_flag(g, "--kv-compress", "none", "transfer-only KV compression", choices=("none", "fp8", "nvfp4"))
-    if role == "decode":
+    if role in ("decode", "prefill"):  # a prefill worker pulls too: a peer's prefix blocks (PrefixPull)
         add_flag(
             g, "--kv-backend-preference", ("cuda_ipc", "shm", "nixl", "tcp"),
             "backend order to pull with (cuda_ipc and shm only when the producer is on this node)", _backend_list,
@@ -194,6 +194,10 @@ def add_kv_transfer_arguments(parser: argparse.ArgumentParser, role: str) -> Non
         add_flag(
             g, "--kv-nixl-lanes", 2, "NIXL agents (threads) a large pull is split over; 1: one", _positive_int
         )
+        add_flag(
+            g, "--kv-prefix-pull-deadline-s", 2.0, "deadline of a prefix pull from a peer (ExportPrefix, transfer "
+            "and import) when the plan's PrefixPull names none; past it the prompt is recomputed", float,
+        )  # fmt: skip
 
 
 def worker_id(args: argparse.Namespace, role: str) -> str:

@@ -89,6 +89,10 @@ GENERATION_TOKENS = Counter("rackserve_generation_tokens", "Tokens generated and
 CACHED_PROMPT_TOKENS = Counter(
     "rackserve_cached_prompt_tokens", "Prompt tokens that a worker served from its prefix cache"
 )
+PULLED_PROMPT_TOKENS = Counter(
+    "rackserve_pulled_prompt_tokens",
+    "Of the cached prompt tokens: those whose KV the prefilling worker pulled from a peer (PrefixPull)",
+)
 WORKER_FAILURES = Counter(
     "rackserve_frontend_worker_failures",
     "Failed calls to a router or worker, reported by the frontend",
@@ -225,6 +229,46 @@ KV_TRANSFER_FAILURES = Counter(
     "rackserve_kv_transfer_failures",
     "KV pulls that failed, by reason (unavailable | data_loss | precondition)",
     ["reason"],
+)
+# Prefix pulls between workers (runtime/prefix_pull.py): a worker about to prefill copies a prompt's cached prefix
+# blocks from a peer's pool instead of recomputing them; the peer exports them (PrefillWorker.ExportPrefix).
+PEER_PULL_OUTCOMES = (
+    "pulled",
+    "local",
+    "fallback_mismatch",
+    "fallback_prefix_gone",
+    "fallback_empty",
+    "fallback_unavailable",
+    "fallback_deadline",
+    "fallback_refused",
+    "fallback_data_loss",
+    "fallback_layout",
+    "fallback_no_space",
+)
+PEER_PULLS = Counter(
+    "rackserve_peer_pulls",
+    "Prefix pulls a worker was planned to make, by role and outcome (pulled | local: the blocks were already "
+    "here | fallback_<cause>: recomputed instead)",
+    ["role", "outcome"],
+)
+PEER_PULL_BLOCKS = Counter(
+    "rackserve_peer_pull_blocks",
+    "KV blocks a worker copied from a peer's pool into its own, by role",
+    ["role"],
+)
+PEER_PULL_S = Histogram(
+    "rackserve_peer_pull_seconds",
+    "One successful prefix pull: ExportPrefix, transfer and import into the pool, by role",
+    ["role"],
+    buckets=TRANSFER_BUCKETS_S,
+)
+PREFIX_EXPORTS = Counter(
+    "rackserve_prefix_exports",
+    "ExportPrefix calls a prefill worker served, by outcome (held: blocks published | empty: none cached)",
+    ["outcome"],
+)
+PREFIX_EXPORT_BLOCKS = Counter(
+    "rackserve_prefix_export_blocks", "KV blocks a prefill worker held and published for peers' prefix pulls"
 )
 # The KV cache's tiers: the primary pool (the paged cache the model reads) and the host tier 2 (engine/kv_tier.py).
 KV_TIERS = ("primary", "host")
