@@ -69,6 +69,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         default=256,
         help="auto mode's prompt-length rule for the baseline policies",
     )
+    p.add_argument(
+        "--peer-pull",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="the router may plan prefix pulls: prefill on one worker after copying the prompt's cached prefix "
+        "from a peer prefill worker's pool, when that is sooner than recomputing it (docs/kv-tiers.md)",
+    )
     p.add_argument("--ready-timeout-s", type=float, default=180.0)
     g = p.add_argument_group(
         "planner (--planner: the planner sizes the pools; this launcher starts and drains)"
@@ -192,6 +199,7 @@ class Cluster:
         share = a.gpu_memory_utilization / max(1, a.prefill + a.decode)
         engine += ["--device", a.device, "--gpu-memory-utilization", f"{share:.4f}"]
         routing = ["--mode", a.mode, "--disagg-min-prompt-tokens", str(a.disagg_min_prompt_tokens)]
+        routing += ["--peer-pull" if a.peer_pull else "--no-peer-pull"]
         self.spawn("router", base + ["router", *common, *routing])
         self._worker_cmd = (base, common, engine)
         for _ in range(a.prefill):
