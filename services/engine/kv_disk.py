@@ -29,6 +29,7 @@ import logging
 import os
 import re
 import struct
+import time
 from collections import OrderedDict
 from collections.abc import Callable
 from pathlib import Path
@@ -122,7 +123,9 @@ class DiskKvTier:
         self._entries: OrderedDict[int, tuple[int, int]] = (
             OrderedDict()
         )  # hash -> (parent, file bytes); oldest
-        self._staged: dict[int, TierEntry] = {}  # read and checked by lookup(), handed out by take()
+        self._staged: dict[int, tuple[TierEntry, float]] = {}  # read and checked by lookup() (with the seconds
+        # the read took), handed out by take()
+        self._taken_read_s = 0.0  # reads of the blocks taken since the last observe_restore: part of the restore
         self.used_bytes = 0
         self.hits = self.misses = self.restores = self.corrupt = 0
         self.restore_s = 0.0
@@ -213,10 +216,11 @@ class DiskKvTier:
             if h not in staged:
                 if h not in self._entries:
                     break
+                t0 = time.perf_counter()
                 e = self._read(h)
                 if e is None:
                     break
-                staged[h] = e
+                staged[h] = (e, time.perf_counter() - t0)
             n += 1
         self._staged = staged
         return n
@@ -270,15 +274,18 @@ class DiskKvTier:
 
     def take(self, block_hash: int) -> TierEntry:
         """Remove a block to restore it (lookup() read and checked it); KeyError if it cannot be restored."""
-        e = self._staged.pop(block_hash, None)
-        if e is None:
+        staged = self._staged.pop(block_hash, None)
+        if staged is None:
             if block_hash not in self._entries:
                 raise KeyError(block_hash)
+            t0 = time.perf_counter()
             e = self._read(block_hash)
             if e is None:
                 raise KeyError(block_hash)
+            staged = (e, time.perf_counter() - t0)
+        self._taken_read_s += staged[1]
         self.discard(block_hash)
-        return e
+        return staged[0]
 
     def discard(self, block_hash: int) -> tuple[int, int] | None:
         """Drop a block (it is in the pool again, or being rewritten); its (hash, parent) if it was here."""
@@ -291,6 +298,9 @@ class DiskKvTier:
         return block_hash, entry[0]
 
     def observe_restore(self, num_blocks: int, seconds: float) -> None:
+        """One request's restore: `seconds` of decode + write, plus the reads of its files (at admission)."""
+        seconds += self._taken_read_s
+        self._taken_read_s = 0.0
         self.hits += num_blocks
         self.restores += 1
         self.restore_s += seconds
