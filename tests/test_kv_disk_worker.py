@@ -9,9 +9,11 @@ at start, naming the flag."""
 from __future__ import annotations
 
 import asyncio
+import json
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -26,8 +28,10 @@ from services.engine.model_files import smollm2_gguf_path
 from services.engine.tokenizer import Tokenizer
 from services.rpc import pb, pb_grpc
 from tests.support.cluster import Proc, decode, greedy, run, start_process, token_ids
-from tests.support.etcd import EtcdServer
+from tests.support.etcd import EtcdServer, free_port
 from tests.test_kv_disk import BS, POOL, TEXT_A, TEXT_B
+
+pytestmark = pytest.mark.cluster  # starts etcd and workers
 
 BLOCK_BYTES = 30 * 2 * 3 * BS * 64 * 2  # SmolLM2-135M, bf16: layers x (K, V) x kv heads x tokens x head_dim
 DISK_BYTES = 64 << 20
@@ -181,3 +185,43 @@ def test_a_bad_disk_flag_stops_the_worker_naming_it(tmp_path: Path, flags: list[
     p = subprocess.run(cmd, capture_output=True, text=True, timeout=180)
     assert p.returncode != 0
     assert complaint.format(tmp=tmp_path) in p.stdout + p.stderr
+
+
+def test_rackserve_up_gives_every_worker_a_disk_directory_of_its_own(tmp_path: Path) -> None:
+    """`rackserve up --kv-disk-path DIR --kv-disk-bytes N`: each worker its own DIR/<worker id> (two workers on one
+    directory would refuse to start: its lock), and a request through the frontend still answers."""
+    port = free_port()
+    disk = tmp_path / "kv"
+    cmd = [sys.executable, "-m", "services.cli", "up", "--port", str(port), "--prefill", "1", "--decode", "1"]
+    cmd += ["--kv-cache-bytes", str(POOL * BLOCK_BYTES), "--kv-disk-path", str(disk)]
+    cmd += ["--kv-disk-bytes", str(DISK_BYTES)]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    lines: list[str] = []
+    ready = threading.Event()
+
+    def pump() -> None:
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            lines.append(line)
+            if "rackserve is ready" in line:
+                ready.set()
+
+    threading.Thread(target=pump, daemon=True).start()
+    try:
+        assert ready.wait(450), "rackserve up did not become ready:\n" + "".join(lines[-40:])
+        r = httpx.post(
+            f"http://127.0.0.1:{port}/v1/completions",
+            json={"model": "SmolLM2-135M-Instruct", "prompt": TEXT_A, "max_tokens": 4, "temperature": 0},
+            timeout=300,
+        )
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 4, r.text
+        for wid in ("prefill-0", "decode-0"):
+            manifest = json.loads((disk / wid / "manifest.json").read_text())
+            assert manifest["block_size"] == BS and manifest["codec"] == "bf16", manifest
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(timeout=120)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()

@@ -120,12 +120,12 @@ class DiskKvTier:
                 f"kv_disk_path={str(self.path)!r} is in use by another process (its lock is held); "
                 "every worker needs a directory of its own"
             ) from exc
-        self._entries: OrderedDict[int, tuple[int, int]] = (
-            OrderedDict()
-        )  # hash -> (parent, file bytes); oldest
-        self._staged: dict[int, tuple[TierEntry, float]] = {}  # read and checked by lookup() (with the seconds
-        # the read took), handed out by take()
-        self._taken_read_s = 0.0  # reads of the blocks taken since the last observe_restore: part of the restore
+        # hash -> (parent hash, file bytes), the oldest written first
+        self._entries: OrderedDict[int, tuple[int, int]] = OrderedDict()
+        # read and checked by lookup() (with the seconds the read took), handed out by take()
+        self._staged: dict[int, tuple[TierEntry, float]] = {}
+        # reads of the blocks taken since the last observe_restore: part of that restore's time
+        self._taken_read_s = 0.0
         self.used_bytes = 0
         self.hits = self.misses = self.restores = self.corrupt = 0
         self.restore_s = 0.0
