@@ -10,6 +10,11 @@ Writes a markdown report to stdout and bench/results/kv_tier[.<dtype>].md. This 
   recompute   tier off; the prefix was computed, then pushed out of the pool by a filler prompt: recomputed
   pool hit    tier off; the prefix still in the pool (today's prefix-cache hit, the path reference)
   bf16|fp8|nvfp4  tier 2 on with that codec; the prefix computed, pushed out to tier 2 by the filler, restored
+  disk        tier 2 off, the local-disk tier on (bf16, lossless): pushed out of the pool to files in a fresh
+              directory (--disk-dir, default the system's temporary directory), read back and restored. In the
+              time table twice: `disk` as the engine leaves it (files written a moment ago are in the page cache),
+              and `disk, cold` with every block file flushed and dropped from the page cache first (fsync +
+              posix_fadvise DONTNEED), so its read comes from the device
 - Quality, per window: two requests on the prefix at once — one teacher-forced over the text's continuation
   (top-1 = the argmax at each forced position; NLL of the forced tokens -> perplexity), one greedy for `cont`
   tokens (EOS ignored). Agreement is against `recompute`: top-1 share of positions; greedy prefix (first
@@ -17,8 +22,9 @@ Writes a markdown report to stdout and bench/results/kv_tier[.<dtype>].md. This 
 - Capacity: host bytes of one block per codec (what --kv-tier2-bytes counts), blocks and tokens per GiB.
 - Time, A/B interleaved over trials (configuration order rotated each trial): after the prime + filler, the
   wall time to the first token of a request on the prefix (TTFT: recompute vs restore + the last partial block,
-  including the offload of the blocks that request evicts), the tier's own restore seconds (decode + write),
-  and the filler's step time (what offloading evicted blocks adds to the request that evicts them).
+  including the offload of the blocks that request evicts), the tier's own restore seconds (decode + write; for
+  the disk tier also the file reads and checksums), and the filler's step time (what offloading evicted blocks
+  adds to the request that evicts them: for the disk tier, encoding and writing the files).
 """
 
 from __future__ import annotations
@@ -27,10 +33,13 @@ import argparse
 import math
 import os
 import platform
+import shutil
 import statistics
 import subprocess
+import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -43,13 +52,16 @@ from services.engine.sampling import SamplingParams
 
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
 BS = 16
-CONFIGS = ("recompute", "pool hit", "bf16", "fp8", "nvfp4")
+CONFIGS = ("recompute", "pool hit", "bf16", "fp8", "nvfp4", "disk")
+TIMED = ("recompute", "bf16", "fp8", "nvfp4", "disk", "disk, cold")
 
 
-def build(model: LoadedModel, config: str, dtype: str, pool: int) -> LLMEngine:
-    tier = (
-        {"kv_tier2_bytes": 256 << 20, "kv_tier2_codec": config} if config in ("bf16", "fp8", "nvfp4") else {}
-    )
+def build(model: LoadedModel, config: str, dtype: str, pool: int, disk_dir: str = "") -> LLMEngine:
+    tier: dict[str, Any] = {}
+    if config in ("bf16", "fp8", "nvfp4"):
+        tier = {"kv_tier2_bytes": 256 << 20, "kv_tier2_codec": config}
+    elif config == "disk":
+        tier = {"kv_disk_path": disk_dir, "kv_disk_bytes": 256 << 20, "kv_tier2_codec": "bf16"}
     cfg = EngineConfig(dtype=dtype, block_size=BS, num_kv_blocks=pool, max_num_batched_tokens=2048, **tier)
     return LLMEngine(model, cfg)
 
@@ -100,10 +112,9 @@ def quality(
             res[c]["top1"].append([s.top_logprobs[0][0] for s in sampled])
             res[c]["nll"].append([-s.logprob for s in sampled])
             res[c]["greedy"].append(out[f"greedy-{w}"])
-            if c in ("bf16", "fp8", "nvfp4"):
-                assert engines[c].tier2 is not None and engines[c].tier2.hits > 0, (
-                    "the prefix was not restored"
-                )
+            if c in ("bf16", "fp8", "nvfp4", "disk"):
+                tier = engines[c].disk if c == "disk" else engines[c].tier2
+                assert tier is not None and tier.hits > 0, "the prefix was not restored"
     table: dict[str, dict[str, float]] = {}
     ref = res["recompute"]
     ref_ppl = math.exp(statistics.fmean(x for row in ref["nll"] for x in row))
@@ -128,24 +139,39 @@ def quality(
     return table
 
 
+def drop_page_cache(directory: Path) -> None:
+    """Write every block file out and drop its pages, so the next read of it comes from the device."""
+    for p in directory.iterdir():
+        fd = os.open(p, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+
+
 def timing(
     engines: dict[str, LLMEngine], prefix: list[int], filler: list[int], trials: int
 ) -> dict[str, dict[str, float]]:
-    configs = ("recompute", "bf16", "fp8", "nvfp4")
+    configs = TIMED
     ttft: dict[str, list[float]] = {c: [] for c in configs}
     restore: dict[str, list[float]] = {c: [] for c in configs}
     fill: dict[str, list[float]] = {c: [] for c in configs}
     for t in range(trials):
         order = configs[t % len(configs) :] + configs[: t % len(configs)]
         for c in order:
-            e = engines[c]
+            e = engines[c.removesuffix(", cold")]
             fill[c].append(prepare(e, c, prefix, filler))
-            before = e.tier2.restore_s if e.tier2 is not None else 0.0
+            if c == "disk, cold":
+                assert e.disk is not None
+                drop_page_cache(e.disk.blocks_dir)
+            tier = e.disk if e.disk is not None else e.tier2
+            before = tier.restore_s if tier is not None else 0.0
             t0 = time.perf_counter()
             e.generate([prefix], SamplingParams(max_tokens=1, temperature=0))
             ttft[c].append(time.perf_counter() - t0)
-            if e.tier2 is not None:
-                restore[c].append(e.tier2.restore_s - before)
+            if tier is not None:
+                restore[c].append(tier.restore_s - before)
     out = {}
     base = statistics.median(ttft["recompute"])
     for c in configs:
@@ -166,7 +192,11 @@ def main() -> int:
     ap.add_argument("--windows", type=int, default=4)
     ap.add_argument("--trials", type=int, default=5)
     ap.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"))
+    ap.add_argument(
+        "--disk-dir", default="", help="where the disk tier's directory goes (default: a temporary one)"
+    )
     args = ap.parse_args()
+    disk_dir = tempfile.mkdtemp(prefix="kv-disk-bench-", dir=args.disk_dir or None)
 
     model = load_gguf(smollm2_gguf_path())
     probe = build(model, "recompute", args.dtype, 4)
@@ -178,7 +208,10 @@ def main() -> int:
     windows = [(text[w * span : w * span + args.prefix], text[w * span + args.prefix : (w + 1) * span])
                for w in range(args.windows)]  # fmt: skip
     assert args.windows * span + len(filler) <= len(text), "the text is too short for these windows"
-    engines = {c: build(model, c, args.dtype, pool) for c in CONFIGS}
+    engines = {c: build(model, c, args.dtype, pool, disk_dir) for c in CONFIGS}
+    fs = (
+        subprocess.run(["df", "-T", disk_dir], capture_output=True, text=True).stdout.splitlines()[-1].split()
+    )
 
     mc = model.config
     shape = (mc.num_layers, 2, mc.num_kv_heads, BS, mc.head_dim)
@@ -196,7 +229,8 @@ def main() -> int:
         "",
         f"`python -m bench.kv_tier_bench --prefix {args.prefix} --cont {args.cont} --windows {args.windows} "
         f"--trials {args.trials} --dtype {args.dtype}` at commit {commit}; torch {torch.__version__}, "
-        f"{torch.get_num_threads()} CPU threads, {platform.machine()}, {os.cpu_count()} CPUs.",
+        f"{torch.get_num_threads()} CPU threads, {platform.machine()}, {os.cpu_count()} CPUs; disk tier on "
+        f"{fs[0]} ({fs[1]}).",
         "",
         f"## Quality: {args.windows} windows of {args.prefix} prefix + {args.cont} continuation tokens, vs recompute",
         "",
@@ -226,6 +260,7 @@ def main() -> int:
     for c, r in t.items():
         restore = "—" if math.isnan(r["restore_s"]) else f"{r['restore_s']:.4f}"
         lines.append(f"| {c} | {r['ttft_s']:.4f} | {r['ttft_ratio']:.3f} | {restore} | {r['filler_s']:.4f} |")
+    shutil.rmtree(disk_dir, ignore_errors=True)
     report = "\n".join(lines) + "\n"
     print(report)
     RESULTS_DIR.mkdir(exist_ok=True)

@@ -248,7 +248,7 @@ def overview() -> Board:
         ],
         "bytes",
         description="tier=primary: the paged KV pool; tier=host: tier 2, where evicted prefix blocks wait for a "
-        "hit (--kv-tier2-bytes; absent when off)",
+        "hit (--kv-tier2-bytes; absent when off); tier=disk: the local-disk tier below it (--kv-disk-bytes)",
     )
     b.panel(
         "Tier-2 hit rate (blocks) and restore p90",

@@ -110,6 +110,10 @@ class EngineConfig:
     # tier 2 of the KV cache (engine/kv_tier.py): host bytes for blocks evicted from the pool; 0 = off
     kv_tier2_bytes: int = 0
     kv_tier2_codec: str = "bf16"  # one of TIER2_CODECS: bf16 (lossless) | fp8 | nvfp4 (docs/kv-tiers.md)
+    # the disk tier below it (engine/kv_disk.py): a directory of its own and the bytes its files may take; 0 = off.
+    # Blocks are kept in kv_tier2_codec.
+    kv_disk_path: str = ""
+    kv_disk_bytes: int = 0
     extra: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -145,5 +149,19 @@ class EngineConfig:
             raise ValueError(f"kv_tier2_bytes must be >= 0 (0 turns tier 2 off), got {self.kv_tier2_bytes}")
         if self.kv_tier2_bytes and not self.enable_prefix_caching:
             raise ValueError("kv_tier2_bytes needs the prefix cache: tier 2 keeps evicted cached blocks")
+        if self.kv_disk_bytes < 0:
+            raise ValueError(
+                f"kv_disk_bytes must be >= 0 (0 turns the disk tier off), got {self.kv_disk_bytes}"
+            )
+        if self.kv_disk_bytes and not self.kv_disk_path:
+            raise ValueError(
+                "kv_disk_bytes needs kv_disk_path: the directory the disk tier keeps its blocks in"
+            )
+        if self.kv_disk_path and not self.kv_disk_bytes:
+            raise ValueError("kv_disk_path needs kv_disk_bytes > 0: how many bytes the disk tier may take")
+        if self.kv_disk_bytes and not self.enable_prefix_caching:
+            raise ValueError(
+                "kv_disk_bytes needs the prefix cache: the disk tier keeps evicted cached blocks"
+            )
         if self.max_num_batched_tokens < self.block_size:
             raise ValueError("max_num_batched_tokens must be at least block_size")

@@ -27,7 +27,8 @@ from services.engine.block_hash import ROOT_HASH
 from services.engine.config import EngineConfig, ModelConfig, torch_dtype
 from services.engine.device import plan_kv_memory, resolve_device
 from services.engine.kv_cache import BlockManager, KvEvent, NoFreeBlocksError
-from services.engine.kv_tier import HostKvTier, TierEntry, TierStats
+from services.engine.kv_disk import DiskKvTier
+from services.engine.kv_tier import HostKvTier, TierEntry, TierStats, decode_entries
 from services.engine.loader import LoadedModel, load_model, model_fingerprint
 from services.engine.model import AttnMetadata, PagedKvCache, PrefillSegment, Transformer
 from services.engine.sampling import RowContext, Sampled, SamplingParams, sample_batch
@@ -131,6 +132,7 @@ class EngineStats:
     batch_size: int
     block_bytes: int = 0  # bytes of one primary block
     tier2: TierStats | None = None  # the host tier, when it is on
+    disk: TierStats | None = None  # the disk tier, when it is on
 
 
 class LLMEngine:
@@ -234,7 +236,28 @@ class LLMEngine:
                 cfg.kv_tier2_bytes / (1 << 30), cfg.kv_tier2_codec,
                 cfg.kv_tier2_bytes // self.tier2.block_nbytes,
             )  # fmt: skip
-        self.blocks = BlockManager(num_blocks, cfg.block_size, cfg.enable_prefix_caching, self.tier2)
+        self.disk: DiskKvTier | None = None
+        if cfg.kv_disk_bytes:
+            shape = (
+                loaded.config.num_layers,
+                2,
+                loaded.config.num_kv_heads,
+                cfg.block_size,
+                loaded.config.head_dim,
+            )
+            self.disk = DiskKvTier(
+                cfg.kv_disk_path, cfg.kv_disk_bytes, cfg.kv_tier2_codec, shape, self.dtype, self.fingerprint,
+                cfg.block_size,
+            )  # fmt: skip
+            log.info(
+                "KV disk tier at %s: %.3f GiB, codec %s, %d blocks kept from before",
+                cfg.kv_disk_path, cfg.kv_disk_bytes / (1 << 30), cfg.kv_tier2_codec, len(self.disk),
+            )  # fmt: skip
+        kv_ = self.kv
+        self.blocks = BlockManager(
+            num_blocks, cfg.block_size, cfg.enable_prefix_caching, self.tier2, self.disk,
+            lambda b: kv_.read_blocks(torch.tensor([b], device=device))[0],
+        )  # fmt: skip
         self.scheduler = Scheduler(self.blocks, cfg.max_num_seqs, cfg.max_num_batched_tokens)
         self.requests: dict[str, Request] = {}
         self.kv_layout = KvLayout(
@@ -547,6 +570,7 @@ class LLMEngine:
             batch_size=self._last_batch,
             block_bytes=self.kv.block_bytes,
             tier2=self.tier2.stats() if self.tier2 is not None else None,
+            disk=self.disk.stats() if self.disk is not None else None,
         )
 
     # ------------------------------------------------------------------------------------------ KV export/import
@@ -691,15 +715,17 @@ class LLMEngine:
         self._pending_kv[req.request_id] = kv.data
 
     def _write_restored(self, block_ids: list[int], entries: list[TierEntry]) -> None:
-        """The scheduler restored blocks from tier 2 into fresh primary blocks: decode and write their K/V."""
-        assert self.tier2 is not None
+        """The scheduler restored blocks from tier 2 or disk into fresh primary blocks: decode and write their
+        K/V (the disk tier's files were read at admission, when the lookup checked them)."""
+        tier = self.disk if entries[0].tier == "disk" else self.tier2
+        assert tier is not None
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         t0 = time.perf_counter()
-        self.kv.write_blocks(self._h2d(block_ids), self.tier2.decode(entries, self.device))
+        self.kv.write_blocks(self._h2d(block_ids), decode_entries(entries, self.dtype, self.device))
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)  # the restore's own time, not whatever the stream ran before
-        self.tier2.observe_restore(len(block_ids), time.perf_counter() - t0)
+        tier.observe_restore(len(block_ids), time.perf_counter() - t0)
 
     def _write_imported(self, request_id: str) -> None:
         """The scheduler just gave an importing request its blocks: copy the KV it brought into them."""

@@ -10,7 +10,10 @@ that misses the primary pool can continue into it: `take_tier2` removes the bloc
 allocates primary blocks for them and `commit_restored` makes each a normal cached block again (same chained
 hash, same parent). Events name the tier: `stored`/`evicted` keep their meaning for the primary pool (computed
 into it / left it); `offloaded` follows an `evicted` when the block went to tier 2, `restored` is tier 2 -> primary
-(not computed), `dropped` is a block leaving tier 2 for good.
+(not computed), `dropped` is a block leaving tier 2 for good. With a disk tier below (kv_disk.DiskKvTier), those
+three events carry `tier="disk"` for it: a block the host tier pushes out goes on to disk (`dropped` host, then
+`offloaded` disk), with the host tier off an evicted block goes straight there, and a lookup continues
+pool -> host -> disk (`take_disk`).
 
 The tensors themselves live in model.PagedKvCache (and the tier); this room only hands out block ids.
 """
@@ -18,13 +21,18 @@ The tensors themselves live in model.PagedKvCache (and the tier); this room only
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Literal
 
 if TYPE_CHECKING:
-    from services.engine.kv_tier import HostKvTier, TierEntry
+    import torch
+
+    from services.engine.kv_disk import DiskKvTier
+    from services.engine.kv_tier import EncodedBlock, HostKvTier, TierEntry
 
 KvEventKind = Literal["stored", "evicted", "offloaded", "restored", "dropped"]
+KvTierName = Literal["host", "disk"]
 
 
 class NoFreeBlocksError(RuntimeError):
@@ -37,6 +45,7 @@ class KvEvent:
     block_hash: int
     parent_hash: int  # ROOT_HASH for a first block; lets an index rebuild chains
     block_id: int
+    tier: KvTierName = "host"  # which tier offloaded / restored / dropped concern
 
 
 @dataclass
@@ -52,6 +61,8 @@ class BlockManager:
     block_size: int
     enable_prefix_caching: bool = True
     tier2: HostKvTier | None = None
+    disk: DiskKvTier | None = None
+    read_block: Callable[[int], torch.Tensor] | None = None  # one pool block's K/V (to encode for the disk)
     blocks: list[BlockState] = field(init=False)
     _free: OrderedDict[int, None] = field(init=False)  # head = evicted first
     _cached: dict[int, int] = field(init=False)  # block hash -> block id
@@ -103,9 +114,19 @@ class BlockManager:
             n += 1
         return n
 
+    def lookup_disk(self, hashes: list[int]) -> int:
+        """How many leading hashes (the ones after the pool's and tier 2's) the disk tier can restore; its files
+        are read and checked now, so a corrupt one is a miss."""
+        if self.disk is None or not self.enable_prefix_caching:
+            return 0
+        return self.disk.lookup(hashes)
+
     def count_tier2_misses(self, num_blocks: int) -> None:
+        """Prompt blocks past the pool's prefix found in no tier (each tier on counts them as its misses)."""
         if self.tier2 is not None:
             self.tier2.misses += num_blocks
+        if self.disk is not None:
+            self.disk.misses += num_blocks
 
     def free_after_acquiring(self, cached_ids: list[int]) -> int:
         """How many blocks would be free after taking these cached ones (some of them may sit in the free list)."""
@@ -160,6 +181,8 @@ class BlockManager:
         if self.tier2 is not None and self.tier2.discard(block_hash) is not None:
             # recomputed while a copy sat in tier 2 (an earlier block of its chain was gone): one tier at a time
             self._events.append(KvEvent("dropped", block_hash, parent_hash, -1))
+        if self.disk is not None and self.disk.discard(block_hash) is not None:
+            self._events.append(KvEvent("dropped", block_hash, parent_hash, -1, "disk"))
 
     def take_tier2(self, hashes: list[int]) -> list[TierEntry]:
         """Remove blocks from tier 2 to restore them (before allocating their primary blocks, so the evictions
@@ -167,14 +190,21 @@ class BlockManager:
         assert self.tier2 is not None
         return [self.tier2.take(h) for h in hashes]
 
-    def commit_restored(self, block_ids: list[int], hashes: list[int], parents: list[int]) -> None:
+    def take_disk(self, hashes: list[int]) -> list[TierEntry]:
+        """The same for the disk tier (lookup_disk has read and checked these files)."""
+        assert self.disk is not None
+        return [self.disk.take(h) for h in hashes]
+
+    def commit_restored(
+        self, block_ids: list[int], hashes: list[int], parents: list[int], tier: KvTierName = "host"
+    ) -> None:
         """Freshly allocated blocks now hold restored K/V: cached under their hashes again, like computed ones."""
         for b, h, parent in zip(block_ids, hashes, parents, strict=True):
             st = self.blocks[b]
             assert st.block_hash is None and h not in self._cached
             st.block_hash, st.parent_hash = h, parent
             self._cached[h] = b
-            self._events.append(KvEvent("restored", h, parent, b))
+            self._events.append(KvEvent("restored", h, parent, b, tier))
 
     def _evict(self, b: int) -> None:
         st = self.blocks[b]
@@ -182,10 +212,25 @@ class BlockManager:
         del self._cached[st.block_hash]
         self._events.append(KvEvent("evicted", st.block_hash, st.parent_hash, b))
         if self.tier2 is not None:  # its K/V is still in the pool: copy it out before the block is reused
-            for h, parent in self.tier2.put(st.block_hash, st.parent_hash, b):
-                self._events.append(KvEvent("dropped", h, parent, -1))
+            for h, entry in self.tier2.put(st.block_hash, st.parent_hash, b):
+                self._events.append(KvEvent("dropped", h, entry.parent_hash, -1))
+                if self.disk is not None:  # pushed out of host memory: on to disk
+                    self._to_disk(h, entry.parent_hash, entry.data, -1)
             self._events.append(KvEvent("offloaded", st.block_hash, st.parent_hash, b))
+        elif self.disk is not None:  # no host tier: the block goes to disk in the tier-2 codec
+            from services.engine.kv_tier import encode_block, host_copy
+
+            assert self.read_block is not None
+            data = encode_block(self.disk.codec, self.read_block(b), host_copy)
+            self._to_disk(st.block_hash, st.parent_hash, data, b)
         st.block_hash = None
+
+    def _to_disk(self, block_hash: int, parent_hash: int, data: EncodedBlock, block_id: int) -> None:
+        assert self.disk is not None
+        for h, parent in self.disk.put(block_hash, parent_hash, data):
+            self._events.append(KvEvent("dropped", h, parent, -1, "disk"))
+        if block_hash in self.disk:
+            self._events.append(KvEvent("offloaded", block_hash, parent_hash, block_id, "disk"))
 
     def drain_events(self) -> list[KvEvent]:
         ev, self._events = self._events, []
@@ -198,3 +243,7 @@ class BlockManager:
     def tier2_hashes(self) -> list[int]:
         """Every hash tier 2 holds now (the snapshot's second part)."""
         return self.tier2.hashes() if self.tier2 is not None else []
+
+    def disk_hashes(self) -> list[int]:
+        """Every hash the disk tier holds now (the snapshot's third part; after a restart, what it kept)."""
+        return self.disk.hashes() if self.disk is not None else []

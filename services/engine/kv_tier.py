@@ -28,12 +28,17 @@ from services.engine import kv_codec
 from services.engine.config import TIER2_CODECS
 from services.engine.nvfp4.recipe import NVFP4Tensor
 
+EncodedBlock = (
+    torch.Tensor | tuple[torch.Tensor, torch.Tensor] | NVFP4Tensor
+)  # bf16 | (fp8 scales, codes) | nvfp4
+
 
 @dataclass
 class TierEntry:
     parent_hash: int
     nbytes: int
-    data: torch.Tensor | tuple[torch.Tensor, torch.Tensor] | NVFP4Tensor
+    data: EncodedBlock
+    tier: str = "host"  # where it was taken from: host | disk (kv_disk.DiskKvTier)
 
 
 @dataclass(frozen=True)
@@ -83,20 +88,7 @@ class HostKvTier:
     @staticmethod
     def encoded_block_bytes(codec: str, block_shape: tuple[int, ...], dtype: torch.dtype) -> int:
         """Host bytes one block takes in `codec` (what capacity is counted in)."""
-        elems = 1
-        for d in block_shape:
-            elems *= d
-        if codec == "bf16":
-            return elems * torch.empty(0, dtype=dtype).element_size()
-        if codec == "fp8":
-            return kv_codec.fp8_nbytes(block_shape)
-        if codec == "nvfp4":
-            from services.engine.nvfp4.recipe import BLOCK_SIZE, padded_size
-
-            rows = elems // block_shape[-1]
-            kp = padded_size(block_shape[-1])
-            return rows * (kp // 2 + kp // BLOCK_SIZE) + 4
-        raise ValueError(f"unknown tier-2 codec {codec!r}")
+        return encoded_block_bytes(codec, block_shape, dtype)
 
     # ------------------------------------------------------------------------------------------ queries
     def __contains__(self, block_hash: int) -> bool:
@@ -115,17 +107,19 @@ class HostKvTier:
         )  # fmt: skip
 
     # ------------------------------------------------------------------------------------------ mutations
-    def put(self, block_hash: int, parent_hash: int, block_id: int) -> list[tuple[int, int]]:
-        """Keep primary block `block_id` (about to be reused) under its hash. Returns the (hash, parent) pairs
-        pushed out to make room, least recently used first."""
+    def put(self, block_hash: int, parent_hash: int, block_id: int) -> list[tuple[int, TierEntry]]:
+        """Keep primary block `block_id` (about to be reused) under its hash. Returns the (hash, entry) pairs
+        pushed out to make room, least recently used first (a disk tier below may keep them)."""
         self.discard(block_hash)
-        dropped: list[tuple[int, int]] = []
+        dropped: list[tuple[int, TierEntry]] = []
         while self.used_bytes + self.block_nbytes > self.capacity_bytes:
             h, e = self._entries.popitem(last=False)
             self.used_bytes -= e.nbytes
-            dropped.append((h, e.parent_hash))
+            dropped.append((h, e))
         block = self._read(block_id)
-        self._entries[block_hash] = TierEntry(parent_hash, self.block_nbytes, self._encode(block))
+        self._entries[block_hash] = TierEntry(
+            parent_hash, self.block_nbytes, encode_block(self.codec, block, self._host)
+        )
         self.used_bytes += self.block_nbytes
         return dropped
 
@@ -145,17 +139,7 @@ class HostKvTier:
 
     def decode(self, entries: list[TierEntry], device: torch.device) -> torch.Tensor:
         """Taken blocks as [n, layers, 2, kv_heads, block_size, head_dim] in the cache dtype on `device`."""
-        out = []
-        for e in entries:
-            d = e.data
-            if isinstance(d, NVFP4Tensor):
-                out.append(kv_codec.nvfp4_decode(d.to(device), self.dtype))
-            elif isinstance(d, tuple):
-                scale, q = d
-                out.append(kv_codec.fp8_decode(scale.to(device), q.to(device), self.dtype))
-            else:
-                out.append(d.to(device, non_blocking=True))
-        return torch.stack(out)
+        return decode_entries(entries, self.dtype, device)
 
     def observe_restore(self, num_blocks: int, seconds: float) -> None:
         self.hits += num_blocks
@@ -164,18 +148,60 @@ class HostKvTier:
         if self.restore_observer is not None:
             self.restore_observer(seconds)
 
-    def _encode(self, block: torch.Tensor) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor] | NVFP4Tensor:
-        if self.codec == "bf16":
-            return self._host(block)
-        if self.codec == "fp8":
-            scale, q = kv_codec.fp8_encode(block)
-            return self._host(scale), self._host(q)
-        q4 = kv_codec.nvfp4_encode(block)
-        return NVFP4Tensor(self._host(q4.packed), self._host(q4.scales), q4.global_scale.cpu(), q4.shape)
-
     def _host(self, t: torch.Tensor) -> torch.Tensor:
         if t.device.type == "cpu":
             return t  # read_block copies (index_select): these bytes are the tier's own already
         host = torch.empty(t.shape, dtype=t.dtype, pin_memory=self.pin_memory)
         host.copy_(t)
         return host
+
+
+def encoded_block_bytes(codec: str, block_shape: tuple[int, ...], dtype: torch.dtype) -> int:
+    """Bytes one block takes in `codec` (what the host and disk tiers' capacities are counted in)."""
+    elems = 1
+    for d in block_shape:
+        elems *= d
+    if codec == "bf16":
+        return elems * torch.empty(0, dtype=dtype).element_size()
+    if codec == "fp8":
+        return kv_codec.fp8_nbytes(block_shape)
+    if codec == "nvfp4":
+        from services.engine.nvfp4.recipe import BLOCK_SIZE, padded_size
+
+        rows = elems // block_shape[-1]
+        kp = padded_size(block_shape[-1])
+        return rows * (kp // 2 + kp // BLOCK_SIZE) + 4
+    raise ValueError(f"unknown tier-2 codec {codec!r}")
+
+
+def encode_block(
+    codec: str, block: torch.Tensor, host: Callable[[torch.Tensor], torch.Tensor]
+) -> EncodedBlock:
+    """One pool block in a tier codec (kv_codec's arithmetic), each tensor moved to host memory by `host`."""
+    if codec == "bf16":
+        return host(block)
+    if codec == "fp8":
+        scale, q = kv_codec.fp8_encode(block)
+        return host(scale), host(q)
+    q4 = kv_codec.nvfp4_encode(block)
+    return NVFP4Tensor(host(q4.packed), host(q4.scales), q4.global_scale.cpu(), q4.shape)
+
+
+def decode_entries(entries: list[TierEntry], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """Taken blocks as [n, layers, 2, kv_heads, block_size, head_dim] in the cache dtype on `device`."""
+    out = []
+    for e in entries:
+        d = e.data
+        if isinstance(d, NVFP4Tensor):
+            out.append(kv_codec.nvfp4_decode(d.to(device), dtype))
+        elif isinstance(d, tuple):
+            scale, q = d
+            out.append(kv_codec.fp8_decode(scale.to(device), q.to(device), dtype))
+        else:
+            out.append(d.to(device, non_blocking=True))
+    return torch.stack(out)
+
+
+def host_copy(t: torch.Tensor) -> torch.Tensor:
+    """A tensor's bytes in (unpinned) host memory, for a tier that writes them out at once."""
+    return t if t.device.type == "cpu" else t.cpu()

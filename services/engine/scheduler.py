@@ -8,7 +8,8 @@ in the queue, in order, and never fails for it. When a running
 sequence needs a block and none is free, the most recently admitted sequence is preempted: its blocks are
 released and it is recomputed later from its tokens (prefix caching usually makes that cheap). With a second KV
 tier, the blocks of a prefix that follow the primary pool's hit and sit in tier 2 are restored at admission:
-they take freshly allocated blocks, count as cached tokens, and the runner writes their K/V before the step.
+they take freshly allocated blocks, count as cached tokens, and the runner writes their K/V before the step; a
+disk tier continues the same run after tier 2 (pool -> host -> disk).
 
 The scheduler's decision is a `SchedulerOutput`: plain data the runner executes and a log or test can read.
 """
@@ -81,7 +82,8 @@ class SchedulerOutput:
     preempted: list[str]
     num_batched_tokens: int
     imported: list[str] = field(default_factory=list)  # admitted now with imported KV: write it first
-    # blocks brought back from tier 2 at admission: (primary block ids, their taken entries); write them first
+    # blocks brought back from tier 2 or disk at admission: (primary block ids, their taken entries), one tier per
+    # item; write them first
     restored: list[tuple[list[int], list[TierEntry]]] = field(default_factory=list)
 
     @property
@@ -139,7 +141,7 @@ class Scheduler:
             req = self.waiting[0]
             cached: list[int] = []
             hashes: list[int] = []
-            n_restore = 0
+            n_restore = n_disk = 0
             if req.import_blocks:  # it brought its KV: blocks for it and this chunk, or keep waiting
                 start = req.import_tokens
                 n = min(req.num_tokens - start, budget)
@@ -161,6 +163,8 @@ class Scheduler:
                 hashes = block_hashes(req.all_ids[: req.num_tokens - 1], bs)
                 cached = self.blocks.lookup_prefix(hashes)
                 n_restore = self.blocks.lookup_tier2(hashes[len(cached) :])
+                n_disk = self.blocks.lookup_disk(hashes[len(cached) + n_restore :])
+                n_restore += n_disk
             hit = len(cached) + n_restore
             start = max(req.num_computed_tokens, hit * bs)
             n = min(req.num_tokens - start, budget)
@@ -170,7 +174,9 @@ class Scheduler:
             self.waiting.popleft()
             if hashes:
                 self.blocks.count_tier2_misses(len(hashes) - hit)
-            entries = self.blocks.take_tier2(hashes[len(cached) : hit]) if n_restore else []
+            n_host = n_restore - n_disk
+            entries = self.blocks.take_tier2(hashes[len(cached) : len(cached) + n_host]) if n_host else []
+            entries += self.blocks.take_disk(hashes[hit - n_disk : hit]) if n_disk else []
             if cached:
                 self.blocks.acquire(cached)
                 req.block_ids = list(cached)
@@ -183,8 +189,16 @@ class Scheduler:
             if n_restore:
                 ids = fresh[:n_restore]
                 parents = [hashes[k - 1] if k else ROOT_HASH for k in range(len(cached), hit)]
-                self.blocks.commit_restored(ids, hashes[len(cached) : hit], parents)
-                restored.append((ids, entries))
+                if n_host:  # one (ids, entries) per tier, host first: the runner times each tier's restore
+                    self.blocks.commit_restored(
+                        ids[:n_host], hashes[len(cached) : hit - n_disk], parents[:n_host]
+                    )
+                    restored.append((ids[:n_host], entries[:n_host]))
+                if n_disk:
+                    self.blocks.commit_restored(
+                        ids[n_host:], hashes[hit - n_disk : hit], parents[n_host:], "disk"
+                    )
+                    restored.append((ids[n_host:], entries[n_host:]))
             req.block_ids += fresh
             req.status = RequestStatus.RUNNING
             self.running.append(req)

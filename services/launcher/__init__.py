@@ -57,6 +57,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )  # fmt: skip
     p.add_argument("--kv-tier2-codec", default=EngineConfig.kv_tier2_codec, choices=TIER2_CODECS)
     p.add_argument(
+        "--kv-disk-path", default="",
+        help="directory for the workers' local-disk KV tiers: each worker gets DIR/<worker id> (docs/kv-tiers.md)",
+    )  # fmt: skip
+    p.add_argument(
+        "--kv-disk-bytes", type=int, default=0, help="disk bytes per worker for its KV disk tier; 0: off"
+    )
+    p.add_argument(
         "--mode",
         default=DEFAULT_MODE,
         choices=MODES,
@@ -223,7 +230,13 @@ class Cluster:
         base, common, engine = self._worker_cmd
         wid = f"{role}-{self.next_index[role]}"
         self.next_index[role] += 1
-        proc = self.spawn(wid, base + [role, *common, *engine, "--worker-id", wid])
+        disk = []
+        if (
+            self.args.kv_disk_bytes or self.args.kv_disk_path
+        ):  # one directory per worker (a worker locks its own)
+            path = os.path.join(self.args.kv_disk_path, wid) if self.args.kv_disk_path else ""
+            disk = ["--kv-disk-path", path, "--kv-disk-bytes", str(self.args.kv_disk_bytes)]
+        proc = self.spawn(wid, base + [role, *common, *engine, *disk, "--worker-id", wid])
         self.pools[role].append(proc)
         return proc
 

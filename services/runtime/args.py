@@ -125,6 +125,11 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
              "kept there and restored on a prefix hit (0: off; docs/kv-tiers.md)", _non_negative_int)  # fmt: skip
     add_flag(g, "--kv-tier2-codec", EngineConfig.kv_tier2_codec, "how tier 2 keeps a block: bf16 (lossless, the "
              "cache dtype as is), fp8 or nvfp4 (compressed)", choices=TIER2_CODECS)  # fmt: skip
+    add_flag(g, "--kv-disk-path", "", "directory of this worker's local-disk KV tier, below tier 2: blocks pushed "
+             "out of host memory (or, with tier 2 off, out of the KV cache) are kept there, one file each, and "
+             "survive a restart of the same model (docs/kv-tiers.md)")  # fmt: skip
+    add_flag(g, "--kv-disk-bytes", 0, "disk bytes the KV disk tier may take (0: off; needs --kv-disk-path)",
+             _non_negative_int)  # fmt: skip
     add_flag(g, "--threads", 1, "torch CPU threads for this worker (0: torch's default)", int)
     switch(g, "--no-cpu-kernels", "run the model on plain torch ops instead of the fused CPU kernels")
     add_flag(g, "--device", "auto", "where the engine computes: auto (CUDA when visible), cpu, cuda or cuda:N; "
@@ -221,6 +226,8 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         enable_prefix_caching=not args.no_prefix_caching,
         kv_tier2_bytes=args.kv_tier2_bytes,
         kv_tier2_codec=args.kv_tier2_codec,
+        kv_disk_path=args.kv_disk_path,
+        kv_disk_bytes=args.kv_disk_bytes,
         num_threads=args.threads,
         cpu_kernels=not args.no_cpu_kernels,
         device=args.device,

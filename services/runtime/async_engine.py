@@ -245,10 +245,10 @@ class AsyncEngine:
     @contextlib.asynccontextmanager
     async def events(
         self, snapshot: bool = False
-    ) -> AsyncIterator[tuple[tuple[list[int], list[int]], asyncio.Queue[EngineUpdate]]]:
-        """Subscribe to the engine's updates: yields ((hashes cached now in the pool, hashes in tier 2) if snapshot
-        else ([], []), a queue that receives every batch of KV block events and every new LoadStats, in the order
-        the thread produced them).
+    ) -> AsyncIterator[tuple[tuple[list[int], list[int], list[int]], asyncio.Queue[EngineUpdate]]]:
+        """Subscribe to the engine's updates: yields ((hashes cached now in the pool, hashes in tier 2, hashes on
+        disk) if snapshot else ([], [], []), a queue that receives every batch of KV block events and every new
+        LoadStats, in the order the thread produced them).
 
         The subscription starts before the snapshot is taken, so nothing falls between them; events already
         reflected in the snapshot may arrive again (stores and evictions are idempotent for an index).
@@ -257,9 +257,11 @@ class AsyncEngine:
         self._subscribers.add(q)
         try:
             cached = (
-                await self.call(lambda e: (e.blocks.cached_hashes(), e.blocks.tier2_hashes()))
+                await self.call(
+                    lambda e: (e.blocks.cached_hashes(), e.blocks.tier2_hashes(), e.blocks.disk_hashes())
+                )
                 if snapshot
-                else ([], [])
+                else ([], [], [])
             )
             yield cached, q
         finally:

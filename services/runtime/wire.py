@@ -160,21 +160,27 @@ _KV_EVENT_KINDS = {
 }
 
 
+_KV_TIERS = {"host": pb.KvBlockEvent.HOST, "disk": pb.KvBlockEvent.DISK}
+
+
 def kv_block_events(events: list[KvEvent]) -> Iterator[pb.KvBlockEvent]:
-    """Consecutive events of one kind in one message; stored blocks only while they chain parent to child."""
-    kind: str | None = None
+    """Consecutive events of one kind (and tier) in one message; stored blocks only while they chain parent to
+    child. `tier` is set on offloaded / restored / dropped; stored and evicted always concern the pool."""
+    kind: tuple[str, str] | None = None
     msg: pb.KvBlockEvent | None = None
     for ev in events:
         chained = (
             msg is not None
-            and ev.kind == kind
+            and (ev.kind, ev.tier) == kind
             and (ev.kind != "stored" or ev.parent_hash == msg.block_hashes[-1])
         )
         if not chained:
             if msg is not None:
                 yield msg
-            kind = ev.kind
+            kind = (ev.kind, ev.tier)
             msg = pb.KvBlockEvent(kind=_KV_EVENT_KINDS[ev.kind], parent_hash=ev.parent_hash)
+            if ev.kind in ("offloaded", "restored", "dropped"):
+                msg.tier = _KV_TIERS[ev.tier]
         assert msg is not None
         msg.block_hashes.append(ev.block_hash)
     if msg is not None:

@@ -44,6 +44,8 @@ class EngineWorker:
         metrics.export_engine(host.role, engine.stats)
         if self.facts.tier2 is not None:  # observed on the engine thread, after each restore
             self.facts.tier2.restore_observer = metrics.KV_TIER_RESTORE_S.labels(host.role, "host").observe
+        if self.facts.disk is not None:
+            self.facts.disk.restore_observer = metrics.KV_TIER_RESTORE_S.labels(host.role, "disk").observe
 
     def request_id(self, given: str, context: grpc.aio.ServicerContext) -> str:
         """The message's request id, else the caller's x-request-id, else a fresh one."""
@@ -97,11 +99,17 @@ class EngineWorker:
             return pb.WorkerEvent(worker_id=self.host.worker_id, epoch=self.host.epoch_ms, **kw)
 
         log.info("subscriber %r connected (snapshot=%s)", request.subscriber_id, request.snapshot)
-        async with self.engine.events(snapshot=request.snapshot) as ((cached, tier2), updates):
+        async with self.engine.events(snapshot=request.snapshot) as ((cached, tier2, disk), updates):
             if cached:  # the snapshot: every cached hash in one message (not one chain, so parent_hash is 0)
                 yield event(kv=pb.KvBlockEvent(kind=pb.KvBlockEvent.STORED, block_hashes=cached))
             if tier2:  # and every hash in the host tier
                 yield event(kv=pb.KvBlockEvent(kind=pb.KvBlockEvent.OFFLOADED, block_hashes=tier2))
+            if disk:  # and on disk (after a restart: the blocks the directory kept)
+                yield event(
+                    kv=pb.KvBlockEvent(
+                        kind=pb.KvBlockEvent.OFFLOADED, block_hashes=disk, tier=pb.KvBlockEvent.DISK
+                    )
+                )
             last_load = wire.load_snapshot(self.engine.stats())
             yield event(load=last_load)
             last_sent_s = time.monotonic()

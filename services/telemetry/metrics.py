@@ -272,6 +272,9 @@ PREFIX_EXPORT_BLOCKS = Counter(
 )
 # The KV cache's tiers: the primary pool (the paged cache the model reads) and the host tier 2 (engine/kv_tier.py).
 KV_TIERS = ("primary", "host")
+# The KV cache's tiers: the primary pool (the paged cache the model reads), the host tier 2 (engine/kv_tier.py) and
+# the local-disk tier below it (engine/kv_disk.py).
+KV_TIERS = ("primary", "host", "disk")
 KV_TIER_RESTORE_BUCKETS_S = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1)
 KV_TIER_RESTORE_S = Histogram(
     "rackserve_kv_tier_restore_seconds",
@@ -345,10 +348,15 @@ class EngineCollector(Collector):
             rows[KV_TIER_CAPACITY_BYTES].append(("host", float(t2.capacity_bytes)))
             rows[KV_TIER_USED_BYTES].append(("host", float(t2.used_bytes)))
             rows[KV_TIER_BLOCKS].append(("host", float(t2.blocks)))
+        disk = getattr(s, "disk", None)
+        if disk is not None:
+            rows[KV_TIER_CAPACITY_BYTES].append(("disk", float(disk.capacity_bytes)))
+            rows[KV_TIER_USED_BYTES].append(("disk", float(disk.used_bytes)))
+            rows[KV_TIER_BLOCKS].append(("disk", float(disk.blocks)))
         docs = {
-            KV_TIER_CAPACITY_BYTES: "Bytes a KV tier can hold, by tier (primary pool | host tier 2)",
-            KV_TIER_USED_BYTES: "Bytes of a KV tier in use (primary: blocks allocated; host: blocks kept)",
-            KV_TIER_BLOCKS: "KV blocks in a tier now (primary: allocated; host: kept for a later hit)",
+            KV_TIER_CAPACITY_BYTES: "Bytes a KV tier can hold, by tier (primary pool | host tier 2 | disk)",
+            KV_TIER_USED_BYTES: "Bytes of a KV tier in use (primary: blocks allocated; host, disk: blocks kept)",
+            KV_TIER_BLOCKS: "KV blocks in a tier now (primary: allocated; host, disk: kept for a later hit)",
         }
         for name, values in rows.items():
             family = GaugeMetricFamily(name, docs[name], labels=["role", "tier"])
@@ -362,6 +370,8 @@ class EngineCollector(Collector):
             counter = CounterMetricFamily(name, doc, labels=["role", "tier"])
             if t2 is not None:  # declared either way (dashboards name it); samples only where the tier is on
                 counter.add_metric([self.role, "host"], float(getattr(t2, attr)))
+            if disk is not None:
+                counter.add_metric([self.role, "disk"], float(getattr(disk, attr)))
             yield counter
 
 

@@ -293,6 +293,35 @@ def test_cpu_pools_keep_device_auto_and_an_explicit_device_wins() -> None:
     assert env["RACKSERVE_DEVICE"] == "cuda:1"
 
 
+def test_the_kv_disk_tier_gets_a_volume_of_its_own_per_worker(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Off by default (no path, no volume); on, each worker's --kv-disk-path is a mount of its own: the pod's
+    emptyDir sized from kv-disk-bytes, or a hostPath / PVC subdirectory named after the pod."""
+    objs = render()
+    for role in ("prefill", "decode"):
+        dep = find(objs, "Deployment", f"rs-rackserve-{role}")
+        assert "RACKSERVE_KV_DISK_PATH" not in env_of(container(dep, role))
+        assert "kv-disk" not in {v["name"] for v in dep["spec"]["template"]["spec"]["volumes"]}
+    objs = render("--set", "engine.kv-disk-bytes=10737418240")
+    dep = find(objs, "Deployment", "rs-rackserve-decode")
+    c = container(dep, "decode")
+    env = env_of(c)
+    assert env["RACKSERVE_KV_DISK_PATH"] == "/var/cache/rackserve/kv"
+    mount = next(m for m in c["volumeMounts"] if m["name"] == "kv-disk")
+    assert mount["mountPath"] == "/var/cache/rackserve/kv" and "subPathExpr" not in mount
+    vol = next(v for v in dep["spec"]["template"]["spec"]["volumes"] if v["name"] == "kv-disk")
+    assert vol["emptyDir"]["sizeLimit"] == str(10737418240 * 11 // 10)
+    args = _parse_with_env("decode", env, monkeypatch)
+    assert args.kv_disk_path == "/var/cache/rackserve/kv" and args.kv_disk_bytes == 10737418240
+    objs = render("-f", str(GPU_PROFILE))
+    dep = find(objs, "Deployment", "rs-rackserve-prefill")
+    c = container(dep, "prefill")
+    mount = next(m for m in c["volumeMounts"] if m["name"] == "kv-disk")
+    assert mount["subPathExpr"] == "$(POD_NAME)"
+    assert env_of(c)["POD_NAME"] == {"fieldRef": {"fieldPath": "metadata.name"}}
+    vol = next(v for v in dep["spec"]["template"]["spec"]["volumes"] if v["name"] == "kv-disk")
+    assert vol["hostPath"]["path"] == "/mnt/nvme/rackserve-kv"
+
+
 def test_engine_values_carry_the_cli_flag_names() -> None:
     values = yaml.safe_load((CHART / "values.yaml").read_text())
     for role in ("prefill", "decode"):
@@ -321,6 +350,9 @@ def test_engine_values_carry_the_cli_flag_names() -> None:
         (["--set", "prefil.replicas=2"], "prefil"),
         (["--set", "frontend.flags.api-key=sk-123"], "/frontend/flags/api-key"),
         (["--set", "model.source=s3"], "/model/source"),
+        (["--set", "kvDisk.volume=pvc"], "/kvDisk/claimName"),
+        (["--set", "kvDisk.volume=nfs"], "/kvDisk/volume"),
+        (["--set", "engine.kv-disk-bytes=-1"], "/engine/kv-disk-bytes"),
     ],
 )
 def test_bad_values_fail_lint_naming_the_value(overrides: list[str], complaint: str) -> None:

@@ -1,0 +1,306 @@
+"""The local-disk KV tier (services/engine/kv_disk.py): files per block hash that round-trip bit-exact, a byte bound
+with the oldest out first, a corrupt or short file that is a miss (and deleted), a directory whose manifest does
+not match that is wiped, one worker per directory. Then on the real demo model (SmolLM2-135M) in one engine: a
+prefix evicted from a tiny pool goes to disk and comes back bit-exact with the cold run's continuation, also in a
+new engine on the same directory (a restart), and a block the host tier pushes out goes on to disk."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import pytest
+import torch
+
+from services.engine import kv_codec
+from services.engine.block_hash import block_hashes
+from services.engine.engine import EngineConfig, LLMEngine
+from services.engine.kv_disk import DiskKvTier
+from services.engine.kv_tier import encode_block, encoded_block_bytes, host_copy
+from services.engine.loader import LoadedModel
+from services.engine.nvfp4.recipe import NVFP4Tensor
+from services.engine.sampling import SamplingParams
+
+SHAPE = (2, 2, 3, 16, 64)  # layers, K/V, kv heads, block size, head dim
+FP = "f" * 32
+
+
+def tier(
+    path: Path, capacity: int = 64 << 20, codec: str = "bf16", fingerprint: str = FP, **kw
+) -> DiskKvTier:
+    return DiskKvTier(
+        path, capacity, codec, kw.get("shape", SHAPE), kw.get("dtype", torch.bfloat16), fingerprint, 16
+    )
+
+
+def block(seed: int, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(SHAPE, generator=g).to(dtype)
+
+
+def files(path: Path) -> list[str]:
+    return sorted(p.name for p in (path / "blocks").iterdir())
+
+
+def test_a_bf16_block_round_trips_bit_exact_through_its_file(tmp_path: Path) -> None:
+    t = tier(tmp_path)
+    b = block(1)
+    assert t.put(11, 7, b) == []
+    assert files(tmp_path) == [f"{11:016x}.kv"]
+    assert 11 in t and t.lookup([11, 12]) == 1  # the next hash is not here: the run stops
+    e = t.take(11)
+    assert e.parent_hash == 7 and e.tier == "disk"
+    assert isinstance(e.data, torch.Tensor) and e.data.dtype == torch.bfloat16
+    assert torch.equal(e.data.view(torch.int16), b.view(torch.int16))  # the same bits
+    assert 11 not in t and files(tmp_path) == [] and t.used_bytes == 0  # one tier at a time: taken = gone
+
+
+@pytest.mark.parametrize("codec", ["fp8", "nvfp4"])
+def test_a_compressed_block_keeps_its_codes_and_scales_on_disk(tmp_path: Path, codec: str) -> None:
+    t = tier(tmp_path, codec=codec)
+    b = block(2)
+    enc = encode_block(codec, b, host_copy)
+    t.put(5, 0, enc)
+    got = t.take(5).data
+    if codec == "fp8":
+        assert isinstance(got, tuple) and isinstance(enc, tuple)
+        assert torch.equal(got[0], enc[0]) and torch.equal(got[1].view(torch.uint8), enc[1].view(torch.uint8))
+        restored = kv_codec.fp8_decode(got[0], got[1], torch.bfloat16)
+        assert torch.equal(restored, kv_codec.fp8_decode(enc[0], enc[1], torch.bfloat16))
+    else:
+        assert isinstance(got, NVFP4Tensor) and isinstance(enc, NVFP4Tensor)
+        assert torch.equal(got.packed, enc.packed) and torch.equal(got.scales, enc.scales)
+        assert torch.equal(got.global_scale, enc.global_scale) and got.shape == enc.shape
+        restored = kv_codec.nvfp4_decode(got, torch.bfloat16)
+        assert torch.equal(restored, kv_codec.nvfp4_decode(enc, torch.bfloat16))
+
+
+def test_the_byte_bound_holds_and_the_oldest_block_goes_first(tmp_path: Path) -> None:
+    probe = tier(tmp_path / "probe")
+    probe.put(1, 0, block(0))
+    size = probe.used_bytes  # one block file, header included
+    assert size > encoded_block_bytes("bf16", SHAPE, torch.bfloat16)
+    t = tier(tmp_path / "t", capacity=3 * size + size // 2)
+    dropped = []
+    for h in range(1, 6):
+        dropped += t.put(h, h - 1, block(h))
+    assert dropped == [(1, 0), (2, 1)]  # oldest first, with their parents
+    assert t.hashes() == [3, 4, 5] and t.used_bytes == 3 * size <= t.capacity_bytes
+    assert files(tmp_path / "t") == [f"{h:016x}.kv" for h in (3, 4, 5)]
+    assert sum(p.stat().st_size for p in (tmp_path / "t" / "blocks").iterdir()) == t.used_bytes
+
+
+def test_a_bound_below_one_block_is_refused(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="kv_disk_bytes=1000 cannot hold one KV block"):
+        tier(tmp_path, capacity=1000)
+
+
+@pytest.mark.parametrize("damage", ["flip a payload byte", "truncate", "empty", "another block's file"])
+def test_a_corrupt_or_short_file_is_a_miss_and_is_deleted(tmp_path: Path, damage: str) -> None:
+    t = tier(tmp_path)
+    t.put(1, 0, block(1))
+    t.put(2, 1, block(2))
+    p = tmp_path / "blocks" / f"{2:016x}.kv"
+    raw = bytearray(p.read_bytes())
+    if damage == "flip a payload byte":
+        raw[-100] ^= 0x40
+    elif damage == "truncate":
+        raw = raw[: len(raw) - 10]
+    elif damage == "empty":
+        raw = bytearray()
+    else:
+        raw = bytearray((tmp_path / "blocks" / f"{1:016x}.kv").read_bytes())  # right shape, wrong hash
+    p.write_bytes(bytes(raw))
+    assert t.lookup([1, 2]) == 1  # block 1 still restores; 2 is a miss
+    assert 2 not in t and not p.exists() and t.corrupt == 1
+    with pytest.raises(KeyError):
+        t.take(2)
+    assert torch.equal(t.take(1).data, block(1))  # type: ignore[arg-type]
+
+
+def test_a_restart_with_the_same_manifest_keeps_the_blocks(tmp_path: Path) -> None:
+    t = tier(tmp_path)
+    for h in (1, 2, 3):
+        t.put(h, h - 1, block(h))
+    used = t.used_bytes
+    t.close()
+    (tmp_path / "blocks" / f".{9:016x}.123.tmp").write_bytes(b"half a write")  # a crash mid-write
+    again = tier(tmp_path)
+    assert again.hashes() == [1, 2, 3] and again.used_bytes == used
+    assert again.parent_of(3) == 2
+    assert files(tmp_path) == [f"{h:016x}.kv" for h in (1, 2, 3)]  # the stray temporary file is gone
+    assert again.lookup([1, 2, 3]) == 3 and torch.equal(again.take(3).data, block(3))  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(
+    ("change", "named"),
+    [
+        ({"fingerprint": "0" * 32}, "model_fingerprint"),
+        ({"codec": "fp8"}, "codec"),
+        ({"dtype": torch.float32}, "dtype"),
+        ({"shape": (2, 2, 3, 32, 64)}, "block_shape"),
+    ],
+)
+def test_a_directory_of_another_model_or_layout_is_wiped_with_the_reason_logged(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, change: dict, named: str
+) -> None:
+    t = tier(tmp_path)
+    t.put(1, 0, block(1))
+    t.put(2, 1, block(2))
+    t.close()
+    with caplog.at_level(logging.WARNING, logger="rackserve.engine.kv_disk"):
+        other = tier(tmp_path, **change)
+    assert len(other) == 0 and files(tmp_path) == [] and other.lookup([1, 2]) == 0
+    assert any("wiping 2 blocks" in r.message and named in r.message for r in caplog.records), caplog.text
+    other.close()
+    assert len(tier(tmp_path, **change)) == 0  # the manifest now describes the new model
+
+
+def test_a_restart_with_a_smaller_bound_keeps_the_newest_blocks(tmp_path: Path) -> None:
+    t = tier(tmp_path)
+    for h in (1, 2, 3, 4):
+        t.put(h, h - 1, block(h))
+    size = t.used_bytes // 4
+    t.close()
+    small = tier(tmp_path, capacity=2 * size)
+    assert small.hashes() == [3, 4] and files(tmp_path) == [f"{h:016x}.kv" for h in (3, 4)]
+
+
+def test_two_tiers_cannot_share_a_directory(tmp_path: Path) -> None:
+    tier(tmp_path)
+    with pytest.raises(ValueError, match="in use by another process"):
+        tier(tmp_path)
+
+
+def test_bad_disk_settings_are_refused_clearly(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="kv_disk_bytes must be >= 0"):
+        EngineConfig(kv_disk_path=str(tmp_path), kv_disk_bytes=-1)
+    with pytest.raises(ValueError, match="kv_disk_bytes needs kv_disk_path"):
+        EngineConfig(kv_disk_bytes=1 << 20)
+    with pytest.raises(ValueError, match="kv_disk_path needs kv_disk_bytes"):
+        EngineConfig(kv_disk_path=str(tmp_path))
+    with pytest.raises(ValueError, match="needs the prefix cache"):
+        EngineConfig(kv_disk_path=str(tmp_path), kv_disk_bytes=1 << 20, enable_prefix_caching=False)
+    (tmp_path / "a-file").write_text("")
+    with pytest.raises(ValueError, match="kv_disk_path=.*cannot be used"):
+        tier(tmp_path / "a-file")
+
+
+# ---------------------------------------------------------------------------------------------- in a real engine
+GREEDY = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
+BS = 16
+POOL = 7
+TEXT_A = (
+    "The history of the lighthouse keepers of the northern coast is a story of patience. Every night for two "
+    "hundred years a keeper climbed the stairs, trimmed the wick and watched the sea. Their logbooks record "
+    "storms, wrecks, rescues and the slow arrival of electricity. When the last keeper left in the nineteen "
+    "eighties, the light went on by itself, and the logbooks went to the museum in town. Summarize what the "
+    "keepers did each night:"
+)
+TEXT_B = (
+    "A recipe for bread needs flour, water, salt and yeast. Mix them, knead the dough for ten minutes, let it "
+    "rise until it doubles, shape it, let it rise again and bake it in a hot oven until the crust is brown and "
+    "it sounds hollow when tapped. Bakers have argued for centuries about hydration, about the temperature of "
+    "the water and about how long the dough should rest. Explain why the dough must rest twice before baking:"
+)
+
+
+def make(smollm2: LoadedModel, **kw) -> LLMEngine:
+    cfg = dict(dtype="bfloat16", block_size=BS, num_kv_blocks=POOL, max_num_batched_tokens=256)
+    cfg.update(kw)
+    return LLMEngine(smollm2, EngineConfig(**cfg))
+
+
+@pytest.fixture(scope="module")
+def prompts(smollm2: LoadedModel) -> tuple[list[int], list[int]]:
+    tok = make(smollm2).tokenizer
+    a, b = tok.encode(TEXT_A), tok.encode(TEXT_B)  # type: ignore[attr-defined]
+    assert 4 * BS < len(a) and -(-(len(b) + GREEDY.max_tokens - 1) // BS) == POOL  # b alone evicts all of a
+    return a, b
+
+
+@pytest.fixture(scope="module")
+def cold(smollm2: LoadedModel, prompts: tuple[list[int], list[int]]) -> list[int]:
+    return make(smollm2).generate([prompts[0]], GREEDY)[0]
+
+
+def again(e: LLMEngine, a: list[int]) -> tuple[list[int], int]:
+    e.add_request("again", a, GREEDY)
+    out: list[int] = []
+    cached = -1
+    while e.has_unfinished():
+        for o in e.step():
+            out += o.new_token_ids
+            cached = o.num_cached_tokens
+    return out, cached
+
+
+def test_an_evicted_prefix_comes_back_from_disk_bit_exact_and_after_a_restart(
+    smollm2: LoadedModel, prompts: tuple[list[int], list[int]], cold: list[int], tmp_path: Path
+) -> None:
+    a, b = prompts
+    e = make(smollm2, kv_disk_path=str(tmp_path), kv_disk_bytes=64 << 20)  # tier 2 off: pool -> disk
+    assert e.tier2 is None and e.disk is not None
+    e.generate([a], GREEDY)
+    hashes = block_hashes(a[: len(a) - 1], BS)
+    original = e.kv.read_blocks(torch.tensor(e.blocks.lookup_prefix(hashes))).clone()
+    e.generate([b], GREEDY)
+    assert e.blocks.lookup_prefix(hashes) == [] and all(h in e.disk for h in hashes)
+    events = e.drain_kv_events()
+    assert set(hashes) <= {ev.block_hash for ev in events if ev.kind == "offloaded" and ev.tier == "disk"}
+    assert not [ev for ev in events if ev.tier == "host" and ev.kind in ("offloaded", "dropped")]
+
+    out, cached = again(e, a)
+    assert cached == len(hashes) * BS and out == cold
+    assert torch.equal(e.kv.read_blocks(torch.tensor(e.blocks.lookup_prefix(hashes))), original)  # bit-exact
+    st = e.stats().disk
+    assert st is not None and st.hits == len(hashes) and st.restores == 1
+    assert [
+        ev.block_hash for ev in e.drain_kv_events() if ev.kind == "restored" and ev.tier == "disk"
+    ] == hashes
+    assert not any(h in e.disk for h in hashes)  # one tier at a time
+
+    e.generate([b], GREEDY)  # out to disk again, then the "worker" goes away
+    assert all(h in e.disk for h in hashes)
+    e.disk.close()
+    del e
+    fresh = make(smollm2, kv_disk_path=str(tmp_path), kv_disk_bytes=64 << 20)
+    assert fresh.disk is not None and set(hashes) <= set(fresh.blocks.disk_hashes())
+    out, cached = again(fresh, a)
+    assert cached == len(hashes) * BS and out == cold  # a real hit, the same chain, the cold run's tokens
+    fresh.disk.close()
+
+    f32 = make(smollm2, dtype="float32", kv_disk_path=str(tmp_path), kv_disk_bytes=64 << 20)
+    assert f32.disk is not None and len(f32.disk) == 0  # another dtype: the directory was wiped
+    out, cached = again(f32, a)
+    assert cached == 0
+    f32.disk.close()
+
+
+def test_blocks_the_host_tier_pushes_out_go_on_to_disk(
+    smollm2: LoadedModel, prompts: tuple[list[int], list[int]], cold: list[int], tmp_path: Path
+) -> None:
+    a, b = prompts
+    mc = smollm2.config
+    per_block = encoded_block_bytes(
+        "bf16", (mc.num_layers, 2, mc.num_kv_heads, BS, mc.head_dim), torch.bfloat16
+    )
+    e = make(smollm2, kv_tier2_bytes=2 * per_block, kv_disk_path=str(tmp_path), kv_disk_bytes=64 << 20)
+    assert e.tier2 is not None and e.disk is not None
+    e.generate([a], GREEDY)
+    e.generate([b], GREEDY)
+    hashes = block_hashes(a[: len(a) - 1], BS)
+    events = e.drain_kv_events()
+    to_disk = [ev.block_hash for ev in events if ev.kind == "offloaded" and ev.tier == "disk"]
+    host_dropped = [ev.block_hash for ev in events if ev.kind == "dropped" and ev.tier == "host"]
+    assert to_disk and to_disk == host_dropped  # every block host memory let go went to disk
+    for h in to_disk:  # DROPPED (host) comes before OFFLOADED (disk)
+        kinds = [(ev.kind, ev.tier) for ev in events if ev.block_hash == h]
+        assert kinds.index(("dropped", "host")) < kinds.index(("offloaded", "disk"))
+    assert len(e.tier2) == 2 and all((h in e.tier2) != (h in e.disk) for h in hashes)  # one tier each
+    out, cached = again(e, a)  # the run continues pool -> host -> disk
+    assert cached == len(hashes) * BS and out == cold
+    st = e.stats()
+    assert st.tier2 is not None and st.disk is not None
+    assert st.tier2.hits + st.disk.hits == len(hashes) and st.disk.hits > 0
+    e.disk.close()
