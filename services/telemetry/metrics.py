@@ -270,8 +270,6 @@ PREFIX_EXPORTS = Counter(
 PREFIX_EXPORT_BLOCKS = Counter(
     "rackserve_prefix_export_blocks", "KV blocks a prefill worker held and published for peers' prefix pulls"
 )
-# The KV cache's tiers: the primary pool (the paged cache the model reads) and the host tier 2 (engine/kv_tier.py).
-KV_TIERS = ("primary", "host")
 # The KV cache's tiers: the primary pool (the paged cache the model reads), the host tier 2 (engine/kv_tier.py) and
 # the local-disk tier below it (engine/kv_disk.py).
 KV_TIERS = ("primary", "host", "disk")
