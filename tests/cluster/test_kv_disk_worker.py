@@ -29,7 +29,7 @@ from services.engine.tokenizer import Tokenizer
 from services.rpc import pb, pb_grpc
 from tests.support.cluster import Proc, decode, greedy, run, start_process, token_ids
 from tests.support.etcd import EtcdServer, free_port
-from tests.test_kv_disk import BS, POOL, TEXT_A, TEXT_B
+from tests.engine.test_kv_disk import BS, POOL, TEXT_A, TEXT_B
 
 pytestmark = pytest.mark.cluster  # starts etcd and workers
 
