@@ -27,9 +27,9 @@ from services.engine.block_hash import block_hashes
 from services.engine.model_files import smollm2_gguf_path
 from services.engine.tokenizer import Tokenizer
 from services.rpc import pb, pb_grpc
+from tests.engine.test_kv_disk import BS, POOL, TEXT_A, TEXT_B
 from tests.support.cluster import Proc, decode, greedy, run, start_process, token_ids
 from tests.support.etcd import EtcdServer, free_port
-from tests.engine.test_kv_disk import BS, POOL, TEXT_A, TEXT_B
 
 pytestmark = pytest.mark.cluster  # starts etcd and workers
 
