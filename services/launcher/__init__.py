@@ -324,7 +324,10 @@ def run(args: argparse.Namespace) -> int:
     def on_signal(signum: int, _frame: object) -> None:
         raise KeyboardInterrupt
 
+    # both, explicitly: a launcher started in the background inherits SIGINT ignored (the shell's rule for `&`),
+    # and "Ctrl-C stops everything" must still hold for a SIGINT sent to it
     signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
     try:
         cluster.start_etcd()
         cluster.start_services()

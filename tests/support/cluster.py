@@ -12,7 +12,9 @@ import asyncio
 import os
 import subprocess
 import sys
+import threading
 import time
+from collections import deque
 from collections.abc import Awaitable, Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -165,6 +167,12 @@ async def decode(endpoint: str, request: pb.DecodeRequest) -> list[pb.DecodeChun
         return [chunk async for chunk in stub.Decode(request, timeout=RPC_TIMEOUT_S)]
 
 
+def _drain(proc: subprocess.Popen[str], tail: deque[str]) -> None:
+    assert proc.stdout is not None
+    for line in proc.stdout:
+        tail.append(line)
+
+
 @contextmanager
 def rackserve_up(*flags: str, ready_s: float = 240.0) -> Iterator[tuple[subprocess.Popen[str], str]]:
     """A real `rackserve up` (etcd, router, workers, frontend) on a free port: (the launcher, the base URL).
@@ -174,7 +182,7 @@ def rackserve_up(*flags: str, ready_s: float = 240.0) -> Iterator[tuple[subproce
     from tests.support.etcd import free_port
 
     port = free_port()
-    cmd = [sys.executable, "-m", "services.cli", "up", "--port", str(port), "--quiet", *flags]
+    cmd = [sys.executable, "-m", "services.cli", "up", "--port", str(port), *flags]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     assert proc.stdout is not None
     lines: list[str] = []
@@ -189,6 +197,10 @@ def rackserve_up(*flags: str, ready_s: float = 240.0) -> Iterator[tuple[subproce
                 break
         if proc.poll() is not None or not lines or "rackserve is ready" not in lines[-1]:
             raise RuntimeError("rackserve up did not become ready:\n" + "".join(lines[-30:]))
+        # keep draining the launcher's output (a full pipe would block it mid-print); the tail is kept for failures
+        tail: deque[str] = deque(lines, maxlen=200)
+        threading.Thread(target=_drain, args=(proc, tail), daemon=True).start()
+        proc.log_tail = tail  # type: ignore[attr-defined]
         yield proc, f"http://127.0.0.1:{port}"
     finally:
         if proc.poll() is None:
