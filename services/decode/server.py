@@ -56,7 +56,7 @@ from services.runtime.args import (
     add_kv_transfer_arguments,
     add_service_arguments,
 )
-from services.runtime.async_engine import AsyncEngine, RequestStream, RequestTiming
+from services.runtime.async_engine import ENGINE_STUCK_S, AsyncEngine, RequestStream, RequestTiming
 from services.runtime.channels import ChannelPool
 from services.runtime.errors import (
     KV_UNAVAILABLE_PREFIX,
@@ -82,7 +82,6 @@ GATED_METHODS = (f"/{SERVICE_NAME}/Decode",)
 # (busy, not hung; a stopped process sends nothing anyway), so only an engine that has not stepped for
 # ENGINE_STUCK_S (a step stuck for good) sends none.
 QUEUE_HEARTBEAT_S = 1.0
-ENGINE_STUCK_S = 120.0
 
 
 class DecodeWorker(EngineWorker, pb_grpc.DecodeWorkerServicer):

@@ -13,7 +13,9 @@ is a `RequestState` (request_state.py); the coordinator moves it from phase to p
   once, so TTFT never waits for the KV transfer → Decode(kv=handle, emitted=[first]) on the decode worker
   (TRANSFERRING until its first chunk, which reports the transfer's bytes, seconds and backend) → DECODING.
 A broken call (reset, error status, a worker silent for `stall_timeout_s`, a stream that ends early) is a
-`WorkerLost` (worker_lost.py says which failures are). A busy worker is not a broken one: a decode worker whose
+`WorkerLost` (worker_lost.py says which failures are). A busy worker is not a broken one: a prefill worker still
+registered in discovery is waited for up to the request's deadline (its call sends nothing until the prompt is
+done, and a queue of long prompts on a slow CPU outlasts any fixed stall timeout); a decode worker whose
 KV pool is full queues the request and sends `waiting` keepalives (no tokens) until its blocks free up, which
 restart the stall timer and are never a migration; the time spent so is `decode_queue_s` in the request's log
 line. `_migrate` reports the worker to every router at once, records a `Migration` (cause, path, from/to worker,
@@ -266,19 +268,45 @@ class Coordinator:
             request.prefix_pull.CopyFrom(state.plan.prefix_pull)
         stub = pb_grpc.PrefillWorkerStub(self.channels.get(worker.endpoint))
         peer = f"prefill worker {worker.worker_id}"
-        timeout_s = min(self.stall_timeout_s, state.remaining_s())
+        # A unary call sends nothing until the prompt is done, and a long prompt queued behind others on a busy
+        # worker can take longer than the stall timeout: busy is not failed. So the call runs to the request's
+        # deadline, and after each stall window without an answer the worker must still hold its registration
+        # (a hung or frozen process stops renewing its lease and leaves discovery; a live worker whose engine
+        # stopped stepping fails the call itself, services/prefill/server.py).
+        call = stub.Prefill(request, metadata=state.metadata(), timeout=state.remaining_s())
+        waiting = asyncio.ensure_future(self._answer(call))
         try:
-            response: pb.PrefillResponse = await stub.Prefill(
-                request, metadata=state.metadata(), timeout=timeout_s
-            )
+            while True:
+                done, _ = await asyncio.wait({waiting}, timeout=self.stall_timeout_s)
+                if done:
+                    response: pb.PrefillResponse = waiting.result()
+                    break
+                if not self._registered(worker, "prefill"):
+                    call.cancel()
+                    raise stalled(
+                        worker, "prefill", "left discovery with the call in flight",
+                        f"{peer} answered nothing for {self.stall_timeout_s:g}s and left discovery",
+                    )  # fmt: skip
         except grpc.aio.AioRpcError as e:
             detail = call_failed(e, "prefill")
-            if e.code() == grpc.StatusCode.DEADLINE_EXCEEDED and state.deadline_s > time.monotonic():
-                raise stalled(worker, "prefill", detail, f"{peer} answered nothing for {timeout_s:g}s") from e
             raise lost_or_refused(e, worker, "prefill", detail, peer) from e
+        finally:
+            if not waiting.done():
+                waiting.cancel()
         state.cached_tokens = response.cached_tokens
         state.pulled_tokens = response.pulled_tokens
         return response
+
+    @staticmethod
+    async def _answer(call: grpc.aio.UnaryUnaryCall) -> pb.PrefillResponse:
+        response: pb.PrefillResponse = await call
+        return response
+
+    def _registered(self, worker: pb.WorkerRef, role: str) -> bool:
+        """Whether discovery still lists this very worker (same id and epoch): a live process renews its lease."""
+        return any(
+            w.worker_id == worker.worker_id and w.epoch == worker.epoch for w in self.directory.workers(role)
+        )
 
     async def _decode(
         self, state: RequestState, worker: pb.WorkerRef, kv: pb.KvHandle | None = None

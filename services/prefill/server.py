@@ -34,6 +34,8 @@ import os
 import signal
 import sys
 import time
+from collections.abc import Coroutine
+from typing import Any
 
 import grpc
 from opentelemetry import trace
@@ -47,7 +49,7 @@ from services.runtime.args import (
     add_kv_transfer_arguments,
     add_service_arguments,
 )
-from services.runtime.async_engine import AsyncEngine
+from services.runtime.async_engine import ENGINE_STUCK_S, AsyncEngine
 from services.runtime.channels import ChannelPool
 from services.runtime.errors import WorkerUnavailableError
 from services.runtime.host import ServiceHost, service_main
@@ -65,6 +67,7 @@ GATED_METHODS = (f"/{SERVICE_NAME}/Prefill",)
 DEFAULT_KV_TTL_S = 30.0
 DEFAULT_KV_MAX_HOLD_S = 600.0  # ExtendHold never keeps a request's KV longer than this after its prefill
 DEBUG_DIE_IN = ("none", "prefill", "transfer")
+STUCK_CHECK_S = 1.0  # how often a prefill call in flight checks that the engine still steps
 
 
 class PrefillWorker(EngineWorker, pb_grpc.PrefillWorkerServicer):
@@ -106,7 +109,7 @@ class PrefillWorker(EngineWorker, pb_grpc.PrefillWorkerServicer):
                     pull = await self.puller.pull(request_id, request.prefix_pull, request.token_ids)
                     pull_attributes(pull_span, pull)
             try:
-                response = await self._prefill(request_id, request, span)
+                response = await self._unless_stuck(self._prefill(request_id, request, span))
             finally:
                 if pull is not None and self.puller is not None:
                     await self.puller.release(pull)  # admitted (or failed): the prefix needs no pin now
@@ -122,6 +125,24 @@ class PrefillWorker(EngineWorker, pb_grpc.PrefillWorkerServicer):
                 },
             )
             return response
+
+    async def _unless_stuck(self, work: Coroutine[Any, Any, pb.PrefillResponse]) -> pb.PrefillResponse:
+        """`work`, failed (UNAVAILABLE) once the engine has not stepped for ENGINE_STUCK_S: the caller waits for a
+        busy prefill worker as long as it stays registered, so a stuck engine in a live process must say so."""
+        task = asyncio.ensure_future(work)
+        try:
+            while True:
+                done, _ = await asyncio.wait({task}, timeout=STUCK_CHECK_S)
+                if done:
+                    return task.result()
+                age = self.engine.progress_age_s()
+                if age >= ENGINE_STUCK_S:
+                    raise WorkerUnavailableError(
+                        f"worker {self.host.worker_id}: its engine has not stepped for {age:.0f}s"
+                    )
+        finally:
+            if not task.done():
+                task.cancel()
 
     async def _prefill(
         self, request_id: str, request: pb.PrefillRequest, span: trace.Span

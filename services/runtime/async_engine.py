@@ -33,6 +33,11 @@ from services.telemetry import metrics
 
 log = logging.getLogger("rackserve.runtime.engine")
 
+# An engine thread that has not reported back for this long with work running is stuck for good, not busy (a
+# starved CPU can make one step take tens of seconds): a worker stops vouching for it (`progress_age_s`) — the
+# decode stream stops its keepalives, a prefill call fails — so its callers move on.
+ENGINE_STUCK_S = 120.0
+
 T = TypeVar("T")
 
 # When every queued request waits for KV blocks and nothing runs, only a command (release, abort) can unblock
