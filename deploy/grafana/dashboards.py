@@ -260,10 +260,16 @@ def overview() -> Board:
                 "hit rate {{role}}",
             ),
             q(quantile(0.9, "rackserve_kv_tier_restore_seconds", "role"), "restore p90 {{role}} (s)"),
+            q(
+                f"{rate('rackserve_kv_tier_restores_overlapped_total', 'role')} / "
+                f"{rate('rackserve_kv_tier_restore_seconds_count', 'role')}",
+                "restores beside the step {{role}}",
+            ),
         ],
         "short",
         description="Of the prompt blocks past the primary pool's prefix, the share tier 2 restored instead of "
-        "recomputing; and how long one request's restore took",
+        "recomputing; how long one request's restore took; and the share of restores written beside a step "
+        "(the batch kept decoding) rather than before it",
     )
     b.panel(
         "Running / waiting requests",

@@ -114,6 +114,9 @@ class EngineConfig:
     # Blocks are kept in kv_tier2_codec.
     kv_disk_path: str = ""
     kv_disk_bytes: int = 0
+    # a request whose prefix comes back from a tier while others run waits a step while its blocks are written
+    # beside the step (a worker thread; a side stream on CUDA) instead of stalling the batch: docs/kv-tiers.md
+    kv_async_restore: bool = True
     extra: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:

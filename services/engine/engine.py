@@ -14,6 +14,8 @@ hit. Both keep their blocks pinned under the hold id until `release_kv(hold_id)`
 
 from __future__ import annotations
 
+import concurrent.futures
+import contextlib
 import logging
 import os
 import time
@@ -28,11 +30,11 @@ from services.engine.config import EngineConfig, ModelConfig, torch_dtype
 from services.engine.device import plan_kv_memory, resolve_device
 from services.engine.kv_cache import BlockManager, KvEvent, NoFreeBlocksError
 from services.engine.kv_disk import DiskKvTier
-from services.engine.kv_tier import HostKvTier, TierEntry, TierStats, decode_entries
+from services.engine.kv_tier import HostKvTier, TierStats, decode_entries
 from services.engine.loader import LoadedModel, load_model, model_fingerprint
 from services.engine.model import AttnMetadata, PagedKvCache, PrefillSegment, Transformer
 from services.engine.sampling import RowContext, Sampled, SamplingParams, sample_batch
-from services.engine.scheduler import Request, RequestStatus, Scheduler, SchedulerOutput
+from services.engine.scheduler import Request, RequestStatus, RestoreGroup, Scheduler, SchedulerOutput
 from services.engine.structured import GrammarError, Grammars, Matcher
 
 if TYPE_CHECKING:
@@ -258,7 +260,13 @@ class LLMEngine:
             num_blocks, cfg.block_size, cfg.enable_prefix_caching, self.tier2, self.disk,
             lambda b: kv_.read_blocks(torch.tensor([b], device=device))[0],
         )  # fmt: skip
-        self.scheduler = Scheduler(self.blocks, cfg.max_num_seqs, cfg.max_num_batched_tokens)
+        self.scheduler = Scheduler(
+            self.blocks, cfg.max_num_seqs, cfg.max_num_batched_tokens, async_restore=cfg.kv_async_restore
+        )
+        # restores written beside the step: one worker thread (and a side stream on CUDA), jobs by request id
+        self._restorer: concurrent.futures.ThreadPoolExecutor | None = None
+        self._restore_stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+        self._restore_jobs: dict[str, tuple[concurrent.futures.Future[list[float]], list[RestoreGroup]]] = {}
         self.requests: dict[str, Request] = {}
         self.kv_layout = KvLayout(
             model_fingerprint=self.fingerprint,
@@ -364,6 +372,8 @@ class LLMEngine:
         return req
 
     def abort(self, request_id: str) -> None:
+        if request_id in self._restore_jobs:
+            self._collect_restores(only=request_id)  # its blocks are being written: let that finish first
         self._matchers.pop(request_id, None)
         self._pending_kv.pop(request_id, None)
         req = self.requests.pop(request_id, None)
@@ -391,13 +401,24 @@ class LLMEngine:
     # ------------------------------------------------------------------------------------------ stepping
     def step(self) -> list[RequestOutput]:
         t0 = time.perf_counter()
+        if self._restore_jobs:
+            self._collect_restores()
         decision = self.scheduler.schedule()
         self._preemptions += len(decision.preempted)
-        for block_ids, entries in decision.restored:
-            self._write_restored(block_ids, entries)
+        for g in decision.restored:
+            self._write_restored(g)
+        for request_id, groups in decision.restoring:
+            if self._restorer is None:
+                self._restorer = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="kv-restore")
+            self._restore_jobs[request_id] = (self._restorer.submit(self._restore_job, groups), groups)
         for request_id in decision.imported:
             self._write_imported(request_id)
         if decision.empty:
+            if self._restore_jobs:  # nothing else to run: wait for a restore, the next step runs its request
+                concurrent.futures.wait(
+                    [f for f, _ in self._restore_jobs.values()], return_when="FIRST_COMPLETED"
+                )
+                self._collect_restores()
             return []
         sampled = self._execute(decision)
         outputs = []
@@ -557,7 +578,7 @@ class LLMEngine:
 
     def stats(self) -> EngineStats:
         return EngineStats(
-            waiting=len(self.scheduler.waiting),
+            waiting=len(self.scheduler.waiting) + len(self.scheduler.restoring),
             running=len(self.scheduler.running),
             free_blocks=self.blocks.num_free,
             total_blocks=self.blocks.num_blocks,
@@ -714,18 +735,50 @@ class LLMEngine:
         req.import_tokens, req.import_blocks = n, nblocks
         self._pending_kv[req.request_id] = kv.data
 
-    def _write_restored(self, block_ids: list[int], entries: list[TierEntry]) -> None:
-        """The scheduler restored blocks from tier 2 or disk into fresh primary blocks: decode and write their
-        K/V (the disk tier's files were read at admission, when the lookup checked them)."""
-        tier = self.disk if entries[0].tier == "disk" else self.tier2
+    def _tier(self, g: RestoreGroup) -> HostKvTier | DiskKvTier:
+        tier = self.disk if g.tier == "disk" else self.tier2
         assert tier is not None
+        return tier
+
+    def _write_restored(self, g: RestoreGroup) -> None:
+        """The scheduler restored blocks from tier 2 or disk into fresh primary blocks for a request in this step:
+        decode and write their K/V before it runs (the disk tier's files were read at admission, when the lookup
+        checked them)."""
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         t0 = time.perf_counter()
-        self.kv.write_blocks(self._h2d(block_ids), decode_entries(entries, self.dtype, self.device))
+        self.kv.write_blocks(self._h2d(g.block_ids), decode_entries(g.entries, self.dtype, self.device))
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)  # the restore's own time, not whatever the stream ran before
-        tier.observe_restore(len(block_ids), time.perf_counter() - t0)
+        self._tier(g).observe_restore(len(g.block_ids), time.perf_counter() - t0)
+
+    def _restore_job(self, groups: list[RestoreGroup]) -> list[float]:
+        """On the restore thread, beside the step: decode and write each group's blocks (on CUDA on a side stream,
+        waited for here, so the blocks are in place once the job is done). Their seconds, one per group."""
+        stream = self._restore_stream
+        times = []
+        with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
+            for g in groups:
+                t0 = time.perf_counter()
+                self.kv.write_blocks(
+                    self._h2d(g.block_ids), decode_entries(g.entries, self.dtype, self.device)
+                )
+                if stream is not None:
+                    stream.synchronize()
+                times.append(time.perf_counter() - t0)
+        return times
+
+    def _collect_restores(self, only: str | None = None) -> None:
+        """Finished restores (or, with `only`, that one, waited for): their blocks join the prefix cache and their
+        requests run from the next step. Timed on this, the engine's, thread."""
+        for request_id, (future, groups) in list(self._restore_jobs.items()):
+            if (only is not None and request_id != only) or (only is None and not future.done()):
+                continue
+            times = future.result()
+            del self._restore_jobs[request_id]
+            for g, dt in zip(groups, times, strict=True):
+                self._tier(g).observe_restore(len(g.block_ids), dt, overlapped=True)
+            self.scheduler.complete_restore(request_id)
 
     def _write_imported(self, request_id: str) -> None:
         """The scheduler just gave an importing request its blocks: copy the KV it brought into them."""

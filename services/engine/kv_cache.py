@@ -198,10 +198,13 @@ class BlockManager:
     def commit_restored(
         self, block_ids: list[int], hashes: list[int], parents: list[int], tier: KvTierName = "host"
     ) -> None:
-        """Freshly allocated blocks now hold restored K/V: cached under their hashes again, like computed ones."""
+        """Freshly allocated blocks now hold restored K/V: cached under their hashes again, like computed ones (a
+        hash computed into another block while this one was being written stays with that block)."""
         for b, h, parent in zip(block_ids, hashes, parents, strict=True):
             st = self.blocks[b]
-            assert st.block_hash is None and h not in self._cached
+            assert st.block_hash is None
+            if h in self._cached:
+                continue
             st.block_hash, st.parent_hash = h, parent
             self._cached[h] = b
             self._events.append(KvEvent("restored", h, parent, b, tier))

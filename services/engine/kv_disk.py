@@ -127,7 +127,7 @@ class DiskKvTier:
         # reads of the blocks taken since the last observe_restore: part of that restore's time
         self._taken_read_s = 0.0
         self.used_bytes = 0
-        self.hits = self.misses = self.restores = self.corrupt = 0
+        self.hits = self.misses = self.restores = self.corrupt = self.overlapped = 0
         self.restore_s = 0.0
         self.restore_observer: Callable[[float], None] | None = None
         self._open_directory()
@@ -204,7 +204,7 @@ class DiskKvTier:
     def stats(self) -> TierStats:
         return TierStats(
             self.capacity_bytes, self.used_bytes, len(self._entries), self.hits, self.misses,
-            self.restores, self.restore_s,
+            self.restores, self.restore_s, self.overlapped,
         )  # fmt: skip
 
     def lookup(self, hashes: list[int]) -> int:
@@ -297,12 +297,13 @@ class DiskKvTier:
         self._unlink(self._name(block_hash))
         return block_hash, entry[0]
 
-    def observe_restore(self, num_blocks: int, seconds: float) -> None:
+    def observe_restore(self, num_blocks: int, seconds: float, overlapped: bool = False) -> None:
         """One request's restore: `seconds` of decode + write, plus the reads of its files (at admission)."""
         seconds += self._taken_read_s
         self._taken_read_s = 0.0
         self.hits += num_blocks
         self.restores += 1
+        self.overlapped += overlapped
         self.restore_s += seconds
         if self.restore_observer is not None:
             self.restore_observer(seconds)

@@ -50,6 +50,7 @@ class TierStats:
     misses: int  # prompt blocks found in neither tier (looked up past the primary pool's prefix, not here)
     restores: int  # restore operations (one per admitted request that restored blocks)
     restore_s: float  # seconds spent restoring, in all
+    overlapped: int = 0  # restores written beside an engine step (the request waited; the others ran)
 
 
 class HostKvTier:
@@ -81,7 +82,7 @@ class HostKvTier:
         self.capacity_bytes = capacity_bytes
         self._entries: OrderedDict[int, TierEntry] = OrderedDict()  # head = least recently used
         self.used_bytes = 0
-        self.hits = self.misses = self.restores = 0
+        self.hits = self.misses = self.restores = self.overlapped = 0
         self.restore_s = 0.0
         self.restore_observer: Callable[[float], None] | None = None  # e.g. a metrics histogram
 
@@ -103,7 +104,7 @@ class HostKvTier:
     def stats(self) -> TierStats:
         return TierStats(
             self.capacity_bytes, self.used_bytes, len(self._entries), self.hits, self.misses,
-            self.restores, self.restore_s,
+            self.restores, self.restore_s, self.overlapped,
         )  # fmt: skip
 
     # ------------------------------------------------------------------------------------------ mutations
@@ -141,9 +142,10 @@ class HostKvTier:
         """Taken blocks as [n, layers, 2, kv_heads, block_size, head_dim] in the cache dtype on `device`."""
         return decode_entries(entries, self.dtype, device)
 
-    def observe_restore(self, num_blocks: int, seconds: float) -> None:
+    def observe_restore(self, num_blocks: int, seconds: float, overlapped: bool = False) -> None:
         self.hits += num_blocks
         self.restores += 1
+        self.overlapped += overlapped
         self.restore_s += seconds
         if self.restore_observer is not None:
             self.restore_observer(seconds)

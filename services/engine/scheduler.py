@@ -8,8 +8,10 @@ in the queue, in order, and never fails for it. When a running
 sequence needs a block and none is free, the most recently admitted sequence is preempted: its blocks are
 released and it is recomputed later from its tokens (prefix caching usually makes that cheap). With a second KV
 tier, the blocks of a prefix that follow the primary pool's hit and sit in tier 2 are restored at admission:
-they take freshly allocated blocks, count as cached tokens, and the runner writes their K/V before the step; a
-disk tier continues the same run after tier 2 (pool -> host -> disk).
+they take freshly allocated blocks, count as cached tokens, and a disk tier continues the same run after tier 2
+(pool -> host -> disk). When the step has other work (`async_restore`), the request waits in `restoring` while the
+runner writes those blocks beside the step; `complete_restore` then caches them under their hashes and makes it
+running. With nothing else to run, the runner writes them before the step.
 
 The scheduler's decision is a `SchedulerOutput`: plain data the runner executes and a log or test can read.
 """
@@ -22,13 +24,14 @@ from dataclasses import dataclass, field
 from enum import Enum
 
 from services.engine.block_hash import ROOT_HASH, block_hashes
-from services.engine.kv_cache import BlockManager
+from services.engine.kv_cache import BlockManager, KvTierName
 from services.engine.kv_tier import TierEntry
 from services.engine.sampling import SamplingParams
 
 
 class RequestStatus(Enum):
     WAITING = "waiting"
+    RESTORING = "restoring"  # admitted; its tier blocks are being written beside the step
     RUNNING = "running"
     FINISHED = "finished"
 
@@ -76,15 +79,29 @@ class ScheduledChunk:
     samples: bool  # this chunk reaches the end of the sequence, so a token is sampled after it
 
 
+@dataclass(frozen=True)
+class RestoreGroup:
+    """One tier's run of a prompt's blocks coming back into the pool: fresh block ids, the entries taken from the
+    tier, and the hashes and parents they are cached under once written."""
+
+    block_ids: list[int]
+    entries: list[TierEntry]
+    hashes: list[int]
+    parents: list[int]
+    tier: KvTierName
+
+
 @dataclass
 class SchedulerOutput:
     chunks: list[ScheduledChunk]
     preempted: list[str]
     num_batched_tokens: int
     imported: list[str] = field(default_factory=list)  # admitted now with imported KV: write it first
-    # blocks brought back from tier 2 or disk at admission: (primary block ids, their taken entries), one tier per
-    # item; write them first
-    restored: list[tuple[list[int], list[TierEntry]]] = field(default_factory=list)
+    # blocks brought back from tier 2 or disk for a request in this step's chunks, one tier per item (host
+    # first): already cached, so write them before the step
+    restored: list[RestoreGroup] = field(default_factory=list)
+    # requests now restoring, with their groups: write them beside the step, then complete_restore(request_id)
+    restoring: list[tuple[str, list[RestoreGroup]]] = field(default_factory=list)
 
     @property
     def empty(self) -> bool:
@@ -92,19 +109,28 @@ class SchedulerOutput:
 
 
 class Scheduler:
-    def __init__(self, blocks: BlockManager, max_num_seqs: int, max_num_batched_tokens: int) -> None:
+    def __init__(
+        self,
+        blocks: BlockManager,
+        max_num_seqs: int,
+        max_num_batched_tokens: int,
+        async_restore: bool = False,
+    ) -> None:
         self.blocks = blocks
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
+        self.async_restore = async_restore
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
+        self.restoring: dict[str, tuple[Request, list[RestoreGroup]]] = {}
+        self._restoring_hashes: set[int] = set()
 
     def add(self, req: Request) -> None:
         self.waiting.append(req)
 
     @property
     def num_unfinished(self) -> int:
-        return len(self.waiting) + len(self.running)
+        return len(self.waiting) + len(self.running) + len(self.restoring)
 
     def schedule(self) -> SchedulerOutput:
         budget = self.max_num_batched_tokens
@@ -113,7 +139,8 @@ class Scheduler:
         bs = self.blocks.block_size
 
         imported: list[str] = []
-        restored: list[tuple[list[int], list[TierEntry]]] = []
+        restored: list[RestoreGroup] = []
+        restoring: list[tuple[str, list[RestoreGroup]]] = []
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
@@ -137,7 +164,10 @@ class Scheduler:
             budget -= n
             i += 1
 
-        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs and not preempted:
+        while (
+            self.waiting and budget > 0 and len(self.running) + len(self.restoring) < self.max_num_seqs
+            and not preempted
+        ):  # fmt: skip
             req = self.waiting[0]
             cached: list[int] = []
             hashes: list[int] = []
@@ -165,6 +195,8 @@ class Scheduler:
                 n_restore = self.blocks.lookup_tier2(hashes[len(cached) :])
                 n_disk = self.blocks.lookup_disk(hashes[len(cached) + n_restore :])
                 n_restore += n_disk
+                if len(cached) < len(hashes) and hashes[len(cached)] in self._restoring_hashes:
+                    break  # its next block is being restored for another request: wait for it, don't recompute it
             hit = len(cached) + n_restore
             start = max(req.num_computed_tokens, hit * bs)
             n = min(req.num_tokens - start, budget)
@@ -186,25 +218,55 @@ class Scheduler:
                 if not req.output_ids:
                     req.num_cached_tokens = start
             fresh = self.blocks.allocate(need)
+            req.block_ids += fresh
             if n_restore:
                 ids = fresh[:n_restore]
                 parents = [hashes[k - 1] if k else ROOT_HASH for k in range(len(cached), hit)]
-                if n_host:  # one (ids, entries) per tier, host first: the runner times each tier's restore
-                    self.blocks.commit_restored(
-                        ids[:n_host], hashes[len(cached) : hit - n_disk], parents[:n_host]
-                    )
-                    restored.append((ids[:n_host], entries[:n_host]))
+                groups = []  # one per tier, host first: the runner times each tier's restore
+                if n_host:
+                    groups.append(
+                        RestoreGroup(
+                            ids[:n_host], entries[:n_host], hashes[len(cached) : hit - n_disk], parents[:n_host],
+                            "host",
+                        )
+                    )  # fmt: skip
                 if n_disk:
-                    self.blocks.commit_restored(
-                        ids[n_host:], hashes[hit - n_disk : hit], parents[n_host:], "disk"
+                    groups.append(
+                        RestoreGroup(
+                            ids[n_host:],
+                            entries[n_host:],
+                            hashes[hit - n_disk : hit],
+                            parents[n_host:],
+                            "disk",
+                        )
                     )
-                    restored.append((ids[n_host:], entries[n_host:]))
-            req.block_ids += fresh
+                if self.async_restore and chunks:  # the step has other work: restore beside it, run it after
+                    req.status = RequestStatus.RESTORING
+                    self.restoring[req.request_id] = (req, groups)
+                    self._restoring_hashes.update(h for g in groups for h in g.hashes)
+                    restoring.append((req.request_id, groups))
+                    continue
+                for g in groups:
+                    self.blocks.commit_restored(g.block_ids, g.hashes, g.parents, g.tier)
+                restored += groups
             req.status = RequestStatus.RUNNING
             self.running.append(req)
             chunks.append(ScheduledChunk(req.request_id, start, n, start + n == req.num_tokens))
             budget -= n
-        return SchedulerOutput(chunks, preempted, self.max_num_batched_tokens - budget, imported, restored)
+        return SchedulerOutput(
+            chunks, preempted, self.max_num_batched_tokens - budget, imported, restored, restoring
+        )
+
+    def complete_restore(self, request_id: str) -> Request:
+        """Its blocks are written: cache them under their hashes (others may hit them now) and run it."""
+        req, groups = self.restoring.pop(request_id)
+        for g in groups:
+            self._restoring_hashes.difference_update(g.hashes)
+            self.blocks.commit_restored(g.block_ids, g.hashes, g.parents, g.tier)
+        if req.status is RequestStatus.RESTORING:
+            req.status = RequestStatus.RUNNING
+            self.running.append(req)
+        return req
 
     def _preempt(self, req: Request) -> None:
         self.running.remove(req)
@@ -235,6 +297,7 @@ class Scheduler:
             self.running.remove(req)
         elif req in self.waiting:
             self.waiting.remove(req)
+        # (the engine completes a restoring request's restore before it finishes it: its blocks are being written)
         if not req.hold_kv:
             self.release_kv(req)
 

@@ -64,6 +64,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--kv-disk-bytes", type=int, default=0, help="disk bytes per worker for its KV disk tier; 0: off"
     )
     p.add_argument(
+        "--no-kv-async-restore", action="store_true",
+        help="workers write a prefix restored from a KV tier before the step, not beside it",
+    )  # fmt: skip
+    p.add_argument(
         "--mode",
         default=DEFAULT_MODE,
         choices=MODES,
@@ -199,12 +203,7 @@ class Cluster:
         a = self.args
         base = [sys.executable, "-m", "services.cli"]
         common = ["--etcd", self.etcd_url]
-        engine = ["--dtype", a.dtype, "--threads", str(a.threads), "--kv-cache-bytes", str(a.kv_cache_bytes)]
-        engine += ["--kv-tier2-bytes", str(a.kv_tier2_bytes), "--kv-tier2-codec", a.kv_tier2_codec]
-        engine += ["--model", a.model] if a.model else []
-        # every worker uses the same device; on one GPU they split its memory instead of each taking 90 %
-        share = a.gpu_memory_utilization / max(1, a.prefill + a.decode)
-        engine += ["--device", a.device, "--gpu-memory-utilization", f"{share:.4f}"]
+        engine = engine_flags(a)
         routing = ["--mode", a.mode, "--disagg-min-prompt-tokens", str(a.disagg_min_prompt_tokens)]
         routing += ["--peer-pull" if a.peer_pull else "--no-peer-pull"]
         self.spawn("router", base + ["router", *common, *routing])
@@ -316,6 +315,18 @@ class Cluster:
                     p.popen.wait(timeout=5)
         if self.tmp:
             shutil.rmtree(self.tmp, ignore_errors=True)
+
+
+def engine_flags(a: argparse.Namespace) -> list[str]:
+    """The engine flags `up` gives every worker."""
+    engine = ["--dtype", a.dtype, "--threads", str(a.threads), "--kv-cache-bytes", str(a.kv_cache_bytes)]
+    engine += ["--kv-tier2-bytes", str(a.kv_tier2_bytes), "--kv-tier2-codec", a.kv_tier2_codec]
+    engine += ["--no-kv-async-restore"] if a.no_kv_async_restore else []
+    engine += ["--model", a.model] if a.model else []
+    # every worker uses the same device; on one GPU they split its memory instead of each taking 90 %
+    share = a.gpu_memory_utilization / max(1, a.prefill + a.decode)
+    engine += ["--device", a.device, "--gpu-memory-utilization", f"{share:.4f}"]
+    return engine
 
 
 def run(args: argparse.Namespace) -> int:

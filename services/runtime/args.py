@@ -130,6 +130,7 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
              "survive a restart of the same model (docs/kv-tiers.md)")  # fmt: skip
     add_flag(g, "--kv-disk-bytes", 0, "disk bytes the KV disk tier may take (0: off; needs --kv-disk-path)",
              _non_negative_int)  # fmt: skip
+    switch(g, "--no-kv-async-restore", "write blocks restored from a KV tier before the step, not beside it")
     add_flag(g, "--threads", 1, "torch CPU threads for this worker (0: torch's default)", int)
     switch(g, "--no-cpu-kernels", "run the model on plain torch ops instead of the fused CPU kernels")
     add_flag(g, "--device", "auto", "where the engine computes: auto (CUDA when visible), cpu, cuda or cuda:N; "
@@ -228,6 +229,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         kv_tier2_codec=args.kv_tier2_codec,
         kv_disk_path=args.kv_disk_path,
         kv_disk_bytes=args.kv_disk_bytes,
+        kv_async_restore=not args.no_kv_async_restore,
         num_threads=args.threads,
         cpu_kernels=not args.no_cpu_kernels,
         device=args.device,

@@ -300,6 +300,7 @@ KV_TIER_USED_BYTES = "rackserve_kv_tier_used_bytes"
 KV_TIER_BLOCKS = "rackserve_kv_tier_blocks"
 KV_TIER_HITS = "rackserve_kv_tier_hits"  # counters: exported with the _total suffix
 KV_TIER_MISSES = "rackserve_kv_tier_misses"
+KV_TIER_RESTORES_OVERLAPPED = "rackserve_kv_tier_restores_overlapped"
 
 
 class EngineCollector(Collector):
@@ -364,6 +365,11 @@ class EngineCollector(Collector):
         for name, doc, attr in (
             (KV_TIER_HITS, "Prompt blocks restored from a KV tier instead of recomputed", "hits"),
             (KV_TIER_MISSES, "Prompt blocks past the primary pool's prefix that no tier held", "misses"),
+            (
+                KV_TIER_RESTORES_OVERLAPPED,
+                "Restores written beside an engine step (not before it)",
+                "overlapped",
+            ),
         ):
             counter = CounterMetricFamily(name, doc, labels=["role", "tier"])
             if t2 is not None:  # declared either way (dashboards name it); samples only where the tier is on

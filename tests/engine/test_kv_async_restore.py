@@ -1,0 +1,174 @@
+"""Restores written beside the step: a request whose prefix comes back from tier 2 while another sequence decodes
+waits while its blocks are written on the restore thread, and the other sequence keeps stepping. Both get the
+tokens they get alone, the restored blocks become cached prefix blocks only once written, and an abort in the
+middle of a restore leaks nothing."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from services.engine.block_hash import block_hashes
+from services.engine.engine import EngineConfig, LLMEngine
+from services.engine.sampling import SamplingParams
+from services.engine.scheduler import RequestStatus
+from tests.conftest import tiny_llama
+
+BS = 4
+POOL = 16
+GREEDY = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+_g = torch.Generator().manual_seed(11)
+A = torch.randint(0, 256, (29,), generator=_g).tolist()  # 7 full prefix blocks to restore
+B = torch.randint(0, 256, (50,), generator=_g).tolist()  # with its output it needs the whole pool: evicts A
+X = torch.randint(0, 256, (6,), generator=_g).tolist()  # the sequence that decodes while A is restored
+LONG = SamplingParams(max_tokens=14, temperature=0, ignore_eos=True)
+
+
+def engine(**kw) -> LLMEngine:
+    cfg = dict(dtype="float32", block_size=BS, max_num_batched_tokens=64, num_kv_blocks=POOL)
+    cfg.update(kw)
+    return LLMEngine(tiny_llama(), EngineConfig(**cfg))
+
+
+@pytest.fixture(scope="module")
+def solo() -> tuple[list[int], list[int]]:
+    e = engine(num_kv_blocks=256)
+    return e.generate([A], GREEDY)[0], e.generate([X], LONG)[0]
+
+
+def evict_a_into_tier2(e: LLMEngine) -> list[int]:
+    e.generate([A], GREEDY)
+    e.generate([B], GREEDY)
+    hashes = block_hashes(A[: len(A) - 1], BS)
+    assert e.blocks.lookup_prefix(hashes) == [] and e.tier2 is not None and all(h in e.tier2 for h in hashes)
+    return hashes
+
+
+def start_x_then_a(e: LLMEngine) -> dict[str, list[int]]:
+    out: dict[str, list[int]] = {"x": [], "a": []}
+    e.add_request("x", X, LONG)
+    for o in e.step():  # x's prefill: it is running when A arrives
+        out[o.request_id] += o.new_token_ids
+    e.add_request("a", A, GREEDY)
+    return out
+
+
+def run(e: LLMEngine, out: dict[str, list[int]]) -> dict[str, list[int]]:
+    while e.has_unfinished():
+        for o in e.step():
+            out[o.request_id] += o.new_token_ids
+    return out
+
+
+@pytest.mark.parametrize("codec", ["bf16", "fp8"])
+def test_a_restore_beside_a_decoding_sequence_gives_both_their_solo_tokens(
+    solo: tuple[list[int], list[int]], codec: str
+) -> None:
+    e = engine(kv_tier2_bytes=1 << 20, kv_tier2_codec=codec)
+    hashes = evict_a_into_tier2(e)
+    out = start_x_then_a(e)
+    steps_x_alone = 0
+    e.drain_kv_events()
+    while "a" in e.requests and e.requests["a"].status is not RequestStatus.RUNNING:
+        before = len(out["x"])
+        for o in e.step():
+            out[o.request_id] += o.new_token_ids
+        if "a" in e.scheduler.restoring:  # written beside this step; not yet in the prefix cache
+            assert not any(ev.kind == "restored" for ev in e.drain_kv_events())
+            assert e.blocks.lookup_prefix(hashes[:1]) == []
+        steps_x_alone += len(out["x"]) > before
+    assert steps_x_alone >= 1  # x got a token while a's blocks were being written
+    run(e, out)
+    if codec == "bf16":  # lossless: the continuation is the solo run's
+        assert out["a"] == solo[0]
+    assert out["x"] == solo[1]  # the other sequence is never disturbed
+    st = e.stats()
+    assert st.tier2 is not None and st.tier2.overlapped == 1 and st.tier2.hits == len(hashes)
+    assert st.free_blocks == POOL
+    assert len(e.blocks.lookup_prefix(hashes)) == len(hashes)  # cached prefix blocks once written
+
+
+def test_with_async_restore_off_the_restore_runs_before_the_step(solo: tuple[list[int], list[int]]) -> None:
+    e = engine(kv_tier2_bytes=1 << 20, kv_async_restore=False)
+    hashes = evict_a_into_tier2(e)
+    out = run(e, start_x_then_a(e))
+    assert out == {"a": solo[0], "x": solo[1]}
+    st = e.stats()
+    assert st.tier2 is not None and st.tier2.overlapped == 0 and st.tier2.hits == len(hashes)
+
+
+def test_alone_the_restore_is_written_before_the_step_no_wait(solo: tuple[list[int], list[int]]) -> None:
+    e = engine(kv_tier2_bytes=1 << 20)
+    evict_a_into_tier2(e)
+    e.add_request("a", A, GREEDY)
+    first = e.step()  # nothing else to run: restored and prefilled in this very step
+    assert [o.request_id for o in first] == ["a"]
+    assert e.stats().tier2.overlapped == 0  # type: ignore[union-attr]
+
+
+def test_aborting_a_restoring_request_leaks_no_block_and_keeps_the_restored_prefix(
+    solo: tuple[list[int], list[int]],
+) -> None:
+    e = engine(kv_tier2_bytes=1 << 20)
+    hashes = evict_a_into_tier2(e)
+    out = start_x_then_a(e)
+    for o in e.step():
+        out[o.request_id] += o.new_token_ids
+    assert "a" in e.scheduler.restoring
+    e.abort("a")
+    assert "a" not in e.scheduler.restoring and "a" not in e.requests
+    run(e, out)
+    assert out["x"] == solo[1]
+    assert e.stats().free_blocks == POOL
+    assert len(e.blocks.lookup_prefix(hashes)) == len(hashes)  # written, so kept as cached blocks
+
+
+def test_a_second_request_for_the_restoring_prefix_waits_for_it_instead_of_recomputing(
+    solo: tuple[list[int], list[int]],
+) -> None:
+    e = engine(kv_tier2_bytes=1 << 20)
+    hashes = evict_a_into_tier2(e)
+    e.drain_kv_events()
+    out = start_x_then_a(e)
+    e.add_request("a2", A, GREEDY)
+    out["a2"] = []
+    cached: dict[str, int] = {}
+    while e.has_unfinished():
+        for o in e.step():
+            out[o.request_id] += o.new_token_ids
+            cached[o.request_id] = o.num_cached_tokens
+    assert out["a"] == out["a2"] == solo[0] and out["x"] == solo[1]
+    assert cached["a2"] == len(hashes) * BS  # it hit the restored blocks, it did not recompute them
+    kinds = [(ev.kind, ev.block_hash) for ev in e.drain_kv_events()]
+    assert not any(k == "stored" and h in hashes for k, h in kinds)
+
+
+def test_the_switch_reaches_a_worker_from_its_flag_its_env_and_the_chart(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """On by default; `--no-kv-async-restore`, RACKSERVE_NO_KV_ASYNC_RESTORE=true (what the chart's
+    `engine.no-kv-async-restore: true` sets in every worker's env) and `rackserve up --no-kv-async-restore` turn
+    it off."""
+    import argparse
+
+    from services.launcher import add_arguments, engine_flags
+    from services.runtime.args import add_engine_arguments, engine_config
+    from tests.deploy.test_chart import container, env_of, find, render
+
+    def worker(argv: list[str]) -> EngineConfig:
+        parser = argparse.ArgumentParser()
+        add_engine_arguments(parser)  # reads the env when the flags are declared, as a worker does at start
+        return engine_config(parser.parse_args(argv))
+
+    assert worker([]).kv_async_restore is True
+    assert worker(["--no-kv-async-restore"]).kv_async_restore is False
+    objs = render("--set", "engine.no-kv-async-restore=true")
+    for role in ("prefill", "decode"):
+        env = env_of(container(find(objs, "Deployment", f"rs-rackserve-{role}"), role))
+        monkeypatch.setenv("RACKSERVE_NO_KV_ASYNC_RESTORE", env["RACKSERVE_NO_KV_ASYNC_RESTORE"])
+        assert worker([]).kv_async_restore is False, role
+    monkeypatch.delenv("RACKSERVE_NO_KV_ASYNC_RESTORE")
+    up = argparse.ArgumentParser()
+    add_arguments(up)
+    for argv, on in (([], True), (["--no-kv-async-restore"], False)):
+        assert worker(engine_flags(up.parse_args(argv))).kv_async_restore is on, argv
