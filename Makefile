@@ -72,6 +72,7 @@ bench: setup
 	$(BIN)/python -m bench.router_bench
 	$(BIN)/python -m bench.soak_bench
 	$(BIN)/python -m bench.kv_tier_bench
+	$(BIN)/python -m bench.kv_restore_overlap_bench
 	$(BIN)/python -m bench.kv_tier_cluster_bench
 
 # loadgen: the simulator's experiments (deterministic, CPU only) and the real-cluster runs; results in bench/results/
