@@ -47,7 +47,7 @@ typecheck: setup
 	$(BIN)/mypy services
 
 unit: setup
-	$(BIN)/pytest -q tests
+	$(BIN)/pytest -q --durations=25 tests
 
 test: lint typecheck unit
 
