@@ -118,6 +118,15 @@ async def generate(
     channels = ChannelPool()
     coordinator = Coordinator(Workers(infos), channels, migration_limit=limit, stall_timeout_s=5.0)
     state = coordinator.new_request("r1", [1, 2, 3], greedy(len(ANSWER)), timeout_s=20.0)
+    batches, outcome = await drive(coordinator, state, channels, servers)
+    return batches, outcome, router, decodes
+
+
+async def drive(
+    coordinator: Coordinator, state: RequestState, channels: ChannelPool, servers: list[grpc.aio.Server]
+) -> tuple[list[list[int]], RequestState | ApiError]:
+    """Run the request to its end: the token ids of each batch the client got, and the state or the error; then
+    close the coordinator, the channels and the servers."""
     batches: list[list[int]] = []
     outcome: RequestState | ApiError = state
     try:
@@ -130,7 +139,7 @@ async def generate(
         await channels.close()
         for s in servers:
             await s.stop(0)
-    return batches, outcome, router, decodes
+    return batches, outcome
 
 
 def test_a_resumed_worker_that_repeats_a_token_index_does_not_repeat_it_to_the_client() -> None:

@@ -18,7 +18,7 @@ from services.frontend.errors import ApiError
 from services.frontend.request_state import RequestState
 from services.rpc import pb, pb_grpc
 from services.runtime.channels import ChannelPool
-from tests.frontend.test_migration import ANSWER, ScriptedDecode, serve
+from tests.frontend.test_migration import ANSWER, ScriptedDecode, drive, serve
 from tests.support.cluster import greedy, run
 
 STALL_S = 1.0
@@ -109,21 +109,10 @@ async def one_request(
     channels = ChannelPool()
     coordinator = Coordinator(directory, channels, stall_timeout_s=STALL_S)
     state = coordinator.new_request("r1", [1, 2, 3], greedy(1), timeout_s=timeout_s)
-    tokens: list[int] = []
-    outcome: RequestState | ApiError = state
     if leaves is not None:
         asyncio.get_running_loop().call_later(0.3, directory.leave, leaves)
-    try:
-        async for batch in coordinator.generate(state):
-            tokens += [t.token_id for t in batch.tokens]
-    except ApiError as e:
-        outcome = e
-    finally:
-        await coordinator.close()
-        await channels.close()
-        for s in servers:
-            await s.stop(0)
-    return tokens, outcome, router, prefills
+    batches, outcome = await drive(coordinator, state, channels, servers)
+    return [t for b in batches for t in b], outcome, router, prefills
 
 
 def test_a_prefill_worker_busy_past_the_stall_timeout_answers_the_request_without_a_migration() -> None:
