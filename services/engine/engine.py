@@ -747,10 +747,14 @@ class LLMEngine:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         t0 = time.perf_counter()
-        self.kv.write_blocks(self._h2d(g.block_ids), decode_entries(g.entries, self.dtype, self.device))
+        self._write_group(g)
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)  # the restore's own time, not whatever the stream ran before
         self._tier(g).observe_restore(len(g.block_ids), time.perf_counter() - t0)
+
+    def _write_group(self, g: RestoreGroup) -> None:
+        """Decode a group's tier entries and write them into its pool blocks (on the current stream)."""
+        self.kv.write_blocks(self._h2d(g.block_ids), decode_entries(g.entries, self.dtype, self.device))
 
     def _restore_job(self, groups: list[RestoreGroup]) -> list[float]:
         """On the restore thread, beside the step: decode and write each group's blocks (on CUDA on a side stream,
@@ -760,9 +764,7 @@ class LLMEngine:
         with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
             for g in groups:
                 t0 = time.perf_counter()
-                self.kv.write_blocks(
-                    self._h2d(g.block_ids), decode_entries(g.entries, self.dtype, self.device)
-                )
+                self._write_group(g)
                 if stream is not None:
                     stream.synchronize()
                 times.append(time.perf_counter() - t0)

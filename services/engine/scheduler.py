@@ -222,24 +222,16 @@ class Scheduler:
             if n_restore:
                 ids = fresh[:n_restore]
                 parents = [hashes[k - 1] if k else ROOT_HASH for k in range(len(cached), hit)]
-                groups = []  # one per tier, host first: the runner times each tier's restore
-                if n_host:
-                    groups.append(
-                        RestoreGroup(
-                            ids[:n_host], entries[:n_host], hashes[len(cached) : hit - n_disk], parents[:n_host],
-                            "host",
-                        )
-                    )  # fmt: skip
-                if n_disk:
-                    groups.append(
-                        RestoreGroup(
-                            ids[n_host:],
-                            entries[n_host:],
-                            hashes[hit - n_disk : hit],
-                            parents[n_host:],
-                            "disk",
-                        )
-                    )
+                run = hashes[len(cached) : hit]
+                spans: tuple[tuple[KvTierName, int, int], ...] = (
+                    ("host", 0, n_host),
+                    ("disk", n_host, n_restore),
+                )
+                groups = [  # one per tier, host first: the runner times each tier's restore
+                    RestoreGroup(ids[a:b], entries[a:b], run[a:b], parents[a:b], tier)
+                    for tier, a, b in spans
+                    if b > a
+                ]
                 if self.async_restore and chunks:  # the step has other work: restore beside it, run it after
                     req.status = RequestStatus.RESTORING
                     self.restoring[req.request_id] = (req, groups)

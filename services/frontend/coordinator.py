@@ -274,7 +274,7 @@ class Coordinator:
         # (a hung or frozen process stops renewing its lease and leaves discovery; a live worker whose engine
         # stopped stepping fails the call itself, services/prefill/server.py).
         call = stub.Prefill(request, metadata=state.metadata(), timeout=state.remaining_s())
-        waiting = asyncio.ensure_future(self._answer(call))
+        waiting: asyncio.Future[pb.PrefillResponse] = asyncio.ensure_future(call)
         try:
             while True:
                 done, _ = await asyncio.wait({waiting}, timeout=self.stall_timeout_s)
@@ -295,11 +295,6 @@ class Coordinator:
                 waiting.cancel()
         state.cached_tokens = response.cached_tokens
         state.pulled_tokens = response.pulled_tokens
-        return response
-
-    @staticmethod
-    async def _answer(call: grpc.aio.UnaryUnaryCall) -> pb.PrefillResponse:
-        response: pb.PrefillResponse = await call
         return response
 
     def _registered(self, worker: pb.WorkerRef, role: str) -> bool:
