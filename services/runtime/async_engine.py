@@ -178,6 +178,7 @@ class AsyncEngine:
         self.engine: LLMEngine | None = None  # read-only facts (fingerprint, layout) for the asyncio side
         self._stats: LoadStats | None = None
         self._progress_s = time.monotonic()  # when the thread last handed back a step's or command's results
+        self._step_since: float | None = None  # when the step now running began (None: not in a step)
 
     @classmethod
     async def start(cls, factory: Callable[[], LLMEngine]) -> AsyncEngine:
@@ -238,6 +239,11 @@ class AsyncEngine:
 
     def progress_age_s(self) -> float:
         """Seconds since the engine thread last reported back: large only if a step is stuck, or nothing runs."""
+        since = self._step_since
+        if (
+            since is not None
+        ):  # in a step: also the first one of an idle engine, whose last snapshot ran nothing
+            return time.monotonic() - since
         if self.engine is not None and self._stats is not None and self._stats.running == 0:
             return 0.0  # idle or waiting only: there is no step to be stuck in
         return time.monotonic() - self._progress_s
@@ -341,6 +347,7 @@ class AsyncEngine:
             scheduled: dict[str, float] = {}
             if engine.has_unfinished():
                 t0 = time.monotonic()
+                self._step_since = t0
                 try:
                     outs = engine.step()
                 except Exception as e:  # noqa: BLE001 - a failed step fails its requests, not the thread
@@ -350,6 +357,8 @@ class AsyncEngine:
                         if not engine.requests[rid].finished:
                             engine.abort(rid)
                             items.append((rid, RuntimeError(f"engine step failed: {e}")))
+                finally:
+                    self._step_since = None
                 metrics.ENGINE_STEP_S.labels(metrics.process_role).observe(time.monotonic() - t0)
                 items += [(o.request_id, o) for o in outs]
                 for rid in list(waiting):

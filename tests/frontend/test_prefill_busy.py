@@ -10,14 +10,24 @@ never, and the test checks what the client gets from `Coordinator.generate` and 
 from __future__ import annotations
 
 import asyncio
+import threading
+import types
 
 import grpc
+import pytest
 
+from services.engine.config import EngineConfig
+from services.engine.engine import LLMEngine, RequestOutput
+from services.engine.sampling import SamplingParams
 from services.frontend.coordinator import Coordinator
 from services.frontend.errors import ApiError
 from services.frontend.request_state import RequestState
+from services.prefill import server as prefill_server
 from services.rpc import pb, pb_grpc
+from services.runtime.async_engine import AsyncEngine
 from services.runtime.channels import ChannelPool
+from services.runtime.errors import WorkerUnavailableError
+from tests.conftest import tiny_llama
 from tests.frontend.test_migration import ANSWER, ScriptedDecode, drive, serve
 from tests.support.cluster import greedy, run
 
@@ -148,3 +158,48 @@ def test_a_registered_prefill_worker_that_never_answers_is_bounded_by_the_reques
     assert tokens == []
     assert isinstance(outcome, ApiError) and outcome.status == 504, outcome
     assert "prefill-a" in str(outcome.body())
+
+
+def test_a_prefill_worker_fails_its_call_once_its_engine_step_hangs(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The worker's half of the contract: the caller waits for a registered worker, so a live worker whose
+    engine thread is stuck must fail the call itself (UNAVAILABLE, naming the worker) — here a real AsyncEngine
+    whose first step does not come back, with ENGINE_STUCK_S shortened to 1 s. A slow step that does come back
+    in time is waited for."""
+    monkeypatch.setattr(prefill_server, "ENGINE_STUCK_S", 1.0)
+    monkeypatch.setattr(prefill_server, "STUCK_CHECK_S", 0.1)
+    release = threading.Event()
+
+    async def first_token(engine: AsyncEngine, rid: str) -> int:
+        params = SamplingParams(max_tokens=1, temperature=0.0)
+        async with engine.generate(rid, [1, 2, 3], params) as stream:
+            return [t async for o in stream for t in o.new_token_ids][0]
+
+    async def main() -> tuple[str, int]:
+        config = EngineConfig(dtype="float32", block_size=16, num_kv_blocks=8, num_threads=1)
+        engine = await AsyncEngine.start(lambda: LLMEngine(tiny_llama(), config))
+        try:
+            assert engine.engine is not None
+            real_step = engine.engine.step
+            delay: dict[str, float | None] = {"s": 0.3}
+
+            def step() -> list[RequestOutput]:
+                release.wait(30 if delay["s"] is None else delay["s"])
+                return real_step()
+
+            engine.engine.step = step  # type: ignore[method-assign]
+            worker = types.SimpleNamespace(engine=engine, host=types.SimpleNamespace(worker_id="prefill-7"))
+            slow = await prefill_server.PrefillWorker._unless_stuck(worker, first_token(engine, "slow"))  # type: ignore[arg-type]
+            delay["s"] = None
+            with pytest.raises(WorkerUnavailableError) as err:
+                await asyncio.wait_for(
+                    prefill_server.PrefillWorker._unless_stuck(worker, first_token(engine, "hung")),  # type: ignore[arg-type]
+                    10,
+                )
+            return str(err.value), slow
+        finally:
+            release.set()
+            await engine.close()
+
+    message, slow = asyncio.run(main())
+    assert isinstance(slow, int)  # 0.3 s steps are busy, not stuck: the call answered
+    assert "prefill-7" in message and "has not stepped" in message

@@ -7,7 +7,8 @@ its request; held KV stays until released; an idle or blocked engine thread slee
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Awaitable, Callable
+import threading
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import TypeVar
 
 import pytest
@@ -165,3 +166,50 @@ def test_the_engine_thread_sleeps_when_idle_and_when_every_request_waits_for_blo
     idle_steps, blocked_steps = run(body)
     assert idle_steps == 0
     assert blocked_steps <= 20  # woken by the 0.1 s safety net only
+
+
+@pytest.mark.parametrize("hang_at_step", [1, 3])
+def test_a_hung_step_ages_the_engine_and_an_idle_engine_never_looks_stuck(hang_at_step: int) -> None:
+    """`progress_age_s` is what a worker vouches for its engine by (ENGINE_STUCK_S): 0 while idle, and growing
+    while a step does not come back — also the very first step of a request on an idle engine, where the last
+    snapshot still says nothing runs."""
+    release = threading.Event()
+
+    async def body(engine: AsyncEngine) -> tuple[float, float, float, float, list[int]]:
+        assert engine.engine is not None
+        await asyncio.sleep(
+            1.5
+        )  # idle a while: a step that then begins is young, not as old as the idle time
+        idle = engine.progress_age_s()
+        real_step, steps = engine.engine.step, [0]
+
+        def step() -> list[RequestOutput]:
+            steps[0] += 1
+            if steps[0] == hang_at_step:
+                release.wait(30)  # the step that does not come back (until the test lets it)
+            return real_step()
+
+        engine.engine.step = step  # type: ignore[method-assign]
+        task = asyncio.ensure_future(_collect(engine.generate("r", [1, 2, 3], long_params(6))))
+        while steps[0] < hang_at_step:
+            await asyncio.sleep(0.05)
+        young = engine.progress_age_s()
+        await asyncio.sleep(1.0)
+        hung = engine.progress_age_s()
+        release.set()
+        tokens = await task
+        await asyncio.sleep(0.1)
+        return idle, young, hung, engine.progress_age_s(), tokens
+
+    try:
+        idle, young, hung, after, tokens = run(body)
+    finally:
+        release.set()
+    assert idle == 0.0 and after == 0.0  # idle before and after: nothing to be stuck in
+    assert young < 1.0  # not the 1.5 s of idling before it
+    assert hung >= 0.9  # the hung step shows, whichever step it is
+    assert len(tokens) == 6  # and the request still finishes once the step returns
+
+
+async def _collect(stream: AsyncIterator[RequestOutput]) -> list[int]:
+    return [t async for o in stream for t in o.new_token_ids]
