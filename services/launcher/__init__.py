@@ -239,11 +239,13 @@ class Cluster:
         self.pools[role].append(proc)
         return proc
 
-    def drain_worker(self, role: str) -> Proc:
+    def drain_worker(self, role: str, want: int) -> Proc:
         """SIGTERM the newest worker of a pool: it leaves discovery at once, finishes its in-flight requests
-        (up to its --drain-grace-s), then exits."""
+        (up to its --drain-grace-s), then exits. The decision is printed before the signal, so the log reads
+        in causal order (the worker's own output is relayed by another thread and could otherwise come first)."""
         proc = self.pools[role].pop()
         proc.drained = True
+        print(f"rackserve up: planner: draining {proc.name} ({role} -> {want})", flush=True)
         proc.popen.send_signal(signal.SIGTERM)
         return proc
 
@@ -266,8 +268,7 @@ class Cluster:
                     p = self.add_worker(role)
                     print(f"rackserve up: planner: started {p.name} ({role} -> {want})", flush=True)
                 while len(self.pools[role]) > want and not self._stopping:
-                    p = self.drain_worker(role)
-                    print(f"rackserve up: planner: draining {p.name} ({role} -> {want})", flush=True)
+                    self.drain_worker(role, want)
 
     def wait_ready(self) -> None:
         """Ready means: the frontend answers /health and sees the router and every worker we started."""
