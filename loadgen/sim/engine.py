@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import functools
 import heapq
+import itertools
 import math
 from collections import Counter, OrderedDict, deque
 from collections.abc import Callable, Sequence
@@ -319,15 +320,16 @@ class Simulator:
 
     # ---- scaling: workers joining and draining mid-run (the planner's experiments) ----------------------------
     def add_worker(self, role: str) -> Worker:
-        """A new, empty worker of `role`, routable from now on."""
+        """A new, empty worker of `role`, routable from now on. It takes a free accelerator: the first node with
+        fewer than `workers_per_node` workers still holding one (a drained worker frees its slot once idle),
+        as a scheduler bin-packing GPU pods would place it; not a node past every worker ever started."""
         n = sum(1 for w in self.workers.values() if w.role == role)
         wid = f"{role}-{n}"
-        per_node, per_rack = (
-            self.profile.workers_per_node,
-            self.profile.workers_per_node * self.profile.nodes_per_rack,
+        held = Counter(
+            w.node for w in self.workers.values() if not w.dead and not (w.draining and self.idle(w))
         )
-        k = len(self.workers)
-        node, rack = self.cfg.placement.get(wid, (f"node{k // per_node}", f"rack{k // per_rack}"))
+        k = next(i for i in itertools.count() if held[f"node{i}"] < self.profile.workers_per_node)
+        node, rack = self.cfg.placement.get(wid, (f"node{k}", f"rack{k // self.profile.nodes_per_rack}"))
         w = self.workers[wid] = Worker(self, wid, role, node, rack)
         self.router.add_worker(w)
         return w

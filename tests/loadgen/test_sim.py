@@ -14,6 +14,7 @@ from loadgen.sim.engine import ClusterConfig, Simulator, block_hashes_for, simul
 from loadgen.sim.profile import PROFILE_DIR, load_profile
 from loadgen.workload import Lengths, poisson_arrivals, synthetic
 from services.engine.block_hash import block_hashes
+from services.router.cost_model import SAME_NODE
 
 SLO = rep.Slo(ttft_s=1.0, itl_p90_s=0.05)
 
@@ -210,3 +211,19 @@ def test_a_pull_whose_source_dies_meanwhile_recomputes_and_still_answers():
     assert all(r.ok for r in results)  # every request answered: the pulled one recomputed its prefix
     assert sim.kv_moves["pulls"] >= 1 and sim.kv_moves["pull_lost_blocks"] == 256 * sim.kv_moves["pulls"]
     assert sim.kv_moves["pulled_blocks"] == 0
+
+
+def test_a_worker_started_after_a_drain_takes_the_freed_slot_on_the_same_node():
+    """A planner that drains and starts workers must not push its new ones ever further away: a drained,
+    idle worker frees its accelerator, and the next worker lands there (the node's fast link), as a scheduler
+    bin-packing GPU pods would place it; only a full node sends a worker to the next one."""
+    prof = load_profile("h200_node")  # 8 workers per node
+    sim = Simulator(prof, ClusterConfig(prefill_workers=6, decode_workers=2, mode="disagg"))
+    assert {w.node for w in sim.workers.values()} == {"node0"}
+    assert sim.add_worker("prefill").node == "node1"  # node0's 8 slots are taken
+    for wid in ("prefill-5", "prefill-4", "prefill-6"):
+        sim.drain_worker(wid)  # idle: their slots are free at once
+    grown = [sim.add_worker("prefill") for _ in range(3)]
+    assert [w.node for w in grown] == ["node0", "node0", "node1"]
+    assert len({w.worker_id for w in sim.workers.values()}) == len(sim.workers) == 12  # ids stay unique
+    assert sim.link_class(grown[0], sim.workers["decode-0"]) == SAME_NODE  # the fast link, as before the drain
