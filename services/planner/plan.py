@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import math
 import random
+from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -52,10 +53,15 @@ class Observation:
     decode_step_s: float | None = None  # mean decode step over the window
     decode_batch: float | None = None  # mean sequences per decode step over the window
     decode_ctx_tokens: float | None = None  # mean context tokens per decode step (estimated)
+    replay_rate_rps: float | None = None  # the arrival rate the replay plays (RateForecast's); None: the measured one
 
     @property
     def rate_rps(self) -> float:
         return self.requests / self.window_s if self.window_s > 0 else 0.0
+
+    @property
+    def replay_rps(self) -> float:
+        return self.rate_rps if self.replay_rate_rps is None else self.replay_rate_rps
 
     @property
     def done(self) -> int:
@@ -78,6 +84,7 @@ class Observation:
             "requests": self.requests,
             "finished": self.done,
             "request_rate_per_s": round(self.rate_rps, 4),
+            "replay_rate_per_s": None if self.replay_rate_rps is None else round(self.replay_rate_rps, 4),
             "mean_input_tokens": round(self.mean_input(), 1),
             "mean_output_tokens": round(self.mean_output(), 1),
             "prefix_hit_rate": round(self.hit_rate, 4),
@@ -182,6 +189,48 @@ def live_profile(base: Profile, obs: Observation) -> Profile:
     return replace(base, name=f"{base.name}+live", source=f"{base.source}; rates measured live", **changes)
 
 
+PREDICTORS = ("none", "trend")
+REACH = 0.0  # how far above the best achievable p90 a size may be where no size meets an SLO (0: the best)
+
+
+@dataclass
+class RateForecast:
+    """The arrival rate `horizon_s` from now, by Holt's linear trend (double exponential smoothing) over the
+    windows' measured rates: a level and a trend (req/s per second), both updated at the end of each window.
+
+    A worker asked for now serves only once it has started, so pools sized for the rate measured now are sized
+    for the past; sized for the rate one start-up plus one interval ahead, they grow before a rising load
+    arrives and shrink as a falling one leaves (Dynamo's planner forecasts the next interval's load for the
+    same reason). The forecast never leaves [rate / max_ratio, rate x max_ratio] of the window just measured,
+    so one noisy window cannot ask for an absurd cluster."""
+
+    horizon_s: float
+    alpha: float = 0.5  # weight of the newest window in the level
+    beta: float = 0.2  # weight of the newest slope in the trend
+    max_ratio: float = 2.0
+    level: float | None = None
+    trend: float = 0.0
+    t: float = 0.0
+
+    def update(self, t: float, rate: float) -> float:
+        """Take the window that ended at `t` with `rate`; return the forecast rate at t + horizon_s."""
+        if self.level is None:
+            self.level, self.t = rate, t
+            return rate
+        dt = t - self.t
+        if dt <= 0:
+            return self.forecast(rate)
+        level = self.alpha * rate + (1 - self.alpha) * (self.level + self.trend * dt)
+        self.trend = self.beta * (level - self.level) / dt + (1 - self.beta) * self.trend
+        self.level, self.t = level, t
+        return self.forecast(rate)
+
+    def forecast(self, rate: float) -> float:
+        assert self.level is not None
+        ahead = self.level + self.trend * self.horizon_s
+        return min(rate * self.max_ratio, max(rate / self.max_ratio, ahead))
+
+
 def _draw(buckets: Buckets, mean: float, rng: random.Random, samples: list[int] | None = None) -> int:
     """A length drawn from the exact samples, else from a histogram (uniform inside its bucket), else the
     mean."""
@@ -208,7 +257,7 @@ def replay_workload(
     measured rate; lengths drawn from the measured histograms, a prefix of hit_rate x the prompt shared by every
     request (the simplest sharing that gives the measured hit rate). At most `max_requests` arrivals (plus the
     backlog), over at least `min_window_s` simulated seconds."""
-    rate = obs.rate_rps
+    rate = obs.replay_rps
     if rate <= 0:
         return []
     rng = random.Random(seed)
@@ -265,24 +314,41 @@ def evaluate(
     seed: int = 0,
     max_requests: int = 200,
     until_met: Slo | None = None,
+    reach: float = REACH,
 ) -> list[Prediction]:
-    """Replay the window through each candidate (P, D). With `until_met`, candidates go by increasing P + D and
-    the replay stops after the first total at which some candidate meets both SLOs: `choose` never takes a
-    candidate with more workers than that, so its answer is the same as over every candidate, for less
-    simulation (when none meets, every candidate is simulated)."""
+    """Replay the window through each candidate (P, D). With `until_met`, the largest total goes first (what the
+    limits can reach at best: `attainable`), then the others by increasing P + D, and the replay stops after the
+    first total at which some candidate meets the attainable targets: `choose` never takes a candidate with more
+    workers than that, so its answer is the same as over every candidate, for less simulation (when none meets,
+    every candidate is simulated)."""
     specs = replay_workload(obs, profile.block_size, seed, max_requests)
     if not specs:
         return []
     hashes = block_hashes_for(specs, profile.block_size)
     if until_met is None:
         return [simulate_candidate(specs, hashes, profile, p, d, mode) for p, d in pairs]
-    out: list[Prediction] = []
-    for n in sorted({p + d for p, d in pairs}):
+    totals = sorted({p + d for p, d in pairs})
+    out = [simulate_candidate(specs, hashes, profile, p, d, mode) for p, d in pairs if p + d == totals[-1]]
+    target = attainable(out, until_met, reach)
+    for n in totals[:-1]:
         level = [simulate_candidate(specs, hashes, profile, p, d, mode) for p, d in pairs if p + d == n]
         out.extend(level)
-        if any(x.meets(until_met) for x in level):
+        if any(x.meets(target) for x in level):
             break
     return out
+
+
+def attainable(preds: Sequence[Prediction], slo: Slo, reach: float = REACH) -> Slo:
+    """The targets the limits allow: each SLO as set, or — where no candidate meets it — `reach` (a fraction)
+    above the best p90 any candidate achieves. Prompts too long to prefill within the TTFT target on any number
+    of workers make that target unreachable; sizing then asks for the fewest workers that come within `reach` of
+    the best the largest cluster can do, not for whichever size the replay's noise puts nearest the SLO."""
+    ok = [p for p in preds if p.failed == 0]
+    if not ok:
+        return slo
+    ttft = min(p.ttft_p90_s for p in ok)
+    itl = min(p.itl_p90_s for p in ok)
+    return Slo(max(slo.ttft_s, ttft * (1 + reach)), max(slo.itl_s, itl * (1 + reach)))
 
 
 def binding_slo(pred: Prediction, slo: Slo) -> str:
@@ -290,18 +356,20 @@ def binding_slo(pred: Prediction, slo: Slo) -> str:
     return "ttft" if pred.ttft_p90_s / slo.ttft_s >= pred.itl_p90_s / slo.itl_s else "itl"
 
 
-def choose(preds: Sequence[Prediction], slo: Slo) -> tuple[Prediction | None, str]:
-    """The fewest workers that meet both SLOs (ties: the most headroom); when none does, the one that misses
-    them least. Returns the target and the binding SLO."""
+def choose(preds: Sequence[Prediction], slo: Slo, reach: float = REACH) -> tuple[Prediction | None, str]:
+    """The fewest workers that meet both attainable targets (ties: the most headroom); when none does, the one
+    that misses them least. Returns the target and the binding SLO (against the SLO as set)."""
     if not preds:
         return None, "none"
-    meeting = [p for p in preds if p.meets(slo)]
+    target = attainable(preds, slo, reach)
+    meeting = [p for p in preds if p.meets(target)]
     if meeting:
         best = min(
-            meeting, key=lambda p: (p.workers, max(p.ttft_p90_s / slo.ttft_s, p.itl_p90_s / slo.itl_s))
+            meeting,
+            key=lambda p: (p.workers, max(p.ttft_p90_s / target.ttft_s, p.itl_p90_s / target.itl_s)),
         )
     else:
-        best = min(preds, key=lambda p: (round(p.excess(slo), 6), p.workers))
+        best = min(preds, key=lambda p: (round(p.excess(target), 6), p.workers))
     return best, binding_slo(best, slo)
 
 
@@ -309,13 +377,24 @@ def choose(preds: Sequence[Prediction], slo: Slo) -> tuple[Prediction | None, st
 class Damper:
     """Scaling is damped: per pool at most one step per interval, and no step down within `hold_down_s` of
     that pool's last change (a step up is never held: missing the SLO costs more than a worker-minute, the
-    asymmetry of Kubernetes' HPA stabilization windows)."""
+    asymmetry of Kubernetes' HPA stabilization windows). With `window_s`, a pool steps down only to the largest
+    size any decision of the last `window_s` seconds wanted (the HPA's scale-down stabilization window): one
+    replay that puts a smaller size within reach by chance does not drain a worker that the next replay wants
+    back and that then takes a start-up to return."""
 
     hold_down_s: float = 30.0
+    window_s: float = 0.0
     last_change: dict[str, float] = field(default_factory=dict)
+    wanted: dict[str, deque[tuple[float, int]]] = field(default_factory=dict)
 
     def step(self, pool: str, actual: int, target: int, lo: int, hi: int, now: float) -> int:
         target = min(hi, max(lo, target))
+        wanted = self.wanted.setdefault(pool, deque())
+        wanted.append((now, target))
+        while wanted[0][0] < now - self.window_s:
+            wanted.popleft()
+        if target < actual:
+            target = min(actual, max(t for _, t in wanted))
         if target == actual:
             return actual
         last = self.last_change.get(pool)

@@ -38,10 +38,14 @@ from services.discovery import Registration, WorkerDirectory
 from services.discovery.etcd import EtcdSecurity
 from services.planner import observe
 from services.planner.plan import (
+    PREDICTORS,
+    REACH,
     Damper,
     Limits,
     Observation,
+    RateForecast,
     Slo,
+    attainable,
     candidates,
     choose,
     damp,
@@ -77,6 +81,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_flag(g, "--max-decode", 4, "most decode workers", int)
     add_flag(g, "--max-workers", 0, "budget on prefill + decode workers together (0: none)", int)
     add_flag(g, "--hold-down-s", 60.0, "no step in a pool within this long of its last step", float)
+    add_flag(g, "--scale-down-window-s", 0.0, "a pool steps down only to the largest size any decision of this "
+             "last while wanted (the HPA's scale-down stabilization window; 0: the latest decision's)",
+             float)  # fmt: skip
     add_flag(g, "--scale-mode", "recommend", "recommend: publish only; local: `rackserve up --planner` acts; "
              "kubernetes: patch the Deployments' replicas", choices=SCALE_MODES)  # fmt: skip
     add_flag(g, "--profile", "cpu_smollm2", "the simulator's cost profile (loadgen/profiles) that the live "
@@ -86,6 +93,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_flag(g, "--min-window-requests", 10, "arrivals a window needs before it is replayed (fewer: "
              "hold, and the window extends into the next interval)", int)  # fmt: skip
     add_flag(g, "--replay-requests", 200, "most requests of one window replayed per candidate", int)
+    add_flag(g, "--reach-margin", REACH, "where no size meets an SLO (prompts too long for the TTFT target on any "
+             "number of workers), a size within this fraction of the best candidate's p90 counts as meeting it",
+             float)  # fmt: skip
+    add_flag(g, "--predictor", "none", "the arrival rate replayed: none: the window's measured rate; trend: "
+             "Holt's linear trend over the windows, --predict-horizon-s ahead", choices=PREDICTORS)  # fmt: skip
+    add_flag(g, "--predict-horizon-s", 60.0, "with --predictor trend: how far ahead to size for (a worker's "
+             "start-up time plus one interval)", float)  # fmt: skip
     add_flag(g, "--history", 100, "decisions `GET /plan` keeps", int)
     k = parser.add_argument_group("kubernetes (--scale-mode kubernetes)")
     add_flag(k, "--kube-namespace", "", "namespace of the Deployments (default: the pod's own)")
@@ -101,6 +115,12 @@ def _config(args: argparse.Namespace) -> tuple[Slo, Limits]:
         raise ValueError(f"--interval-s must be > 0, got {args.interval_s}")
     if args.slo_ttft_ms <= 0 or args.slo_itl_ms <= 0:
         raise ValueError("--slo-ttft-ms and --slo-itl-ms must be > 0")
+    if args.reach_margin < 0:
+        raise ValueError(f"--reach-margin must be >= 0, got {args.reach_margin}")
+    if args.scale_down_window_s < 0:
+        raise ValueError(f"--scale-down-window-s must be >= 0, got {args.scale_down_window_s}")
+    if args.predict_horizon_s < 0:
+        raise ValueError(f"--predict-horizon-s must be >= 0, got {args.predict_horizon_s}")
     if args.min_prefill < 1 and args.router_mode != "agg":
         raise ValueError(f"--router-mode {args.router_mode} needs --min-prefill >= 1")
     limits = Limits(args.min_prefill, args.max_prefill, args.min_decode, args.max_decode, args.max_workers)
@@ -118,7 +138,8 @@ class Planner:
         self.base_profile = load_profile(args.profile)
         self.directory = directory
         self.scaler = scaler
-        self.damper = Damper(args.hold_down_s)
+        self.damper = Damper(args.hold_down_s, args.scale_down_window_s)
+        self.forecast = RateForecast(args.predict_horizon_s) if args.predictor == "trend" else None
         self.prev: dict[
             str, tuple[float, observe.Samples]
         ] = {}  # source -> (time, samples) of its last scrape
@@ -196,6 +217,7 @@ class Planner:
         base = self.desired if self.desired is not None and self.args.scale_mode != "recommend" else actual
         preds: list[Any] = []
         profile = self.base_profile
+        reach = self.slo
         if obs is None:
             outcome, binding, target = "no_data", "none", base
         elif obs.requests < self.args.min_window_requests or obs.done == 0:
@@ -204,11 +226,14 @@ class Planner:
             outcome, binding, target = "idle", "none", base
         else:
             profile = live_profile(self.base_profile, obs)
+            if self.forecast is not None:
+                obs.replay_rate_rps = self.forecast.update(now, obs.rate_rps)
             pairs = candidates(self.limits)
             preds = await asyncio.get_running_loop().run_in_executor(
                 self.pool, evaluate, obs, profile, pairs, self.args.router_mode, 0, self.args.replay_requests
             )
-            best, binding = choose(preds, self.slo)
+            best, binding = choose(preds, self.slo, self.args.reach_margin)
+            reach = attainable(preds, self.slo, self.args.reach_margin)
             target = (best.prefill, best.decode) if best is not None else base
             outcome = ""
         desired = damp(base, target, self.limits, self.damper, now) if outcome != "no_data" else base
@@ -232,6 +257,8 @@ class Planner:
             "actual": {"prefill": actual[0], "decode": actual[1]},
             "binding_slo": binding,
             "slo": {"ttft_ms": self.args.slo_ttft_ms, "itl_ms": self.args.slo_itl_ms},
+            "attainable": {"ttft_ms": round(reach.ttft_s * 1000, 2), "itl_ms": round(reach.itl_s * 1000, 2)},
+            "predictor": self.args.predictor,
             "limits": {
                 "min_prefill": self.limits.min_prefill,
                 "max_prefill": self.limits.max_prefill,
@@ -239,6 +266,7 @@ class Planner:
                 "max_decode": self.limits.max_decode,
                 "max_workers": self.limits.max_workers,
                 "hold_down_s": self.args.hold_down_s,
+                "scale_down_window_s": self.args.scale_down_window_s,
             },
             "predicted": chosen.to_dict() if chosen is not None else None,
             "candidates": [p.to_dict() for p in preds],

@@ -1,0 +1,111 @@
+"""Sizing when an SLO is out of reach, and sizing ahead of the load: `attainable` turns a TTFT target that no
+number of workers can meet (prompts too long to prefill within it) into the best achievable p90 plus a margin, so
+the planner asks for the fewest workers that come near the best rather than whichever size the replay's noise
+puts nearest an impossible target; `RateForecast` sizes for the arrival rate a worker's start-up ahead."""
+
+from __future__ import annotations
+
+import argparse
+
+import pytest
+
+from loadgen.sim.profile import load_profile
+from services.planner.plan import (
+    Limits,
+    Observation,
+    Prediction,
+    RateForecast,
+    Slo,
+    attainable,
+    candidates,
+    choose,
+    evaluate,
+    replay_workload,
+)
+
+CPU = load_profile("cpu_smollm2")
+
+
+def test_an_unreachable_ttft_target_asks_for_the_fewest_workers_near_the_best() -> None:
+    slo = Slo(ttft_s=1.0, itl_s=0.1)
+    # every size misses 1 s (a 3 s prompt alone); 3 and 4 prefill workers are as good as each other, 2 queue
+    preds = [
+        Prediction(1, 1, 9.0, 0.05),
+        Prediction(2, 1, 4.4, 0.05),
+        Prediction(3, 1, 3.05, 0.05),
+        Prediction(4, 1, 3.0, 0.05),
+    ]
+    target = attainable(preds, slo, reach=0.1)
+    assert target.ttft_s == pytest.approx(3.3) and target.itl_s == slo.itl_s  # the ITL target is reachable
+    best, binding = choose(preds, slo, reach=0.1)
+    assert (best.prefill, best.decode, binding) == (3, 1, "ttft")
+    # with no margin it is the least miss, as before: the largest
+    assert choose(preds, slo, reach=0.0)[0] == preds[-1]
+    # a reachable SLO is the SLO: the margin changes nothing
+    met = [Prediction(1, 1, 2.0, 0.05), Prediction(2, 1, 0.8, 0.05), Prediction(3, 1, 0.5, 0.05)]
+    assert attainable(met, slo) == slo
+    assert choose(met, slo)[0] == met[1]
+    # a candidate that fails requests does not set what is attainable
+    assert attainable([Prediction(9, 9, 0.1, 0.01, failed=1), *preds], slo, 0.1) == target
+
+
+def test_the_pruned_replay_reaches_for_the_best_first_and_chooses_as_the_full_one() -> None:
+    # prompts of ~2,000 tokens on a ~1,600 tokens/s CPU profile: no size prefills one within 1 s
+    long = Observation(
+        window_s=10, requests=12, input_tokens=[(1024, 0.0), (2048, 12.0)], output_tokens=[(1, 12.0)],
+        prompt_tokens=12 * 1800, generation_tokens=12,
+    )  # fmt: skip
+    slo, limits = Slo(ttft_s=1.0, itl_s=0.1), Limits(1, 4, 1, 2, max_workers=5)
+    pairs = candidates(limits)
+    full = evaluate(long, CPU, pairs)
+    assert not any(p.meets(slo) for p in full)
+    pruned = evaluate(long, CPU, pairs, until_met=slo)
+    assert choose(pruned, slo) == choose(full, slo)
+    best, binding = choose(full, slo)
+    assert binding == "ttft" and best.meets(attainable(full, slo))
+    # the largest total is replayed first: the pruned replay always knows the best the limits can do
+    assert max(p.workers for p in pruned) == 5
+
+
+def test_the_forecast_sizes_ahead_of_a_rising_rate_and_follows_a_falling_one() -> None:
+    rising = RateForecast(horizon_s=20.0)
+    for t in range(0, 60, 3):
+        ahead = rising.update(float(t), 1.0 + 0.05 * t)  # +0.05 req/s every second
+    assert ahead > 1.0 + 0.05 * 57  # above what the last window measured: the rate 20 s on
+    assert ahead == pytest.approx(1.0 + 0.05 * 77, rel=0.15)
+    falling = RateForecast(horizon_s=20.0)
+    for t in range(0, 60, 3):
+        ahead = falling.update(float(t), 8.0 - 0.1 * t)
+    assert ahead < 8.0 - 0.1 * 57
+    steady = RateForecast(horizon_s=20.0)
+    for t in range(0, 60, 3):
+        ahead = steady.update(float(t), 4.0)
+    assert ahead == pytest.approx(4.0)
+    # one wild window cannot ask for more than max_ratio x what it measured
+    jumpy = RateForecast(horizon_s=600.0, max_ratio=2.0)
+    jumpy.update(0.0, 1.0)
+    assert jumpy.update(3.0, 5.0) <= 10.0 and jumpy.update(6.0, 0.5) >= 0.25
+
+
+def test_the_replay_plays_the_forecast_rate() -> None:
+    obs = Observation(window_s=10, requests=20, prompt_tokens=20 * 100, generation_tokens=20 * 10)
+    measured = replay_workload(obs, 16, max_requests=1000, min_window_s=60)
+    obs.replay_rate_rps = 2 * obs.rate_rps
+    ahead = replay_workload(obs, 16, max_requests=1000, min_window_s=60)
+    assert len(ahead) == 2 * len(measured)  # over the same simulated span, twice the arrivals
+    assert ahead[-1].arrival_s == pytest.approx(measured[-1].arrival_s, rel=0.3)
+    assert obs.to_dict()["replay_rate_per_s"] == 4.0
+
+
+def test_planner_reach_and_predictor_flags_are_checked() -> None:
+    from services.planner.server import _config, add_arguments
+
+    p = argparse.ArgumentParser()
+    add_arguments(p)
+    with pytest.raises(ValueError, match="reach-margin"):
+        _config(p.parse_args(["--reach-margin", "-0.1"]))
+    with pytest.raises(ValueError, match="predict-horizon-s"):
+        _config(p.parse_args(["--predictor", "trend", "--predict-horizon-s", "-1"]))
+    with pytest.raises(SystemExit):
+        p.parse_args(["--predictor", "arima"])
+    assert p.parse_args([]).predictor == "none"
