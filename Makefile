@@ -79,6 +79,8 @@ bench: setup
 sim: setup
 	$(BIN)/python -m loadgen.experiments --out bench/results/sim
 	$(BIN)/python -m loadgen.planner_experiment --out bench/results/sim
+	$(BIN)/python -m loadgen.planner_experiment --sin 0.5,2,300 --out bench/results/sim/planner-sin300
+	$(BIN)/python -m loadgen.planner_experiment --sin 0.5,2,600 --limit 3993 --out bench/results/sim/planner-sin600
 
 bench-cluster: setup
 	$(BIN)/python -m loadgen.validate --out bench/results/cluster

@@ -3,13 +3,16 @@
     python -m loadgen.planner_experiment --out bench/results/sim        # also `make sim`
 
 The trace's arrival rate is warped piecewise (`--phases`, default 0.5x, 2x, 0.75x of the trace's own rate, a
-third of its time span each), so the load the cluster must carry changes over time. On the same requests:
+third of its time span each: two steps), or smoothly (`--sin LOW,HIGH,PERIOD_S`: a multiplier moving from LOW to
+HIGH and back every PERIOD_S), so the load the cluster must carry changes over time. On the same requests:
 - every static (P, D) split of `--total` workers, mode disagg, the router's TTFT policy;
 - the planner (services/planner/plan.py, the code the service runs): every `--interval-s` it takes the
   window's arrivals (rate, input lengths) and finished requests (output lengths, prefix hits), replays them
   through this simulator on every candidate (P, D) with P + D <= --total, picks the fewest workers that meet
-  its SLO, and steps the pools by one per interval (down only once every decision of `--hold-down-s` wanted
-  it; it starts from its own recommendation for the first interval, `--start auto`). A new worker serves
+  its SLO (or come within `--reach-margin` of the best p90 where no size meets it), and steps the pools by one
+  per interval (a step down only to the largest size wanted within `--scale-down-window-s`, and not within
+  `--hold-down-s` of the pool's last step; it starts from its own recommendation for the first interval,
+  `--start auto`). A new worker serves
   `--start-s` after it is asked for (it costs from the moment it is asked for); a drained one takes no new
   work and stops when what it holds is done.
 Reported: goodput (requests meeting the SLO per second) and worker-seconds; the planner as a ratio to the best
@@ -20,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import time
 from collections.abc import Sequence
@@ -32,9 +36,12 @@ from loadgen.sim.profile import Profile, load_profile
 from loadgen.trace import DEFAULT_TRACE, load_records, mooncake
 from loadgen.workload import RequestSpec
 from services.planner.plan import (
+    PREDICTORS,
+    REACH,
     Damper,
     Limits,
     Observation,
+    RateForecast,
     Slo,
     candidates,
     choose,
@@ -53,6 +60,19 @@ def warp(specs: Sequence[RequestSpec], phases: Sequence[float]) -> list[RequestS
     for s in specs:
         k = min(len(phases) - 1, int((s.arrival_s - specs[0].arrival_s) / span * len(phases)))
         t += (s.arrival_s - prev) / phases[k]
+        prev = s.arrival_s
+        out.append(replace(s, arrival_s=t))
+    return out
+
+
+def warp_sin(specs: Sequence[RequestSpec], low: float, high: float, period_s: float) -> list[RequestSpec]:
+    """Arrival times re-spaced so that the rate is the trace's own times a multiplier that moves sinusoidally
+    between `low` and `high` over `period_s` of wall time, starting at `low` (the shape of Dynamo's planner
+    benchmark, `sin_synth.py`: rate(t) = mid - amp * cos(2 pi t / period))."""
+    mid, amp = (low + high) / 2, (high - low) / 2
+    out, t, prev = [], 0.0, specs[0].arrival_s
+    for s in specs:
+        t += (s.arrival_s - prev) / (mid - amp * math.cos(2 * math.pi * t / period_s))
         prev = s.arrival_s
         out.append(replace(s, arrival_s=t))
     return out
@@ -88,6 +108,7 @@ def initial_sizes(
     slo: Slo,
     window_s: float,
     replay_requests: int,
+    reach: float = REACH,
 ) -> tuple[int, int]:
     """The planner's own recommendation for the first window's traffic: where an operator deploys it (a Dynamo
     planner operator starts from its profile-based recommendation, not from a guess). Only the first `window_s`
@@ -112,8 +133,9 @@ def initial_sizes(
         input_samples=[specs[i].input_tokens for i in first],
         output_samples=[specs[i].output_tokens for i in first],
     )
+    pairs = candidates(limits)
     best, _ = choose(
-        evaluate(obs, profile, candidates(limits), "disagg", 0, replay_requests, until_met=slo), slo
+        evaluate(obs, profile, pairs, "disagg", 0, replay_requests, until_met=slo, reach=reach), slo, reach
     )
     if best is None:
         return max(1, limits.max_workers // 2), max(1, limits.max_workers - limits.max_workers // 2)
@@ -132,12 +154,15 @@ def planner_run(
     replay_requests: int,
     start: tuple[int, int] | None = None,
     min_window_requests: int = 10,
+    forecast: RateForecast | None = None,
+    reach: float = REACH,
+    scale_down_window_s: float = 0.0,
 ) -> dict[str, Any]:
     limits = Limits(1, total - 1, 1, total - 1, max_workers=total)
     if start is None:
-        start = initial_sizes(specs, hashes, profile, limits, slo, interval_s, replay_requests)
+        start = initial_sizes(specs, hashes, profile, limits, slo, interval_s, replay_requests, reach)
     sim = Simulator(profile, ClusterConfig(start[0], start[1], mode="disagg"))
-    damper = Damper(hold_down_s)
+    damper = Damper(hold_down_s, scale_down_window_s)
     stopped: dict[str, float] = {}
     billed = {
         "workers": float(sum(start)),
@@ -191,12 +216,16 @@ def planner_run(
                 backlog=sum(1 for r in sim.reqs if r.arrival_s <= now and r.t_prefill_start is None),
                 output_samples=[r.emitted for r in done],
             )
-            preds = evaluate(obs, profile, candidates(limits), "disagg", 0, replay_requests, until_met=slo)
-            best, binding = choose(preds, slo)
+            if forecast is not None:
+                obs.replay_rate_rps = forecast.update(now, obs.rate_rps)
+            pairs = candidates(limits)
+            preds = evaluate(obs, profile, pairs, "disagg", 0, replay_requests, until_met=slo, reach=reach)
+            best, binding = choose(preds, slo, reach)
             if best is not None:
                 desired = damp(desired, (best.prefill, best.decode), limits, damper, now)
             window_start = now
-            timeline.append({"t": now, "desired": list(desired), "binding": binding, "rate": obs.rate_rps})
+            timeline.append({"t": now, "desired": list(desired), "binding": binding, "rate": obs.rate_rps,
+                             "replayed_rate": obs.replay_rps})  # fmt: skip
         for role, want in zip(("prefill", "decode"), desired, strict=True):
             have = len(pool(role)) + starting[role]
             for _ in range(want - have):
@@ -238,6 +267,16 @@ def _sizes(text: str, total: int) -> tuple[int, int]:
     return p, d
 
 
+def _sin(text: str) -> tuple[float, float, float]:
+    try:
+        low, high, period = (float(x) for x in text.split(","))
+    except ValueError:
+        raise SystemExit(f"--sin wants LOW,HIGH,PERIOD_S (three numbers), got {text!r}") from None
+    if not 0 < low <= high or period <= 0:
+        raise SystemExit(f"--sin {text}: need 0 < LOW <= HIGH and PERIOD_S > 0")
+    return low, high, period
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--trace", default=DEFAULT_TRACE)
@@ -251,8 +290,35 @@ def main(argv: list[str] | None = None) -> int:
         default="0.5,2,0.75",
         help="rate multipliers, one per equal slice of the trace's time span",
     )
+    ap.add_argument(
+        "--sin",
+        default="",
+        metavar="LOW,HIGH,PERIOD_S",
+        help="instead of --phases: a rate multiplier moving sinusoidally from LOW to HIGH and back every PERIOD_S",
+    )
     ap.add_argument("--interval-s", type=float, default=3.0, help="seconds between the planner's decisions")
-    ap.add_argument("--hold-down-s", type=float, default=60.0, help="the planner's scale-down stabilization")
+    ap.add_argument(
+        "--hold-down-s", type=float, default=20.0, help="no step in a pool within this of its last"
+    )
+    ap.add_argument(
+        "--scale-down-window-s",
+        type=float,
+        default=30.0,
+        help="a pool steps down only to the largest size the decisions of this last while wanted",
+    )
+    ap.add_argument(
+        "--reach-margin",
+        type=float,
+        default=0.0,
+        help="where no size meets an SLO, a size within this fraction of the best p90 counts as meeting it",
+    )
+    ap.add_argument("--predictor", default="none", choices=PREDICTORS, help="none, or trend (Holt)")
+    ap.add_argument(
+        "--predict-horizon-s",
+        type=float,
+        default=0.0,
+        help="with --predictor trend (0: --start-s + --interval-s)",
+    )
     ap.add_argument(
         "--start",
         default="auto",
@@ -267,7 +333,14 @@ def main(argv: list[str] | None = None) -> int:
     profile = load_profile(a.profile)
     phases = [float(x) for x in a.phases.split(",")]
     start = None if a.start == "auto" else _sizes(a.start, a.total)
-    specs = warp(mooncake(load_records(a.trace, a.limit), scale=1, materialize=False), phases)
+    raw = mooncake(load_records(a.trace, a.limit), scale=1, materialize=False)
+    if a.sin:
+        low, high, period = _sin(a.sin)
+        specs = warp_sin(raw, low, high, period)
+        shape = f"x{low:g}..{high:g} sinusoidally every {period:g} s"
+    else:
+        specs = warp(raw, phases)
+        shape = f"x{a.phases}, one per equal slice of its time"
     hashes = block_hashes_for(specs, profile.block_size)
     t0 = time.time()
     statics = []
@@ -276,16 +349,21 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps(statics[-1]), flush=True)
     best = max(statics, key=lambda r: (r["good"], -r["worker_s"]))
     slo = Slo(a.slo_ttft_ms / 1000, a.slo_itl_ms / 1000)
+    horizon = a.predict_horizon_s or a.start_s + a.interval_s
+    forecast = RateForecast(horizon) if a.predictor == "trend" else None
     plan = planner_run(specs, hashes, profile, a.total, slo, a.interval_s, a.hold_down_s, a.start_s,
-                       a.replay_requests, start)  # fmt: skip
+                       a.replay_requests, start, forecast=forecast, reach=a.reach_margin,
+                       scale_down_window_s=a.scale_down_window_s)  # fmt: skip
     print(json.dumps({k: v for k, v in plan.items() if k != "timeline"}), flush=True)
     lines = [
         f"**Planner vs static splits of {a.total} workers** — Mooncake trace, first {len(specs)} records, rate "
-        f"x{a.phases} per third of its time, {profile.name} ({profile.source.split(':')[0]}), "
+        f"{shape}, {profile.name} ({profile.source.split(':')[0]}), "
         "mode disagg, TTFT policy; "
         f"goodput SLO TTFT <= {SLO.ttft_s:g} s and ITL p90 <= {SLO.itl_p90_s * 1000:g} ms per request; planner "
-        f"target p90 TTFT {a.slo_ttft_ms:g} ms / ITL {a.slo_itl_ms:g} ms, interval {a.interval_s:g} s, hold-down "
-        f"{a.hold_down_s:g} s, worker start {a.start_s:g} s, starting at {plan['start'][0]}P + "
+        f"target p90 TTFT {a.slo_ttft_ms:g} ms / ITL {a.slo_itl_ms:g} ms, reach margin {a.reach_margin:g}, "
+        f"interval {a.interval_s:g} s, hold-down {a.hold_down_s:g} s, scale-down window "
+        f"{a.scale_down_window_s:g} s, predictor {a.predictor}, worker start {a.start_s:g} s, starting at "
+        f"{plan['start'][0]}P + "
         f"{plan['start'][1]}D ({a.start})\n",
         "| cluster | goodput req/s | SLO met | TTFT p90 ms | ITL p90 ms | errors | worker-seconds |",
         "|---|---|---|---|---|---|---|",
