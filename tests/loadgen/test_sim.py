@@ -226,4 +226,6 @@ def test_a_worker_started_after_a_drain_takes_the_freed_slot_on_the_same_node():
     grown = [sim.add_worker("prefill") for _ in range(3)]
     assert [w.node for w in grown] == ["node0", "node0", "node1"]
     assert len({w.worker_id for w in sim.workers.values()}) == len(sim.workers) == 12  # ids stay unique
-    assert sim.link_class(grown[0], sim.workers["decode-0"]) == SAME_NODE  # the fast link, as before the drain
+    assert (
+        sim.link_class(grown[0], sim.workers["decode-0"]) == SAME_NODE
+    )  # the fast link, as before the drain

@@ -195,6 +195,15 @@ def test_planner_flags_are_checked() -> None:
         _config(p.parse_args(["--slo-itl-ms", "0"]))
     with pytest.raises(ValueError, match="min-prefill"):
         _config(p.parse_args(["--min-prefill", "3", "--max-prefill", "2"]))
+    with pytest.raises(ValueError, match="reach-margin"):
+        _config(p.parse_args(["--reach-margin", "-0.1"]))
+    with pytest.raises(ValueError, match="scale-down-window-s"):
+        _config(p.parse_args(["--scale-down-window-s", "-1"]))
+    with pytest.raises(ValueError, match="predict-horizon-s"):
+        _config(p.parse_args(["--predictor", "trend", "--predict-horizon-s", "-1"]))
+    with pytest.raises(SystemExit):
+        p.parse_args(["--predictor", "arima"])
+    assert (p.parse_args([]).predictor, p.parse_args([]).scale_down_window_s) == ("none", 0.0)
 
 
 # ---- a real cluster -----------------------------------------------------------------------------------------

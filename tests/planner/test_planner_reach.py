@@ -5,8 +5,6 @@ puts nearest an impossible target; `RateForecast` sizes for the arrival rate a w
 
 from __future__ import annotations
 
-import argparse
-
 import pytest
 
 from loadgen.sim.profile import load_profile
@@ -95,17 +93,3 @@ def test_the_replay_plays_the_forecast_rate() -> None:
     assert len(ahead) == 2 * len(measured)  # over the same simulated span, twice the arrivals
     assert ahead[-1].arrival_s == pytest.approx(measured[-1].arrival_s, rel=0.3)
     assert obs.to_dict()["replay_rate_per_s"] == 4.0
-
-
-def test_planner_reach_and_predictor_flags_are_checked() -> None:
-    from services.planner.server import _config, add_arguments
-
-    p = argparse.ArgumentParser()
-    add_arguments(p)
-    with pytest.raises(ValueError, match="reach-margin"):
-        _config(p.parse_args(["--reach-margin", "-0.1"]))
-    with pytest.raises(ValueError, match="predict-horizon-s"):
-        _config(p.parse_args(["--predictor", "trend", "--predict-horizon-s", "-1"]))
-    with pytest.raises(SystemExit):
-        p.parse_args(["--predictor", "arima"])
-    assert p.parse_args([]).predictor == "none"

@@ -75,7 +75,10 @@ def test_a_pool_shrinks_only_to_the_largest_size_its_window_wanted() -> None:
     limits, damper = Limits(1, 6, 1, 2), Damper(hold_down_s=0.0, window_s=30.0)
     assert damp((4, 1), (4, 1), limits, damper, now=0.0) == (4, 1)
     assert damp((4, 1), (2, 1), limits, damper, now=10.0) == (4, 1)  # 4 was wanted 10 s ago: no drain
-    assert damp((4, 1), (2, 1), limits, damper, now=31.0) == (3, 1)  # now the window wants 2 at most: one step
+    assert damp((4, 1), (2, 1), limits, damper, now=31.0) == (
+        3,
+        1,
+    )  # now the window wants 2 at most: one step
     assert damp((3, 1), (5, 1), limits, damper, now=32.0) == (4, 1)  # a step up is never held
     assert damp((4, 1), (3, 1), limits, damper, now=40.0) == (4, 1)  # 5 was wanted at 32 s
     assert damp((4, 1), (3, 1), limits, damper, now=63.0) == (3, 1)
