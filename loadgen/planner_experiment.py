@@ -26,7 +26,7 @@ import json
 import math
 import os
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import replace
 from typing import Any
 
@@ -52,17 +52,22 @@ from services.planner.plan import (
 SLO = rep.Slo(ttft_s=2.0, itl_p90_s=0.05)  # the goodput SLO, per request (as loadgen/experiments.py)
 
 
+def _respace(specs: Sequence[RequestSpec], multiplier: Callable[[float, float], float]) -> list[RequestSpec]:
+    """Arrival times re-spaced so that each gap of the trace is run at `multiplier(offset, t)` x the trace's
+    rate, where `offset` is the request's time in the trace and `t` its new arrival time so far."""
+    out, t, prev = [], 0.0, specs[0].arrival_s
+    for s in specs:
+        t += (s.arrival_s - prev) / multiplier(s.arrival_s - specs[0].arrival_s, t)
+        prev = s.arrival_s
+        out.append(replace(s, arrival_s=t))
+    return out
+
+
 def warp(specs: Sequence[RequestSpec], phases: Sequence[float]) -> list[RequestSpec]:
     """Arrival times re-spaced so that the k-th of len(phases) equal slices of the trace's own time span
     arrives at phases[k] x the trace's rate."""
     span = (specs[-1].arrival_s - specs[0].arrival_s) or 1.0
-    out, t, prev = [], 0.0, specs[0].arrival_s
-    for s in specs:
-        k = min(len(phases) - 1, int((s.arrival_s - specs[0].arrival_s) / span * len(phases)))
-        t += (s.arrival_s - prev) / phases[k]
-        prev = s.arrival_s
-        out.append(replace(s, arrival_s=t))
-    return out
+    return _respace(specs, lambda offset, _t: phases[min(len(phases) - 1, int(offset / span * len(phases)))])
 
 
 def warp_sin(specs: Sequence[RequestSpec], low: float, high: float, period_s: float) -> list[RequestSpec]:
@@ -70,12 +75,7 @@ def warp_sin(specs: Sequence[RequestSpec], low: float, high: float, period_s: fl
     between `low` and `high` over `period_s` of wall time, starting at `low` (the shape of Dynamo's planner
     benchmark, `sin_synth.py`: rate(t) = mid - amp * cos(2 pi t / period))."""
     mid, amp = (low + high) / 2, (high - low) / 2
-    out, t, prev = [], 0.0, specs[0].arrival_s
-    for s in specs:
-        t += (s.arrival_s - prev) / (mid - amp * math.cos(2 * math.pi * t / period_s))
-        prev = s.arrival_s
-        out.append(replace(s, arrival_s=t))
-    return out
+    return _respace(specs, lambda _offset, t: mid - amp * math.cos(2 * math.pi * t / period_s))
 
 
 def _summary(results: list[rep.RequestResult], worker_s: float) -> dict[str, Any]:
@@ -159,6 +159,7 @@ def planner_run(
     scale_down_window_s: float = 0.0,
 ) -> dict[str, Any]:
     limits = Limits(1, total - 1, 1, total - 1, max_workers=total)
+    pairs = candidates(limits)
     if start is None:
         start = initial_sizes(specs, hashes, profile, limits, slo, interval_s, replay_requests, reach)
     sim = Simulator(profile, ClusterConfig(start[0], start[1], mode="disagg"))
@@ -218,7 +219,6 @@ def planner_run(
             )
             if forecast is not None:
                 obs.replay_rate_rps = forecast.update(now, obs.rate_rps)
-            pairs = candidates(limits)
             preds = evaluate(obs, profile, pairs, "disagg", 0, replay_requests, until_met=slo, reach=reach)
             best, binding = choose(preds, slo, reach)
             if best is not None:

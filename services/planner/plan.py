@@ -53,9 +53,8 @@ class Observation:
     decode_step_s: float | None = None  # mean decode step over the window
     decode_batch: float | None = None  # mean sequences per decode step over the window
     decode_ctx_tokens: float | None = None  # mean context tokens per decode step (estimated)
-    replay_rate_rps: float | None = (
-        None  # the arrival rate the replay plays (RateForecast's); None: the measured one
-    )
+    # the arrival rate the replay plays (RateForecast's); None: the measured one
+    replay_rate_rps: float | None = None
 
     @property
     def rate_rps(self) -> float:

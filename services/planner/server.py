@@ -217,7 +217,7 @@ class Planner:
         base = self.desired if self.desired is not None and self.args.scale_mode != "recommend" else actual
         preds: list[Any] = []
         profile = self.base_profile
-        reach = self.slo
+        targets = self.slo  # what the decision sized for: the SLO, or the best reachable p90 plus the margin
         if obs is None:
             outcome, binding, target = "no_data", "none", base
         elif obs.requests < self.args.min_window_requests or obs.done == 0:
@@ -233,7 +233,7 @@ class Planner:
                 self.pool, evaluate, obs, profile, pairs, self.args.router_mode, 0, self.args.replay_requests
             )
             best, binding = choose(preds, self.slo, self.args.reach_margin)
-            reach = attainable(preds, self.slo, self.args.reach_margin)
+            targets = attainable(preds, self.slo, self.args.reach_margin)
             target = (best.prefill, best.decode) if best is not None else base
             outcome = ""
         desired = damp(base, target, self.limits, self.damper, now) if outcome != "no_data" else base
@@ -257,7 +257,10 @@ class Planner:
             "actual": {"prefill": actual[0], "decode": actual[1]},
             "binding_slo": binding,
             "slo": {"ttft_ms": self.args.slo_ttft_ms, "itl_ms": self.args.slo_itl_ms},
-            "attainable": {"ttft_ms": round(reach.ttft_s * 1000, 2), "itl_ms": round(reach.itl_s * 1000, 2)},
+            "attainable": {
+                "ttft_ms": round(targets.ttft_s * 1000, 2),
+                "itl_ms": round(targets.itl_s * 1000, 2),
+            },
             "predictor": self.args.predictor,
             "limits": {
                 "min_prefill": self.limits.min_prefill,

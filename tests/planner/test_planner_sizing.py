@@ -5,6 +5,8 @@ starts from its own recommendation and keeps to the damping and the budget."""
 
 from __future__ import annotations
 
+import pytest
+
 from loadgen import planner_experiment as pe
 from loadgen.sim.engine import block_hashes_for
 from loadgen.sim.profile import load_profile
@@ -84,3 +86,18 @@ def test_a_pool_shrinks_only_to_the_largest_size_its_window_wanted() -> None:
     assert damp((4, 1), (3, 1), limits, damper, now=63.0) == (3, 1)
     # without a window, the same noise drains at once (the hold-down aside)
     assert damp((4, 1), (2, 1), limits, Damper(hold_down_s=0.0), now=10.0) == (3, 1)
+
+
+def test_the_smooth_load_shape_runs_the_trace_at_its_multiplier() -> None:
+    specs = mooncake(load_records(limit=400), scale=1, materialize=False)
+    span = specs[-1].arrival_s - specs[0].arrival_s
+    # a constant multiplier of 2 halves every gap
+    doubled = pe.warp_sin(specs, 2.0, 2.0, 100.0)
+    assert doubled[-1].arrival_s == pytest.approx(span / 2)
+    # from 0.5x at the start to 2x half a period later: the first gaps are twice as long as the trace's, and the
+    # trace's first quarter, below 1x all along, arrives later than in the trace itself
+    smooth = pe.warp_sin(specs, 0.5, 2.0, 4 * span)
+    assert smooth[1].arrival_s == pytest.approx(2 * (specs[1].arrival_s - specs[0].arrival_s), rel=0.01)
+    quarter = next(i for i, s in enumerate(specs) if s.arrival_s - specs[0].arrival_s >= span / 4)
+    assert smooth[quarter].arrival_s > 1.2 * (specs[quarter].arrival_s - specs[0].arrival_s)
+    assert [s.request_id for s in smooth] == [s.request_id for s in specs]  # the same requests, in order
