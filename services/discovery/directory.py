@@ -148,7 +148,8 @@ class WorkerDirectory:
                     f"{len(found)} visible ({ids}); etcd {state}"
                 )
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._changed.wait(), remaining)
+                async with asyncio.timeout(remaining):
+                    await self._changed.wait()
 
     # ------------------------------------------------------------------------------------------ lifecycle
 

@@ -129,7 +129,8 @@ class _TlsClient(aetcd.Client):
         if self._connected.is_set():
             return
         if self._is_connecting:  # type: ignore[has-type]
-            await asyncio.wait_for(self._connected.wait(), self._connect_wait_timeout)
+            async with asyncio.timeout(self._connect_wait_timeout):
+                await self._connected.wait()
             return
         try:
             self._is_connecting = True
@@ -175,7 +176,13 @@ def _grpc_host(host: str) -> str:
 
 
 async def with_deadline(call: Awaitable[T], timeout_s: float) -> T:
-    return await asyncio.wait_for(call, timeout_s + DEADLINE_GRACE_S)
+    """`await call`, TimeoutError after `timeout_s` plus the grace.
+
+    `asyncio.timeout`, not `asyncio.wait_for`: on Python 3.11 a `wait_for` whose call completes in the same loop
+    turn as a cancel() of the awaiting task returns the result and swallows the cancellation. A lease's keep-alive
+    caught that way never stopped, so its worker's deregistration (which waits for it) hung for good."""
+    async with asyncio.timeout(timeout_s + DEADLINE_GRACE_S):
+        return await call
 
 
 async def connect_first_reachable(
@@ -198,7 +205,8 @@ async def close_quietly(client: aetcd.Client | None) -> None:
     if client is None:
         return
     with contextlib.suppress(Exception):
-        await asyncio.wait_for(client.close(), 1.0)
+        async with asyncio.timeout(1.0):
+            await client.close()
 
 
 def describe(error: BaseException) -> str:

@@ -174,7 +174,7 @@ class Registration:
     async def _keep_alive(self) -> None:
         backoff = Backoff(first_s=0.1, max_s=self.refresh_interval_s)
         failing = False
-        while True:
+        while not self._closed:  # close() also cancels; the flag ends the loop even if a cancel were lost
             try:
                 await self._connect()
                 if self._lease_id is None or self._key_revision is None:

@@ -390,7 +390,8 @@ class Coordinator:
         """The next chunk, None at the end of the stream; a worker silent for stall_timeout_s is hung."""
         timeout_s = min(self.stall_timeout_s, state.remaining_s())
         try:
-            chunk = await asyncio.wait_for(call.read(), timeout_s)
+            async with asyncio.timeout(timeout_s):
+                chunk = await call.read()
         except TimeoutError as e:
             call.cancel()
             state.remaining_s()  # the request's own deadline: 504, not a migration

@@ -365,7 +365,8 @@ async def _loop(planner: Planner, interval_s: float, stop: asyncio.Event) -> Non
         except Exception:  # one bad interval (a scrape, a simulation) must not stop planning
             log.exception("planner: decision failed")
         with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(stop.wait(), interval_s)
+            async with asyncio.timeout(interval_s):
+                await stop.wait()
 
 
 async def serve(args: argparse.Namespace) -> None:

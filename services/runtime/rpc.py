@@ -105,7 +105,8 @@ class AdmissionGate:
     async def wait_idle(self, timeout_s: float) -> bool:
         """True when nothing is in flight within timeout_s."""
         try:
-            await asyncio.wait_for(self._idle.wait(), timeout_s)
+            async with asyncio.timeout(timeout_s):
+                await self._idle.wait()
             return True
         except TimeoutError:
             return False

@@ -116,7 +116,8 @@ class EngineWorker:
             while True:
                 batch = []
                 try:
-                    batch.append(await asyncio.wait_for(updates.get(), LOAD_HEARTBEAT_S))
+                    async with asyncio.timeout(LOAD_HEARTBEAT_S):
+                        batch.append(await updates.get())
                 except TimeoutError:
                     pass
                 while not updates.empty():
