@@ -100,6 +100,71 @@ def static_run(specs: list[RequestSpec], hashes: list[list[int]], profile: Profi
     return {"prefill": p, "decode": d, **_summary(results, (p + d) * end)}
 
 
+def slice_goodput(
+    specs: Sequence[RequestSpec], hashes: Sequence[list[int]], profile: Profile, total: int, slice_s: float
+) -> tuple[list[float], list[dict[tuple[int, int], int]]]:
+    """Cut the run into consecutive `slice_s` of arrival time and run each slice's requests on their own (from
+    an empty cluster, at their own times) on every split with P, D >= 1 and P + D <= total: each slice's
+    length in seconds (the last one runs to its last completion) and its good requests per (P, D)."""
+    t0 = specs[0].arrival_s
+    slices: list[list[int]] = []
+    for i, s in enumerate(specs):
+        k = int((s.arrival_s - t0) // slice_s)
+        while len(slices) <= k:
+            slices.append([])
+        slices[k].append(i)
+    lengths: list[float] = []
+    goods: list[dict[tuple[int, int], int]] = []
+    for k, idx in enumerate(slices):
+        start = t0 + k * slice_s
+        part = [replace(specs[i], arrival_s=specs[i].arrival_s - start) for i in idx]
+        good: dict[tuple[int, int], int] = {}
+        last = k == len(slices) - 1
+        end = 0.0  # the last slice lasts until its last request is done, the others slice_s
+        for p in range(1, total):
+            for d in range(1, total - p + 1):
+                if not part:
+                    good[(p, d)] = 0
+                    continue
+                sim = Simulator(profile, ClusterConfig(p, d, mode="disagg"))
+                results = sim.run(part, [hashes[i] for i in idx])
+                good[(p, d)] = sum(1 for r in results if SLO.met_by(r))
+                if last:
+                    end = max(end, max((r.t_done or 0.0) for r in sim.reqs))
+        lengths.append(end if last else slice_s)
+        goods.append(good)
+    return lengths, goods
+
+
+def clairvoyant(
+    lengths: Sequence[float], goods: Sequence[dict[tuple[int, int], int]], total: int, need: int
+) -> tuple[float, list[tuple[int, int]]] | None:
+    """The fewest worker-seconds of a resizing that knows every slice's traffic in advance and changes size
+    between slices at no cost (no start-up, no drain): one (P, D) per slice whose good requests, summed over the
+    slices, are at least `need`. None when no choice reaches it. A bound on what any planner can do with the
+    same slices, not a planner."""
+    # per slice and total size, the split with the most good requests; then a knapsack over the good count
+    best: list[dict[int, tuple[int, tuple[int, int]]]] = []
+    for good in goods:
+        per: dict[int, tuple[int, tuple[int, int]]] = {}
+        for (p, d), g in good.items():
+            if p + d not in per or g > per[p + d][0]:
+                per[p + d] = (g, (p, d))
+        best.append(per)
+    # frontier: good requests so far -> (worker-seconds, choices)
+    frontier: dict[int, tuple[float, list[tuple[int, int]]]] = {0: (0.0, [])}
+    for length, per in zip(lengths, best, strict=True):
+        nxt: dict[int, tuple[float, list[tuple[int, int]]]] = {}
+        for so_far, (cost, picks) in frontier.items():
+            for n, (g, pair) in per.items():
+                key = min(need, so_far + g)  # beyond `need` more good requests buy nothing here
+                c = cost + n * length
+                if key not in nxt or c < nxt[key][0]:
+                    nxt[key] = (c, [*picks, pair])
+        frontier = nxt
+    return frontier.get(need)
+
+
 def initial_sizes(
     specs: Sequence[RequestSpec],
     hashes: Sequence[list[int]],
@@ -257,6 +322,37 @@ def planner_run(
     }
 
 
+def clairvoyant_bound(
+    specs: Sequence[RequestSpec],
+    hashes: Sequence[list[int]],
+    profile: Profile,
+    total: int,
+    slice_s: float,
+    best: dict[str, Any],
+    planner_goodput: float,
+) -> dict[str, Any]:
+    """The clairvoyant's worker-seconds, as a ratio to the best static split's over the same slices, at that
+    split's goodput and at the planner's goodput ratio: how much of what foresight could save the planner saved."""
+    lengths, goods = slice_goodput(specs, hashes, profile, total, slice_s)
+    pair = (best["prefill"], best["decode"])
+    need = sum(g[pair] for g in goods)
+    full = total * sum(lengths)
+    out: dict[str, Any] = {"slice_s": slice_s, "slices": len(lengths), "static_good": need}
+    for key, ratio in (("same", 1.0), ("planner", planner_goodput)):
+        found = clairvoyant(lengths, goods, total, math.ceil(need * min(1.0, ratio)))
+        out[key] = None if found is None else {"worker_s_ratio": found[0] / full, "sizes": found[1]}
+    same, at = out["same"], out["planner"]
+    out["text"] = (
+        f"clairvoyant bound ({len(lengths)} slices of {slice_s:g} s, each run alone, resized between slices at no "
+        f"cost): the best static split's goodput ({need} good requests over the slices) at worker-seconds "
+        f"x{same['worker_s_ratio']:.3f}; at the planner's goodput ratio (x{planner_goodput:.3f}) at "
+        f"x{at['worker_s_ratio']:.3f}"
+        if same is not None and at is not None
+        else "clairvoyant bound: no resizing reaches the best static split's goodput over the slices"
+    )
+    return out
+
+
 def _sizes(text: str, total: int) -> tuple[int, int]:
     try:
         p, d = (int(x) for x in text.split(","))
@@ -328,6 +424,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--slo-ttft-ms", type=float, default=1000.0, help="the planner's p90 TTFT target")
     ap.add_argument("--slo-itl-ms", type=float, default=40.0, help="the planner's p90 ITL target")
     ap.add_argument("--replay-requests", type=int, default=100)
+    ap.add_argument(
+        "--clairvoyant-slice-s",
+        type=float,
+        default=60.0,
+        help="also report the clairvoyant bound over slices of this length (0: not)",
+    )
     ap.add_argument("--out", default="bench/results/sim")
     a = ap.parse_args(argv)
     profile = load_profile(a.profile)
@@ -381,13 +483,17 @@ def main(argv: list[str] | None = None) -> int:
         f"\nplanner / best static: goodput x{g:.3f}, worker-seconds x{ws:.3f} ({1 - ws:.1%} fewer); "
         f"{len(plan['timeline'])} decisions; simulated in {time.time() - t0:.0f} s"
     )
+    bound = None
+    if a.clairvoyant_slice_s > 0:
+        bound = clairvoyant_bound(specs, hashes, profile, a.total, a.clairvoyant_slice_s, best, g)
+        lines.append(bound["text"])
     text = "\n".join(lines)
     print(text)
     os.makedirs(a.out, exist_ok=True)
     with open(os.path.join(a.out, "planner.md"), "w") as f:
         f.write(text + "\n")
     with open(os.path.join(a.out, "planner.json"), "w") as f:
-        json.dump({"statics": statics, "planner": plan, "args": vars(a)}, f, indent=1)
+        json.dump({"statics": statics, "planner": plan, "clairvoyant": bound, "args": vars(a)}, f, indent=1)
     return 0
 
 

@@ -101,3 +101,38 @@ def test_the_smooth_load_shape_runs_the_trace_at_its_multiplier() -> None:
     quarter = next(i for i, s in enumerate(specs) if s.arrival_s - specs[0].arrival_s >= span / 4)
     assert smooth[quarter].arrival_s > 1.2 * (specs[quarter].arrival_s - specs[0].arrival_s)
     assert [s.request_id for s in smooth] == [s.request_id for s in specs]  # the same requests, in order
+
+
+def test_the_clairvoyant_bound_trades_good_requests_across_slices_at_the_fewest_worker_seconds() -> None:
+    lengths = [100.0, 50.0]
+    goods = [
+        {(1, 1): 80, (2, 1): 100, (1, 2): 99, (2, 2): 100},  # quiet: 3 workers serve all of it
+        {(1, 1): 5, (2, 1): 59, (1, 2): 20, (2, 2): 60},  # busy: it takes all 4
+    ]
+    # the best static split (2, 2) makes 160: the same at 3 then 4 workers, 100 worker-seconds fewer than 4 + 4
+    assert pe.clairvoyant(lengths, goods, 4, 160) == (3 * 100 + 4 * 50, [(2, 1), (2, 2)])
+    # one good request fewer: the busy slice's last one is worth 50 worker-seconds
+    assert pe.clairvoyant(lengths, goods, 4, 159) == (3 * 100 + 3 * 50, [(2, 1), (2, 1)])
+    assert pe.clairvoyant(lengths, goods, 4, 161) is None  # more than any choice makes
+
+
+def test_the_clairvoyant_sizes_a_quiet_slice_smaller_than_a_busy_one() -> None:
+    profile = load_profile("h200_node")
+    raw = mooncake(load_records(limit=300), scale=1, materialize=False)
+    specs = pe.warp(raw, [0.25, 4])  # the first half of the trace at a quarter of its rate, the second at 4x
+    hashes = block_hashes_for(specs, profile.block_size)
+    half = next(
+        i
+        for i, r in enumerate(raw)
+        if r.arrival_s - raw[0].arrival_s >= (raw[-1].arrival_s - raw[0].arrival_s) / 2
+    )
+    cut = specs[half].arrival_s - specs[0].arrival_s  # where the rate steps up: one slice each side
+    lengths, goods = pe.slice_goodput(specs, hashes, profile, 6, cut)
+    assert len(lengths) == len(goods) == 2 and lengths[0] == cut
+    assert set(goods[0]) == set(goods[1]) == {(p, d) for p in range(1, 6) for d in range(1, 7 - p)}
+    need = max(sum(g[(p, 6 - p)] for g in goods) for p in range(1, 6))  # the best static split of 6
+    found = pe.clairvoyant(lengths, goods, 6, need)
+    assert found is not None
+    cost, (quiet, busy) = found
+    assert sum(quiet) < sum(busy) == 6 and cost < 6 * sum(lengths)
+    assert goods[0][quiet] + goods[1][busy] >= need
