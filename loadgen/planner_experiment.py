@@ -222,7 +222,11 @@ def planner_run(
     forecast: RateForecast | None = None,
     reach: float = REACH,
     scale_down_window_s: float = 0.0,
+    foresight_s: float = 0.0,
 ) -> dict[str, Any]:
+    """With `foresight_s` > 0 the planner is told the future: each decision replays the requests that really
+    arrive from `foresight_s` ahead on (their lengths, at their rate; the backlog and prefix hit rate are the
+    measured ones), a perfect forecast, to measure what forecasting could buy."""
     limits = Limits(1, total - 1, 1, total - 1, max_workers=total)
     pairs = candidates(limits)
     if start is None:
@@ -282,6 +286,8 @@ def planner_run(
                 backlog=sum(1 for r in sim.reqs if r.arrival_s <= now and r.t_prefill_start is None),
                 output_samples=[r.emitted for r in done],
             )
+            if foresight_s > 0:
+                obs = _foreseen(obs, specs, now + foresight_s, min_window_requests)
             if forecast is not None:
                 obs.replay_rate_rps = forecast.update(now, obs.rate_rps)
             preds = evaluate(obs, profile, pairs, "disagg", 0, replay_requests, until_met=slo, reach=reach)
@@ -351,6 +357,35 @@ def clairvoyant_bound(
         else "clairvoyant bound: no resizing reaches the best static split's goodput over the slices"
     )
     return out
+
+
+def _foreseen(
+    measured: Observation, specs: Sequence[RequestSpec], at: float, min_requests: int
+) -> Observation:
+    """`measured`, its traffic replaced by the requests that arrive in the same length of window from `at` on
+    (longer until it holds `min_requests`, or the trace ends); measured backlog and prefix hit rate kept."""
+    t0 = specs[0].arrival_s
+    after = [s for s in specs if s.arrival_s - t0 > at]
+    window = measured.window_s
+    ahead = [s for s in after if s.arrival_s - t0 <= at + window]
+    if len(ahead) < min_requests:
+        ahead = after[:min_requests]
+        if ahead:
+            window = max(window, ahead[-1].arrival_s - t0 - at)
+    if not ahead:
+        return measured
+    prompt = float(sum(s.input_tokens for s in ahead))
+    return Observation(
+        window_s=window,
+        requests=len(ahead),
+        finished=len(ahead),
+        prompt_tokens=prompt,
+        generation_tokens=float(sum(s.output_tokens for s in ahead)),
+        cached_tokens=measured.hit_rate * prompt,
+        input_samples=[s.input_tokens for s in ahead],
+        output_samples=[s.output_tokens for s in ahead],
+        backlog=measured.backlog,
+    )
 
 
 def _sizes(text: str, total: int) -> tuple[int, int]:
@@ -425,6 +460,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--slo-itl-ms", type=float, default=40.0, help="the planner's p90 ITL target")
     ap.add_argument("--replay-requests", type=int, default=100)
     ap.add_argument(
+        "--foresight-s",
+        type=float,
+        default=0.0,
+        help="tell the planner the future: replay the requests that really arrive this far ahead (0: not)",
+    )
+    ap.add_argument(
         "--clairvoyant-slice-s",
         type=float,
         default=60.0,
@@ -455,7 +496,7 @@ def main(argv: list[str] | None = None) -> int:
     forecast = RateForecast(horizon) if a.predictor == "trend" else None
     plan = planner_run(specs, hashes, profile, a.total, slo, a.interval_s, a.hold_down_s, a.start_s,
                        a.replay_requests, start, forecast=forecast, reach=a.reach_margin,
-                       scale_down_window_s=a.scale_down_window_s)  # fmt: skip
+                       scale_down_window_s=a.scale_down_window_s, foresight_s=a.foresight_s)  # fmt: skip
     print(json.dumps({k: v for k, v in plan.items() if k != "timeline"}), flush=True)
     lines = [
         f"**Planner vs static splits of {a.total} workers** — Mooncake trace, first {len(specs)} records, rate "
@@ -464,7 +505,9 @@ def main(argv: list[str] | None = None) -> int:
         f"goodput SLO TTFT <= {SLO.ttft_s:g} s and ITL p90 <= {SLO.itl_p90_s * 1000:g} ms per request; planner "
         f"target p90 TTFT {a.slo_ttft_ms:g} ms / ITL {a.slo_itl_ms:g} ms, reach margin {a.reach_margin:g}, "
         f"interval {a.interval_s:g} s, hold-down {a.hold_down_s:g} s, scale-down window "
-        f"{a.scale_down_window_s:g} s, predictor {a.predictor}, worker start {a.start_s:g} s, starting at "
+        f"{a.scale_down_window_s:g} s, predictor {a.predictor}"
+        + (f" (foresight {a.foresight_s:g} s: the requests that really arrive then)" if a.foresight_s else "")
+        + f", worker start {a.start_s:g} s, starting at "
         f"{plan['start'][0]}P + "
         f"{plan['start'][1]}D ({a.start})\n",
         "| cluster | goodput req/s | SLO met | TTFT p90 ms | ITL p90 ms | errors | worker-seconds |",

@@ -136,3 +136,23 @@ def test_the_clairvoyant_sizes_a_quiet_slice_smaller_than_a_busy_one() -> None:
     cost, (quiet, busy) = found
     assert sum(quiet) < sum(busy) == 6 and cost < 6 * sum(lengths)
     assert goods[0][quiet] + goods[1][busy] >= need
+
+
+def test_foresight_replays_the_requests_that_really_arrive_ahead() -> None:
+    specs = mooncake(load_records(limit=200), scale=1, materialize=False)
+    t0 = specs[0].arrival_s
+    measured = Observation(
+        window_s=5.0, requests=12, finished=12, prompt_tokens=1200.0, generation_tokens=120.0,
+        cached_tokens=600.0, input_samples=[100] * 12, output_samples=[10] * 12, backlog=3,
+    )  # fmt: skip
+    at = 30.0
+    ahead = [s for s in specs if at < s.arrival_s - t0 <= at + 5.0]
+    seen = pe._foreseen(measured, specs, at, 1)
+    assert seen.input_samples == [s.input_tokens for s in ahead] and len(ahead) >= 1
+    assert seen.output_samples == [s.output_tokens for s in ahead]
+    assert seen.rate_rps == pytest.approx(len(ahead) / 5.0)
+    assert seen.backlog == 3 and seen.hit_rate == pytest.approx(measured.hit_rate)  # what is measured now
+    # too few in the window: it reaches further ahead for enough requests to replay
+    more = pe._foreseen(measured, specs, at, len(ahead) + 5)
+    assert more.requests == len(ahead) + 5 and more.window_s > 5.0
+    assert pe._foreseen(measured, specs, 1e9, 1) is measured  # past the trace's end: nothing to foresee
