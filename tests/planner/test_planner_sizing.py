@@ -116,17 +116,19 @@ def test_the_clairvoyant_bound_trades_good_requests_across_slices_at_the_fewest_
     assert pe.clairvoyant(lengths, goods, 4, 161) is None  # more than any choice makes
 
 
+def _second_half_starts(raw: list, warped: list) -> float:
+    """When the warped run reaches the first request of the second half of the trace's own time span."""
+    span = raw[-1].arrival_s - raw[0].arrival_s
+    half = next(i for i, r in enumerate(raw) if r.arrival_s - raw[0].arrival_s >= span / 2)
+    return float(warped[half].arrival_s - warped[0].arrival_s)
+
+
 def test_the_clairvoyant_sizes_a_quiet_slice_smaller_than_a_busy_one() -> None:
     profile = load_profile("h200_node")
     raw = mooncake(load_records(limit=300), scale=1, materialize=False)
     specs = pe.warp(raw, [0.25, 4])  # the first half of the trace at a quarter of its rate, the second at 4x
     hashes = block_hashes_for(specs, profile.block_size)
-    half = next(
-        i
-        for i, r in enumerate(raw)
-        if r.arrival_s - raw[0].arrival_s >= (raw[-1].arrival_s - raw[0].arrival_s) / 2
-    )
-    cut = specs[half].arrival_s - specs[0].arrival_s  # where the rate steps up: one slice each side
+    cut = _second_half_starts(raw, specs)  # where the rate steps up: one slice each side
     lengths, goods = pe.slice_goodput(specs, hashes, profile, 6, cut)
     assert len(lengths) == len(goods) == 2 and lengths[0] == cut
     assert set(goods[0]) == set(goods[1]) == {(p, d) for p in range(1, 6) for d in range(1, 7 - p)}
@@ -156,3 +158,34 @@ def test_foresight_replays_the_requests_that_really_arrive_ahead() -> None:
     more = pe._foreseen(measured, specs, at, len(ahead) + 5)
     assert more.requests == len(ahead) + 5 and more.window_s > 5.0
     assert pe._foreseen(measured, specs, 1e9, 1) is measured  # past the trace's end: nothing to foresee
+
+
+def test_a_planner_told_the_future_grows_before_a_step_and_serves_more_of_it() -> None:
+    profile = load_profile("h200_node")
+    raw = mooncake(load_records(limit=400), scale=1, materialize=False)
+    specs = pe.warp(raw, [0.2, 2])  # the second half of the trace at ten times the rate of the first
+    hashes = block_hashes_for(specs, profile.block_size)
+    step = _second_half_starts(raw, specs)
+    runs = {
+        fs: pe.planner_run(
+            specs,
+            hashes,
+            profile,
+            6,
+            Slo(1.0, 0.04),
+            3.0,
+            20.0,
+            10.0,
+            50,
+            (2, 1),
+            scale_down_window_s=30.0,
+            foresight_s=fs,
+        )  # fmt: skip
+        for fs in (0.0, 20.0)
+    }
+
+    def size_before_step(run: dict) -> int:
+        return sum([e for e in run["timeline"] if e["t"] < step][-1]["desired"])
+
+    assert size_before_step(runs[20.0]) > size_before_step(runs[0.0])  # workers asked for ahead of the step
+    assert runs[20.0]["good"] > runs[0.0]["good"] and runs[20.0]["errors"] == runs[0.0]["errors"] == 0
