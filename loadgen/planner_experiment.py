@@ -93,10 +93,22 @@ def _summary(results: list[rep.RequestResult], worker_s: float) -> dict[str, Any
     }
 
 
-def static_run(specs: list[RequestSpec], hashes: list[list[int]], profile: Profile, p: int, d: int) -> dict:
+def _run_split(
+    specs: Sequence[RequestSpec], hashes: Sequence[list[int]], profile: Profile, p: int, d: int
+) -> tuple[list[rep.RequestResult], float]:
+    """The requests on a fixed P + D cluster: their results, and when the last of them was done."""
     sim = Simulator(profile, ClusterConfig(p, d, mode="disagg"))
-    results = sim.run(specs, hashes)
-    end = max((r.t_done or 0.0) for r in sim.reqs)
+    results = sim.run(list(specs), list(hashes))
+    return results, max((r.t_done or 0.0) for r in sim.reqs)
+
+
+def _budget(total: int) -> Limits:
+    """Every split of at most `total` workers, each pool at least one."""
+    return Limits(1, total - 1, 1, total - 1, max_workers=total)
+
+
+def static_run(specs: list[RequestSpec], hashes: list[list[int]], profile: Profile, p: int, d: int) -> dict:
+    results, end = _run_split(specs, hashes, profile, p, d)
     return {"prefill": p, "decode": d, **_summary(results, (p + d) * end)}
 
 
@@ -113,25 +125,19 @@ def slice_goodput(
         while len(slices) <= k:
             slices.append([])
         slices[k].append(i)
+    pairs = candidates(_budget(total))
     lengths: list[float] = []
     goods: list[dict[tuple[int, int], int]] = []
     for k, idx in enumerate(slices):
         start = t0 + k * slice_s
         part = [replace(specs[i], arrival_s=specs[i].arrival_s - start) for i in idx]
-        good: dict[tuple[int, int], int] = {}
-        last = k == len(slices) - 1
+        good = {pair: 0 for pair in pairs}
         end = 0.0  # the last slice lasts until its last request is done, the others slice_s
-        for p in range(1, total):
-            for d in range(1, total - p + 1):
-                if not part:
-                    good[(p, d)] = 0
-                    continue
-                sim = Simulator(profile, ClusterConfig(p, d, mode="disagg"))
-                results = sim.run(part, [hashes[i] for i in idx])
-                good[(p, d)] = sum(1 for r in results if SLO.met_by(r))
-                if last:
-                    end = max(end, max((r.t_done or 0.0) for r in sim.reqs))
-        lengths.append(end if last else slice_s)
+        for p, d in pairs if part else ():
+            results, done = _run_split(part, [hashes[i] for i in idx], profile, p, d)
+            good[(p, d)] = sum(1 for r in results if SLO.met_by(r))
+            end = max(end, done)
+        lengths.append(end if k == len(slices) - 1 else slice_s)
         goods.append(good)
     return lengths, goods
 
@@ -227,7 +233,7 @@ def planner_run(
     """With `foresight_s` > 0 the planner is told the future: each decision replays the requests that really
     arrive from `foresight_s` ahead on (their lengths, at their rate; the backlog and prefix hit rate are the
     measured ones), a perfect forecast, to measure what forecasting could buy."""
-    limits = Limits(1, total - 1, 1, total - 1, max_workers=total)
+    limits = _budget(total)
     pairs = candidates(limits)
     if start is None:
         start = initial_sizes(specs, hashes, profile, limits, slo, interval_s, replay_requests, reach)
