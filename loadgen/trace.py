@@ -104,7 +104,7 @@ class TraceBlockHasher:
 
     def __init__(self, block_size: int) -> None:
         self.block_size = block_size
-        self._memo: dict[tuple[int, int, int], list[int]] = {}
+        self._memo: dict[tuple[int, int, int, int], list[int]] = {}
 
     def hashes(self, spec: RequestSpec) -> list[int]:
         from services.engine.block_hash import ROOT_HASH, block_hashes
@@ -119,7 +119,7 @@ class TraceBlockHasher:
         parent, left = ROOT_HASH, spec.input_tokens
         for h in map(int, spec.tags["hash_ids"].split(",")):
             n = min(per_block, left)
-            key = (parent, h, n)
+            key = (seed, parent, h, n)  # a block's tokens depend on the seed too
             if key not in self._memo:
                 self._memo[key] = block_hashes(block_tokens(h, n, seed), self.block_size, parent)
             got = self._memo[key]
