@@ -11,6 +11,8 @@ from google.protobuf import json_format
 from services.rpc import pb
 
 WORKERS_PREFIX = "/rackserve/v1/workers/"
+# the planner's seasonal forecast state (what it measured over past days), so a restart does not forget them
+PLANNER_SEASON_KEY = "/rackserve/v1/planner/season"
 # the roles WorkerInfo.role may name (see the proto); the planner registers its HTTP endpoint too
 ROLES = ("prefill", "decode", "router", "frontend", "planner")
 

@@ -14,8 +14,10 @@ profile calibrated from the workers' measured prefill rate and decode step time.
 
 from __future__ import annotations
 
+import json
 import math
 import random
+import zlib
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
@@ -190,7 +192,7 @@ def live_profile(base: Profile, obs: Observation) -> Profile:
     return replace(base, name=f"{base.name}+live", source=f"{base.source}; rates measured live", **changes)
 
 
-PREDICTORS = ("none", "trend")
+PREDICTORS = ("none", "trend", "seasonal")
 REACH = 0.0  # how far above the best achievable p90 a size may be where no size meets an SLO (0: the best)
 
 
@@ -213,8 +215,9 @@ class RateForecast:
     trend: float = 0.0
     t: float = 0.0
 
-    def update(self, t: float, rate: float) -> float:
-        """Take the window that ended at `t` with `rate`; return the forecast rate at t + horizon_s."""
+    def update(self, t: float, rate: float, window_s: float = 0.0) -> float:
+        """Take the window that ended at `t` with `rate` (its length does not matter here); return the
+        forecast rate at t + horizon_s."""
         if self.level is None:
             self.level, self.t = rate, t
             return rate
@@ -230,6 +233,126 @@ class RateForecast:
         assert self.level is not None
         ahead = self.level + self.trend * self.horizon_s
         return min(rate * self.max_ratio, max(rate / self.max_ratio, ahead))
+
+
+@dataclass
+class SeasonalForecast:
+    """The arrival rate `horizon_s` from now, read from the seasons already measured (a season is a day, or a
+    week): the mean rate over the `span_s` that began `horizon_s` ahead of this moment of the season in the
+    last `seasons` seasons, times how today's level compares with theirs (the mean rate over the last `span_s`
+    today over the same span in those seasons).
+
+    A step that comes at the same time each day — a working day's start, a nightly batch — cannot be seen in the
+    windows before it, which is what Holt's trend reads; it can be in yesterday's. Where no earlier season was
+    measured at both moments (the first day, a gap) the forecast is the window's own rate: no prediction.
+
+    It stays within [rate, rate x max_ratio] of the window just measured: a forecast that the load will fall
+    never sizes below the load now, because a worker drained now stops serving now while one asked for serves
+    only a start-up later — the pools grow ahead of a rise and shrink as a fall is measured."""
+
+    horizon_s: float
+    season_s: float
+    span_s: float = 60.0
+    seasons: int = 7
+    max_ratio: float = 4.0
+    t: float | None = None
+    # measured arrivals and seconds per bucket of span_s / 3 (bucket index -> [requests, seconds])
+    buckets: dict[int, list[float]] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if self.season_s <= 0 or self.span_s <= 0 or self.seasons < 1:
+            raise ValueError("a seasonal forecast needs season_s > 0, span_s > 0 and seasons >= 1")
+
+    @property
+    def bucket_s(self) -> float:
+        return self.span_s / 3
+
+    def update(self, t: float, rate: float, window_s: float = 0.0) -> float:
+        """Take the window of `window_s` (0: since the last update) that ended at `t` with `rate`; return the
+        forecast rate at t + horizon_s."""
+        start = t - window_s if window_s > 0 else self.t
+        if start is not None and t > start:
+            self._record(start, t, rate)
+        self.t = t
+        oldest = math.floor((t - self.seasons * self.season_s - self.span_s) / self.bucket_s)
+        for k in [k for k in self.buckets if k < oldest]:
+            del self.buckets[k]
+        return self.forecast(t, rate)
+
+    def _record(self, a: float, b: float, rate: float) -> None:
+        k = math.floor(a / self.bucket_s)
+        while k * self.bucket_s < b:
+            lo, hi = max(a, k * self.bucket_s), min(b, (k + 1) * self.bucket_s)
+            if hi > lo:
+                cell = self.buckets.setdefault(k, [0.0, 0.0])
+                cell[0] += rate * (hi - lo)
+                cell[1] += hi - lo
+            k += 1
+
+    def mean(self, a: float, b: float) -> float | None:
+        """The measured rate over [a, b), None where less than half of it was measured."""
+        requests = seconds = 0.0
+        k = math.floor(a / self.bucket_s)
+        while k * self.bucket_s < b:
+            cell = self.buckets.get(k)
+            if cell is not None and cell[1] > 0:
+                part = (min(b, (k + 1) * self.bucket_s) - max(a, k * self.bucket_s)) / self.bucket_s
+                requests, seconds = requests + cell[0] * part, seconds + cell[1] * part
+            k += 1
+        return requests / seconds if seconds >= (b - a) / 2 else None
+
+    def to_state(self) -> bytes:
+        """What was measured, compressed: a restarted planner forecasts from its first window with it."""
+        cells = [[k, round(r, 4), round(sec, 3)] for k, (r, sec) in sorted(self.buckets.items())]
+        doc = {"season_s": self.season_s, "span_s": self.span_s, "buckets": cells}
+        return zlib.compress(json.dumps(doc, separators=(",", ":")).encode())
+
+    def load_state(self, data: bytes, now: float) -> int:
+        """Take the buckets of a state saved with this season and span that are still within the seasons kept
+        at `now`; how many were taken (0 for another season or span). ValueError for what is not a state."""
+        try:
+            doc = json.loads(zlib.decompress(data))
+            season_s, span_s, cells = float(doc["season_s"]), float(doc["span_s"]), doc["buckets"]
+        except (zlib.error, ValueError, KeyError, TypeError) as e:
+            raise ValueError(f"not a seasonal forecast's state: {e}") from e
+        if (season_s, span_s) != (self.season_s, self.span_s):
+            return 0
+        oldest = math.floor((now - self.seasons * self.season_s - self.span_s) / self.bucket_s)
+        taken = 0
+        for k, r, sec in cells:
+            if int(k) >= oldest and int(k) not in self.buckets:
+                self.buckets[int(k)] = [float(r), float(sec)]
+                taken += 1
+        return taken
+
+    def forecast(self, t: float, rate: float) -> float:
+        then, before = [], []
+        for n in range(1, self.seasons + 1):
+            at = t - n * self.season_s
+            ahead = self.mean(at + self.horizon_s, at + self.horizon_s + self.span_s)
+            past = self.mean(at - self.span_s, at)
+            if ahead is not None and past is not None:
+                then.append(ahead)
+                before.append(past)
+        if not then:
+            return rate
+        now = self.mean(t - self.span_s, t)
+        level = now / (sum(before) / len(before)) if now is not None and sum(before) > 0 else 1.0
+        ahead = sum(then) / len(then) * level
+        return min(rate * self.max_ratio, max(rate, ahead))
+
+
+def make_forecast(
+    predictor: str, horizon_s: float, season_s: float = 86400.0, span_s: float = 60.0, seasons: int = 7
+) -> RateForecast | SeasonalForecast | None:
+    """The forecaster a `--predictor` names (none: None, the measured rate is replayed)."""
+    if predictor == "trend":
+        return RateForecast(horizon_s)
+    if predictor == "seasonal":
+        return SeasonalForecast(horizon_s, season_s, span_s, seasons)
+    if predictor != "none":
+        raise ValueError(f"unknown predictor {predictor!r}: one of {', '.join(PREDICTORS)}")
+    return None
 
 
 def _draw(buckets: Buckets, mean: float, rng: random.Random, samples: list[int] | None = None) -> int:

@@ -35,7 +35,15 @@ import uvicorn
 from fastapi import FastAPI, Response
 
 from services.discovery import Registration, WorkerDirectory
-from services.discovery.etcd import EtcdSecurity
+from services.discovery.etcd import (
+    EtcdSecurity,
+    close_quietly,
+    connect_first_reachable,
+    describe,
+    parse_etcd_urls,
+    with_deadline,
+)
+from services.discovery.keys import PLANNER_SEASON_KEY
 from services.planner import observe
 from services.planner.plan import (
     PREDICTORS,
@@ -43,7 +51,7 @@ from services.planner.plan import (
     Damper,
     Limits,
     Observation,
-    RateForecast,
+    SeasonalForecast,
     Slo,
     attainable,
     candidates,
@@ -51,6 +59,7 @@ from services.planner.plan import (
     damp,
     evaluate,
     live_profile,
+    make_forecast,
 )
 from services.rpc import pb
 from services.runtime.args import add_flag, add_security_arguments
@@ -61,6 +70,8 @@ log = logging.getLogger("rackserve.planner")
 ROLE = "planner"
 SCALE_MODES = ("recommend", "local", "kubernetes")
 SCRAPE_TIMEOUT_S = 2.0
+ETCD_TIMEOUT_S = 5.0  # one read or write of the seasons' state
+SEASON_STATE_MAX_BYTES = 1 << 20  # etcd refuses requests above 1.5 MiB by default (--max-request-bytes)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -97,7 +108,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
              "number of workers), a size within this fraction of the best candidate's p90 counts as meeting it",
              float)  # fmt: skip
     add_flag(g, "--predictor", "none", "the arrival rate replayed: none: the window's measured rate; trend: "
-             "Holt's linear trend over the windows, --predict-horizon-s ahead", choices=PREDICTORS)  # fmt: skip
+             "Holt's linear trend over the windows, --predict-horizon-s ahead; seasonal: the rate the same time "
+             "of the last --seasons seasons (--season-s) saw --predict-horizon-s ahead, scaled to today's level",
+             choices=PREDICTORS)  # fmt: skip
+    add_flag(g, "--season-s", 86400.0, "with --predictor seasonal: the length of a season (a day; a week is "
+             "604800)", float)  # fmt: skip
+    add_flag(g, "--season-span-s", 60.0, "with --predictor seasonal: the span a rate is averaged over, "
+             "ahead in the seasons past and behind today", float)  # fmt: skip
+    add_flag(g, "--seasons", 7, "with --predictor seasonal: how many past seasons are kept and averaged", int)
+    add_flag(g, "--season-save-s", 300.0, "with --predictor seasonal: how often what was measured is saved to "
+             "etcd (and at shutdown), so a restarted planner keeps its seasons; 0: never", float)  # fmt: skip
     add_flag(g, "--predict-horizon-s", 60.0, "with --predictor trend: how far ahead to size for (a worker's "
              "start-up time plus one interval)", float)  # fmt: skip
     add_flag(g, "--history", 100, "decisions `GET /plan` keeps", int)
@@ -121,6 +141,8 @@ def _config(args: argparse.Namespace) -> tuple[Slo, Limits]:
         raise ValueError(f"--scale-down-window-s must be >= 0, got {args.scale_down_window_s}")
     if args.predict_horizon_s < 0:
         raise ValueError(f"--predict-horizon-s must be >= 0, got {args.predict_horizon_s}")
+    if args.season_s <= 0 or args.season_span_s <= 0 or args.seasons < 1 or args.season_save_s < 0:
+        raise ValueError("--season-s and --season-span-s must be > 0, --seasons >= 1 and --season-save-s >= 0")
     if args.min_prefill < 1 and args.router_mode != "agg":
         raise ValueError(f"--router-mode {args.router_mode} needs --min-prefill >= 1")
     limits = Limits(args.min_prefill, args.max_prefill, args.min_decode, args.max_decode, args.max_workers)
@@ -139,7 +161,10 @@ class Planner:
         self.directory = directory
         self.scaler = scaler
         self.damper = Damper(args.hold_down_s, args.scale_down_window_s)
-        self.forecast = RateForecast(args.predict_horizon_s) if args.predictor == "trend" else None
+        self.forecast = make_forecast(
+            args.predictor, args.predict_horizon_s, args.season_s, args.season_span_s, args.seasons
+        )
+        self.security = EtcdSecurity.from_args(args)
         self.prev: dict[
             str, tuple[float, observe.Samples]
         ] = {}  # source -> (time, samples) of its last scrape
@@ -208,6 +233,7 @@ class Planner:
         return obs
 
     async def tick(self, now: float | None = None) -> dict[str, Any]:
+        wall = time.time() if now is None else now
         now = time.monotonic() if now is None else now
         t0 = time.perf_counter()
         obs = await self.measure()
@@ -227,7 +253,8 @@ class Planner:
         else:
             profile = live_profile(self.base_profile, obs)
             if self.forecast is not None:
-                obs.replay_rate_rps = self.forecast.update(now, obs.rate_rps)
+                # wall-clock time: a season is a time of day (the damper's `now` is monotonic)
+                obs.replay_rate_rps = self.forecast.update(wall, obs.rate_rps, obs.window_s)
             pairs = candidates(self.limits)
             preds = await asyncio.get_running_loop().run_in_executor(
                 self.pool, evaluate, obs, profile, pairs, self.args.router_mode, 0, self.args.replay_requests
@@ -334,6 +361,57 @@ class Planner:
             "history": list(self.history),
         }
 
+    async def restore_season(self) -> int:
+        """Load what a planner before this one measured of the seasons (etcd, PLANNER_SEASON_KEY); the buckets
+        taken. Nothing there, another season or span, or etcd not answering: start from nothing, and say so."""
+        if not isinstance(self.forecast, SeasonalForecast):
+            return 0
+        client = None
+        try:
+            client = await connect_first_reachable(
+                parse_etcd_urls(self.args.etcd), ETCD_TIMEOUT_S, self.security
+            )
+            got = await with_deadline(client.get(PLANNER_SEASON_KEY.encode()), ETCD_TIMEOUT_S)
+            if got is None:
+                log.info("planner: no seasons saved yet; the seasonal forecast starts from nothing")
+                return 0
+            taken = self.forecast.load_state(got.value, time.time())
+            log.info(
+                "planner: seasonal forecast restored %d buckets of %.0f s from etcd",
+                taken,
+                self.forecast.bucket_s,
+            )
+            return taken
+        except Exception as e:  # a forecast is worth having, never worth not planning for
+            log.warning(
+                "planner: could not restore the seasons from etcd (%s); starting from nothing", describe(e)
+            )
+            return 0
+        finally:
+            await close_quietly(client)
+
+    async def save_season(self) -> int:
+        """Write what the seasonal forecast measured to etcd; its size in bytes (0: nothing written)."""
+        if not isinstance(self.forecast, SeasonalForecast) or not self.forecast.buckets:
+            return 0
+        data = self.forecast.to_state()
+        if len(data) > SEASON_STATE_MAX_BYTES:
+            log.warning("planner: the seasons' state is %d bytes, more than etcd takes in one value; not saved "
+                        "(lower --seasons or raise --season-span-s)", len(data))  # fmt: skip
+            return 0
+        client = None
+        try:
+            client = await connect_first_reachable(
+                parse_etcd_urls(self.args.etcd), ETCD_TIMEOUT_S, self.security
+            )
+            await with_deadline(client.put(PLANNER_SEASON_KEY.encode(), data), ETCD_TIMEOUT_S)
+            return len(data)
+        except Exception as e:
+            log.warning("planner: could not save the seasons to etcd (%s)", describe(e))
+            return 0
+        finally:
+            await close_quietly(client)
+
     async def close(self) -> None:
         await self.client.aclose()
         self.pool.shutdown(wait=False, cancel_futures=True)
@@ -359,11 +437,16 @@ def create_app(planner: Planner) -> FastAPI:
 
 
 async def _loop(planner: Planner, interval_s: float, stop: asyncio.Event) -> None:
+    save_every = planner.args.season_save_s
+    saved = time.monotonic()
     while not stop.is_set():
         try:
             await planner.tick()
         except Exception:  # one bad interval (a scrape, a simulation) must not stop planning
             log.exception("planner: decision failed")
+        if save_every > 0 and time.monotonic() - saved >= save_every:
+            await planner.save_season()
+            saved = time.monotonic()
         with contextlib.suppress(TimeoutError):
             async with asyncio.timeout(interval_s):
                 await stop.wait()
@@ -404,12 +487,15 @@ async def serve(args: argparse.Namespace) -> None:
         )
         registration = await Registration.start(args.etcd, info, ttl_s=args.lease_ttl_s, security=security)
         log.info("planner %s on http://%s:%d (scale mode %s)", worker_id, host, port, args.scale_mode)
+        await planner.restore_season()
         planning = loop.create_task(_loop(planner, args.interval_s, stop), name="plan")
         await stop.wait()
     finally:
         stop.set()
         if planning is not None:
             await planning
+            if args.season_save_s > 0:
+                await planner.save_season()
         if registration is not None:
             await registration.close()
         server.should_exit = True

@@ -34,7 +34,8 @@ from services.planner.plan import (
     live_profile,
 )
 from services.telemetry import metrics as m
-from tests.support.etcd import free_port
+from tests.support.etcd import EtcdServer, free_port
+from tests.support.etcd import etcd_server as etcd_server  # the fixture; `as` marks it used for ruff
 
 CPU = load_profile("cpu_smollm2")
 # long prompts, one output token each / short prompts, long outputs — the two shapes of the issue
@@ -201,9 +202,78 @@ def test_planner_flags_are_checked() -> None:
         _config(p.parse_args(["--scale-down-window-s", "-1"]))
     with pytest.raises(ValueError, match="predict-horizon-s"):
         _config(p.parse_args(["--predictor", "trend", "--predict-horizon-s", "-1"]))
+    with pytest.raises(ValueError, match="season-s"):
+        _config(p.parse_args(["--predictor", "seasonal", "--season-s", "0"]))
     with pytest.raises(SystemExit):
         p.parse_args(["--predictor", "arima"])
     assert (p.parse_args([]).predictor, p.parse_args([]).scale_down_window_s) == ("none", 0.0)
+
+
+def test_the_planner_service_builds_the_forecast_its_flags_name() -> None:
+    from services.planner.plan import SeasonalForecast
+    from services.planner.server import Planner, add_arguments
+
+    p = argparse.ArgumentParser()
+    add_arguments(p)
+    args = p.parse_args(["--predictor", "seasonal", "--predict-horizon-s", "90", "--season-s", "604800",
+                         "--season-span-s", "120", "--seasons", "4"])  # fmt: skip
+    planner = Planner(args, directory=None)  # type: ignore[arg-type]
+    try:
+        f = planner.forecast
+        assert isinstance(f, SeasonalForecast)
+        assert (f.horizon_s, f.season_s, f.span_s, f.seasons) == (90.0, 604800.0, 120.0, 4)
+        assert (p.parse_args([]).season_s, p.parse_args([]).seasons) == (86400.0, 7)  # a day, a week of them
+    finally:
+        asyncio.run(planner.close())
+
+
+def test_a_restarted_planner_keeps_the_seasons_it_measured_in_etcd(etcd_server: EtcdServer) -> None:
+    from services.discovery.etcd import close_quietly, connect_first_reachable, parse_etcd_urls
+    from services.discovery.keys import PLANNER_SEASON_KEY
+    from services.planner.server import Planner, add_arguments
+
+    p = argparse.ArgumentParser()
+    add_arguments(p)
+    flags = ["--etcd", etcd_server.url, "--predictor", "seasonal", "--predict-horizon-s", "30",
+             "--season-s", "3600", "--season-span-s", "30"]  # fmt: skip
+
+    def planner(*more: str) -> Planner:
+        return Planner(p.parse_args([*flags, *more]), directory=None)  # type: ignore[arg-type]
+
+    async def body() -> None:
+        now = time.time()
+        first = planner()
+        assert await first.restore_season() == 0  # nothing saved yet
+        f = first.forecast
+        assert f is not None
+        # an hour ago (the season) the rate stepped from 1 to 4 req/s 15 s past this moment; today is at 1
+        for t in range(-4200, -3000, 3):
+            f.update(now + t, 1.0 if t < -3585 else 4.0, 3.0)
+        for t in range(-600, 1, 3):
+            ahead = f.update(now + t, 1.0, 3.0)
+        assert ahead == pytest.approx(4.0)
+        assert await first.save_season() > 0
+        await first.close()
+        # a new planner process: its first window already forecasts the step (the state keeps ms, not every bit)
+        second = planner()
+        assert await second.restore_season() > 0
+        assert second.forecast is not None and second.forecast.update(now, 1.0, 3.0) == pytest.approx(
+            4.0, rel=1e-3
+        )
+        await second.close()
+        # another season is another pattern: nothing taken, no forecast
+        other = planner("--season-s", "7200")
+        assert await other.restore_season() == 0 and other.forecast.update(now, 1.0, 3.0) == 1.0  # type: ignore[union-attr]
+        await other.close()
+        # what is not a state is reported and skipped: the planner plans without a forecast
+        client = await connect_first_reachable(parse_etcd_urls(etcd_server.url), 5.0)
+        await client.put(PLANNER_SEASON_KEY.encode(), b"not a state")
+        await close_quietly(client)
+        broken = planner()
+        assert await broken.restore_season() == 0 and broken.forecast.update(now, 1.0, 3.0) == 1.0  # type: ignore[union-attr]
+        await broken.close()
+
+    asyncio.run(body())
 
 
 # ---- a real cluster -----------------------------------------------------------------------------------------

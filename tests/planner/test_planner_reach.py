@@ -1,7 +1,8 @@
 """Sizing when an SLO is out of reach, and sizing ahead of the load: `attainable` turns a TTFT target that no
 number of workers can meet (prompts too long to prefill within it) into the best achievable p90 plus a margin, so
 the planner asks for the fewest workers that come near the best rather than whichever size the replay's noise
-puts nearest an impossible target; `RateForecast` sizes for the arrival rate a worker's start-up ahead."""
+puts nearest an impossible target; `RateForecast` sizes for the arrival rate a worker's start-up ahead, and
+`SeasonalForecast` for the rate the same time of the days before saw that far ahead."""
 
 from __future__ import annotations
 
@@ -13,11 +14,13 @@ from services.planner.plan import (
     Observation,
     Prediction,
     RateForecast,
+    SeasonalForecast,
     Slo,
     attainable,
     candidates,
     choose,
     evaluate,
+    make_forecast,
     replay_workload,
 )
 
@@ -93,3 +96,71 @@ def test_the_replay_plays_the_forecast_rate() -> None:
     assert len(ahead) == 2 * len(measured)  # over the same simulated span, twice the arrivals
     assert ahead[-1].arrival_s == pytest.approx(measured[-1].arrival_s, rel=0.3)
     assert obs.to_dict()["replay_rate_per_s"] == 4.0
+
+
+DAY = 3600.0  # a short season, so the test's days are quick to build
+
+
+def _day(forecast: SeasonalForecast, day: int, rate_at, until: float, step: float = 3.0) -> float:
+    """Feed one day's windows of `step` s up to `until` s into the day; the last forecast."""
+    ahead = 0.0
+    t = step
+    while t <= until:
+        ahead = forecast.update(day * DAY + t, rate_at(t), step)
+        t += step
+    return ahead
+
+
+def test_the_seasonal_forecast_sees_yesterdays_step_coming_and_nothing_on_the_first_day() -> None:
+    def step_at_1800(t: float) -> float:
+        return 1.0 if t < 1800 else 4.0
+
+    f = SeasonalForecast(horizon_s=30.0, season_s=DAY, span_s=30.0)
+    # the first day: no season measured yet, so the forecast is the window's own rate, even just before the step
+    assert _day(f, 0, step_at_1800, 1779) == 1.0
+    _day(f, 0, step_at_1800, DAY)  # the rest of day 1, its step included
+    # day 2, 30 s before the step: yesterday's next half minute ran at 4x, and today's level is yesterday's
+    assert _day(f, 1, step_at_1800, 1770) == pytest.approx(4.0)
+    # well before it, the forecast is the steady rate; after it, the new one
+    g = SeasonalForecast(horizon_s=30.0, season_s=DAY, span_s=30.0)
+    _day(g, 0, step_at_1800, DAY)
+    assert _day(g, 1, step_at_1800, 1200) == pytest.approx(1.0)
+    assert _day(g, 1, step_at_1800, 2400) == pytest.approx(4.0)
+
+
+def test_the_seasonal_forecast_scales_yesterdays_shape_to_todays_level_within_its_ratio() -> None:
+    f = SeasonalForecast(horizon_s=30.0, season_s=DAY, span_s=30.0)
+    _day(f, 0, lambda t: 1.0 if t < 1800 else 3.0, DAY)
+    # today runs at twice yesterday's level: the step is forecast to twice yesterday's height
+    assert _day(f, 1, lambda t: 2.0, 1770) == pytest.approx(6.0)
+    # but never beyond max_ratio x the window just measured, however large yesterday's step was
+    h = SeasonalForecast(horizon_s=30.0, season_s=DAY, span_s=30.0, max_ratio=2.0)
+    _day(h, 0, lambda t: 1.0 if t < 1800 else 50.0, DAY)
+    assert _day(h, 1, lambda t: 1.0, 1770) == pytest.approx(2.0)
+    # a fall seen yesterday never sizes below the load measured now: it is met as it comes
+    d = SeasonalForecast(horizon_s=30.0, season_s=DAY, span_s=30.0)
+    _day(d, 0, lambda t: 4.0 if t < 1800 else 1.0, DAY)
+    assert _day(d, 1, lambda t: 4.0, 1770) == pytest.approx(4.0)
+
+
+def test_the_seasonal_forecast_averages_the_seasons_it_keeps_and_forgets_older_ones() -> None:
+    f = SeasonalForecast(horizon_s=30.0, season_s=DAY, span_s=30.0, seasons=2)
+    _day(f, 0, lambda t: 1.0 if t < 1800 else 2.0, DAY)
+    _day(f, 1, lambda t: 1.0 if t < 1800 else 4.0, DAY)
+    # day 3 before the step: the mean of the two steps seen, 2x and 4x
+    assert _day(f, 2, lambda t: 1.0, 1770) == pytest.approx(3.0)
+    _day(f, 2, lambda t: 1.0, DAY)
+    # day 4 keeps days 2 and 3 only: day 1's buckets are gone, and the step is now (4 + 1) / 2
+    assert min(f.buckets) * f.bucket_s >= DAY - f.span_s
+    assert _day(f, 3, lambda t: 1.0, 1770) == pytest.approx(2.5)
+
+
+def test_make_forecast_names_each_predictor() -> None:
+    assert make_forecast("none", 20.0) is None
+    assert isinstance(make_forecast("trend", 20.0), RateForecast)
+    seasonal = make_forecast("seasonal", 20.0, season_s=600.0, span_s=20.0, seasons=3)
+    assert isinstance(seasonal, SeasonalForecast) and (seasonal.season_s, seasonal.seasons) == (600.0, 3)
+    with pytest.raises(ValueError, match="arima"):
+        make_forecast("arima", 20.0)
+    with pytest.raises(ValueError, match="season_s"):
+        SeasonalForecast(20.0, season_s=0.0)
