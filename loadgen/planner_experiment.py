@@ -15,6 +15,9 @@ HIGH and back every PERIOD_S), so the load the cluster must carry changes over t
   `--start auto`). A new worker serves
   `--start-s` after it is asked for (it costs from the moment it is asked for); a drained one takes no new
   work and stops when what it holds is done.
+`--days N` runs the shaped trace N times back to back (each day's prompts under another seed, so no day hits
+another's cache): with `--predictor seasonal` the planner forecasts each day from the ones before it, and a
+line per day after the first compares that day alone.
 Reported: goodput (requests meeting the SLO per second) and worker-seconds; the planner as a ratio to the best
 static split (the one with the most goodput).
 """
@@ -42,11 +45,13 @@ from services.planner.plan import (
     Limits,
     Observation,
     RateForecast,
+    SeasonalForecast,
     Slo,
     candidates,
     choose,
     damp,
     evaluate,
+    make_forecast,
 )
 
 SLO = rep.Slo(ttft_s=2.0, itl_p90_s=0.05)  # the goodput SLO, per request (as loadgen/experiments.py)
@@ -78,6 +83,30 @@ def warp_sin(specs: Sequence[RequestSpec], low: float, high: float, period_s: fl
     return _respace(specs, lambda _offset, t: mid - amp * math.cos(2 * math.pi * t / period_s))
 
 
+def repeat_days(specs: Sequence[RequestSpec], days: int) -> tuple[list[RequestSpec], float]:
+    """The run `days` times back to back, and the length of one day: its span plus one mean gap, so the rate's
+    pattern repeats with that period. Day k (from 0) arrives k days later under ids ending `@dk` and with
+    another trace seed, so none of its prompts shares a cached block with another day's: the same traffic
+    from other users, as a working day repeats yesterday's shape, not its prompts."""
+    t0 = specs[0].arrival_s
+    span = specs[-1].arrival_s - t0
+    day_s = span + span / max(1, len(specs) - 1)
+    out = list(specs)
+    for k in range(1, days):
+        for s in specs:
+            tags = {**s.tags}
+            if "trace_seed" in tags:
+                tags["trace_seed"] = str(int(tags["trace_seed"]) + 7919 * k)
+            out.append(
+                replace(s, request_id=f"{s.request_id}@d{k}", arrival_s=s.arrival_s + k * day_s, tags=tags)
+            )
+    return out, day_s
+
+
+def _day(request_id: str) -> int:
+    return int(request_id.rpartition("@d")[2]) if "@d" in request_id else 0
+
+
 def _summary(results: list[rep.RequestResult], worker_s: float) -> dict[str, Any]:
     # one denominator for every run (the trace's span), so goodput compares requests served within the SLO
     span = max(r.start_s for r in results) - min(r.start_s for r in results)
@@ -86,6 +115,10 @@ def _summary(results: list[rep.RequestResult], worker_s: float) -> dict[str, Any
         "goodput_requests_per_s": stats["goodput_requests_per_s"],
         "slo_attainment": stats["slo_attainment"],
         "good": sum(1 for r in results if SLO.met_by(r)),
+        "good_by_day": [
+            sum(1 for r in results if SLO.met_by(r) and _day(r.request_id) == k)
+            for k in range(1 + max(_day(r.request_id) for r in results))
+        ],
         "errors": stats["errors"],
         "ttft_p90_ms": (stats["ttft_s"]["p90"] or 0) * 1000,
         "itl_p90_ms": (stats["itl_s"]["p90"] or 0) * 1000,
@@ -109,7 +142,7 @@ def _budget(total: int) -> Limits:
 
 def static_run(specs: list[RequestSpec], hashes: list[list[int]], profile: Profile, p: int, d: int) -> dict:
     results, end = _run_split(specs, hashes, profile, p, d)
-    return {"prefill": p, "decode": d, **_summary(results, (p + d) * end)}
+    return {"prefill": p, "decode": d, "end": end, **_summary(results, (p + d) * end)}
 
 
 def slice_goodput(
@@ -225,7 +258,7 @@ def planner_run(
     replay_requests: int,
     start: tuple[int, int] | None = None,
     min_window_requests: int = 10,
-    forecast: RateForecast | None = None,
+    forecast: RateForecast | SeasonalForecast | None = None,
     reach: float = REACH,
     scale_down_window_s: float = 0.0,
     foresight_s: float = 0.0,
@@ -250,6 +283,7 @@ def planner_run(
     window_start = 0.0
     last_arrival = specs[-1].arrival_s
     timeline: list[dict[str, Any]] = []
+    billing: list[tuple[float, float]] = []  # (time, worker-seconds so far), per tick
 
     def pool(role: str) -> list[str]:
         return [w.worker_id for w in sim.workers.values() if w.role == role and not w.draining and not w.dead]
@@ -295,7 +329,7 @@ def planner_run(
             if foresight_s > 0:
                 obs = _foreseen(obs, specs, now + foresight_s, min_window_requests)
             if forecast is not None:
-                obs.replay_rate_rps = forecast.update(now, obs.rate_rps)
+                obs.replay_rate_rps = forecast.update(now, obs.rate_rps, obs.window_s)
             preds = evaluate(obs, profile, pairs, "disagg", 0, replay_requests, until_met=slo, reach=reach)
             best, binding = choose(preds, slo, reach)
             if best is not None:
@@ -318,6 +352,7 @@ def planner_run(
             for wid in sorted(pool(role), key=lambda x: int(x.split("-")[1]))[::-1][: over - unstart]:
                 sim.drain_worker(wid)
         bill(now)
+        billing.append((now, billed["seconds"]))
         if now <= last_arrival or any(r.t_done is None for r in sim.reqs):
             sim.at(now + interval_s, tick)
 
@@ -331,6 +366,7 @@ def planner_run(
         **_summary(results, worker_s),
         "start": list(start),
         "timeline": timeline,
+        "billing": billing,
     }
 
 
@@ -394,6 +430,35 @@ def _foreseen(
     )
 
 
+def _billed_at(billing: Sequence[tuple[float, float]], t: float) -> float:
+    """The planner's worker-seconds up to `t`, linear between its ticks."""
+    prev = (0.0, 0.0)
+    for at, seconds in billing:
+        if at >= t:
+            span = at - prev[0]
+            return prev[1] + (seconds - prev[1]) * ((t - prev[0]) / span if span > 0 else 1.0)
+        prev = (at, seconds)
+    return prev[1]
+
+
+def _day_text(
+    k: int, end: float | None, day_s: float, best: dict[str, Any], plan: dict[str, Any], total: int
+) -> str:
+    """Day k's line: its requests' good ones and the worker-seconds from its start (to the next day's, or to
+    each run's end for the last), planner over the best static split."""
+    start = k * day_s
+    static_end = end if end is not None else best["end"]
+    static_ws = total * (static_end - start)
+    planner_ws = _billed_at(plan["billing"], end if end is not None else math.inf) - _billed_at(
+        plan["billing"], start
+    )
+    g, want = plan["good_by_day"][k], best["good_by_day"][k]
+    return (
+        f"day {k + 1} (the days before measured): planner / best static: goodput x{g / want:.3f} ({g} of {want} "
+        f"good requests), worker-seconds x{planner_ws / static_ws:.3f}"
+    )
+
+
 def _sizes(text: str, total: int) -> tuple[int, int]:
     try:
         p, d = (int(x) for x in text.split(","))
@@ -449,12 +514,35 @@ def main(argv: list[str] | None = None) -> int:
         default=0.0,
         help="where no size meets an SLO, a size within this fraction of the best p90 counts as meeting it",
     )
-    ap.add_argument("--predictor", default="none", choices=PREDICTORS, help="none, or trend (Holt)")
+    ap.add_argument(
+        "--predictor",
+        default="none",
+        choices=PREDICTORS,
+        help="none, trend (Holt) or seasonal (the days before)",
+    )
     ap.add_argument(
         "--predict-horizon-s",
         type=float,
         default=0.0,
-        help="with --predictor trend (0: --start-s + --interval-s)",
+        help="with --predictor trend or seasonal (0: --start-s + --interval-s)",
+    )
+    ap.add_argument(
+        "--days",
+        type=int,
+        default=1,
+        help="the shaped run this many times back to back (other users each day)",
+    )
+    ap.add_argument(
+        "--season-s",
+        type=float,
+        default=0.0,
+        help="with --predictor seasonal: its season (0: one day's length)",
+    )
+    ap.add_argument(
+        "--season-span-s",
+        type=float,
+        default=30.0,
+        help="with --predictor seasonal: the span rates are averaged over",
     )
     ap.add_argument(
         "--start",
@@ -490,6 +578,11 @@ def main(argv: list[str] | None = None) -> int:
     else:
         specs = warp(raw, phases)
         shape = f"x{a.phases}, one per equal slice of its time"
+    if a.days < 1:
+        raise SystemExit(f"--days must be >= 1, got {a.days}")
+    specs, day_s = repeat_days(specs, a.days)
+    if a.days > 1:
+        shape += f", {a.days} days of {day_s:.0f} s back to back"
     hashes = block_hashes_for(specs, profile.block_size)
     t0 = time.time()
     statics = []
@@ -499,7 +592,7 @@ def main(argv: list[str] | None = None) -> int:
     best = max(statics, key=lambda r: (r["good"], -r["worker_s"]))
     slo = Slo(a.slo_ttft_ms / 1000, a.slo_itl_ms / 1000)
     horizon = a.predict_horizon_s or a.start_s + a.interval_s
-    forecast = RateForecast(horizon) if a.predictor == "trend" else None
+    forecast = make_forecast(a.predictor, horizon, a.season_s or day_s, a.season_span_s, max(1, a.days - 1))
     plan = planner_run(specs, hashes, profile, a.total, slo, a.interval_s, a.hold_down_s, a.start_s,
                        a.replay_requests, start, forecast=forecast, reach=a.reach_margin,
                        scale_down_window_s=a.scale_down_window_s, foresight_s=a.foresight_s)  # fmt: skip
@@ -512,6 +605,11 @@ def main(argv: list[str] | None = None) -> int:
         f"target p90 TTFT {a.slo_ttft_ms:g} ms / ITL {a.slo_itl_ms:g} ms, reach margin {a.reach_margin:g}, "
         f"interval {a.interval_s:g} s, hold-down {a.hold_down_s:g} s, scale-down window "
         f"{a.scale_down_window_s:g} s, predictor {a.predictor}"
+        + (
+            f" (season {a.season_s or day_s:.0f} s, span {a.season_span_s:g} s, {horizon:g} s ahead)"
+            if a.predictor == "seasonal"
+            else ""
+        )
         + (f" (foresight {a.foresight_s:g} s: the requests that really arrive then)" if a.foresight_s else "")
         + f", worker start {a.start_s:g} s, starting at "
         f"{plan['start'][0]}P + "
@@ -532,6 +630,8 @@ def main(argv: list[str] | None = None) -> int:
         f"\nplanner / best static: goodput x{g:.3f}, worker-seconds x{ws:.3f} ({1 - ws:.1%} fewer); "
         f"{len(plan['timeline'])} decisions; simulated in {time.time() - t0:.0f} s"
     )
+    for k in range(1, a.days):
+        lines.append(_day_text(k, k * day_s if k < a.days - 1 else None, day_s, best, plan, a.total))
     bound = None
     if a.clairvoyant_slice_s > 0:
         bound = clairvoyant_bound(specs, hashes, profile, a.total, a.clairvoyant_slice_s, best, g)

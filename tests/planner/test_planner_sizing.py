@@ -20,6 +20,7 @@ from services.planner.plan import (
     choose,
     damp,
     evaluate,
+    make_forecast,
 )
 
 CPU = load_profile("cpu_smollm2")
@@ -116,10 +117,11 @@ def test_the_clairvoyant_bound_trades_good_requests_across_slices_at_the_fewest_
     assert pe.clairvoyant(lengths, goods, 4, 161) is None  # more than any choice makes
 
 
-def _second_half_starts(raw: list, warped: list) -> float:
-    """When the warped run reaches the first request of the second half of the trace's own time span."""
+def _second_half_starts(raw: list, warped: list, fraction: float = 0.5) -> float:
+    """When the warped run reaches the first request of the second half (or past `fraction`) of the trace's
+    own time span."""
     span = raw[-1].arrival_s - raw[0].arrival_s
-    half = next(i for i, r in enumerate(raw) if r.arrival_s - raw[0].arrival_s >= span / 2)
+    half = next(i for i, r in enumerate(raw) if r.arrival_s - raw[0].arrival_s >= span * fraction)
     return float(warped[half].arrival_s - warped[0].arrival_s)
 
 
@@ -189,3 +191,54 @@ def test_a_planner_told_the_future_grows_before_a_step_and_serves_more_of_it() -
 
     assert size_before_step(runs[20.0]) > size_before_step(runs[0.0])  # workers asked for ahead of the step
     assert runs[20.0]["good"] > runs[0.0]["good"] and runs[20.0]["errors"] == runs[0.0]["errors"] == 0
+
+
+def test_repeat_days_runs_the_shape_again_with_other_users() -> None:
+    profile = load_profile("h200_node")
+    specs = mooncake(load_records(limit=50), scale=1, materialize=False)
+    two, day_s = pe.repeat_days(specs, 2)
+    span = specs[-1].arrival_s - specs[0].arrival_s
+    assert len(two) == 100 and day_s == pytest.approx(span + span / 49)
+    assert [s.arrival_s - day_s for s in two[50:]] == pytest.approx([s.arrival_s for s in specs])
+    assert [s.input_tokens for s in two[50:]] == [s.input_tokens for s in specs]
+    assert two[50].request_id == f"{specs[0].request_id}@d1" and pe._day(two[50].request_id) == 1
+    hashes = block_hashes_for(two, profile.block_size)
+    day1 = {h for hs in hashes[:50] for h in hs}
+    assert day1 and not day1 & {h for hs in hashes[50:] for h in hs}  # no block cached for another day
+    assert pe.repeat_days(specs, 1) == (specs, pytest.approx(day_s))
+
+
+def test_a_planner_that_learned_yesterday_grows_before_todays_step_and_serves_more_of_it() -> None:
+    profile = load_profile("h200_node")
+    raw = mooncake(load_records(limit=300), scale=1, materialize=False)
+    one = pe.warp(raw, [0.1, 1, 0.1])  # a day: quiet, a third of the trace at ten times the rate, quiet
+    specs, day_s = pe.repeat_days(one, 2)
+    hashes = block_hashes_for(specs, profile.block_size)
+    step = day_s + _second_half_starts(raw, one, 1 / 3)  # the second day's step
+    runs = {
+        name: pe.planner_run(
+            specs,
+            hashes,
+            profile,
+            6,
+            Slo(1.0, 0.04),
+            3.0,
+            20.0,
+            10.0,
+            50,
+            (2, 1),
+            scale_down_window_s=30.0,
+            forecast=make_forecast(name, 13.0, season_s=day_s, span_s=15.0, seasons=1),
+        )  # fmt: skip
+        for name in ("none", "seasonal")
+    }
+
+    def size_before(run: dict, t: float) -> int:
+        return sum([e for e in run["timeline"] if e["t"] < t][-1]["desired"])
+
+    # day 1: nothing measured a day ago, so the two decide alike up to its step
+    assert size_before(runs["seasonal"], step - day_s) == size_before(runs["none"], step - day_s)
+    # day 2: the seasonal one asks for workers ahead of the step, and more of the day's requests are served well
+    assert size_before(runs["seasonal"], step) > size_before(runs["none"], step)
+    assert runs["seasonal"]["good_by_day"][1] > runs["none"]["good_by_day"][1]
+    assert runs["seasonal"]["errors"] == runs["none"]["errors"] == 0
