@@ -237,24 +237,26 @@ class RateForecast:
 
 @dataclass
 class SeasonalForecast:
-    """The arrival rate `horizon_s` from now, read from the seasons already measured (a season is a day, or a
-    week): the mean rate over the `span_s` that began `horizon_s` ahead of this moment of the season in the
-    last `seasons` seasons, times how today's level compares with theirs (the mean rate over the last `span_s`
-    today over the same span in those seasons).
+    """The arrival rate `horizon_s` from now, from how it moved at this moment of the seasons already measured (a
+    season is a day, or a week): the window's rate times the rise the last `seasons` seasons saw from the
+    `span_s` before this moment to the `span_s` that began `horizon_s` after it.
 
     A step that comes at the same time each day — a working day's start, a nightly batch — cannot be seen in the
     windows before it, which is what Holt's trend reads; it can be in yesterday's. Where no earlier season was
     measured at both moments (the first day, a gap) the forecast is the window's own rate: no prediction.
 
-    It stays within [rate, rate x max_ratio] of the window just measured: a forecast that the load will fall
-    never sizes below the load now, because a worker drained now stops serving now while one asked for serves
-    only a start-up later — the pools grow ahead of a rise and shrink as a fall is measured."""
+    Only a rise of at least `min_rise` counts, and the forecast stays within [rate, rate x max_ratio]: a fall
+    seen yesterday never sizes below the load now, because a worker drained now stops serving now while one asked
+    for serves only a start-up later (the pools grow ahead of a rise and shrink as a fall is measured), and the
+    noise of two spans' means in a steady stretch (a tenth or more either way) would otherwise only ever add
+    workers."""
 
     horizon_s: float
     season_s: float
     span_s: float = 60.0
     seasons: int = 7
     max_ratio: float = 4.0
+    min_rise: float = 1.25
     t: float | None = None
     # measured arrivals and seconds per bucket of span_s / 3 (bucket index -> [requests, seconds])
     buckets: dict[int, list[float]] = field(default_factory=dict)
@@ -334,12 +336,8 @@ class SeasonalForecast:
             if ahead is not None and past is not None:
                 then.append(ahead)
                 before.append(past)
-        if not then:
-            return rate
-        now = self.mean(t - self.span_s, t)
-        level = now / (sum(before) / len(before)) if now is not None and sum(before) > 0 else 1.0
-        ahead = sum(then) / len(then) * level
-        return min(rate * self.max_ratio, max(rate, ahead))
+        rise = sum(then) / sum(before) if then and sum(before) > 0 else 1.0
+        return rate * min(self.max_ratio, rise) if rise >= self.min_rise else rate
 
 
 def make_forecast(

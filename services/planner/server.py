@@ -142,7 +142,9 @@ def _config(args: argparse.Namespace) -> tuple[Slo, Limits]:
     if args.predict_horizon_s < 0:
         raise ValueError(f"--predict-horizon-s must be >= 0, got {args.predict_horizon_s}")
     if args.season_s <= 0 or args.season_span_s <= 0 or args.seasons < 1 or args.season_save_s < 0:
-        raise ValueError("--season-s and --season-span-s must be > 0, --seasons >= 1 and --season-save-s >= 0")
+        raise ValueError(
+            "--season-s and --season-span-s must be > 0, --seasons >= 1 and --season-save-s >= 0"
+        )
     if args.min_prefill < 1 and args.router_mode != "agg":
         raise ValueError(f"--router-mode {args.router_mode} needs --min-prefill >= 1")
     limits = Limits(args.min_prefill, args.max_prefill, args.min_decode, args.max_decode, args.max_workers)
