@@ -276,6 +276,69 @@ def test_a_restarted_planner_keeps_the_seasons_it_measured_in_etcd(etcd_server: 
     asyncio.run(body())
 
 
+def test_a_planner_process_restores_the_seasons_at_start_and_saves_them_when_stopped(
+    etcd_server: EtcdServer, tmp_path
+) -> None:
+    import os
+    import signal
+
+    from services.discovery.etcd import close_quietly, connect_first_reachable, parse_etcd_urls
+    from services.discovery.keys import PLANNER_SEASON_KEY
+    from services.planner.plan import SeasonalForecast
+
+    def forecast() -> SeasonalForecast:
+        return SeasonalForecast(horizon_s=30.0, season_s=3600.0, span_s=30.0)
+
+    seeded = forecast()
+    now = time.time()
+    for t in range(-4200, -3000, 3):  # an hour ago, a step from 1 to 4 req/s
+        seeded.update(now + t, 1.0 if t < -3585 else 4.0, 3.0)
+
+    async def etcd(op: str) -> bytes | None:
+        client = await connect_first_reachable(parse_etcd_urls(etcd_server.url), 5.0)
+        try:
+            if op == "put":
+                await client.put(PLANNER_SEASON_KEY.encode(), seeded.to_state())
+            elif op == "delete":
+                await client.delete(PLANNER_SEASON_KEY.encode())
+            else:
+                got = await client.get(PLANNER_SEASON_KEY.encode())
+                return None if got is None else got.value
+            return None
+        finally:
+            await close_quietly(client)
+
+    asyncio.run(etcd("put"))
+    log_path = tmp_path / "planner.log"
+    cmd = [sys.executable, "-m", "services.cli", "planner", "--etcd", etcd_server.url, "--port", "0",
+           "--predictor", "seasonal", "--season-s", "3600", "--season-span-s", "30", "--predict-horizon-s", "30",
+           "--interval-s", "1", "--season-save-s", "3600"]  # fmt: skip
+    with open(log_path, "wb") as log:
+        proc = subprocess.Popen(
+            cmd, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"}
+        )
+    try:
+        deadline = time.monotonic() + 60
+        while f"restored {len(seeded.buckets)} buckets" not in log_path.read_text():
+            assert proc.poll() is None and time.monotonic() < deadline, log_path.read_text()
+            time.sleep(0.2)
+        # what it holds now is only in its memory: it writes it back when stopped
+        asyncio.run(etcd("delete"))
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=30) == 0, log_path.read_text()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    saved = asyncio.run(etcd("get"))
+    assert saved is not None, log_path.read_text()
+    again = forecast()
+    assert again.load_state(saved, time.time()) == len(seeded.buckets)
+    assert again.buckets.keys() == seeded.buckets.keys()
+    for k, (requests, seconds) in seeded.buckets.items():  # as measured, to the state's ms
+        assert again.buckets[k] == pytest.approx([requests, seconds], abs=1e-3)
+
+
 # ---- a real cluster -----------------------------------------------------------------------------------------
 
 
