@@ -5,11 +5,13 @@ starts from its own recommendation and keeps to the damping and the budget."""
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 
 from loadgen import planner_experiment as pe
 from loadgen.sim.engine import block_hashes_for
-from loadgen.sim.profile import load_profile
+from loadgen.sim.profile import Profile, load_profile
 from loadgen.trace import load_records, mooncake
 from services.planner.plan import (
     Damper,
@@ -162,34 +164,26 @@ def test_foresight_replays_the_requests_that_really_arrive_ahead() -> None:
     assert pe._foreseen(measured, specs, 1e9, 1) is measured  # past the trace's end: nothing to foresee
 
 
+def _small_planner(specs: list, hashes: list, profile: Profile, **kw: Any) -> dict:
+    """The benchmark's planner on a budget of 6, 10 s start-ups, from 2P + 1D, with `kw` (a forecast, foresight)."""
+    return pe.planner_run(specs, hashes, profile, 6, Slo(1.0, 0.04), 3.0, 20.0, 10.0, 50, (2, 1),
+                          scale_down_window_s=30.0, **kw)  # fmt: skip
+
+
+def _size_before(run: dict, t: float) -> int:
+    """The workers the planner's last decision before `t` wanted."""
+    return sum([e for e in run["timeline"] if e["t"] < t][-1]["desired"])
+
+
 def test_a_planner_told_the_future_grows_before_a_step_and_serves_more_of_it() -> None:
     profile = load_profile("h200_node")
     raw = mooncake(load_records(limit=400), scale=1, materialize=False)
     specs = pe.warp(raw, [0.2, 2])  # the second half of the trace at ten times the rate of the first
     hashes = block_hashes_for(specs, profile.block_size)
     step = _second_half_starts(raw, specs)
-    runs = {
-        fs: pe.planner_run(
-            specs,
-            hashes,
-            profile,
-            6,
-            Slo(1.0, 0.04),
-            3.0,
-            20.0,
-            10.0,
-            50,
-            (2, 1),
-            scale_down_window_s=30.0,
-            foresight_s=fs,
-        )  # fmt: skip
-        for fs in (0.0, 20.0)
-    }
-
-    def size_before_step(run: dict) -> int:
-        return sum([e for e in run["timeline"] if e["t"] < step][-1]["desired"])
-
-    assert size_before_step(runs[20.0]) > size_before_step(runs[0.0])  # workers asked for ahead of the step
+    runs = {fs: _small_planner(specs, hashes, profile, foresight_s=fs) for fs in (0.0, 20.0)}
+    # workers asked for ahead of the step
+    assert _size_before(runs[20.0], step) > _size_before(runs[0.0], step)
     assert runs[20.0]["good"] > runs[0.0]["good"] and runs[20.0]["errors"] == runs[0.0]["errors"] == 0
 
 
@@ -216,29 +210,14 @@ def test_a_planner_that_learned_yesterday_grows_before_todays_step_and_serves_mo
     hashes = block_hashes_for(specs, profile.block_size)
     step = day_s + _second_half_starts(raw, one, 1 / 3)  # the second day's step
     runs = {
-        name: pe.planner_run(
-            specs,
-            hashes,
-            profile,
-            6,
-            Slo(1.0, 0.04),
-            3.0,
-            20.0,
-            10.0,
-            50,
-            (2, 1),
-            scale_down_window_s=30.0,
-            forecast=make_forecast(name, 13.0, season_s=day_s, span_s=15.0, seasons=1),
-        )  # fmt: skip
+        name: _small_planner(
+            specs, hashes, profile, forecast=make_forecast(name, 13.0, season_s=day_s, span_s=15.0, seasons=1)
+        )
         for name in ("none", "seasonal")
     }
-
-    def size_before(run: dict, t: float) -> int:
-        return sum([e for e in run["timeline"] if e["t"] < t][-1]["desired"])
-
     # day 1: nothing measured a day ago, so the two decide alike up to its step
-    assert size_before(runs["seasonal"], step - day_s) == size_before(runs["none"], step - day_s)
+    assert _size_before(runs["seasonal"], step - day_s) == _size_before(runs["none"], step - day_s)
     # day 2: the seasonal one asks for workers ahead of the step, and more of the day's requests are served well
-    assert size_before(runs["seasonal"], step) > size_before(runs["none"], step)
+    assert _size_before(runs["seasonal"], step) > _size_before(runs["none"], step)
     assert runs["seasonal"]["good_by_day"][1] > runs["none"]["good_by_day"][1]
     assert runs["seasonal"]["errors"] == runs["none"]["errors"] == 0
