@@ -314,18 +314,16 @@ class SeasonalForecast:
         at `now`; how many were taken (0 for another season or span). ValueError for what is not a state."""
         try:
             doc = json.loads(zlib.decompress(data))
-            season_s, span_s, cells = float(doc["season_s"]), float(doc["span_s"]), doc["buckets"]
+            season_s, span_s = float(doc["season_s"]), float(doc["span_s"])
+            cells = {int(k): [float(r), float(sec)] for k, r, sec in doc["buckets"]}
         except (zlib.error, ValueError, KeyError, TypeError) as e:
             raise ValueError(f"not a seasonal forecast's state: {e}") from e
         if (season_s, span_s) != (self.season_s, self.span_s):
             return 0
         oldest = math.floor((now - self.seasons * self.season_s - self.span_s) / self.bucket_s)
-        taken = 0
-        for k, r, sec in cells:
-            if int(k) >= oldest and int(k) not in self.buckets:
-                self.buckets[int(k)] = [float(r), float(sec)]
-                taken += 1
-        return taken
+        taken = {k: cell for k, cell in cells.items() if k >= oldest and k not in self.buckets}
+        self.buckets.update(taken)
+        return len(taken)
 
     def forecast(self, t: float, rate: float) -> float:
         then, before = [], []
@@ -336,7 +334,11 @@ class SeasonalForecast:
             if ahead is not None and past is not None:
                 then.append(ahead)
                 before.append(past)
-        rise = sum(then) / sum(before) if then and sum(before) > 0 else 1.0
+        if not then or sum(then) <= 0:
+            return rate
+        rise = (
+            sum(then) / sum(before) if sum(before) > 0 else self.max_ratio
+        )  # from nothing: as far as it goes
         return rate * min(self.max_ratio, rise) if rise >= self.min_rise else rate
 
 

@@ -6,6 +6,9 @@ puts nearest an impossible target; `RateForecast` sizes for the arrival rate a w
 
 from __future__ import annotations
 
+import json
+import zlib
+
 import pytest
 
 from loadgen.sim.profile import load_profile
@@ -137,6 +140,10 @@ def test_the_seasonal_forecast_scales_yesterdays_shape_to_todays_level_within_it
     h = SeasonalForecast(horizon_s=30.0, season_s=DAY, span_s=30.0, max_ratio=2.0)
     _day(h, 0, lambda t: 1.0 if t < 1800 else 50.0, DAY)
     assert _day(h, 1, lambda t: 1.0, 1770) == pytest.approx(2.0)
+    # a rise from a silent stretch (nothing arrived) is the largest rise there is
+    z = SeasonalForecast(horizon_s=30.0, season_s=DAY, span_s=30.0)
+    _day(z, 0, lambda t: 0.0 if t < 1800 else 3.0, DAY)
+    assert _day(z, 1, lambda t: 1.0, 1770) == pytest.approx(4.0)
     # a fall seen yesterday never sizes below the load measured now: it is met as it comes
     d = SeasonalForecast(horizon_s=30.0, season_s=DAY, span_s=30.0)
     _day(d, 0, lambda t: 4.0 if t < 1800 else 1.0, DAY)
@@ -164,3 +171,10 @@ def test_make_forecast_names_each_predictor() -> None:
         make_forecast("arima", 20.0)
     with pytest.raises(ValueError, match="season_s"):
         SeasonalForecast(20.0, season_s=0.0)
+    # a state is checked as a whole before any of it is taken
+    half_broken = zlib.compress(
+        json.dumps({"season_s": 600.0, "span_s": 20.0, "buckets": [[1, 2.0, 3.0], [2]]}).encode()
+    )
+    with pytest.raises(ValueError, match="not a seasonal"):
+        seasonal.load_state(half_broken, 0.0)
+    assert not seasonal.buckets
