@@ -262,10 +262,12 @@ def planner_run(
     reach: float = REACH,
     scale_down_window_s: float = 0.0,
     foresight_s: float = 0.0,
+    seed: int = 0,
 ) -> dict[str, Any]:
     """With `foresight_s` > 0 the planner is told the future: each decision replays the requests that really
     arrive from `foresight_s` ahead on (their lengths, at their rate; the backlog and prefix hit rate are the
-    measured ones), a perfect forecast, to measure what forecasting could buy."""
+    measured ones), a perfect forecast, to measure what forecasting could buy. `seed` seeds every replay's
+    synthetic trace: another seed is another draw of the same measured traffic."""
     limits = _budget(total)
     pairs = candidates(limits)
     if start is None:
@@ -330,7 +332,7 @@ def planner_run(
                 obs = _foreseen(obs, specs, now + foresight_s, min_window_requests)
             if forecast is not None:
                 obs.replay_rate_rps = forecast.update(now, obs.rate_rps, obs.window_s)
-            preds = evaluate(obs, profile, pairs, "disagg", 0, replay_requests, until_met=slo, reach=reach)
+            preds = evaluate(obs, profile, pairs, "disagg", seed, replay_requests, until_met=slo, reach=reach)
             best, binding = choose(preds, slo, reach)
             if best is not None:
                 desired = damp(desired, (best.prefill, best.decode), limits, damper, now)
@@ -554,6 +556,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--slo-itl-ms", type=float, default=40.0, help="the planner's p90 ITL target")
     ap.add_argument("--replay-requests", type=int, default=100)
     ap.add_argument(
+        "--replay-seed",
+        type=int,
+        default=0,
+        help="seed of the planner's replays (another draw of the same load)",
+    )
+    ap.add_argument(
         "--foresight-s",
         type=float,
         default=0.0,
@@ -595,7 +603,8 @@ def main(argv: list[str] | None = None) -> int:
     forecast = make_forecast(a.predictor, horizon, a.season_s or day_s, a.season_span_s, max(1, a.days - 1))
     plan = planner_run(specs, hashes, profile, a.total, slo, a.interval_s, a.hold_down_s, a.start_s,
                        a.replay_requests, start, forecast=forecast, reach=a.reach_margin,
-                       scale_down_window_s=a.scale_down_window_s, foresight_s=a.foresight_s)  # fmt: skip
+                       scale_down_window_s=a.scale_down_window_s, foresight_s=a.foresight_s,
+                       seed=a.replay_seed)  # fmt: skip
     print(json.dumps({k: v for k, v in plan.items() if k != "timeline"}), flush=True)
     lines = [
         f"**Planner vs static splits of {a.total} workers** — Mooncake trace, first {len(specs)} records, rate "
