@@ -443,12 +443,11 @@ def _billed_at(billing: Sequence[tuple[float, float]], t: float) -> float:
     return prev[1]
 
 
-def _day_text(
-    k: int, end: float | None, day_s: float, best: dict[str, Any], plan: dict[str, Any], total: int
-) -> str:
-    """Day k's line: its requests' good ones and the worker-seconds from its start (to the next day's, or to
-    each run's end for the last), planner over the best static split."""
+def _day_text(k: int, days: int, day_s: float, best: dict[str, Any], plan: dict[str, Any], total: int) -> str:
+    """Day k's line (of `days`): its requests' good ones and the worker-seconds from its start (to the next
+    day's, or to each run's end for the last), planner over the best static split."""
     start = k * day_s
+    end = (k + 1) * day_s if k < days - 1 else None
     static_end = end if end is not None else best["end"]
     static_ws = total * (static_end - start)
     planner_ws = _billed_at(plan["billing"], end if end is not None else math.inf) - _billed_at(
@@ -640,7 +639,7 @@ def main(argv: list[str] | None = None) -> int:
         f"{len(plan['timeline'])} decisions; simulated in {time.time() - t0:.0f} s"
     )
     for k in range(1, a.days):
-        lines.append(_day_text(k, k * day_s if k < a.days - 1 else None, day_s, best, plan, a.total))
+        lines.append(_day_text(k, a.days, day_s, best, plan, a.total))
     bound = None
     if a.clairvoyant_slice_s > 0:
         bound = clairvoyant_bound(specs, hashes, profile, a.total, a.clairvoyant_slice_s, best, g)

@@ -221,3 +221,16 @@ def test_a_planner_that_learned_yesterday_grows_before_todays_step_and_serves_mo
     assert _size_before(runs["seasonal"], step) > _size_before(runs["none"], step)
     assert runs["seasonal"]["good_by_day"][1] > runs["none"]["good_by_day"][1]
     assert runs["seasonal"]["errors"] == runs["none"]["errors"] == 0
+
+
+def test_a_middle_days_line_counts_its_own_worker_seconds_up_to_the_next_day() -> None:
+    # 3 days of 100 s; the planner runs 4 workers throughout (billed every 10 s), the static split 8 until 310 s
+    billing = [(t, 4.0 * t) for t in range(0, 320, 10)]
+    plan = {"billing": billing, "good_by_day": [10, 9, 8]}
+    best = {"end": 310.0, "good_by_day": [10, 10, 10]}
+    middle = pe._day_text(1, 3, 100.0, best, plan, 8)
+    assert (
+        "goodput x0.900 (9 of 10" in middle and "worker-seconds x0.500" in middle
+    )  # 400 of 800, 100 to 200 s
+    last = pe._day_text(2, 3, 100.0, best, plan, 8)  # to each run's end: 4 x 110 of 8 x 110
+    assert "goodput x0.800" in last and "worker-seconds x0.500" in last
