@@ -27,9 +27,10 @@ import signal
 import socket
 import time
 from collections import deque
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
+import aetcd
 import httpx
 import uvicorn
 from fastapi import FastAPI, Response
@@ -108,8 +109,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
              "number of workers), a size within this fraction of the best candidate's p90 counts as meeting it",
              float)  # fmt: skip
     add_flag(g, "--predictor", "none", "the arrival rate replayed: none: the window's measured rate; trend: "
-             "Holt's linear trend over the windows, --predict-horizon-s ahead; seasonal: the rate the same time "
-             "of the last --seasons seasons (--season-s) saw --predict-horizon-s ahead, scaled to today's level",
+             "Holt's linear trend over the windows, --predict-horizon-s ahead; seasonal: the window's rate times "
+             "the rise the same time of the last --seasons seasons (--season-s) saw --predict-horizon-s ahead",
              choices=PREDICTORS)  # fmt: skip
     add_flag(g, "--season-s", 86400.0, "with --predictor seasonal: the length of a season (a day; a week is "
              "604800)", float)  # fmt: skip
@@ -118,8 +119,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_flag(g, "--seasons", 7, "with --predictor seasonal: how many past seasons are kept and averaged", int)
     add_flag(g, "--season-save-s", 300.0, "with --predictor seasonal: how often what was measured is saved to "
              "etcd (and at shutdown), so a restarted planner keeps its seasons; 0: never", float)  # fmt: skip
-    add_flag(g, "--predict-horizon-s", 60.0, "with --predictor trend: how far ahead to size for (a worker's "
-             "start-up time plus one interval)", float)  # fmt: skip
+    add_flag(g, "--predict-horizon-s", 60.0, "with --predictor trend or seasonal: how far ahead to size for "
+             "(a worker's start-up time plus one interval)", float)  # fmt: skip
     add_flag(g, "--history", 100, "decisions `GET /plan` keeps", int)
     k = parser.add_argument_group("kubernetes (--scale-mode kubernetes)")
     add_flag(k, "--kube-namespace", "", "namespace of the Deployments (default: the pod's own)")
@@ -363,34 +364,39 @@ class Planner:
             "history": list(self.history),
         }
 
+    @contextlib.asynccontextmanager
+    async def _etcd(self) -> AsyncIterator[aetcd.Client]:
+        """A client on the first etcd endpoint that answers, closed after use (the seasons' state is read once
+        and written every few minutes: no connection is held between)."""
+        client = await connect_first_reachable(parse_etcd_urls(self.args.etcd), ETCD_TIMEOUT_S, self.security)
+        try:
+            yield client
+        finally:
+            await close_quietly(client)
+
     async def restore_season(self) -> int:
         """Load what a planner before this one measured of the seasons (etcd, PLANNER_SEASON_KEY); the buckets
         taken. Nothing there, another season or span, or etcd not answering: start from nothing, and say so."""
         if not isinstance(self.forecast, SeasonalForecast):
             return 0
-        client = None
         try:
-            client = await connect_first_reachable(
-                parse_etcd_urls(self.args.etcd), ETCD_TIMEOUT_S, self.security
-            )
-            got = await with_deadline(client.get(PLANNER_SEASON_KEY.encode()), ETCD_TIMEOUT_S)
+            async with self._etcd() as client:
+                got = await with_deadline(client.get(PLANNER_SEASON_KEY.encode()), ETCD_TIMEOUT_S)
             if got is None:
                 log.info("planner: no seasons saved yet; the seasonal forecast starts from nothing")
                 return 0
             taken = self.forecast.load_state(got.value, time.time())
-            log.info(
-                "planner: seasonal forecast restored %d buckets of %.0f s from etcd",
-                taken,
-                self.forecast.bucket_s,
-            )
-            return taken
         except Exception as e:  # a forecast is worth having, never worth not planning for
             log.warning(
                 "planner: could not restore the seasons from etcd (%s); starting from nothing", describe(e)
             )
             return 0
-        finally:
-            await close_quietly(client)
+        log.info(
+            "planner: seasonal forecast restored %d buckets of %.0f s from etcd",
+            taken,
+            self.forecast.bucket_s,
+        )
+        return taken
 
     async def save_season(self) -> int:
         """Write what the seasonal forecast measured to etcd; its size in bytes (0: nothing written)."""
@@ -401,18 +407,13 @@ class Planner:
             log.warning("planner: the seasons' state is %d bytes, more than etcd takes in one value; not saved "
                         "(lower --seasons or raise --season-span-s)", len(data))  # fmt: skip
             return 0
-        client = None
         try:
-            client = await connect_first_reachable(
-                parse_etcd_urls(self.args.etcd), ETCD_TIMEOUT_S, self.security
-            )
-            await with_deadline(client.put(PLANNER_SEASON_KEY.encode(), data), ETCD_TIMEOUT_S)
-            return len(data)
+            async with self._etcd() as client:
+                await with_deadline(client.put(PLANNER_SEASON_KEY.encode(), data), ETCD_TIMEOUT_S)
         except Exception as e:
             log.warning("planner: could not save the seasons to etcd (%s)", describe(e))
             return 0
-        finally:
-            await close_quietly(client)
+        return len(data)
 
     async def close(self) -> None:
         await self.client.aclose()
