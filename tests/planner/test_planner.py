@@ -13,6 +13,7 @@ import sys
 import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any
 
 import httpx
 import pytest
@@ -227,6 +228,13 @@ def test_the_planner_service_builds_the_forecast_its_flags_name() -> None:
         asyncio.run(planner.close())
 
 
+def _a_step_an_hour_ago(forecast: Any, now: float) -> None:
+    """3 s windows around this moment an hour ago (the tests' season): the rate stepped from 1 to 4 req/s 15 s
+    past it."""
+    for t in range(-4200, -3000, 3):
+        forecast.update(now + t, 1.0 if t < -3585 else 4.0, 3.0)
+
+
 def test_a_restarted_planner_keeps_the_seasons_it_measured_in_etcd(etcd_server: EtcdServer) -> None:
     from services.discovery.etcd import close_quietly, connect_first_reachable, parse_etcd_urls
     from services.discovery.keys import PLANNER_SEASON_KEY
@@ -246,9 +254,7 @@ def test_a_restarted_planner_keeps_the_seasons_it_measured_in_etcd(etcd_server: 
         assert await first.restore_season() == 0  # nothing saved yet
         f = first.forecast
         assert f is not None
-        # an hour ago (the season) the rate stepped from 1 to 4 req/s 15 s past this moment; today is at 1
-        for t in range(-4200, -3000, 3):
-            f.update(now + t, 1.0 if t < -3585 else 4.0, 3.0)
+        _a_step_an_hour_ago(f, now)  # today is at 1 req/s
         for t in range(-600, 1, 3):
             ahead = f.update(now + t, 1.0, 3.0)
         assert ahead == pytest.approx(4.0)
@@ -291,8 +297,7 @@ def test_a_planner_process_restores_the_seasons_at_start_and_saves_them_when_sto
 
     seeded = forecast()
     now = time.time()
-    for t in range(-4200, -3000, 3):  # an hour ago, a step from 1 to 4 req/s
-        seeded.update(now + t, 1.0 if t < -3585 else 4.0, 3.0)
+    _a_step_an_hour_ago(seeded, now)
 
     async def etcd(op: str) -> bytes | None:
         client = await connect_first_reachable(parse_etcd_urls(etcd_server.url), 5.0)
