@@ -108,6 +108,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--max-decode", type=int, default=4, help="most decode workers the planner may ask for")
     g.add_argument("--max-workers", type=int, default=0, help="budget on prefill + decode (0: none)")
     g.add_argument("--hold-down-s", type=float, default=30.0, help="the planner's hold-down per pool")
+    g.add_argument(
+        "--planner-flag",
+        action="append",
+        default=[],
+        type=_planner_flag,
+        metavar="NAME=VALUE",
+        help="any other flag of `rackserve planner`, passed on as --NAME VALUE (repeatable; the chart's "
+        "planner.flags), e.g. --planner-flag predictor=seasonal --planner-flag predict-horizon-s=90",
+    )
     p.add_argument("--quiet", action="store_true", help="don't stream the services' logs")
     p.add_argument(
         "--api-key",
@@ -115,6 +124,29 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="require this Bearer key on the frontend's /v1/* (passed on in the environment, not argv) "
         "[env RACKSERVE_API_KEY]",
     )
+
+
+# the planner flags `up` sets itself: --planner-flag may not set them a second time
+_OWN_PLANNER_FLAGS = {
+    "host": "", "port": "", "scale-mode": "", "router-mode": "--mode", "interval-s": "--planner-interval-s",
+    "slo-ttft-ms": "--slo-ttft-ms", "slo-itl-ms": "--slo-itl-ms", "min-prefill": "--min-prefill",
+    "max-prefill": "--max-prefill", "min-decode": "--min-decode", "max-decode": "--max-decode",
+    "max-workers": "--max-workers", "hold-down-s": "--hold-down-s", "etcd": "",
+}  # fmt: skip
+
+
+def _planner_flag(text: str) -> tuple[str, str]:
+    """NAME=VALUE (NAME with or without its leading dashes) for one flag of `rackserve planner`."""
+    name, sep, value = text.partition("=")
+    name = name.strip().lstrip("-")
+    if not sep or not name or not value:
+        raise argparse.ArgumentTypeError(f"expected NAME=VALUE (e.g. predictor=seasonal), got {text!r}")
+    if name in _OWN_PLANNER_FLAGS:
+        own = _OWN_PLANNER_FLAGS[name]
+        raise argparse.ArgumentTypeError(
+            f"--{name} is set by `up` itself" + (f": use `up {own}`" if own else "")
+        )
+    return name, value
 
 
 @dataclass
@@ -222,6 +254,8 @@ class Cluster:
             for flag in ("slo_ttft_ms", "slo_itl_ms", "min_prefill", "max_prefill", "min_decode", "max_decode",
                          "max_workers", "hold_down_s"):  # fmt: skip
                 plan += [f"--{flag.replace('_', '-')}", str(getattr(a, flag))]
+            for name, value in a.planner_flag:
+                plan += [f"--{name}", value]
             self.spawn("planner", base + ["planner", *common, *plan])
 
     def add_worker(self, role: str) -> Proc:

@@ -352,6 +352,21 @@ def _numbers(rng: random.Random, n: int) -> str:
 
 
 @pytest.mark.cluster
+def test_up_passes_other_planner_flags_on_and_refuses_ones_it_sets_itself() -> None:
+    """`up --planner-flag NAME=VALUE` reaches the planner as --NAME VALUE; a flag `up` sets itself, or one that is
+    not NAME=VALUE, stops `up` before it starts anything, naming the flag to use."""
+    from services.launcher import add_arguments as launcher_arguments
+
+    parser = argparse.ArgumentParser(prog="rackserve up", exit_on_error=False)
+    launcher_arguments(parser)
+    a = parser.parse_args(["--planner", "--planner-flag", "predictor=seasonal", "--planner-flag=--seasons=3"])
+    assert a.planner_flag == [("predictor", "seasonal"), ("seasons", "3")]
+    with pytest.raises(argparse.ArgumentError, match="use `up --hold-down-s`"):
+        parser.parse_args(["--planner-flag", "hold-down-s=5"])
+    with pytest.raises(argparse.ArgumentError, match="expected NAME=VALUE"):
+        parser.parse_args(["--planner-flag", "predictor"])
+
+
 def test_up_planner_moves_capacity_from_prefill_to_decode_without_losing_a_request() -> None:
     """`rackserve up --planner` (local mode), budget 3 workers, starting at 2 prefill + 1 decode. Long prompts
     with one output token keep it there (TTFT binds); short prompts with long outputs make it drain a prefill
@@ -372,6 +387,7 @@ def test_up_planner_moves_capacity_from_prefill_to_decode_without_losing_a_reque
     ]
     cmd += ["--max-workers", "3", "--max-prefill", "2", "--max-decode", "2"]
     cmd += ["--slo-ttft-ms", "1000", "--slo-itl-ms", "20", "--ready-timeout-s", "420"]
+    cmd += ["--planner-flag", "scale-down-window-s=3"]  # any other planner flag passes through `up`
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     assert proc.stdout is not None
     lines: list[str] = []
@@ -447,6 +463,7 @@ def test_up_planner_moves_capacity_from_prefill_to_decode_without_losing_a_reque
         words = max(40, min(200, round(120 * 3.0 / (time.monotonic() - t0))))
         a = run_phase("long_prompts", range(3), words, 1, two_sized_decisions)
         assert a["desired"] == {"prefill": 2, "decode": 1} and a["binding_slo"] == "ttft", a
+        assert a["limits"]["scale_down_window_s"] == 3.0, a["limits"]
         both = {"prefill": 1, "decode": 2}
 
         def rebalanced() -> dict:
