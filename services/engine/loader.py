@@ -105,27 +105,22 @@ def _unpermute_rows(w: np.ndarray, n_head: int) -> np.ndarray:
     return w.reshape(n_head, rows // n_head // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def _gguf_field(reader: Any, key: str, default: Any = None) -> Any:
-    field = reader.fields.get(key)
-    if field is None:
-        return default
-    return field.contents()
-
-
 def load_gguf(path: str | os.PathLike[str]) -> LoadedModel:
     import gguf
 
+    from services.engine.gguf_file import GgufFile
+
     p = Path(path)
     try:
-        reader = gguf.GGUFReader(str(p))
-    except Exception as e:  # the gguf package raises bare ValueErrors on bad magic / truncation
+        reader = GgufFile(p)
+    except ValueError as e:  # bad magic, version or a truncated file
         raise ModelLoadError(f"{p}: not a readable GGUF file ({e})") from e
-    arch = _gguf_field(reader, "general.architecture")
+    arch = reader.get("general.architecture")
     if arch != "llama":
         raise ModelLoadError(f"{p}: unsupported architecture {arch!r} (supported: llama)")
 
     def meta(key: str, default: Any = None) -> Any:
-        return _gguf_field(reader, f"{arch}.{key}", default)
+        return reader.get(f"{arch}.{key}", default)
 
     hidden = int(meta("embedding_length"))
     n_heads = int(meta("attention.head_count"))
@@ -133,7 +128,7 @@ def load_gguf(path: str | os.PathLike[str]) -> LoadedModel:
     tensors = {t.name: t for t in reader.tensors}
     vocab = meta("vocab_size")
     if vocab is None:
-        vocab = len(reader.fields["tokenizer.ggml.tokens"].data)
+        vocab = len(reader.get("tokenizer.ggml.tokens", []))
     scaling = None
     if meta("rope.scaling.type") not in (None, "none"):
         raise ModelLoadError(f"{p}: unsupported rope scaling {meta('rope.scaling.type')!r}")
@@ -152,9 +147,9 @@ def load_gguf(path: str | os.PathLike[str]) -> LoadedModel:
         tie_embeddings="output.weight" not in tensors,
         attention_bias="blk.0.attn_q.bias" in tensors,
         rope_scaling=scaling,
-        bos_token_id=_gguf_field(reader, "tokenizer.ggml.bos_token_id"),
-        eos_token_id=_gguf_field(reader, "tokenizer.ggml.eos_token_id"),
-        name=str(_gguf_field(reader, "general.name", p.stem)),
+        bos_token_id=reader.get("tokenizer.ggml.bos_token_id"),
+        eos_token_id=reader.get("tokenizer.ggml.eos_token_id"),
+        name=str(reader.get("general.name", p.stem)),
     )
 
     def dequant(t: Any) -> np.ndarray:
@@ -183,7 +178,7 @@ def load_gguf(path: str | os.PathLike[str]) -> LoadedModel:
         config=config,
         weights=weights,
         source=str(p),
-        chat_template=_gguf_field(reader, "tokenizer.chat_template"),
+        chat_template=reader.get("tokenizer.chat_template"),
         source_format="gguf",
     )
 

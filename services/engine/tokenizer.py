@@ -24,10 +24,11 @@ from typing import Any
 import jinja2
 import jinja2.ext
 import jinja2.nodes
-from gguf import GGUFReader
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers, processors
 from tokenizers import Tokenizer as _BackendTokenizer
+
+from services.engine.gguf_file import GgufFile
 
 # llama.cpp's token types as GGUF stores them in `tokenizer.ggml.token_type`.
 GGUF_TOKEN_TYPE_CONTROL = 3
@@ -119,23 +120,20 @@ class Tokenizer:
     # ---- construction -------------------------------------------------------------------------------------
 
     @classmethod
-    def from_gguf(cls, path_or_reader: str | os.PathLike[str] | GGUFReader) -> Tokenizer:
-        """Build from a GGUF's `tokenizer.*` metadata (a path, or a reader already open on the file)."""
-        if isinstance(path_or_reader, GGUFReader):
-            reader = path_or_reader
-            where = str(getattr(reader.data, "filename", None) or "<GGUFReader>")
+    def from_gguf(cls, path_or_file: str | os.PathLike[str] | GgufFile) -> Tokenizer:
+        """Build from a GGUF's `tokenizer.*` metadata (a path, or a file already read)."""
+        if isinstance(path_or_file, GgufFile):
+            reader = path_or_file
         else:
-            where = os.fspath(path_or_reader)
+            where = os.fspath(path_or_file)
             if not os.path.isfile(where):
                 raise FileNotFoundError(f"GGUF file not found: {where}")
             try:
-                reader = GGUFReader(where)
-            except (ValueError, IndexError) as exc:  # bad magic, unknown version, truncated
+                reader = GgufFile(where)
+            except ValueError as exc:  # bad magic, unknown version, truncated
                 raise ValueError(f"{where} is not a readable GGUF file: {exc}") from exc
-
-        def meta(key: str) -> Any:
-            field = reader.get_field(key)
-            return None if field is None else field.contents()
+        where = reader.path
+        meta = reader.get
 
         model_type = meta("tokenizer.ggml.model")
         if model_type != "gpt2":

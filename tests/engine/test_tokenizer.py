@@ -12,6 +12,7 @@ import os
 import gguf
 import pytest
 
+from services.engine.gguf_file import GgufFile
 from services.engine.model_files import smollm2_gguf_path
 from services.engine.tokenizer import ChatTemplateError, IncrementalDetokenizer, Tokenizer
 
@@ -79,12 +80,12 @@ def gguf_path() -> str:
 
 
 @pytest.fixture(scope="module")
-def gguf_reader(gguf_path: str) -> gguf.GGUFReader:
-    return gguf.GGUFReader(gguf_path)
+def gguf_reader(gguf_path: str) -> GgufFile:
+    return GgufFile(gguf_path)
 
 
 @pytest.fixture(scope="module")
-def tok(gguf_reader: gguf.GGUFReader) -> Tokenizer:
+def tok(gguf_reader: GgufFile) -> Tokenizer:
     return Tokenizer.from_gguf(gguf_reader)
 
 
@@ -95,14 +96,14 @@ def reference(gguf_path: str):
     return AutoTokenizer.from_pretrained(os.path.dirname(gguf_path), gguf_file=os.path.basename(gguf_path))
 
 
-def _write_tokenizer_gguf(path, reader: gguf.GGUFReader, **overrides) -> str:
+def _write_tokenizer_gguf(path, reader: GgufFile, **overrides) -> str:
     """A GGUF holding only tokenizer metadata: SmolLM2's vocabulary, with some keys changed."""
     meta = {
         "model": "gpt2",
         "pre": "smollm",
-        "tokens": reader.get_field("tokenizer.ggml.tokens").contents(),
-        "types": reader.get_field("tokenizer.ggml.token_type").contents(),
-        "merges": reader.get_field("tokenizer.ggml.merges").contents(),
+        "tokens": reader.get("tokenizer.ggml.tokens"),
+        "types": reader.get("tokenizer.ggml.token_type"),
+        "merges": reader.get("tokenizer.ggml.merges"),
         "add_bos": False,
     } | overrides
     writer = gguf.GGUFWriter(str(path), arch="llama")
