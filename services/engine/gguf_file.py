@@ -122,7 +122,9 @@ class GgufFile:
             name = self._string()
             dims = tuple(self._take("Q") for _ in range(self._take("I")))
             infos.append((name, dims, GGMLQuantizationType(self._take("I")), self._take("Q")))
-        align = int(fields.get("general.alignment", DEFAULT_ALIGNMENT))
+        align = fields.get("general.alignment", DEFAULT_ALIGNMENT)
+        if not isinstance(align, int) or align <= 0:
+            raise ValueError(f"{self.path}: general.alignment is {align!r}, not a positive integer")
         start = -(-self._pos // align) * align
         tensors = [self._tensor(name, dims, kind, start + offset) for name, dims, kind, offset in infos]
         return fields, tensors
