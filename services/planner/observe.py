@@ -31,12 +31,18 @@ def parse(text: str) -> Samples:
     return out
 
 
+# the samples that only ever grow in a living process: counters and a histogram's buckets, count and sum
+_MONOTONIC = ("_total", "_count", "_sum", "_bucket")
+
+
 def delta(cur: Samples, prev: Samples | None) -> Samples:
-    """cur - prev for every sample; a source whose counters went backwards restarted: count from zero."""
+    """cur - prev for every sample; a source whose counters went backwards restarted: count from zero. Only
+    counters tell: a gauge (requests in flight, KV usage) goes down in every quiet moment, and taking that for a
+    restart would make the window the source's whole life (a frontend's every request in one 3 s window)."""
     if prev is None:
         return dict(cur)
     out = {k: v - prev.get(k, 0.0) for k, v in cur.items()}
-    if any(v < 0 for k, v in out.items() if not k[0].endswith(("_created",))):
+    if any(v < 0 for k, v in out.items() if k[0].endswith(_MONOTONIC)):
         return dict(cur)
     return out
 

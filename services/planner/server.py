@@ -266,7 +266,11 @@ class Planner:
             targets = attainable(preds, self.slo, self.args.reach_margin)
             target = (best.prefill, best.decode) if best is not None else base
             outcome = ""
-        desired = damp(base, target, self.limits, self.damper, now) if outcome != "no_data" else base
+        # no sized decision, no step: an idle window is not evidence, and at start, before the workers have
+        # registered, its base is 0 + 0, which the damper would lift to --min-* (a scale-down of Deployments
+        # whose pods are still loading) and record as a change that then holds the next real step down
+        sized = outcome not in ("no_data", "idle")
+        desired = damp(base, target, self.limits, self.damper, now) if sized else base
         if not outcome:
             dp, dd = desired[0] - base[0], desired[1] - base[1]
             if dp == dd == 0:
@@ -275,7 +279,7 @@ class Planner:
                 outcome = "rebalance"
             else:
                 outcome = "scale_up" if dp + dd > 0 else "scale_down"
-        if outcome not in ("no_data", "idle"):
+        if sized:
             self.desired = desired
         chosen = next((p for p in preds if (p.prefill, p.decode) == target), None)
         decision = {
@@ -310,7 +314,7 @@ class Planner:
                 "decode_base_s": profile.decode_base_s,
             },
         }
-        if self.scaler is not None and outcome not in ("no_data", "hold"):
+        if self.scaler is not None and sized and outcome != "hold":
             await self.scaler.apply(desired)
         self._publish(decision, chosen)
         metrics.PLANNER_DECISION_S.observe(time.perf_counter() - t0)

@@ -17,7 +17,7 @@ from typing import Any
 
 import httpx
 import pytest
-from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 from loadgen.sim.profile import load_profile
 from services.planner import observe
@@ -108,7 +108,12 @@ def test_observation_from_real_metrics_text() -> None:
         for x in names
     }
     cached = Counter(m.CACHED_PROMPT_TOKENS._name, "d", registry=reg)  # type: ignore[attr-defined]
+    in_flight = Gauge(m.REQUESTS_IN_FLIGHT._name, "d", registry=reg)  # type: ignore[attr-defined]
+    for _ in range(30):  # the frontend's life before the window
+        h[m.PROMPT_TOKENS_PER_REQUEST._name].observe(9000)  # type: ignore[attr-defined]
+    in_flight.set(6)
     before = observe.parse(generate_latest(reg).decode())
+    in_flight.set(2)  # a gauge that goes down is not a restart: the window is still the difference
     for _ in range(10):
         h[m.PROMPT_TOKENS_PER_REQUEST._name].observe(400)  # type: ignore[attr-defined]
         h[m.OUTPUT_TOKENS_PER_REQUEST._name].observe(50)  # type: ignore[attr-defined]
@@ -123,7 +128,8 @@ def test_observation_from_real_metrics_text() -> None:
     assert 0.25 <= obs.ttft_p90_s <= 0.5 and 0.01 <= obs.itl_p90_s <= 0.025
     assert sum(c for _, c in obs.input_tokens) == 10
     # a source that restarted (its counters went down) counts from zero, never negative
-    assert observe.delta(before, after) == before
+    restarted = observe.delta(before, after)
+    assert restarted == before and observe.observation(restarted, {}, window_s=5.0).requests == 30
 
 
 class _FakeApiServer(ThreadingHTTPServer):
@@ -186,6 +192,71 @@ def test_kubernetes_mode_patches_only_the_scale_subresource_of_the_two_deploymen
     ]
     assert all(c[2] == "Bearer tok" for c in api.calls if c[0] == "GET")
     assert api.replicas == {"rackserve-prefill": 1, "rackserve-decode": 2}
+
+
+class _MetricsServer(ThreadingHTTPServer):
+    """A real HTTP server answering /metrics with a registry's Prometheus text, as a frontend does."""
+
+    def __init__(self, registry: CollectorRegistry) -> None:
+        class Handler(BaseHTTPRequestHandler):
+            def do_GET(self) -> None:  # noqa: N802
+                raw = generate_latest(registry)
+                self.send_response(200)
+                self.send_header("Content-Length", str(len(raw)))
+                self.end_headers()
+                self.wfile.write(raw)
+
+            def log_message(self, *a: object) -> None:
+                pass
+
+        super().__init__(("127.0.0.1", 0), Handler)
+
+
+def test_an_idle_planner_scales_nothing_while_the_workers_are_still_starting() -> None:
+    """Kubernetes mode, the planner up before any worker has registered (pods loading the model) and a few
+    requests a window: no sized decision, so no PATCH (the Deployments keep their 3 + 2 replicas) and nothing
+    the damper would count as a change."""
+    from types import SimpleNamespace
+
+    from services.planner.server import Planner, add_arguments
+
+    reg = CollectorRegistry()
+    name = m.PROMPT_TOKENS_PER_REQUEST._name  # type: ignore[attr-defined]
+    prompts = Histogram(name, "d", buckets=m.PROMPT_TOKENS_PER_REQUEST._upper_bounds[:-1], registry=reg)  # type: ignore[attr-defined]
+    front, api = _MetricsServer(reg), _FakeApiServer()
+    api.replicas = {"rackserve-prefill": 3, "rackserve-decode": 2}
+    for server in (front, api):
+        threading.Thread(target=server.serve_forever, daemon=True).start()
+    frontend = SimpleNamespace(
+        worker_id="frontend-0", epoch=1, endpoint=f"127.0.0.1:{front.server_address[1]}"
+    )
+    directory = SimpleNamespace(workers=lambda role: [frontend] if role == "frontend" else [])
+    p = argparse.ArgumentParser()
+    add_arguments(p)
+    args = p.parse_args(["--scale-mode", "kubernetes", "--min-prefill", "1", "--min-decode", "1"])
+    scaler = KubeScaler(f"http://127.0.0.1:{api.server_address[1]}", "prod",
+                        {"prefill": "rackserve-prefill", "decode": "rackserve-decode"}, "tok", True, 2.0)  # fmt: skip
+    planner = Planner(args, directory, scaler)  # type: ignore[arg-type]
+
+    async def go() -> list[dict]:
+        decisions = []
+        for t in (100.0, 130.0, 160.0):
+            prompts.observe(500)  # one request a window: below --min-window-requests
+            decisions.append(await planner.tick(now=t))
+        await scaler.close()
+        await planner.close()
+        return decisions
+
+    try:
+        decisions = asyncio.run(go())
+    finally:
+        front.shutdown()
+        api.shutdown()
+    assert [d["outcome"] for d in decisions] == ["no_data", "idle", "idle"]
+    assert all(d["actual"] == {"prefill": 0, "decode": 0} for d in decisions)
+    assert [c for c in api.calls if c[0] == "PATCH"] == []
+    assert api.replicas == {"rackserve-prefill": 3, "rackserve-decode": 2}
+    assert planner.damper.last_change == {}
 
 
 def test_planner_flags_are_checked() -> None:
