@@ -41,6 +41,7 @@ from loadgen.workload import RequestSpec
 from services.planner.plan import (
     PREDICTORS,
     REACH,
+    SIZE_BY,
     Damper,
     Limits,
     Observation,
@@ -213,6 +214,7 @@ def initial_sizes(
     window_s: float,
     replay_requests: int,
     reach: float = REACH,
+    size_by: str = "p90",
 ) -> tuple[int, int]:
     """The planner's own recommendation for the first window's traffic: where an operator deploys it (a Dynamo
     planner operator starts from its profile-based recommendation, not from a guess). Only the first `window_s`
@@ -238,9 +240,10 @@ def initial_sizes(
         output_samples=[specs[i].output_tokens for i in first],
     )
     pairs = candidates(limits)
-    best, _ = choose(
-        evaluate(obs, profile, pairs, "disagg", 0, replay_requests, until_met=slo, reach=reach), slo, reach
+    preds = evaluate(
+        obs, profile, pairs, "disagg", 0, replay_requests, until_met=slo, reach=reach, size_by=size_by
     )
+    best, _ = choose(preds, slo, reach, size_by)
     if best is None:
         return max(1, limits.max_workers // 2), max(1, limits.max_workers - limits.max_workers // 2)
     return best.prefill, best.decode
@@ -260,6 +263,7 @@ def planner_run(
     min_window_requests: int = 10,
     forecast: RateForecast | SeasonalForecast | None = None,
     reach: float = REACH,
+    size_by: str = "p90",
     scale_down_window_s: float = 0.0,
     foresight_s: float = 0.0,
     seed: int = 0,
@@ -271,7 +275,9 @@ def planner_run(
     limits = _budget(total)
     pairs = candidates(limits)
     if start is None:
-        start = initial_sizes(specs, hashes, profile, limits, slo, interval_s, replay_requests, reach)
+        start = initial_sizes(
+            specs, hashes, profile, limits, slo, interval_s, replay_requests, reach, size_by
+        )
     sim = Simulator(profile, ClusterConfig(start[0], start[1], mode="disagg"))
     damper = Damper(hold_down_s, scale_down_window_s)
     stopped: dict[str, float] = {}
@@ -332,8 +338,18 @@ def planner_run(
                 obs = _foreseen(obs, specs, now + foresight_s, min_window_requests)
             if forecast is not None:
                 obs.replay_rate_rps = forecast.update(now, obs.rate_rps, obs.window_s)
-            preds = evaluate(obs, profile, pairs, "disagg", seed, replay_requests, until_met=slo, reach=reach)
-            best, binding = choose(preds, slo, reach)
+            preds = evaluate(
+                obs,
+                profile,
+                pairs,
+                "disagg",
+                seed,
+                replay_requests,
+                until_met=slo,
+                reach=reach,
+                size_by=size_by,
+            )
+            best, binding = choose(preds, slo, reach, size_by)
             if best is not None:
                 desired = damp(desired, (best.prefill, best.decode), limits, damper, now)
             window_start = now
@@ -513,7 +529,14 @@ def main(argv: list[str] | None = None) -> int:
         "--reach-margin",
         type=float,
         default=0.0,
-        help="where no size meets an SLO, a size within this fraction of the best p90 counts as meeting it",
+        help="where no size meets an SLO, a size within this fraction of the best p90 counts as meeting it "
+        "(with --size-by attainment: this fraction of the replayed requests may miss more than the best)",
+    )
+    ap.add_argument(
+        "--size-by",
+        default="p90",
+        choices=SIZE_BY,
+        help="what the planner judges a candidate by: its p90s, or the replayed requests that miss the SLO",
     )
     ap.add_argument(
         "--predictor",
@@ -601,7 +624,7 @@ def main(argv: list[str] | None = None) -> int:
     horizon = a.predict_horizon_s or a.start_s + a.interval_s
     forecast = make_forecast(a.predictor, horizon, a.season_s or day_s, a.season_span_s, max(1, a.days - 1))
     plan = planner_run(specs, hashes, profile, a.total, slo, a.interval_s, a.hold_down_s, a.start_s,
-                       a.replay_requests, start, forecast=forecast, reach=a.reach_margin,
+                       a.replay_requests, start, forecast=forecast, reach=a.reach_margin, size_by=a.size_by,
                        scale_down_window_s=a.scale_down_window_s, foresight_s=a.foresight_s,
                        seed=a.replay_seed)  # fmt: skip
     print(json.dumps({k: v for k, v in plan.items() if k != "timeline"}), flush=True)
@@ -610,7 +633,8 @@ def main(argv: list[str] | None = None) -> int:
         f"{shape}, {profile.name} ({profile.source.split(':')[0]}), "
         "mode disagg, TTFT policy; "
         f"goodput SLO TTFT <= {SLO.ttft_s:g} s and ITL p90 <= {SLO.itl_p90_s * 1000:g} ms per request; planner "
-        f"target p90 TTFT {a.slo_ttft_ms:g} ms / ITL {a.slo_itl_ms:g} ms, reach margin {a.reach_margin:g}, "
+        f"target p90 TTFT {a.slo_ttft_ms:g} ms / ITL {a.slo_itl_ms:g} ms, sized by {a.size_by}, "
+        f"reach margin {a.reach_margin:g}, "
         f"interval {a.interval_s:g} s, hold-down {a.hold_down_s:g} s, scale-down window "
         f"{a.scale_down_window_s:g} s, predictor {a.predictor}"
         + (

@@ -19,7 +19,7 @@ import math
 import random
 import zlib
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -139,6 +139,8 @@ class Prediction:
     ttft_p90_s: float
     itl_p90_s: float
     failed: int = 0
+    misses: int = 0  # replayed requests that missed the SLO (TTFT, or their own p90 ITL) or failed
+    requests: int = 0
 
     @property
     def workers(self) -> int:
@@ -159,6 +161,7 @@ class Prediction:
             "ttft_p90_ms": round(self.ttft_p90_s * 1000, 2),
             "itl_p90_ms": round(self.itl_p90_s * 1000, 2),
             "failed": self.failed,
+            "misses": self.misses,
         }
 
 
@@ -194,6 +197,10 @@ def live_profile(base: Profile, obs: Observation) -> Profile:
 
 PREDICTORS = ("none", "trend", "seasonal")
 REACH = 0.0  # how far above the best achievable p90 a size may be where no size meets an SLO (0: the best)
+# what a candidate is judged by: its p90s against the (attainable) targets, or how many replayed requests miss the
+# SLO against the fewest any candidate misses (the share a size serves within the SLO: what goodput counts)
+SIZE_BY = ("p90", "attainment")
+ATTAINMENT_P90_BOUND = 2.0  # sized by attainment, a size's p90s stay within this factor of the best (or the SLO)
 
 
 @dataclass
@@ -414,19 +421,32 @@ def replay_workload(
 
 
 def simulate_candidate(
-    specs: Sequence[RequestSpec], hashes: Sequence[list[int]], profile: Profile, p: int, d: int, mode: str
+    specs: Sequence[RequestSpec],
+    hashes: Sequence[list[int]],
+    profile: Profile,
+    p: int,
+    d: int,
+    mode: str,
+    slo: Slo | None = None,
 ) -> Prediction:
+    """One candidate's replay: its p90 TTFT and ITL and, against `slo`, the requests that miss it."""
     sim = Simulator(profile, ClusterConfig(prefill_workers=p, decode_workers=d, mode=mode))
     results = sim.run(specs, hashes)
     ok = [r for r in results if r.ok]
     ttfts = [r.ttft_s for r in ok if r.ttft_s is not None]
     gaps = [g for r in ok for g in r.itl_s]
+    misses = 0
+    if slo is not None:
+        met = [r for r in ok if r.ttft_s is not None and r.ttft_s <= slo.ttft_s]
+        misses = len(results) - sum(1 for r in met if not r.itl_s or percentile(r.itl_s, 90) <= slo.itl_s)
     return Prediction(
         p,
         d,
         ttft_p90_s=percentile(ttfts, 90) if ttfts else 0.0,
         itl_p90_s=percentile(gaps, 90) if gaps else 0.0,
         failed=len(results) - len(ok),
+        misses=misses,
+        requests=len(results),
     )
 
 
@@ -439,27 +459,51 @@ def evaluate(
     max_requests: int = 200,
     until_met: Slo | None = None,
     reach: float = REACH,
+    size_by: str = "p90",
+    slo: Slo | None = None,
 ) -> list[Prediction]:
-    """Replay the window through each candidate (P, D). With `until_met`, the largest total goes first (what the
-    limits can reach at best: `attainable`), then the others by increasing P + D, and the replay stops after the
-    first total at which some candidate meets the attainable targets: `choose` never takes a candidate with more
-    workers than that, so its answer is the same as over every candidate, for less simulation (when none meets,
-    every candidate is simulated)."""
+    """Replay the window through each candidate (P, D), counting the requests that miss `slo` (or `until_met`).
+    With `until_met`, the largest total goes first (what the limits can reach at best: `attainable`, or the
+    fewest misses), then the others by increasing P + D, and the replay stops after the first total at which
+    some candidate is good enough for `choose`: it never takes a candidate with more workers than that, so its
+    answer is the same as over every candidate, for less simulation (when none is, every candidate is
+    simulated)."""
     specs = replay_workload(obs, profile.block_size, seed, max_requests)
     if not specs:
         return []
     hashes = block_hashes_for(specs, profile.block_size)
+    judge = until_met or slo
+
+    def run(p: int, d: int) -> Prediction:
+        return simulate_candidate(specs, hashes, profile, p, d, mode, judge)
+
     if until_met is None:
-        return [simulate_candidate(specs, hashes, profile, p, d, mode) for p, d in pairs]
+        return [run(p, d) for p, d in pairs]
     totals = sorted({p + d for p, d in pairs})
-    out = [simulate_candidate(specs, hashes, profile, p, d, mode) for p, d in pairs if p + d == totals[-1]]
-    target = attainable(out, until_met, reach)
+    out = [run(p, d) for p, d in pairs if p + d == totals[-1]]
+    good_enough = _good_enough(out, until_met, reach, size_by)
     for n in totals[:-1]:
-        level = [simulate_candidate(specs, hashes, profile, p, d, mode) for p, d in pairs if p + d == n]
+        level = [run(p, d) for p, d in pairs if p + d == n]
         out.extend(level)
-        if any(x.meets(target) for x in level):
+        if any(good_enough(x) for x in level):
             break
     return out
+
+
+def _good_enough(
+    best_of: Sequence[Prediction], slo: Slo, reach: float, size_by: str
+) -> Callable[[Prediction], bool]:
+    """What `choose` takes from a candidate, given the candidates `best_of` that set the bar. p90: it meets the
+    attainable targets. attainment: it misses no more requests than the fewest any candidate that fails none
+    misses, plus `reach` of the replayed requests, and its p90s are within ATTAINMENT_P90_BOUND of the best."""
+    if size_by == "attainment":
+        fewest = min((p.misses for p in best_of if p.failed == 0), default=0)  # as `attainable`
+        # requests that miss the SLO on any size are the same miss however long they wait: without a bound on
+        # the p90s, a size that queues them for minutes would count as good as one that serves them in seconds
+        bound = attainable(best_of, slo, ATTAINMENT_P90_BOUND - 1.0)
+        return lambda p: p.failed == 0 and p.misses <= fewest + math.floor(reach * p.requests) and p.meets(bound)
+    target = attainable(best_of, slo, reach)
+    return lambda p: p.meets(target)
 
 
 def attainable(preds: Sequence[Prediction], slo: Slo, reach: float = REACH) -> Slo:
@@ -480,17 +524,26 @@ def binding_slo(pred: Prediction, slo: Slo) -> str:
     return "ttft" if pred.ttft_p90_s / slo.ttft_s >= pred.itl_p90_s / slo.itl_s else "itl"
 
 
-def choose(preds: Sequence[Prediction], slo: Slo, reach: float = REACH) -> tuple[Prediction | None, str]:
-    """The fewest workers that meet both attainable targets (ties: the most headroom); when none does, the one
-    that misses them least. Returns the target and the binding SLO (against the SLO as set)."""
+def choose(
+    preds: Sequence[Prediction], slo: Slo, reach: float = REACH, size_by: str = "p90"
+) -> tuple[Prediction | None, str]:
+    """The fewest workers that are good enough (`_good_enough`: by p90, they meet both attainable targets; by
+    attainment, they miss no more replayed requests than the best candidate, within `reach`); ties: the most
+    headroom. When none is, the one that misses the targets least. Returns it and the binding SLO (against the
+    SLO as set)."""
     if not preds:
         return None, "none"
     target = attainable(preds, slo, reach)
-    meeting = [p for p in preds if p.meets(target)]
+    good = _good_enough(preds, slo, reach, size_by)
+    meeting = [p for p in preds if good(p)]
     if meeting:
         best = min(
             meeting,
-            key=lambda p: (p.workers, max(p.ttft_p90_s / target.ttft_s, p.itl_p90_s / target.itl_s)),
+            key=lambda p: (
+                p.workers,
+                p.misses if size_by == "attainment" else 0,
+                max(p.ttft_p90_s / target.ttft_s, p.itl_p90_s / target.itl_s),
+            ),
         )
     else:
         best = min(preds, key=lambda p: (round(p.excess(target), 6), p.workers))

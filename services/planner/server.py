@@ -19,6 +19,7 @@ import argparse
 import asyncio
 import concurrent.futures
 import contextlib
+import functools
 import json
 import logging
 import multiprocessing
@@ -49,6 +50,7 @@ from services.planner import observe
 from services.planner.plan import (
     PREDICTORS,
     REACH,
+    SIZE_BY,
     Damper,
     Limits,
     Observation,
@@ -106,8 +108,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
              "hold, and the window extends into the next interval)", int)  # fmt: skip
     add_flag(g, "--replay-requests", 200, "most requests of one window replayed per candidate", int)
     add_flag(g, "--reach-margin", REACH, "where no size meets an SLO (prompts too long for the TTFT target on any "
-             "number of workers), a size within this fraction of the best candidate's p90 counts as meeting it",
+             "number of workers), a size within this fraction of the best candidate's p90 counts as meeting it; "
+             "with --size-by attainment, a size may miss this fraction of the replayed requests more than the best",
              float)  # fmt: skip
+    add_flag(g, "--size-by", "p90", "what a candidate is judged by: p90: its p90 TTFT and ITL against the targets "
+             "(or the best reachable p90s); attainment: the replayed requests that miss the SLO (TTFT, or their own "
+             "p90 ITL), against the fewest any candidate misses (docs/planner.md)", str, SIZE_BY)  # fmt: skip
     add_flag(g, "--predictor", "none", "the arrival rate replayed: none: the window's measured rate; trend: "
              "Holt's linear trend over the windows, --predict-horizon-s ahead; seasonal: the window's rate times "
              "the rise the same time of the last --seasons seasons (--season-s) saw --predict-horizon-s ahead",
@@ -259,10 +265,18 @@ class Planner:
                 # wall-clock time: a season is a time of day (the damper's `now` is monotonic)
                 obs.replay_rate_rps = self.forecast.update(wall, obs.rate_rps, obs.window_s)
             pairs = candidates(self.limits)
-            preds = await asyncio.get_running_loop().run_in_executor(
-                self.pool, evaluate, obs, profile, pairs, self.args.router_mode, 0, self.args.replay_requests
+            replay = functools.partial(
+                evaluate,
+                obs,
+                profile,
+                pairs,
+                self.args.router_mode,
+                0,
+                self.args.replay_requests,
+                slo=self.slo,
             )
-            best, binding = choose(preds, self.slo, self.args.reach_margin)
+            preds = await asyncio.get_running_loop().run_in_executor(self.pool, replay)
+            best, binding = choose(preds, self.slo, self.args.reach_margin, self.args.size_by)
             targets = attainable(preds, self.slo, self.args.reach_margin)
             target = (best.prefill, best.decode) if best is not None else base
             outcome = ""
@@ -296,6 +310,7 @@ class Planner:
                 "itl_ms": round(targets.itl_s * 1000, 2),
             },
             "predictor": self.args.predictor,
+            "size_by": self.args.size_by,
             "limits": {
                 "min_prefill": self.limits.min_prefill,
                 "max_prefill": self.limits.max_prefill,

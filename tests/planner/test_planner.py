@@ -278,7 +278,13 @@ def test_planner_flags_are_checked() -> None:
         _config(p.parse_args(["--predictor", "seasonal", "--season-s", "0"]))
     with pytest.raises(SystemExit):
         p.parse_args(["--predictor", "arima"])
+    with pytest.raises(SystemExit):
+        p.parse_args(["--size-by", "p99"])
     assert (p.parse_args([]).predictor, p.parse_args([]).scale_down_window_s) == ("none", 0.0)
+    assert (
+        p.parse_args([]).size_by == "p90"
+        and p.parse_args(["--size-by", "attainment"]).size_by == "attainment"
+    )
 
 
 def test_the_planner_service_builds_the_forecast_its_flags_name() -> None:

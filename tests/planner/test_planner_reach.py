@@ -53,6 +53,49 @@ def test_an_unreachable_ttft_target_asks_for_the_fewest_workers_near_the_best() 
     assert attainable([Prediction(9, 9, 0.1, 0.01, failed=1), *preds], slo, 0.1) == target
 
 
+def test_sized_by_attainment_the_fewest_workers_that_miss_no_more_requests_than_the_best_win() -> None:
+    slo = Slo(ttft_s=1.0, itl_s=0.1)
+    # 100 replayed requests; 10 are too long for 1 s on any size; 4 prefill workers queue nobody past it, 3 one
+    # request a few ms (its p90 a hair above the best), 2 a dozen requests, 1 half of them
+    preds = [
+        Prediction(1, 1, 9.0, 0.05, misses=55, requests=100),
+        Prediction(2, 1, 2.4, 0.05, misses=22, requests=100),
+        Prediction(3, 1, 2.02, 0.05, misses=10, requests=100),
+        Prediction(4, 1, 2.0, 0.05, misses=10, requests=100),
+        Prediction(5, 1, 1.9, 0.05, misses=9, requests=100, failed=1),  # fails a request: never chosen
+    ]
+    # by p90 with no margin the best p90 is the target, so the largest size that meets it wins
+    assert choose(preds, slo)[0] == preds[3]
+    # by attainment, 3 serves as many requests within the SLO as 4
+    best, binding = choose(preds, slo, size_by="attainment")
+    assert (best.prefill, best.decode, binding) == (3, 1, "ttft")
+    # a margin is a share of the replayed requests: 12 % lets 2 workers miss 12 more than the best
+    assert choose(preds, slo, reach=0.12, size_by="attainment")[0] == preds[1]
+    assert choose(preds, slo, reach=0.11, size_by="attainment")[0] == preds[2]
+    # where every request misses on every size, fewer misses cannot tell: the p90 stays within 2x of the best
+    hopeless = [
+        Prediction(1, 1, 30.0, 0.05, misses=100, requests=100),
+        Prediction(2, 1, 5.9, 0.05, misses=100, requests=100),
+        Prediction(3, 1, 3.0, 0.05, misses=100, requests=100),
+    ]
+    assert choose(hopeless, slo, size_by="attainment")[0] == hopeless[1]
+
+
+def test_a_replay_counts_the_requests_that_miss_the_slo() -> None:
+    # ~2,000-token prompts on a ~1,600 tokens/s profile: each takes over 1 s alone; one worker also queues them
+    long = Observation(
+        window_s=10, requests=12, input_tokens=[(1024, 0.0), (2048, 12.0)], output_tokens=[(1, 12.0)],
+        prompt_tokens=12 * 1800, generation_tokens=12,
+    )  # fmt: skip
+    preds = evaluate(long, CPU, [(1, 1), (4, 1)], slo=Slo(ttft_s=1.2, itl_s=0.1))
+    assert all(p.requests == 24 for p in preds)  # the replay's requests (at least 20 s of arrivals)
+    one, four = preds
+    assert 0 < four.misses < one.misses <= one.requests
+    loose = evaluate(long, CPU, [(4, 1)], slo=Slo(ttft_s=60.0, itl_s=1.0))
+    assert loose[0].misses == 0
+    assert evaluate(long, CPU, [(4, 1)])[0].misses == 0  # no SLO given: nothing is counted
+
+
 def test_the_pruned_replay_reaches_for_the_best_first_and_chooses_as_the_full_one() -> None:
     # prompts of ~2,000 tokens on a ~1,600 tokens/s CPU profile: no size prefills one within 1 s
     long = Observation(
@@ -61,7 +104,7 @@ def test_the_pruned_replay_reaches_for_the_best_first_and_chooses_as_the_full_on
     )  # fmt: skip
     slo, limits = Slo(ttft_s=1.0, itl_s=0.1), Limits(1, 4, 1, 2, max_workers=5)
     pairs = candidates(limits)
-    full = evaluate(long, CPU, pairs)
+    full = evaluate(long, CPU, pairs, slo=slo)
     assert not any(p.meets(slo) for p in full)
     pruned = evaluate(long, CPU, pairs, until_met=slo)
     assert choose(pruned, slo) == choose(full, slo)

@@ -51,10 +51,11 @@ def test_the_pruned_replay_chooses_what_the_full_replay_chooses() -> None:
     limits = Limits(1, 4, 1, 4, max_workers=6)
     pairs = candidates(limits)
     for obs in (STEADY, Observation(**{**STEADY.__dict__, "backlog": 40})):
-        full = evaluate(obs, CPU, pairs)
-        pruned = evaluate(obs, CPU, pairs, until_met=SLO)
-        assert choose(pruned, SLO) == choose(full, SLO)
-        assert {(p.prefill, p.decode) for p in pruned} <= set(pairs)
+        full = evaluate(obs, CPU, pairs, slo=SLO)
+        for size_by in ("p90", "attainment"):
+            pruned = evaluate(obs, CPU, pairs, until_met=SLO, size_by=size_by)
+            assert choose(pruned, SLO, size_by=size_by) == choose(full, SLO, size_by=size_by)
+            assert {(p.prefill, p.decode) for p in pruned} <= set(pairs)
     # the steady load is met at 2 workers: besides the largest total (what the limits reach at best, replayed
     # first), nothing larger is simulated
     assert {p.workers for p in evaluate(STEADY, CPU, pairs, until_met=SLO)} == {2, 6}
