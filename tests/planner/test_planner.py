@@ -155,16 +155,19 @@ class _FakeApiServer(ThreadingHTTPServer):
                 self._send({"spec": body["spec"]})
 
             def _send(self, obj: dict) -> None:
-                raw = json.dumps(obj).encode()
-                self.send_response(200)
-                self.send_header("Content-Length", str(len(raw)))
-                self.end_headers()
-                self.wfile.write(raw)
+                _answer(self, json.dumps(obj).encode())
 
             def log_message(self, *a: object) -> None:
                 pass
 
         super().__init__(("127.0.0.1", 0), Handler)
+
+
+def _answer(handler: BaseHTTPRequestHandler, raw: bytes) -> None:
+    handler.send_response(200)
+    handler.send_header("Content-Length", str(len(raw)))
+    handler.end_headers()
+    handler.wfile.write(raw)
 
 
 def test_kubernetes_mode_patches_only_the_scale_subresource_of_the_two_deployments() -> None:
@@ -200,11 +203,7 @@ class _MetricsServer(ThreadingHTTPServer):
     def __init__(self, registry: CollectorRegistry) -> None:
         class Handler(BaseHTTPRequestHandler):
             def do_GET(self) -> None:  # noqa: N802
-                raw = generate_latest(registry)
-                self.send_response(200)
-                self.send_header("Content-Length", str(len(raw)))
-                self.end_headers()
-                self.wfile.write(raw)
+                _answer(self, generate_latest(registry))
 
             def log_message(self, *a: object) -> None:
                 pass
