@@ -200,7 +200,9 @@ REACH = 0.0  # how far above the best achievable p90 a size may be where no size
 # what a candidate is judged by: its p90s against the (attainable) targets, or how many replayed requests miss the
 # SLO against the fewest any candidate misses (the share a size serves within the SLO: what goodput counts)
 SIZE_BY = ("p90", "attainment")
-ATTAINMENT_P90_BOUND = 2.0  # sized by attainment, a size's p90s stay within this factor of the best (or the SLO)
+ATTAINMENT_P90_BOUND = (
+    2.0  # sized by attainment, a size's p90s stay within this factor of the best (or the SLO)
+)
 
 
 @dataclass
@@ -501,7 +503,9 @@ def _good_enough(
         # requests that miss the SLO on any size are the same miss however long they wait: without a bound on
         # the p90s, a size that queues them for minutes would count as good as one that serves them in seconds
         bound = attainable(best_of, slo, ATTAINMENT_P90_BOUND - 1.0)
-        return lambda p: p.failed == 0 and p.misses <= fewest + math.floor(reach * p.requests) and p.meets(bound)
+        return lambda p: (
+            p.failed == 0 and p.misses <= fewest + math.floor(reach * p.requests) and p.meets(bound)
+        )
     target = attainable(best_of, slo, reach)
     return lambda p: p.meets(target)
 
