@@ -28,6 +28,7 @@ DEFAULT_ALIGNMENT = 32
 # value type -> struct format of one value (8: string and 9: array are read by hand)
 _SCALARS = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 10: "Q", 11: "q", 12: "d"}
 _STRING, _ARRAY = 8, 9
+_STRUCTS = {fmt: struct.Struct("<" + fmt) for fmt in (*_SCALARS.values(), "I", "Q")}  # compiled once
 _NUMPY = {0: np.uint8, 1: np.int8, 2: np.uint16, 3: np.int16, 4: np.uint32, 5: np.int32, 6: np.float32,
           7: np.bool_, 10: np.uint64, 11: np.int64, 12: np.float64}  # fmt: skip
 # tensor types whose values numpy holds as they are (the rest are rows of bytes for gguf.quants)
@@ -70,8 +71,9 @@ class GgufFile:
     # ---- parsing ----------------------------------------------------------------------------------------------
 
     def _take(self, fmt: str) -> Any:
-        (value,) = struct.unpack_from("<" + fmt, self._buf, self._pos)
-        self._pos += struct.calcsize("<" + fmt)
+        layout = _STRUCTS[fmt]
+        (value,) = layout.unpack_from(self._buf, self._pos)
+        self._pos += layout.size
         return value
 
     def _string(self) -> str:

@@ -126,12 +126,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
 
 
-# the planner flags `up` sets itself: --planner-flag may not set them a second time
+# planner flags `up` takes under the same names and passes on
+_SAME_NAME_PLANNER_FLAGS = ("slo-ttft-ms", "slo-itl-ms", "min-prefill", "max-prefill", "min-decode", "max-decode",
+                            "max-workers", "hold-down-s")  # fmt: skip
+# every planner flag `up` sets itself (--planner-flag may not set one a second time) -> the `up` flag that sets it
 _OWN_PLANNER_FLAGS = {
-    "host": "", "port": "", "scale-mode": "", "router-mode": "--mode", "interval-s": "--planner-interval-s",
-    "slo-ttft-ms": "--slo-ttft-ms", "slo-itl-ms": "--slo-itl-ms", "min-prefill": "--min-prefill",
-    "max-prefill": "--max-prefill", "min-decode": "--min-decode", "max-decode": "--max-decode",
-    "max-workers": "--max-workers", "hold-down-s": "--hold-down-s", "etcd": "",
+    "host": "", "port": "", "scale-mode": "", "etcd": "", "router-mode": "--mode",
+    "interval-s": "--planner-interval-s", **{name: f"--{name}" for name in _SAME_NAME_PLANNER_FLAGS},
 }  # fmt: skip
 
 
@@ -251,9 +252,8 @@ class Cluster:
             self.planner_port = _free_port()
             plan = ["--host", "127.0.0.1", "--port", str(self.planner_port), "--scale-mode", "local"]
             plan += ["--interval-s", str(a.planner_interval_s), "--router-mode", a.mode]
-            for flag in ("slo_ttft_ms", "slo_itl_ms", "min_prefill", "max_prefill", "min_decode", "max_decode",
-                         "max_workers", "hold_down_s"):  # fmt: skip
-                plan += [f"--{flag.replace('_', '-')}", str(getattr(a, flag))]
+            for name in _SAME_NAME_PLANNER_FLAGS:
+                plan += [f"--{name}", str(getattr(a, name.replace("-", "_")))]
             for name, value in a.planner_flag:
                 plan += [f"--{name}", value]
             self.spawn("planner", base + ["planner", *common, *plan])

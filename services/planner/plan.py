@@ -200,9 +200,8 @@ REACH = 0.0  # how far above the best achievable p90 a size may be where no size
 # what a candidate is judged by: its p90s against the (attainable) targets, or how many replayed requests miss the
 # SLO against the fewest any candidate misses (the share a size serves within the SLO: what goodput counts)
 SIZE_BY = ("p90", "attainment")
-ATTAINMENT_P90_BOUND = (
-    2.0  # sized by attainment, a size's p90s stay within this factor of the best (or the SLO)
-)
+# sized by attainment, a size's p90s stay within this factor of the best (or the SLO)
+ATTAINMENT_P90_BOUND = 2.0
 
 
 @dataclass
