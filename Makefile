@@ -83,6 +83,7 @@ sim: setup
 	$(BIN)/python -m loadgen.planner_experiment --sin 0.5,2,600 --limit 3993 --out bench/results/sim/planner-sin600
 	$(BIN)/python -m loadgen.planner_experiment --foresight-s 23 --clairvoyant-slice-s 0 --out bench/results/sim/planner-foresight
 	$(BIN)/python -m loadgen.planner_experiment --days 2 --predictor seasonal --clairvoyant-slice-s 0 --out bench/results/sim/planner-seasonal
+	$(BIN)/python -m loadgen.planner_experiment --schedule-bound --clairvoyant-slice-s 0 --out bench/results/sim/planner-schedule
 
 bench-cluster: setup
 	$(BIN)/python -m loadgen.validate --out bench/results/cluster

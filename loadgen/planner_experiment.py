@@ -25,6 +25,7 @@ static split (the one with the most goodput).
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import math
 import os
@@ -267,13 +268,18 @@ def planner_run(
     scale_down_window_s: float = 0.0,
     foresight_s: float = 0.0,
     seed: int = 0,
+    schedule: Sequence[tuple[float, tuple[int, int]]] | None = None,
 ) -> dict[str, Any]:
     """With `foresight_s` > 0 the planner is told the future: each decision replays the requests that really
     arrive from `foresight_s` ahead on (their lengths, at their rate; the backlog and prefix hit rate are the
     measured ones), a perfect forecast, to measure what forecasting could buy. `seed` seeds every replay's
-    synthetic trace: another seed is another draw of the same measured traffic."""
+    synthetic trace: another seed is another draw of the same measured traffic. With `schedule` ((from time,
+    (P, D)) in time order, the first from 0) nothing is decided: the pools follow the schedule, known in
+    advance, through the same start-up, drain and billing (`_scheduled`)."""
     limits = _budget(total)
     pairs = candidates(limits)
+    if schedule is not None:
+        start = schedule[0][1]
     if start is None:
         start = initial_sizes(
             specs, hashes, profile, limits, slo, interval_s, replay_requests, reach, size_by
@@ -322,7 +328,9 @@ def planner_run(
         done = [
             r for r in sim.reqs if r.t_done is not None and window_start < r.t_done <= now and not r.failed
         ]
-        if len(arrived) >= min_window_requests and done:
+        if schedule is not None:
+            desired = _scheduled(schedule, now, start_s + interval_s)
+        elif len(arrived) >= min_window_requests and done:
             obs = Observation(
                 window_s=now - window_start,
                 requests=len(arrived),
@@ -385,6 +393,75 @@ def planner_run(
         "start": list(start),
         "timeline": timeline,
         "billing": billing,
+    }
+
+
+def _scheduled(
+    schedule: Sequence[tuple[float, tuple[int, int]]], now: float, lead_s: float
+) -> tuple[int, int]:
+    """The pools a schedule asks for at `now`: each as large as its split now or `lead_s` ahead, so a pool
+    grows early enough that its new workers serve when its split begins and shrinks when its split ends."""
+
+    def split_at(t: float) -> tuple[int, int]:
+        return [schedule[0][1], *(pair for since, pair in schedule[1:] if since <= t)][-1]
+
+    now_pair, ahead = split_at(now), split_at(now + lead_s)
+    return max(now_pair[0], ahead[0]), max(now_pair[1], ahead[1])
+
+
+def phase_starts(raw: Sequence[RequestSpec], warped: Sequence[RequestSpec], phases: int) -> list[float]:
+    """When each of `warp`'s phases begins in the warped run: the arrival of its first request (0 for the
+    first)."""
+    span = (raw[-1].arrival_s - raw[0].arrival_s) or 1.0
+    starts = [0.0]
+    for r, w in zip(raw, warped, strict=True):
+        k = min(phases - 1, int((r.arrival_s - raw[0].arrival_s) / span * phases))
+        while len(starts) <= k:
+            starts.append(w.arrival_s)
+    return starts
+
+
+def schedule_bound(
+    specs: list[RequestSpec],
+    hashes: list[list[int]],
+    profile: Profile,
+    total: int,
+    starts: Sequence[float],
+    phases: Sequence[float],
+    best: dict[str, Any],
+    interval_s: float,
+    start_s: float,
+) -> dict[str, Any]:
+    """The fewest worker-seconds of a schedule that knows the phases in advance (one split per phase, what an
+    operator's cron schedule declares), at the best static split's good requests: the busiest phase keeps the
+    best static split, every other phase tries each split of at most `total` workers with at most one decode
+    worker more than the best static's, and each schedule runs through `planner_run(schedule=...)` (the same
+    start-up, drain and billing as the planner's). Unlike `clairvoyant`, nothing is cut: the backlog and the
+    prefix caches carry from one phase into the next."""
+    peak = max(range(len(phases)), key=lambda k: phases[k])
+    fixed = (best["prefill"], best["decode"])
+    pairs = [pair for pair in candidates(_budget(total)) if pair[1] <= fixed[1] + 1]
+    options = [[fixed] if k == peak else pairs for k in range(len(phases))]
+    runs = []
+    for splits in itertools.product(*options):
+        sched = list(zip(starts, splits, strict=True))
+        r = planner_run(specs, hashes, profile, total, Slo(1.0, 1.0), interval_s, 0.0, start_s, 0,
+                        schedule=sched)  # fmt: skip
+        runs.append({"splits": [list(x) for x in splits], "good": r["good"], "worker_s": r["worker_s"]})
+    kept = [r for r in runs if r["good"] >= best["good"]]
+    fewest = min(kept, key=lambda r: r["worker_s"])
+    close = min((r for r in runs if r["good"] >= best["good"] - 5), key=lambda r: r["worker_s"])
+
+    def text(r: dict[str, Any]) -> str:
+        plan = " -> ".join(f"{p}P + {d}D" for p, d in r["splits"])
+        return f"{plan}, {r['good']} good, worker-seconds x{r['worker_s'] / best['worker_s']:.3f}"
+
+    return {
+        "runs": runs,
+        "fewest": fewest,
+        "text": f"schedule bound ({len(runs)} schedules of one split per phase, known in advance, each new worker "
+        f"asked for {start_s:g} s + one interval ahead): at the best static split's {best['good']} good requests "
+        f"{text(fewest)}; within 5 requests of it {text(close)}",
     }
 
 
@@ -595,6 +672,11 @@ def main(argv: list[str] | None = None) -> int:
         default=60.0,
         help="also report the clairvoyant bound over slices of this length (0: not)",
     )
+    ap.add_argument(
+        "--schedule-bound",
+        action="store_true",
+        help="also report the best schedule of one split per phase known in advance (with --phases, one day)",
+    )
     ap.add_argument("--out", default="bench/results/sim")
     a = ap.parse_args(argv)
     profile = load_profile(a.profile)
@@ -610,6 +692,8 @@ def main(argv: list[str] | None = None) -> int:
         shape = f"x{a.phases}, one per equal slice of its time"
     if a.days < 1:
         raise SystemExit(f"--days must be >= 1, got {a.days}")
+    if a.schedule_bound and (a.sin or a.days > 1):
+        raise SystemExit("--schedule-bound needs --phases and one day")
     specs, day_s = repeat_days(specs, a.days)
     if a.days > 1:
         shape += f", {a.days} days of {day_s:.0f} s back to back"
@@ -668,13 +752,30 @@ def main(argv: list[str] | None = None) -> int:
     if a.clairvoyant_slice_s > 0:
         bound = clairvoyant_bound(specs, hashes, profile, a.total, a.clairvoyant_slice_s, best, g)
         lines.append(bound["text"])
+    scheduled = None
+    if a.schedule_bound:
+        starts = phase_starts(raw, specs, len(phases))
+        scheduled = schedule_bound(
+            specs, hashes, profile, a.total, starts, phases, best, a.interval_s, a.start_s
+        )
+        lines.append(scheduled["text"])
     text = "\n".join(lines)
     print(text)
     os.makedirs(a.out, exist_ok=True)
     with open(os.path.join(a.out, "planner.md"), "w") as f:
         f.write(text + "\n")
     with open(os.path.join(a.out, "planner.json"), "w") as f:
-        json.dump({"statics": statics, "planner": plan, "clairvoyant": bound, "args": vars(a)}, f, indent=1)
+        json.dump(
+            {
+                "statics": statics,
+                "planner": plan,
+                "clairvoyant": bound,
+                "schedule": scheduled,
+                "args": vars(a),
+            },
+            f,
+            indent=1,
+        )
     return 0
 
 

@@ -145,6 +145,40 @@ def test_the_clairvoyant_sizes_a_quiet_slice_smaller_than_a_busy_one() -> None:
     assert goods[0][quiet] + goods[1][busy] >= need
 
 
+def test_a_schedule_grows_a_pool_ahead_of_its_split_and_shrinks_it_when_the_split_ends() -> None:
+    sched = [(0.0, (2, 1)), (100.0, (5, 1)), (200.0, (3, 2))]
+    assert pe._scheduled(sched, 50.0, 23.0) == (2, 1)
+    assert pe._scheduled(sched, 80.0, 23.0) == (5, 1)  # asked for 23 s ahead: serving by 100 s
+    assert pe._scheduled(sched, 180.0, 23.0) == (5, 2)  # decode grows ahead; prefill shrinks only at 200 s
+    assert pe._scheduled(sched, 200.0, 23.0) == (3, 2)
+
+
+def test_the_schedule_bound_serves_the_static_goodput_with_a_smaller_quiet_phase() -> None:
+    profile = load_profile("h200_node")
+    raw = mooncake(load_records(limit=300), scale=1, materialize=False)
+    phases = [0.25, 4.0]
+    specs = pe.warp(raw, phases)
+    hashes = block_hashes_for(specs, profile.block_size)
+    starts = pe.phase_starts(raw, specs, len(phases))
+    assert starts == [0.0, pytest.approx(_second_half_starts(raw, specs))]
+    statics = [pe.static_run(specs, hashes, profile, p, 6 - p) for p in range(1, 6)]
+    best = max(statics, key=lambda r: (r["good"], -r["worker_s"]))
+    split = (best["prefill"], best["decode"])
+    # a schedule that never changes is the static split: the same requests served, the same worker-seconds
+    same = pe.planner_run(
+        specs, hashes, profile, 6, SLO, 3.0, 0.0, 10.0, 0, schedule=[(0.0, split), (starts[1], split)]
+    )
+    assert same["good"] == best["good"] and same["worker_s"] == pytest.approx(best["worker_s"])
+    bound = pe.schedule_bound(specs, hashes, profile, 6, starts, phases, best, 3.0, 10.0)
+    # the busy phase keeps the best split; the quiet one tries every split with at most one decode worker more
+    assert len(bound["runs"]) == len([p for p in candidates(pe._budget(6)) if p[1] <= split[1] + 1])
+    assert all(r["splits"][1] == list(split) for r in bound["runs"])
+    quiet, busy = bound["fewest"]["splits"]
+    assert sum(quiet) < sum(busy) == 6
+    assert bound["fewest"]["good"] >= best["good"] and bound["fewest"]["worker_s"] < best["worker_s"]
+    assert "schedule bound" in bound["text"]
+
+
 def test_foresight_replays_the_requests_that_really_arrive_ahead() -> None:
     specs = mooncake(load_records(limit=200), scale=1, materialize=False)
     t0 = specs[0].arrival_s
