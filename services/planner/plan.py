@@ -132,6 +132,73 @@ class Limits:
             )
 
 
+DAY_S = 86_400
+
+
+@dataclass(frozen=True)
+class Floor:
+    """A daily window of wall-clock time (UTC) in which the pools are kept at least this large: what an
+    operator declares for load that comes at known hours (KEDA's cron scaler, for llm-d). `start_s`, `end_s`:
+    seconds after midnight; a window whose end is not after its start runs past midnight."""
+
+    start_s: int
+    end_s: int
+    prefill: int
+    decode: int
+
+    def active(self, wall: float) -> bool:
+        t = wall % DAY_S
+        if self.start_s < self.end_s:
+            return self.start_s <= t < self.end_s
+        return t >= self.start_s or t < self.end_s
+
+
+def _clock(text: str) -> int:
+    hh, sep, mm = text.strip().partition(":")
+    if not sep or not hh.isdigit() or not mm.isdigit() or len(mm) != 2 or int(hh) > 23 or int(mm) > 59:
+        raise ValueError(f"not a time of day HH:MM: {text!r}")
+    return int(hh) * 3600 + int(mm) * 60
+
+
+def parse_floors(text: str) -> list[Floor]:
+    """`--floor`: windows `HH:MM-HH:MM=P,D` (UTC), separated by `;`. Empty: none."""
+    floors = []
+    for part in (x.strip() for x in text.split(";")):
+        if not part:
+            continue
+        span, eq, sizes = part.partition("=")
+        start, dash, end = span.partition("-")
+        p, comma, d = sizes.partition(",")
+        if not eq or not dash or not comma or not p.strip().isdigit() or not d.strip().isdigit():
+            raise ValueError(f"--floor wants HH:MM-HH:MM=P,D (UTC), got {part!r}")
+        floor = Floor(_clock(start), _clock(end), int(p), int(d))
+        if floor.start_s == floor.end_s:
+            raise ValueError(f"--floor window {part!r} is empty")
+        floors.append(floor)
+    return floors
+
+
+def floor_at(floors: Sequence[Floor], wall: float) -> tuple[int, int] | None:
+    """The pools' floor at wall-clock time `wall` (epoch seconds): the largest of the active windows per
+    pool, None when none is active."""
+    on = [f for f in floors if f.active(wall)]
+    if not on:
+        return None
+    return max(f.prefill for f in on), max(f.decode for f in on)
+
+
+def with_floor(limits: Limits, floor: tuple[int, int] | None) -> Limits:
+    """The limits with their minimums raised to `floor` (never above the maximums, which `--floor` is checked
+    against at start)."""
+    if floor is None:
+        return limits
+    return replace(
+        limits,
+        min_prefill=min(limits.max_prefill, max(limits.min_prefill, floor[0])),
+        min_decode=min(limits.max_decode, max(limits.min_decode, floor[1])),
+    )
+
+
 @dataclass
 class Prediction:
     prefill: int

@@ -52,6 +52,7 @@ from services.planner.plan import (
     REACH,
     SIZE_BY,
     Damper,
+    Floor,
     Limits,
     Observation,
     SeasonalForecast,
@@ -61,8 +62,11 @@ from services.planner.plan import (
     choose,
     damp,
     evaluate,
+    floor_at,
     live_profile,
     make_forecast,
+    parse_floors,
+    with_floor,
 )
 from services.rpc import pb
 from services.runtime.args import add_flag, add_security_arguments
@@ -94,6 +98,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_flag(g, "--min-decode", 1, "fewest decode workers", int)
     add_flag(g, "--max-decode", 4, "most decode workers", int)
     add_flag(g, "--max-workers", 0, "budget on prefill + decode workers together (0: none)", int)
+    add_flag(g, "--floor", "", "daily windows of wall-clock time (UTC) in which the pools are kept at least "
+             "this large, `HH:MM-HH:MM=P,D` separated by `;` (a cron floor, as KEDA's cron scaler; a window may run "
+             "past midnight; start it a start-up plus a few intervals early)")  # fmt: skip
     add_flag(g, "--hold-down-s", 60.0, "no step in a pool within this long of its last step", float)
     add_flag(g, "--scale-down-window-s", 0.0, "a pool steps down only to the largest size any decision of this "
              "last while wanted (the HPA's scale-down stabilization window; 0: the latest decision's)",
@@ -158,6 +165,25 @@ def _config(args: argparse.Namespace) -> tuple[Slo, Limits]:
     return Slo(args.slo_ttft_ms / 1000, args.slo_itl_ms / 1000), limits
 
 
+def _floors(text: str, limits: Limits) -> list[Floor]:
+    """`--floor`'s windows, each within the limits, and so every overlap of them (the largest floor of an
+    overlap is in force from some window's start on)."""
+    floors = parse_floors(text)
+    for f in floors:
+        p, d = floor_at(floors, f.start_s) or (0, 0)
+        if (
+            p > limits.max_prefill
+            or d > limits.max_decode
+            or (limits.max_workers and p + d > limits.max_workers)
+        ):
+            raise ValueError(
+                f"--floor asks for {p} prefill + {d} decode workers from {f.start_s // 3600:02d}:"
+                f"{f.start_s % 3600 // 60:02d}, beyond --max-prefill {limits.max_prefill}, --max-decode "
+                f"{limits.max_decode} or --max-workers {limits.max_workers}"
+            )
+    return floors
+
+
 class Planner:
     """The decision loop's state: last scrapes, the damper, the history; `tick()` is one interval."""
 
@@ -166,6 +192,7 @@ class Planner:
 
         self.args = args
         self.slo, self.limits = _config(args)
+        self.floors = _floors(args.floor, self.limits)
         self.base_profile = load_profile(args.profile)
         self.directory = directory
         self.scaler = scaler
@@ -251,6 +278,8 @@ class Planner:
         # first sized decision, and in recommend mode, it is what runs
         base = self.desired if self.desired is not None and self.args.scale_mode != "recommend" else actual
         preds: list[Any] = []
+        floor = floor_at(self.floors, wall)
+        limits = with_floor(self.limits, floor)
         profile = self.base_profile
         targets = self.slo  # what the decision sized for: the SLO, or the best reachable p90 plus the margin
         if obs is None:
@@ -264,7 +293,7 @@ class Planner:
             if self.forecast is not None:
                 # wall-clock time: a season is a time of day (the damper's `now` is monotonic)
                 obs.replay_rate_rps = self.forecast.update(wall, obs.rate_rps, obs.window_s)
-            pairs = candidates(self.limits)
+            pairs = candidates(limits)
             replay = functools.partial(
                 evaluate,
                 obs,
@@ -284,7 +313,13 @@ class Planner:
         # registered, its base is 0 + 0, which the damper would lift to --min-* (a scale-down of Deployments
         # whose pods are still loading) and record as a change that then holds the next real step down
         sized = outcome not in ("no_data", "idle")
-        desired = damp(base, target, self.limits, self.damper, now) if sized else base
+        if not sized and floor is not None:
+            # a floor in force lifts the pools without traffic to size on (pre-warming before the hours it
+            # covers), from what was last asked for: never from the 0 + 0 of workers not yet registered
+            asked = await self._asked(actual)
+            if asked is not None and (asked[0] < limits.min_prefill or asked[1] < limits.min_decode):
+                sized, outcome, base, target = True, "", asked, asked
+        desired = damp(base, target, limits, self.damper, now) if sized else base
         if not outcome:
             dp, dd = desired[0] - base[0], desired[1] - base[1]
             if dp == dd == 0:
@@ -311,6 +346,7 @@ class Planner:
             },
             "predictor": self.args.predictor,
             "size_by": self.args.size_by,
+            "floor": {"prefill": floor[0], "decode": floor[1]} if floor is not None else None,
             "limits": {
                 "min_prefill": self.limits.min_prefill,
                 "max_prefill": self.limits.max_prefill,
@@ -334,6 +370,21 @@ class Planner:
         self._publish(decision, chosen)
         metrics.PLANNER_DECISION_S.observe(time.perf_counter() - t0)
         return decision
+
+    async def _asked(self, actual: tuple[int, int]) -> tuple[int, int] | None:
+        """What the pools were last asked to be: the last decision's desired; before any, the Deployments'
+        replicas (kubernetes mode), or the registered workers where there are any. None: not known."""
+        from services.planner.kube import KubeScaler
+
+        if self.desired is not None:
+            return self.desired
+        if isinstance(self.scaler, KubeScaler):
+            try:
+                return await self.scaler.replicas("prefill"), await self.scaler.replicas("decode")
+            except (httpx.HTTPError, ValueError) as e:
+                log.warning("planner: reading the Deployments' replicas failed: %s", e)
+                return None
+        return actual if sum(actual) > 0 else None
 
     def _publish(self, decision: dict[str, Any], chosen: Any) -> None:
         self.current = decision

@@ -258,6 +258,97 @@ def test_an_idle_planner_scales_nothing_while_the_workers_are_still_starting() -
     assert planner.damper.last_change == {}
 
 
+def test_a_floor_lifts_idle_pools_in_its_hours_through_the_kubernetes_api() -> None:
+    """`--floor 08:00-18:00=3,2` in kubernetes mode, no traffic to size on and the Deployments at 1 + 1: from
+    08:00 (UTC) the planner steps them up to the floor, one worker per pool a decision, from the replicas the
+    API reports (no worker has registered); before 08:00 and once the floor is reached it scales nothing."""
+    from types import SimpleNamespace
+
+    from services.planner.server import Planner, add_arguments
+
+    reg = CollectorRegistry()
+    name = m.PROMPT_TOKENS_PER_REQUEST._name  # type: ignore[attr-defined]
+    prompts = Histogram(name, "d", buckets=m.PROMPT_TOKENS_PER_REQUEST._upper_bounds[:-1], registry=reg)  # type: ignore[attr-defined]
+    front, api = _MetricsServer(reg), _FakeApiServer()
+    api.replicas = {"rackserve-prefill": 1, "rackserve-decode": 1}
+    for server in (front, api):
+        threading.Thread(target=server.serve_forever, daemon=True).start()
+    frontend = SimpleNamespace(
+        worker_id="frontend-0", epoch=1, endpoint=f"127.0.0.1:{front.server_address[1]}"
+    )
+    directory = SimpleNamespace(workers=lambda role: [frontend] if role == "frontend" else [])
+    p = argparse.ArgumentParser()
+    add_arguments(p)
+    args = p.parse_args(["--scale-mode", "kubernetes", "--floor", "08:00-18:00=3,2; 23:30-00:30=2,1"])
+    scaler = KubeScaler(f"http://127.0.0.1:{api.server_address[1]}", "prod",
+                        {"prefill": "rackserve-prefill", "decode": "rackserve-decode"}, "tok", True, 2.0)  # fmt: skip
+    planner = Planner(args, directory, scaler)  # type: ignore[arg-type]
+    day = 20 * 86_400  # a whole number of days after the epoch: midnight UTC
+    times = [
+        day + 7 * 3600 + 1800,
+        day + 7 * 3600 + 1830,
+        day + 8 * 3600,
+        day + 8 * 3600 + 30,
+        day + 8 * 3600 + 60,
+    ]
+
+    async def go() -> list[dict]:
+        decisions = []
+        for t in times:
+            prompts.observe(500)  # one request a window: nothing to size on
+            decisions.append(await planner.tick(now=float(t)))
+        await scaler.close()
+        await planner.close()
+        return decisions
+
+    try:
+        decisions = asyncio.run(go())
+    finally:
+        front.shutdown()
+        api.shutdown()
+    assert [d["outcome"] for d in decisions] == ["no_data", "idle", "scale_up", "scale_up", "idle"]
+    assert [d["floor"] for d in decisions] == [None, None] + [{"prefill": 3, "decode": 2}] * 3
+    assert [d["desired"] for d in decisions[2:4]] == [
+        {"prefill": 2, "decode": 2},
+        {"prefill": 3, "decode": 2},
+    ]
+    assert [(c[1].split("/")[-2], c[3]) for c in api.calls if c[0] == "PATCH"] == [
+        ("rackserve-prefill", {"spec": {"replicas": 2}}),
+        ("rackserve-decode", {"spec": {"replicas": 2}}),
+        ("rackserve-prefill", {"spec": {"replicas": 3}}),
+    ]
+    assert api.replicas == {"rackserve-prefill": 3, "rackserve-decode": 2}
+
+
+def test_floor_windows_parse_and_wrap_past_midnight() -> None:
+    from services.planner.plan import floor_at, parse_floors
+    from services.planner.server import _floors
+
+    floors = parse_floors("08:00-18:00=3,2; 23:30-00:30=2,1;17:00-19:00=1,3")
+    assert floor_at(floors, 7 * 3600 + 3599) is None
+    assert floor_at(floors, 8 * 3600) == (3, 2)
+    assert floor_at(floors, 17 * 3600 + 60) == (3, 3)  # two windows: the larger of each pool
+    assert floor_at(floors, 18 * 3600) == (1, 3)  # a window's end is not in it
+    assert floor_at(floors, 86_400 * 3 + 10) == (2, 1)  # 00:00:10 on another day: the window past midnight
+    assert floor_at(floors, 23 * 3600 + 1799) is None and parse_floors("") == []
+    for bad in (
+        "8-18=3,2",
+        "08:00-18:00=3",
+        "08:00=3,2",
+        "08:00-24:00=1,1",
+        "08:00-08:00=1,1",
+        "08:00-09:00=a,1",
+    ):
+        with pytest.raises(ValueError):
+            parse_floors(bad)
+    # within the limits, also where two windows overlap: 17:00-18:00 asks for 3 + 3 of a budget of 5
+    with pytest.raises(ValueError, match="--max-workers 5"):
+        _floors("08:00-18:00=3,2; 17:00-19:00=1,3", Limits(1, 4, 1, 4, max_workers=5))
+    with pytest.raises(ValueError, match="--max-prefill 4"):
+        _floors("08:00-18:00=5,1", Limits(1, 4, 1, 4))
+    assert len(_floors("08:00-18:00=3,2; 17:00-19:00=1,3", Limits(1, 4, 1, 4, max_workers=6))) == 2
+
+
 def test_planner_flags_are_checked() -> None:
     from services.planner.server import _config, add_arguments
 
@@ -584,6 +675,7 @@ def test_chart_planner_profile_validates_strictly_and_its_rbac_is_the_minimum(
     """The ci profile with the planner in kubernetes mode: kubernetes-validate --strict accepts every object (the
     planner's Deployment, Role, RoleBinding, ServiceAccount, NetworkPolicy), the Role allows get/patch on the two
     worker Deployments' scale subresource and nothing else, and the env parses with the planner's own flags."""
+    from services.planner.server import _config, _floors
     from services.planner.server import add_arguments as planner_arguments
     from tests.deploy import test_chart as chart
 
@@ -622,6 +714,9 @@ def test_chart_planner_profile_validates_strictly_and_its_rbac_is_the_minimum(
         "kubernetes", "llm", "rs-rackserve-prefill",
     )  # fmt: skip
     assert (args.slo_ttft_ms, args.max_workers, args.port) == (1500.0, 6, 8090)
+    assert [(f.start_s, f.prefill, f.decode) for f in _floors(args.floor, _config(args)[1])] == [
+        (7 * 3600 + 1800, 3, 2), (22 * 3600, 2, 1),
+    ]  # fmt: skip
     # the frontend forwards GET /v1/plan to it; it reads the workers' /metrics: both admitted, nothing else
     policy = chart.find(objs, "NetworkPolicy", "rs-rackserve-planner")
     assert [p["port"] for p in policy["spec"]["ingress"][0]["ports"]] == [8090]
