@@ -211,10 +211,12 @@ class _MetricsServer(ThreadingHTTPServer):
         super().__init__(("127.0.0.1", 0), Handler)
 
 
-def test_an_idle_planner_scales_nothing_while_the_workers_are_still_starting() -> None:
-    """Kubernetes mode, the planner up before any worker has registered (pods loading the model) and a few
-    requests a window: no sized decision, so no PATCH (the Deployments keep their 3 + 2 replicas) and nothing
-    the damper would count as a change."""
+def _idle_kubernetes_planner(
+    replicas: tuple[int, int], flags: list[str], times: list[float]
+) -> tuple[list[dict], _FakeApiServer, Any]:
+    """A planner in kubernetes mode before any worker has registered, against real HTTP servers: the API (the
+    Deployments at `replicas`) and a frontend's /metrics that sees one request a window (below
+    --min-window-requests: nothing to size on). Its decisions at `times`, the API server, the planner."""
     from types import SimpleNamespace
 
     from services.planner.server import Planner, add_arguments
@@ -223,7 +225,7 @@ def test_an_idle_planner_scales_nothing_while_the_workers_are_still_starting() -
     name = m.PROMPT_TOKENS_PER_REQUEST._name  # type: ignore[attr-defined]
     prompts = Histogram(name, "d", buckets=m.PROMPT_TOKENS_PER_REQUEST._upper_bounds[:-1], registry=reg)  # type: ignore[attr-defined]
     front, api = _MetricsServer(reg), _FakeApiServer()
-    api.replicas = {"rackserve-prefill": 3, "rackserve-decode": 2}
+    api.replicas = {"rackserve-prefill": replicas[0], "rackserve-decode": replicas[1]}
     for server in (front, api):
         threading.Thread(target=server.serve_forever, daemon=True).start()
     frontend = SimpleNamespace(
@@ -232,25 +234,34 @@ def test_an_idle_planner_scales_nothing_while_the_workers_are_still_starting() -
     directory = SimpleNamespace(workers=lambda role: [frontend] if role == "frontend" else [])
     p = argparse.ArgumentParser()
     add_arguments(p)
-    args = p.parse_args(["--scale-mode", "kubernetes", "--min-prefill", "1", "--min-decode", "1"])
+    args = p.parse_args(["--scale-mode", "kubernetes", *flags])
     scaler = KubeScaler(f"http://127.0.0.1:{api.server_address[1]}", "prod",
                         {"prefill": "rackserve-prefill", "decode": "rackserve-decode"}, "tok", True, 2.0)  # fmt: skip
     planner = Planner(args, directory, scaler)  # type: ignore[arg-type]
 
     async def go() -> list[dict]:
         decisions = []
-        for t in (100.0, 130.0, 160.0):
-            prompts.observe(500)  # one request a window: below --min-window-requests
+        for t in times:
+            prompts.observe(500)
             decisions.append(await planner.tick(now=t))
         await scaler.close()
         await planner.close()
         return decisions
 
     try:
-        decisions = asyncio.run(go())
+        return asyncio.run(go()), api, planner
     finally:
         front.shutdown()
         api.shutdown()
+
+
+def test_an_idle_planner_scales_nothing_while_the_workers_are_still_starting() -> None:
+    """Kubernetes mode, the planner up before any worker has registered (pods loading the model) and a few
+    requests a window: no sized decision, so no PATCH (the Deployments keep their 3 + 2 replicas) and nothing
+    the damper would count as a change."""
+    decisions, api, planner = _idle_kubernetes_planner(
+        (3, 2), ["--min-prefill", "1", "--min-decode", "1"], [100.0, 130.0, 160.0]
+    )
     assert [d["outcome"] for d in decisions] == ["no_data", "idle", "idle"]
     assert all(d["actual"] == {"prefill": 0, "decode": 0} for d in decisions)
     assert [c for c in api.calls if c[0] == "PATCH"] == []
@@ -262,50 +273,17 @@ def test_a_floor_lifts_idle_pools_in_its_hours_through_the_kubernetes_api() -> N
     """`--floor 08:00-18:00=3,2` in kubernetes mode, no traffic to size on and the Deployments at 1 + 1: from
     08:00 (UTC) the planner steps them up to the floor, one worker per pool a decision, from the replicas the
     API reports (no worker has registered); before 08:00 and once the floor is reached it scales nothing."""
-    from types import SimpleNamespace
-
-    from services.planner.server import Planner, add_arguments
-
-    reg = CollectorRegistry()
-    name = m.PROMPT_TOKENS_PER_REQUEST._name  # type: ignore[attr-defined]
-    prompts = Histogram(name, "d", buckets=m.PROMPT_TOKENS_PER_REQUEST._upper_bounds[:-1], registry=reg)  # type: ignore[attr-defined]
-    front, api = _MetricsServer(reg), _FakeApiServer()
-    api.replicas = {"rackserve-prefill": 1, "rackserve-decode": 1}
-    for server in (front, api):
-        threading.Thread(target=server.serve_forever, daemon=True).start()
-    frontend = SimpleNamespace(
-        worker_id="frontend-0", epoch=1, endpoint=f"127.0.0.1:{front.server_address[1]}"
-    )
-    directory = SimpleNamespace(workers=lambda role: [frontend] if role == "frontend" else [])
-    p = argparse.ArgumentParser()
-    add_arguments(p)
-    args = p.parse_args(["--scale-mode", "kubernetes", "--floor", "08:00-18:00=3,2; 23:30-00:30=2,1"])
-    scaler = KubeScaler(f"http://127.0.0.1:{api.server_address[1]}", "prod",
-                        {"prefill": "rackserve-prefill", "decode": "rackserve-decode"}, "tok", True, 2.0)  # fmt: skip
-    planner = Planner(args, directory, scaler)  # type: ignore[arg-type]
     day = 20 * 86_400  # a whole number of days after the epoch: midnight UTC
     times = [
-        day + 7 * 3600 + 1800,
-        day + 7 * 3600 + 1830,
+        day + 7.5 * 3600,
+        day + 7.5 * 3600 + 30,
         day + 8 * 3600,
         day + 8 * 3600 + 30,
         day + 8 * 3600 + 60,
     ]
-
-    async def go() -> list[dict]:
-        decisions = []
-        for t in times:
-            prompts.observe(500)  # one request a window: nothing to size on
-            decisions.append(await planner.tick(now=float(t)))
-        await scaler.close()
-        await planner.close()
-        return decisions
-
-    try:
-        decisions = asyncio.run(go())
-    finally:
-        front.shutdown()
-        api.shutdown()
+    decisions, api, _ = _idle_kubernetes_planner(
+        (1, 1), ["--floor", "08:00-18:00=3,2; 23:30-00:30=2,1"], times
+    )
     assert [d["outcome"] for d in decisions] == ["no_data", "idle", "scale_up", "scale_up", "idle"]
     assert [d["floor"] for d in decisions] == [None, None] + [{"prefill": 3, "decode": 2}] * 3
     assert [d["desired"] for d in decisions[2:4]] == [
