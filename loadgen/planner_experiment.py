@@ -44,6 +44,7 @@ from services.planner.plan import (
     REACH,
     SIZE_BY,
     Damper,
+    Floor,
     Limits,
     Observation,
     RateForecast,
@@ -53,7 +54,9 @@ from services.planner.plan import (
     choose,
     damp,
     evaluate,
+    floor_at,
     make_forecast,
+    with_floor,
 )
 
 SLO = rep.Slo(ttft_s=2.0, itl_p90_s=0.05)  # the goodput SLO, per request (as loadgen/experiments.py)
@@ -269,13 +272,16 @@ def planner_run(
     foresight_s: float = 0.0,
     seed: int = 0,
     schedule: Sequence[tuple[float, tuple[int, int]]] | None = None,
+    floors: Sequence[Floor] = (),
+    day_s: float = 0.0,
 ) -> dict[str, Any]:
     """With `foresight_s` > 0 the planner is told the future: each decision replays the requests that really
     arrive from `foresight_s` ahead on (their lengths, at their rate; the backlog and prefix hit rate are the
     measured ones), a perfect forecast, to measure what forecasting could buy. `seed` seeds every replay's
     synthetic trace: another seed is another draw of the same measured traffic. With `schedule` ((from time,
     (P, D)) in time order, the first from 0) nothing is decided: the pools follow the schedule, known in
-    advance, through the same start-up, drain and billing (`_scheduled`)."""
+    advance, through the same start-up, drain and billing (`_scheduled`). `floors` are the service's `--floor`
+    windows in seconds of each day of `day_s` (the run's own time, not UTC)."""
     limits = _budget(total)
     pairs = candidates(limits)
     if schedule is not None:
@@ -328,6 +334,7 @@ def planner_run(
         done = [
             r for r in sim.reqs if r.t_done is not None and window_start < r.t_done <= now and not r.failed
         ]
+        floored = with_floor(limits, floor_at(floors, now % day_s if day_s else now))
         if schedule is not None:
             desired = _scheduled(schedule, now, start_s + interval_s)
         elif len(arrived) >= min_window_requests and done:
@@ -349,7 +356,7 @@ def planner_run(
             preds = evaluate(
                 obs,
                 profile,
-                pairs,
+                candidates(floored) if floors else pairs,
                 "disagg",
                 seed,
                 replay_requests,
@@ -359,10 +366,14 @@ def planner_run(
             )
             best, binding = choose(preds, slo, reach, size_by)
             if best is not None:
-                desired = damp(desired, (best.prefill, best.decode), limits, damper, now)
+                desired = damp(desired, (best.prefill, best.decode), floored, damper, now)
             window_start = now
             timeline.append({"t": now, "desired": list(desired), "binding": binding, "rate": obs.rate_rps,
                              "replayed_rate": obs.replay_rps})  # fmt: skip
+        elif desired[0] < floored.min_prefill or desired[1] < floored.min_decode:
+            desired = damp(
+                desired, desired, floored, damper, now
+            )  # a floor lifts pools with nothing to size on
         for role, want in zip(("prefill", "decode"), desired, strict=True):
             have = len(pool(role)) + starting[role]
             for _ in range(want - have):
@@ -563,6 +574,20 @@ def _sizes(text: str, total: int) -> tuple[int, int]:
     return p, d
 
 
+def _floors_s(text: str) -> list[Floor]:
+    """`--floor-s`: the service's `--floor` windows, in seconds of the run's day instead of UTC clock times."""
+    floors = []
+    for part in (x.strip() for x in text.split(";") if x.strip()):
+        try:
+            span, sizes = part.split("=")
+            start, end = (int(float(x)) for x in span.split("-"))
+            p, d = (int(x) for x in sizes.split(","))
+        except ValueError:
+            raise SystemExit(f"--floor-s wants START-END=P,D in seconds, got {part!r}") from None
+        floors.append(Floor(start, end, p, d))
+    return floors
+
+
 def _sin(text: str) -> tuple[float, float, float]:
     try:
         low, high, period = (float(x) for x in text.split(","))
@@ -673,6 +698,12 @@ def main(argv: list[str] | None = None) -> int:
         help="also report the clairvoyant bound over slices of this length (0: not)",
     )
     ap.add_argument(
+        "--floor-s",
+        default="",
+        metavar="START-END=P,D[;...]",
+        help="the planner's --floor, in seconds of each day of the run (e.g. 390-530=7,1)",
+    )
+    ap.add_argument(
         "--schedule-bound",
         action="store_true",
         help="also report the best schedule of one split per phase known in advance (with --phases, one day)",
@@ -710,7 +741,7 @@ def main(argv: list[str] | None = None) -> int:
     plan = planner_run(specs, hashes, profile, a.total, slo, a.interval_s, a.hold_down_s, a.start_s,
                        a.replay_requests, start, forecast=forecast, reach=a.reach_margin, size_by=a.size_by,
                        scale_down_window_s=a.scale_down_window_s, foresight_s=a.foresight_s,
-                       seed=a.replay_seed)  # fmt: skip
+                       seed=a.replay_seed, floors=_floors_s(a.floor_s), day_s=day_s)  # fmt: skip
     print(json.dumps({k: v for k, v in plan.items() if k != "timeline"}), flush=True)
     lines = [
         f"**Planner vs static splits of {a.total} workers** — Mooncake trace, first {len(specs)} records, rate "
@@ -727,6 +758,7 @@ def main(argv: list[str] | None = None) -> int:
             else ""
         )
         + (f" (foresight {a.foresight_s:g} s: the requests that really arrive then)" if a.foresight_s else "")
+        + (f", floor {a.floor_s} (seconds of the day)" if a.floor_s else "")
         + f", worker start {a.start_s:g} s, starting at "
         f"{plan['start'][0]}P + "
         f"{plan['start'][1]}D ({a.start})\n",

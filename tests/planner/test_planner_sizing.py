@@ -15,6 +15,7 @@ from loadgen.sim.profile import Profile, load_profile
 from loadgen.trace import load_records, mooncake
 from services.planner.plan import (
     Damper,
+    Floor,
     Limits,
     Observation,
     Slo,
@@ -220,6 +221,28 @@ def test_a_planner_told_the_future_grows_before_a_step_and_serves_more_of_it() -
     # workers asked for ahead of the step
     assert _size_before(runs[20.0], step) > _size_before(runs[0.0], step)
     assert runs[20.0]["good"] > runs[0.0]["good"] and runs[20.0]["errors"] == runs[0.0]["errors"] == 0
+
+
+def test_a_floor_over_the_step_holds_the_pools_at_it_and_serves_more_of_the_step() -> None:
+    profile = load_profile("h200_node")
+    raw = mooncake(load_records(limit=400), scale=1, materialize=False)
+    specs = pe.warp(raw, [0.2, 2])
+    hashes = block_hashes_for(specs, profile.block_size)
+    step = _second_half_starts(raw, specs)
+    floor = Floor(
+        int(step) - 20, int(step) + 30, 4, 1
+    )  # asked for a start-up (10 s) and more ahead of the step
+    runs = {n: _small_planner(specs, hashes, profile, floors=[floor] if n else []) for n in (0, 1)}
+    inside = [e for e in runs[1]["timeline"] if step <= e["t"] < floor.end_s]
+    assert inside and all(e["desired"][0] >= 4 and e["desired"][1] >= 1 for e in inside)
+    assert _size_before(runs[1], step) >= 5 > _size_before(runs[0], step)
+    assert runs[1]["good"] > runs[0]["good"] and runs[1]["errors"] == 0
+    # before the window the floor changes nothing: the same decisions
+    early = [e["desired"] for e in runs[1]["timeline"] if e["t"] < floor.start_s]
+    assert early == [e["desired"] for e in runs[0]["timeline"] if e["t"] < floor.start_s]
+    assert pe._floors_s("10-20=2,1; 30-40=1,1") == [Floor(10, 20, 2, 1), Floor(30, 40, 1, 1)]
+    with pytest.raises(SystemExit, match="--floor-s"):
+        pe._floors_s("10=2,1")
 
 
 def test_repeat_days_runs_the_shape_again_with_other_users() -> None:
