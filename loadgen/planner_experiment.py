@@ -274,6 +274,8 @@ def planner_run(
     schedule: Sequence[tuple[float, tuple[int, int]]] | None = None,
     floors: Sequence[Floor] = (),
     day_s: float = 0.0,
+    drain_order: str = "newest",
+    replay_window_s: float = 20.0,
 ) -> dict[str, Any]:
     """With `foresight_s` > 0 the planner is told the future: each decision replays the requests that really
     arrive from `foresight_s` ahead on (their lengths, at their rate; the backlog and prefix hit rate are the
@@ -309,6 +311,15 @@ def planner_run(
         return [w.worker_id for w in sim.workers.values() if w.role == role and not w.draining and not w.dead]
 
     cancelled: dict[str, int] = {"prefill": 0, "decode": 0}  # asked for, then not wanted before they served
+
+    def victim(wid: str) -> tuple[float, ...]:
+        w, newest = sim.workers[wid], -int(wid.split("-")[1])
+        if drain_order == "least_work":
+            work = w.queued_tokens + sum(r.remaining_prefill for r in w.running) if w.role == "prefill" else 0
+            return (work, len(w.running) + len(w.admit_queue), newest)
+        if drain_order == "least_cache":
+            return (len(w.cache) + len(w.held), newest)
+        return (newest,)
 
     def join(role: str) -> None:
         if cancelled[role]:
@@ -363,6 +374,7 @@ def planner_run(
                 until_met=slo,
                 reach=reach,
                 size_by=size_by,
+                replay_window_s=replay_window_s,
             )
             best, binding = choose(preds, slo, reach, size_by)
             if best is not None:
@@ -386,7 +398,7 @@ def planner_run(
             unstart = min(over, starting[role])
             starting[role] -= unstart
             cancelled[role] += unstart
-            for wid in sorted(pool(role), key=lambda x: int(x.split("-")[1]))[::-1][: over - unstart]:
+            for wid in sorted(pool(role), key=victim)[: over - unstart]:
                 sim.drain_worker(wid)
         bill(now)
         billing.append((now, billed["seconds"]))
@@ -704,6 +716,18 @@ def main(argv: list[str] | None = None) -> int:
         help="the planner's --floor, in seconds of each day of the run (e.g. 390-530=7,1)",
     )
     ap.add_argument(
+        "--replay-window-s",
+        type=float,
+        default=20.0,
+        help="each replay covers at least this many seconds of the measured traffic",
+    )
+    ap.add_argument(
+        "--drain-order",
+        choices=("newest", "least_work", "least_cache"),
+        default="newest",
+        help="which worker of a pool a step down drains first",
+    )
+    ap.add_argument(
         "--schedule-bound",
         action="store_true",
         help="also report the best schedule of one split per phase known in advance (with --phases, one day)",
@@ -741,7 +765,8 @@ def main(argv: list[str] | None = None) -> int:
     plan = planner_run(specs, hashes, profile, a.total, slo, a.interval_s, a.hold_down_s, a.start_s,
                        a.replay_requests, start, forecast=forecast, reach=a.reach_margin, size_by=a.size_by,
                        scale_down_window_s=a.scale_down_window_s, foresight_s=a.foresight_s,
-                       seed=a.replay_seed, floors=_floors_s(a.floor_s), day_s=day_s)  # fmt: skip
+                       seed=a.replay_seed, floors=_floors_s(a.floor_s), day_s=day_s,
+                       drain_order=a.drain_order, replay_window_s=a.replay_window_s)  # fmt: skip
     print(json.dumps({k: v for k, v in plan.items() if k != "timeline"}), flush=True)
     lines = [
         f"**Planner vs static splits of {a.total} workers** — Mooncake trace, first {len(specs)} records, rate "

@@ -529,6 +529,7 @@ def evaluate(
     reach: float = REACH,
     size_by: str = "p90",
     slo: Slo | None = None,
+    replay_window_s: float = 20.0,
 ) -> list[Prediction]:
     """Replay the window through each candidate (P, D), counting the requests that miss `slo` (or `until_met`).
     With `until_met`, the largest total goes first (what the limits can reach at best: `attainable`, or the
@@ -536,7 +537,7 @@ def evaluate(
     some candidate is good enough for `choose`: it never takes a candidate with more workers than that, so its
     answer is the same as over every candidate, for less simulation (when none is, every candidate is
     simulated)."""
-    specs = replay_workload(obs, profile.block_size, seed, max_requests)
+    specs = replay_workload(obs, profile.block_size, seed, max_requests, replay_window_s)
     if not specs:
         return []
     hashes = block_hashes_for(specs, profile.block_size)

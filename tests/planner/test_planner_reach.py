@@ -94,6 +94,9 @@ def test_a_replay_counts_the_requests_that_miss_the_slo() -> None:
     loose = evaluate(long, CPU, [(4, 1)], slo=Slo(ttft_s=60.0, itl_s=1.0))
     assert loose[0].misses == 0
     assert evaluate(long, CPU, [(4, 1)])[0].misses == 0  # no SLO given: nothing is counted
+    # a longer replay window plays more of the measured traffic: 40 s at the window's 1.2 requests/s
+    wide = evaluate(long, CPU, [(4, 1)], slo=Slo(ttft_s=1.2, itl_s=0.1), replay_window_s=40.0)
+    assert wide[0].requests == 48 and wide[0].misses > 0
 
 
 def test_the_pruned_replay_reaches_for_the_best_first_and_chooses_as_the_full_one() -> None:
