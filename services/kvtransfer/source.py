@@ -69,6 +69,7 @@ class _Publication:
     addr: int = 0
     device_copy: Any = None  # cuda_ipc: the device tensor readers map by IPC handle (kept alive until freed)
     pins: int = 0
+    served: int = 0  # pulls of it that finished (the reader got every byte)
     retracted: bool = False
     expiry: asyncio.TimerHandle | None = field(default=None, repr=False)
 
@@ -120,6 +121,20 @@ class KvSource:
 
     def live_keys(self) -> list[str]:
         return list(self._pubs)
+
+    def unserved(self) -> list[str]:
+        """Keys still published that no reader has pulled yet, and keys a pull is reading right now."""
+        return [k for k, pub in self._pubs.items() if pub.served == 0 or pub.pins > 0]
+
+    async def wait_served(self, timeout_s: float, poll_s: float = 0.05) -> list[str]:
+        """Wait up to timeout_s until every publication has been pulled at least once (or retracted, or has
+        expired): what a draining producer waits for before it exits, so that KV it handed out but nobody has
+        read yet is not lost with the process. Returns the keys still unserved ([] when all were)."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout_s
+        while self.unserved() and loop.time() < deadline:
+            await asyncio.sleep(min(poll_s, max(0.0, deadline - loop.time())))
+        return self.unserved()
 
     # --- publish / retract ---
     def publish(
@@ -313,6 +328,7 @@ class KvSource:
             await protocol.send_message(conn, reply)
             if backend == TCP:
                 await self._send_payload(conn, pub.view)
+                pub.served += 1
                 return True
             if backend == NIXL:
                 nixl_reader = True
@@ -320,6 +336,7 @@ class KvSource:
                 self._ensure_progress()
             async with asyncio.timeout(self.config.max_pin_s):
                 Done.from_wire(await protocol.recv_message(conn))  # or EOF when the reader goes away
+            pub.served += 1
             return True
         except (OSError, ValueError, TimeoutError) as exc:
             log.debug("KV pull connection ended: %s", exc)

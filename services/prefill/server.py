@@ -282,6 +282,16 @@ class PrefillWorker(EngineWorker, pb_grpc.PrefillWorkerServicer):
         info.transfer_endpoint = json.dumps(self.source.advertise(), sort_keys=True)
         return info
 
+    async def settle(self, timeout_s: float) -> None:
+        """A drained prefill worker stays until every KV it handed out has been pulled once (or released, or has
+        expired), within what is left of --drain-grace-s: a decode worker still pulls from its KvSource after
+        the worker has left discovery, so a scale-down between a prefill and its pull costs no recompute. A
+        pulled KV's later hold (for a migration's re-transfer) does not keep it."""
+        left = await self.source.wait_served(timeout_s)
+        if left:
+            log.warning("exiting with %d published KV never pulled (%s): their requests will recompute",
+                        len(left), ", ".join(left[:5]))  # fmt: skip
+
     async def Release(  # noqa: N802 - gRPC method name
         self, request: pb.ReleaseRequest, context: grpc.aio.ServicerContext
     ) -> pb.Empty:

@@ -5,10 +5,11 @@
     await host.start()                   # bound and listening; health NOT_SERVING, requests turned away
     await host.serve(info)               # health SERVING, admitted, registered in etcd
     await host.wait_for_signal()         # SIGTERM or SIGINT
-    await host.drain(abort_rest)         # see below; then return from serve() and the process exits 0
+    await host.drain(abort_rest, settle) # see below; then return from serve() and the process exits 0
 
 The drain: stop admitting new requests → health NOT_SERVING → delete the etcd key (gone for every router at
-once) → let in-flight requests finish for up to `--drain-grace-s` → `abort_rest()` → stop the server.
+once) → let in-flight requests finish for up to `--drain-grace-s` → `abort_rest()` → `settle(what is left of the
+grace)` (a prefill worker: until the KV it handed out has been pulled) → stop the server.
 
 This room must never know what the service does; the servicer and its state belong to the service.
 """
@@ -114,8 +115,15 @@ class ServiceHost:
     async def wait_for_signal(self) -> None:
         await self._signalled.wait()
 
-    async def drain(self, abort_rest: Callable[[], Awaitable[None]] | None = None) -> None:
+    async def drain(
+        self,
+        abort_rest: Callable[[], Awaitable[None]] | None = None,
+        settle: Callable[[float], Awaitable[None]] | None = None,
+    ) -> None:
+        """`settle(seconds_left)` runs once no request is in flight, with what is left of the grace: what the
+        service must still hand over before it goes (a prefill worker's KV that no decode worker has pulled)."""
         grace_s = self.args.drain_grace_s
+        t0 = time.monotonic()
         log.info(
             "%s %s draining: %d in flight, grace %.1fs",
             self.role,
@@ -133,6 +141,8 @@ class ServiceHost:
             if abort_rest is not None:
                 await abort_rest()
             await self.gate.wait_idle(_ABORT_SETTLE_S)
+        if settle is not None:
+            await settle(max(0.0, grace_s - (time.monotonic() - t0)))
         await self.server.stop(_SERVER_STOP_GRACE_S)
         if self.health_server is not None:
             await self.health_server.stop(0)

@@ -139,6 +139,10 @@ class EngineWorker:
         for rid in self.engine.live_request_ids():
             await self.engine.abort(rid)
 
+    async def settle(self, timeout_s: float) -> None:
+        """On a drain, once no request is in flight: hand over what must outlive the requests (within timeout_s).
+        Nothing by default."""
+
 
 async def run_engine_worker(
     args: argparse.Namespace,
@@ -159,7 +163,7 @@ async def run_engine_worker(
         await host.start()
         await host.serve(servicer.worker_info())
         await host.wait_for_signal()
-        await host.drain(servicer.abort_all)
+        await host.drain(servicer.abort_all, servicer.settle)
     finally:
         await host.close()
         await engine.close()

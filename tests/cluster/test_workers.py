@@ -333,6 +333,41 @@ def test_prefill_first_token_ending_the_request_holds_no_kv(
     assert load.free_blocks == load.total_blocks
 
 
+def test_a_drained_prefill_worker_stays_until_the_kv_it_handed_out_is_pulled(
+    cluster: LocalCluster, tokenizer: Tokenizer, france_prompt: list[int]
+) -> None:
+    """A scale-down between a prefill and its pull: SIGTERM with no RPC in flight, but a KvHandle out that no
+    decode worker has read yet. The worker keeps serving that KV and exits (0) once it has been pulled; the
+    decode worker continues from the pulled KV, not from a recompute. Stops prefill-a."""
+    proc, endpoint = cluster.procs["prefill-a"], cluster.endpoints["prefill-a"]
+
+    async def body() -> tuple[pb.PrefillResponse, bool, list[pb.DecodeChunk]]:
+        response = await prefill(
+            endpoint, pb.PrefillRequest(request_id="drain-pull", token_ids=france_prompt, params=greedy())
+        )
+        proc.popen.send_signal(signal.SIGTERM)
+        await asyncio.sleep(2.0)  # no RPC in flight: before, the worker was gone (and its KV with it) by now
+        alive = proc.popen.poll() is None
+        chunks = await decode(
+            cluster.endpoints["decode-a"],
+            pb.DecodeRequest(
+                request_id="drain-pull",
+                prompt_token_ids=france_prompt,
+                emitted_token_ids=[response.first_token.token_id],
+                params=greedy(),
+                kv=response.kv,
+            ),
+        )
+        return response, alive, chunks
+
+    response, alive, chunks = run(body)
+    assert alive
+    assert chunks[0].transfer_bytes > 0 and chunks[0].transfer_backend  # the KV came over the wire
+    text = tokenizer.decode([response.first_token.token_id, *token_ids(chunks)], skip_special_tokens=True)
+    assert text == FRANCE_ANSWER
+    assert proc.popen.wait(timeout=15) == 0
+
+
 # ------------------------------------------------------------------------------------------------ router
 
 

@@ -358,6 +358,41 @@ def test_ttl_expiry_retracts_and_unlinks_the_shm_segment() -> None:
     asyncio.run(go())
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_publication_counts_as_served_once_a_reader_has_pulled_it_all(backend: str) -> None:
+    """What a draining producer waits for (wait_served): KV handed out and not yet read keeps it; a finished
+    pull or a retraction releases it, and a pull that never finishes does not count."""
+
+    async def go() -> tuple[list[str], list[str], list[str], list[str]]:
+        source = await KvSource.start(TransferConfig())
+        sink = await KvSink.start(TransferConfig())
+        read, dropped = (source.publish(k, payload(1 * MiB, i), ttl_s=30) for i, k in enumerate(("a", "b")))
+        waited = await source.wait_served(0.3)
+        assert bytes((await sink.pull(read, 5.0, backend=backend)).data) == payload(1 * MiB, 0)
+        for _ in range(100):  # the reader's "done" reaches the source just after the pull returns
+            if "a" not in source.unserved():
+                break
+            await asyncio.sleep(0.02)
+        after_pull = source.unserved()
+        source.retract(dropped.key)
+        after_retract = await source.wait_served(1.0)
+        stalled = source.publish("c", payload(2 * MiB, 2), ttl_s=30)
+        source._test_stall_after_bytes = 1 * MiB
+        with pytest.raises(TransferTimeout):
+            await sink.pull(stalled, 0.5, backend=TCP)
+        await asyncio.sleep(0.2)
+        after_stall = source.unserved()
+        await sink.close()
+        await source.close()
+        return waited, after_pull, after_retract, after_stall
+
+    waited, after_pull, after_retract, after_stall = asyncio.run(go())
+    assert waited == ["a", "b"]
+    assert after_pull == ["b"]
+    assert after_retract == []
+    assert after_stall == ["c"]
+
+
 def test_retract_during_a_pull_frees_only_after_the_reader_is_done() -> None:
     async def go() -> None:
         source = await KvSource.start(TransferConfig())
