@@ -21,7 +21,9 @@ import zlib
 from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
+from datetime import UTC, datetime, tzinfo
 from typing import Any
+from zoneinfo import ZoneInfo, ZoneInfoNotFoundError
 
 from loadgen.report import percentile
 from loadgen.sim.engine import ClusterConfig, Simulator, block_hashes_for
@@ -135,22 +137,37 @@ class Limits:
 DAY_S = 86_400
 
 
+WEEKDAYS = ("mon", "tue", "wed", "thu", "fri", "sat", "sun")  # datetime.weekday() order
+
+
 @dataclass(frozen=True)
 class Floor:
-    """A daily window of wall-clock time (UTC) in which the pools are kept at least this large: what an
-    operator declares for load that comes at known hours (KEDA's cron scaler, for llm-d). `start_s`, `end_s`:
-    seconds after midnight; a window whose end is not after its start runs past midnight."""
+    """A daily window of wall-clock time in which the pools are kept at least this large: what an operator
+    declares for load that comes at known hours (KEDA's cron scaler, for llm-d). `start_s`, `end_s`: seconds
+    after midnight; a window whose end is not after its start runs past midnight. `days`: the weekdays
+    (0 = Monday) it starts on, None for every day; a window past midnight runs on into the next day. The times
+    and days are those of the time zone `active` is given (UTC by default)."""
 
     start_s: int
     end_s: int
     prefill: int
     decode: int
+    days: frozenset[int] | None = None
 
-    def active(self, wall: float) -> bool:
-        t = wall % DAY_S
+    def active(self, wall: float, tz: tzinfo | None = None) -> bool:
+        if tz is None and self.days is None:
+            t, weekday = wall % DAY_S, 0  # UTC every day: no calendar needed (the experiment's run seconds)
+        else:
+            local = datetime.fromtimestamp(wall, tz or UTC)
+            t = local.hour * 3600 + local.minute * 60 + local.second + local.microsecond / 1e6
+            weekday = local.weekday()
+
+        def on(day: int) -> bool:
+            return self.days is None or day % 7 in self.days
+
         if self.start_s < self.end_s:
-            return self.start_s <= t < self.end_s
-        return t >= self.start_s or t < self.end_s
+            return self.start_s <= t < self.end_s and on(weekday)
+        return (t >= self.start_s and on(weekday)) or (t < self.end_s and on(weekday - 1))
 
 
 def _clock(text: str) -> int:
@@ -160,28 +177,57 @@ def _clock(text: str) -> int:
     return int(hh) * 3600 + int(mm) * 60
 
 
+def _weekdays(text: str) -> frozenset[int]:
+    """`Mon-Fri`, `Sat,Sun`, `Mon-Wed,Fri`, `Fri-Mon` (a range may wrap past Sunday): the weekdays, 0 = Monday."""
+    days: set[int] = set()
+    for part in text.lower().split(","):
+        first, dash, last = part.strip().partition("-")
+        if first not in WEEKDAYS or (dash and last not in WEEKDAYS):
+            raise ValueError(f"not weekdays like Mon-Fri or Sat,Sun: {text!r}")
+        a = WEEKDAYS.index(first)
+        b = WEEKDAYS.index(last) if dash else a
+        days.update((a + k) % 7 for k in range((b - a) % 7 + 1))
+    return frozenset(days)
+
+
 def parse_floors(text: str) -> list[Floor]:
-    """`--floor`: windows `HH:MM-HH:MM=P,D` (UTC), separated by `;`. Empty: none."""
+    """`--floor`: windows `[DAYS ]HH:MM-HH:MM=P,D`, separated by `;` (DAYS such as `Mon-Fri`; none: every day).
+    Empty: none."""
     floors = []
     for part in (x.strip() for x in text.split(";")):
         if not part:
             continue
-        span, eq, sizes = part.partition("=")
+        head, eq, sizes = part.partition("=")
+        days_text, _, span = head.strip().rpartition(" ")
         start, dash, end = span.partition("-")
         p, comma, d = sizes.partition(",")
         if not eq or not dash or not comma or not p.strip().isdigit() or not d.strip().isdigit():
-            raise ValueError(f"--floor wants HH:MM-HH:MM=P,D (UTC), got {part!r}")
-        floor = Floor(_clock(start), _clock(end), int(p), int(d))
+            raise ValueError(f"--floor wants [DAYS ]HH:MM-HH:MM=P,D, got {part!r}")
+        days = _weekdays(days_text) if days_text.strip() else None
+        floor = Floor(_clock(start), _clock(end), int(p), int(d), days)
         if floor.start_s == floor.end_s:
             raise ValueError(f"--floor window {part!r} is empty")
         floors.append(floor)
     return floors
 
 
-def floor_at(floors: Sequence[Floor], wall: float) -> tuple[int, int] | None:
-    """The pools' floor at wall-clock time `wall` (epoch seconds): the largest of the active windows per
-    pool, None when none is active."""
-    on = [f for f in floors if f.active(wall)]
+def floor_zone(name: str) -> tzinfo | None:
+    """`--floor-tz`: an IANA time zone name (Europe/Berlin); UTC (or empty) is None, the fast path."""
+    if name in ("", "UTC", "utc"):
+        return None
+    try:
+        return ZoneInfo(name)
+    except (ZoneInfoNotFoundError, ValueError) as exc:
+        raise ValueError(
+            f"--floor-tz {name!r} is not a time zone this host knows (an IANA name such as Europe/Berlin; "
+            "a system without a zone database needs the tzdata package)"
+        ) from exc
+
+
+def floor_at(floors: Sequence[Floor], wall: float, tz: tzinfo | None = None) -> tuple[int, int] | None:
+    """The pools' floor at wall-clock time `wall` (epoch seconds) in time zone `tz` (None: UTC): the largest of
+    the active windows per pool, None when none is active."""
+    on = [f for f in floors if f.active(wall, tz)]
     if not on:
         return None
     return max(f.prefill for f in on), max(f.decode for f in on)

@@ -29,6 +29,7 @@ import socket
 import time
 from collections import deque
 from collections.abc import AsyncIterator, Iterator
+from datetime import UTC, datetime, timedelta, tzinfo
 from typing import Any
 
 import aetcd
@@ -51,6 +52,7 @@ from services.planner.plan import (
     PREDICTORS,
     REACH,
     SIZE_BY,
+    WEEKDAYS,
     Damper,
     Floor,
     Limits,
@@ -63,6 +65,7 @@ from services.planner.plan import (
     damp,
     evaluate,
     floor_at,
+    floor_zone,
     live_profile,
     make_forecast,
     parse_floors,
@@ -98,9 +101,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_flag(g, "--min-decode", 1, "fewest decode workers", int)
     add_flag(g, "--max-decode", 4, "most decode workers", int)
     add_flag(g, "--max-workers", 0, "budget on prefill + decode workers together (0: none)", int)
-    add_flag(g, "--floor", "", "daily windows of wall-clock time (UTC) in which the pools are kept at least "
-             "this large, `HH:MM-HH:MM=P,D` separated by `;` (a cron floor, as KEDA's cron scaler; a window may run "
-             "past midnight; start it a start-up plus a few intervals early)")  # fmt: skip
+    add_flag(g, "--floor", "", "daily windows of wall-clock time in which the pools are kept at least this "
+             "large, `[DAYS ]HH:MM-HH:MM=P,D` separated by `;`, DAYS such as Mon-Fri or Sat,Sun (none: every day; a "
+             "cron floor, as KEDA's cron scaler; a window may run past midnight; start it a start-up plus a few "
+             "intervals early)")  # fmt: skip
+    add_flag(g, "--floor-tz", "UTC", "the time zone of --floor's times and days (an IANA name such as "
+             "America/New_York; daylight saving time is followed)")  # fmt: skip
     add_flag(g, "--hold-down-s", 60.0, "no step in a pool within this long of its last step", float)
     add_flag(g, "--scale-down-window-s", 0.0, "a pool steps down only to the largest size any decision of this "
              "last while wanted (the HPA's scale-down stabilization window; 0: the latest decision's)",
@@ -165,22 +171,26 @@ def _config(args: argparse.Namespace) -> tuple[Slo, Limits]:
     return Slo(args.slo_ttft_ms / 1000, args.slo_itl_ms / 1000), limits
 
 
-def _floors(text: str, limits: Limits) -> list[Floor]:
+def _floors(text: str, limits: Limits, tz: tzinfo | None = None) -> list[Floor]:
     """`--floor`'s windows, each within the limits, and so every overlap of them (the largest floor of an
-    overlap is in force from some window's start on)."""
+    overlap is in force from some window's start on: each start is checked on each of its days of a week)."""
     floors = parse_floors(text)
+    monday = datetime(2024, 1, 1, tzinfo=tz or UTC)  # a Monday without a daylight-saving change that week
     for f in floors:
-        p, d = floor_at(floors, f.start_s) or (0, 0)
-        if (
-            p > limits.max_prefill
-            or d > limits.max_decode
-            or (limits.max_workers and p + d > limits.max_workers)
-        ):
-            raise ValueError(
-                f"--floor asks for {p} prefill + {d} decode workers from {f.start_s // 3600:02d}:"
-                f"{f.start_s % 3600 // 60:02d}, beyond --max-prefill {limits.max_prefill}, --max-decode "
-                f"{limits.max_decode} or --max-workers {limits.max_workers}"
-            )
+        for day in sorted(f.days) if f.days is not None else [0]:
+            wall = (monday + timedelta(days=day, seconds=f.start_s)).timestamp()
+            p, d = floor_at(floors, wall, tz) or (0, 0)
+            if (
+                p > limits.max_prefill
+                or d > limits.max_decode
+                or (limits.max_workers and p + d > limits.max_workers)
+            ):
+                when = f"{WEEKDAYS[day].capitalize()} " if f.days is not None else ""
+                raise ValueError(
+                    f"--floor asks for {p} prefill + {d} decode workers from {when}{f.start_s // 3600:02d}:"
+                    f"{f.start_s % 3600 // 60:02d}, beyond --max-prefill {limits.max_prefill}, --max-decode "
+                    f"{limits.max_decode} or --max-workers {limits.max_workers}"
+                )
     return floors
 
 
@@ -192,7 +202,8 @@ class Planner:
 
         self.args = args
         self.slo, self.limits = _config(args)
-        self.floors = _floors(args.floor, self.limits)
+        self.floor_tz = floor_zone(args.floor_tz)
+        self.floors = _floors(args.floor, self.limits, self.floor_tz)
         self.base_profile = load_profile(args.profile)
         self.directory = directory
         self.scaler = scaler
@@ -278,7 +289,7 @@ class Planner:
         # first sized decision, and in recommend mode, it is what runs
         base = self.desired if self.desired is not None and self.args.scale_mode != "recommend" else actual
         preds: list[Any] = []
-        floor = floor_at(self.floors, wall)
+        floor = floor_at(self.floors, wall, self.floor_tz)
         limits = with_floor(self.limits, floor)
         profile = self.base_profile
         targets = self.slo  # what the decision sized for: the SLO, or the best reachable p90 plus the margin

@@ -327,6 +327,44 @@ def test_floor_windows_parse_and_wrap_past_midnight() -> None:
     assert len(_floors("08:00-18:00=3,2; 17:00-19:00=1,3", Limits(1, 4, 1, 4, max_workers=6))) == 2
 
 
+def test_floor_windows_keep_to_their_weekdays_and_time_zone() -> None:
+    """`--floor "Mon-Fri 08:00-18:00=3,2; ..." --floor-tz Europe/Berlin`: the times and days are Berlin's,
+    daylight saving time included; a window past midnight runs on into the day after one of its days."""
+    from services.planner.plan import floor_at, floor_zone, parse_floors
+    from services.planner.server import _floors
+
+    floors = parse_floors("Mon-Fri 08:00-18:00=3,2; sat,Sun 10:00-14:00=1,1; Fri 22:00-02:00=2,2")
+    assert [f.days for f in floors] == [frozenset(range(5)), frozenset({5, 6}), frozenset({4})]
+    berlin = floor_zone("Europe/Berlin")
+    assert floor_zone("UTC") is None
+    utc = 1_704_067_200  # 2024-01-01 00:00 UTC, a Monday
+    hour, day = 3600, 86_400
+    assert floor_at(floors, utc + 7 * hour, berlin) == (3, 2)  # Monday 08:00 in Berlin (CET, UTC+1)
+    assert floor_at(floors, utc + 7 * hour) is None  # the same instant read in UTC: 07:00
+    summer = 1_717_372_800  # 2024-06-03 00:00 UTC, a Monday
+    assert floor_at(floors, summer + 6 * hour, berlin) == (3, 2)  # 08:00 in Berlin (CEST, UTC+2)
+    assert floor_at(floors, summer + 6 * hour - 1, berlin) is None
+    assert floor_at(floors, utc + 5 * day + 9 * hour, berlin) == (1, 1)  # Saturday 10:00
+    assert floor_at(floors, utc + 4 * day + 23 * hour + 1800, berlin) == (
+        2,
+        2,
+    )  # Saturday 00:30: Friday's window
+    assert floor_at(floors, utc + 5 * day + 23 * hour + 1800, berlin) is None  # Sunday 00:30: no Saturday one
+    assert floor_at(floors, utc + 5 * day + 7 * hour, berlin) is None  # Saturday 08:00: not a weekday
+    assert parse_floors("Fri-Mon 01:00-02:00=1,1")[0].days == frozenset({4, 5, 6, 0})
+    for bad in ("Mox 08:00-09:00=1,1", "Mon- 08:00-09:00=1,1", "Mon-Fri08:00-09:00=1,1"):
+        with pytest.raises(ValueError):
+            parse_floors(bad)
+    with pytest.raises(ValueError, match="--floor-tz 'Mars/Olympus'"):
+        floor_zone("Mars/Olympus")
+    # overlaps are checked on the days they share: Friday 17:00-18:00 asks for 3 + 3 of a budget of 5
+    with pytest.raises(ValueError, match="from Fri 17:00"):
+        _floors("Mon-Fri 08:00-18:00=3,2; Fri 17:00-19:00=1,3", Limits(1, 4, 1, 4, max_workers=5), berlin)
+    assert (
+        len(_floors("Mon-Thu 08:00-18:00=3,2; Fri 17:00-19:00=1,3", Limits(1, 4, 1, 4, max_workers=5))) == 2
+    )
+
+
 def test_planner_flags_are_checked() -> None:
     from services.planner.server import _config, add_arguments
 
@@ -653,6 +691,7 @@ def test_chart_planner_profile_validates_strictly_and_its_rbac_is_the_minimum(
     """The ci profile with the planner in kubernetes mode: kubernetes-validate --strict accepts every object (the
     planner's Deployment, Role, RoleBinding, ServiceAccount, NetworkPolicy), the Role allows get/patch on the two
     worker Deployments' scale subresource and nothing else, and the env parses with the planner's own flags."""
+    from services.planner.plan import floor_zone
     from services.planner.server import _config, _floors
     from services.planner.server import add_arguments as planner_arguments
     from tests.deploy import test_chart as chart
@@ -692,9 +731,11 @@ def test_chart_planner_profile_validates_strictly_and_its_rbac_is_the_minimum(
         "kubernetes", "llm", "rs-rackserve-prefill",
     )  # fmt: skip
     assert (args.slo_ttft_ms, args.max_workers, args.port) == (1500.0, 6, 8090)
-    assert [(f.start_s, f.prefill, f.decode) for f in _floors(args.floor, _config(args)[1])] == [
-        (7 * 3600 + 1800, 3, 2), (22 * 3600, 2, 1),
+    floors = _floors(args.floor, _config(args)[1], floor_zone(args.floor_tz))
+    assert [(f.start_s, f.prefill, f.decode, f.days) for f in floors] == [
+        (7 * 3600 + 1800, 3, 2, frozenset(range(5))), (22 * 3600, 2, 1, None),
     ]  # fmt: skip
+    assert args.floor_tz == "Europe/Berlin"
     # the frontend forwards GET /v1/plan to it; it reads the workers' /metrics: both admitted, nothing else
     policy = chart.find(objs, "NetworkPolicy", "rs-rackserve-planner")
     assert [p["port"] for p in policy["spec"]["ingress"][0]["ports"]] == [8090]
