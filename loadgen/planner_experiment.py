@@ -25,6 +25,7 @@ static split (the one with the most goodput).
 from __future__ import annotations
 
 import argparse
+import functools
 import itertools
 import json
 import math
@@ -390,7 +391,7 @@ def planner_run(
             have = len(pool(role)) + starting[role]
             for _ in range(want - have):
                 starting[role] += 1
-                sim.at(now + start_s, lambda role=role: join(role))
+                sim.at(now + start_s, functools.partial(join, role))
             # scaling down takes a worker that is still starting first (as a ReplicaSet deletes a not-ready pod
             # first), then drains serving ones: draining the serving worker while its replacement is still
             # starting would leave the pool with nobody to serve
