@@ -198,7 +198,8 @@ def parse_floors(text: str) -> list[Floor]:
         if not part:
             continue
         head, eq, sizes = part.partition("=")
-        days_text, _, span = head.strip().rpartition(" ")
+        head = head.strip()
+        days_text, _, span = head.partition(" ") if head[:1].isalpha() else ("", "", head)
         start, dash, end = span.partition("-")
         p, comma, d = sizes.partition(",")
         if not eq or not dash or not comma or not p.strip().isdigit() or not d.strip().isdigit():

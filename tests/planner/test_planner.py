@@ -352,6 +352,7 @@ def test_floor_windows_keep_to_their_weekdays_and_time_zone() -> None:
     assert floor_at(floors, utc + 5 * day + 23 * hour + 1800, berlin) is None  # Sunday 00:30: no Saturday one
     assert floor_at(floors, utc + 5 * day + 7 * hour, berlin) is None  # Saturday 08:00: not a weekday
     assert parse_floors("Fri-Mon 01:00-02:00=1,1")[0].days == frozenset({4, 5, 6, 0})
+    assert parse_floors(" 08:00 - 18:00 = 3,2")[0].days is None  # spaces inside a window without days
     for bad in ("Mox 08:00-09:00=1,1", "Mon- 08:00-09:00=1,1", "Mon-Fri08:00-09:00=1,1"):
         with pytest.raises(ValueError):
             parse_floors(bad)
