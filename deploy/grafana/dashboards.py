@@ -349,9 +349,11 @@ def overview() -> Board:
             q("max by (pool) (rackserve_planner_desired_replicas)", "desired {{pool}}"),
             q("max by (pool) (rackserve_planner_actual_replicas)", "actual {{pool}}"),
             q("max by (pool) (rackserve_planner_target_replicas)", "target {{pool}} (undamped)"),
+            q("max by (pool) (rackserve_planner_floor_replicas) > 0", "floor {{pool}} (--floor window)"),
         ],
-        description="What the planner asks for (one step per interval, held down), what runs, and where its "
-        "best candidate would go at once. Desired above actual for long: workers fail to start.",
+        description="What the planner asks for (one step per interval, held down), what runs, where its best "
+        "candidate would go at once, and the floor an operator's --floor window holds the pools at. Desired "
+        "above actual for long: workers fail to start.",
     )
     b.panel(
         "Binding SLO and predicted p90",

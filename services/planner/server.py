@@ -406,6 +406,7 @@ class Planner:
             metrics.PLANNER_DESIRED.labels(pool).set(decision["desired"][pool])
             metrics.PLANNER_TARGET.labels(pool).set(decision["target"][pool])
             metrics.PLANNER_ACTUAL.labels(pool).set(decision["actual"][pool])
+            metrics.PLANNER_FLOOR.labels(pool).set((decision["floor"] or {}).get(pool, 0))
         for slo in ("ttft", "itl", "none"):
             metrics.PLANNER_BINDING_SLO.labels(slo).set(1.0 if decision["binding_slo"] == slo else 0.0)
         if chosen is not None:

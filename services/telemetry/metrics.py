@@ -160,6 +160,11 @@ PLANNER_TARGET = Gauge(
 PLANNER_ACTUAL = Gauge(
     "rackserve_planner_actual_replicas", "Workers live in discovery in each pool", ["pool"]
 )
+PLANNER_FLOOR = Gauge(
+    "rackserve_planner_floor_replicas",
+    "The floor an operator's --floor window holds each pool at now (0 outside every window)",
+    ["pool"],
+)
 PLANNER_BINDING_SLO = Gauge(
     "rackserve_planner_binding_slo",
     "1 for the SLO that sizes the cluster at the last decision (ttft | itl | none when idle), else 0",

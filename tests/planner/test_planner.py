@@ -17,7 +17,7 @@ from typing import Any
 
 import httpx
 import pytest
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client import REGISTRY, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 from loadgen.sim.profile import load_profile
 from services.planner import observe
@@ -296,6 +296,9 @@ def test_a_floor_lifts_idle_pools_in_its_hours_through_the_kubernetes_api() -> N
         ("rackserve-prefill", {"spec": {"replicas": 3}}),
     ]
     assert api.replicas == {"rackserve-prefill": 3, "rackserve-decode": 2}
+    # the dashboard's floor series: the window in force at the last decision
+    floor = {p: REGISTRY.get_sample_value("rackserve_planner_floor_replicas", {"pool": p}) for p in m.POOLS}
+    assert floor == {"prefill": 3.0, "decode": 2.0}
 
 
 def test_floor_windows_parse_and_wrap_past_midnight() -> None:
