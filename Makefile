@@ -44,7 +44,7 @@ lint: setup
 	$(BIN)/ruff format --check services loadgen tests bench scripts
 
 typecheck: setup
-	$(BIN)/mypy services
+	$(BIN)/mypy services loadgen
 
 unit: setup
 	$(BIN)/pytest -q --durations=25 tests

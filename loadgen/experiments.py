@@ -55,7 +55,7 @@ def _run(
         sim.warm(wid, hs)
     results = sim.run(specs, hashes)
     grouping = rep.Grouping.by_median([s.input_tokens for s in specs], [s.output_tokens for s in specs])
-    meta = {"kind": "simulated", "profile": profile.name, "profile_source": profile.source}
+    meta: dict[str, Any] = {"kind": "simulated", "profile": profile.name, "profile_source": profile.source}
     meta["cluster"] = {"prefill": cfg.prefill_workers, "decode": cfg.decode_workers, "mode": cfg.mode}
     meta["policy"], meta["route_reasons"] = cfg.policy, dict(sim.route_reasons)
     return rep.summarize(results, GPU_SLO, grouping, meta), sim
@@ -175,7 +175,7 @@ def scenarios(out: list[str], reports: dict) -> None:
     rng = random.Random(7)
     hot = [rng.randrange(TOKEN_LO, TOKEN_HI) for _ in range(8192)]
     h200, nvl = load_profile("h200_node"), load_profile("gb200_nvl72")
-    cases: list[tuple[str, str, Profile, ClusterConfig, list[RequestSpec], dict]] = []
+    cases: list[tuple[str, str, Profile, dict[str, tuple[str, str]] | None, list[RequestSpec], dict]] = []
 
     # A vs B: 40 requests share an 8k prefix cached on prefill-0 only, each with 2k tokens of its own, at once
     specs = [
@@ -185,7 +185,7 @@ def scenarios(out: list[str], reports: dict) -> None:
     warm_a = {"prefill-0": block_hashes_for([specs[0]], h200.block_size)[0][: 8192 // h200.block_size]}
     cases.append(
         ("hot_prefix_long_queue", "A has the prefix and a queue, B is idle", h200, None, specs, warm_a)
-    )  # type: ignore[arg-type]
+    )
 
     # near vs far: the prefix is on prefill-0 (decode's rack) and prefill-1 (another rack); NVL72 links
     far = {"prefill-0": ("node0", "rack0"), "prefill-1": ("node9", "rack1"), "decode-0": ("node1", "rack0")}
@@ -195,7 +195,7 @@ def scenarios(out: list[str], reports: dict) -> None:
     ]
     prefix_hashes = block_hashes_for([specs_nf[0]], nvl.block_size)[0][: 16384 // nvl.block_size]
     cases.append(
-        ("near_vs_far_cache", "prefix on two prefill workers, one across racks", nvl, far, specs_nf,  # type: ignore[arg-type]
+        ("near_vs_far_cache", "prefix on two prefill workers, one across racks", nvl, far, specs_nf,
          {"prefill-0": prefix_hashes, "prefill-1": prefix_hashes})
     )  # fmt: skip
 
@@ -205,7 +205,7 @@ def scenarios(out: list[str], reports: dict) -> None:
         RequestSpec(f"burst-{i}", 4096 + 256, 16, arrival_s=0.001 * i, token_ids=_prompt(new, 256, 500 + i))
         for i in range(100)
     ]
-    cases.append(("burst_same_prefix", "100 requests, one new prefix, at once", h200, None, specs_b, {}))  # type: ignore[arg-type]
+    cases.append(("burst_same_prefix", "100 requests, one new prefix, at once", h200, None, specs_b, {}))
 
     for name, what, prof, placement, specs, warm in cases:
         hashes = block_hashes_for(specs, prof.block_size)

@@ -17,6 +17,7 @@ import argparse
 import asyncio
 import os
 import time
+from typing import Any
 
 from loadgen import report as rep
 from loadgen.client import LoadGenerator, RunConfig
@@ -68,7 +69,12 @@ def main() -> None:
         with rackserve_up(*flags, log_path=os.path.join(a.out, f"{name}_up.log")) as url:
             run = RunConfig(url=url, model=MODEL, mode="open", request_timeout_s=600.0)
             results, wall_s = asyncio.run(LoadGenerator(run).run(specs))
-        meta = {"name": f"measured {name}", "kind": "measured", "when": when, "cluster": list(flags)}
+        meta: dict[str, Any] = {
+            "name": f"measured {name}",
+            "kind": "measured",
+            "when": when,
+            "cluster": list(flags),
+        }
         reports[f"measured {name}"] = rep.summarize(results, CPU_SLO, grouping, meta)
         sim_results, sim = simulate(specs, profile, cfg)
         meta = {
