@@ -132,9 +132,9 @@ class KvSource:
         read yet is not lost with the process. Returns the keys still unserved ([] when all were)."""
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout_s
-        while self.unserved() and loop.time() < deadline:
+        while (left := self.unserved()) and loop.time() < deadline:
             await asyncio.sleep(min(poll_s, max(0.0, deadline - loop.time())))
-        return self.unserved()
+        return left
 
     # --- publish / retract ---
     def publish(
