@@ -26,6 +26,7 @@ import multiprocessing
 import os
 import signal
 import socket
+import threading
 import time
 from collections import deque
 from collections.abc import AsyncIterator, Iterator
@@ -81,6 +82,7 @@ ROLE = "planner"
 SCALE_MODES = ("recommend", "local", "kubernetes")
 SCRAPE_TIMEOUT_S = 2.0
 ETCD_TIMEOUT_S = 5.0  # one read or write of the seasons' state
+PARENT_CHECK_S = 0.5  # how often the replay process looks for the planner that spawned it
 SEASON_STATE_MAX_BYTES = 1 << 20  # etcd refuses requests above 1.5 MiB by default (--max-request-bytes)
 
 
@@ -194,6 +196,19 @@ def _floors(text: str, limits: Limits, tz: tzinfo | None = None) -> list[Floor]:
     return floors
 
 
+def _exit_with_parent(parent: int) -> None:
+    """The replay process's initializer: it leaves as soon as the planner that spawned it is gone. A planner
+    SIGKILLed (the OOM killer, a pod's grace period run out) never shuts its pool down, and the replay process
+    would otherwise idle on as an orphan, holding multiprocessing's resource tracker open with it."""
+
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(PARENT_CHECK_S)
+        os._exit(0)
+
+    threading.Thread(target=watch, name="planner-watch", daemon=True).start()
+
+
 class Planner:
     """The decision loop's state: last scrapes, the damper, the history; `tick()` is one interval."""
 
@@ -220,7 +235,12 @@ class Planner:
         self.client = httpx.AsyncClient(timeout=SCRAPE_TIMEOUT_S)
         # the replays are pure-Python CPU work: in a process of their own they never starve this event loop
         # (its etcd lease keep-alive, its HTTP answers); spawned, since this process runs gRPC threads
-        self.pool = concurrent.futures.ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn"))
+        self.pool = concurrent.futures.ProcessPoolExecutor(
+            1,
+            mp_context=multiprocessing.get_context("spawn"),
+            initializer=_exit_with_parent,
+            initargs=(os.getpid(),),
+        )
         self.desired: tuple[int, int] | None = None
 
     def actual(self) -> tuple[int, int]:
@@ -497,6 +517,11 @@ class Planner:
             return 0
         return len(data)
 
+    def start_replays(self) -> None:
+        """Spawn the replay process now: its start (a Python process importing the simulator) then does not
+        make the first decision late."""
+        self.pool.submit(int)
+
     async def close(self) -> None:
         await self.client.aclose()
         self.pool.shutdown(wait=False, cancel_futures=True)
@@ -549,6 +574,7 @@ async def serve(args: argparse.Namespace) -> None:
 
         scaler = KubeScaler.in_cluster(args)
     planner = Planner(args, directory, scaler)
+    planner.start_replays()
     server = _QuietServer(uvicorn.Config(create_app(planner), host=args.host, port=args.port,
                                          log_level="warning", access_log=False))  # fmt: skip
     loop = asyncio.get_running_loop()

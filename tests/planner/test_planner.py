@@ -531,6 +531,70 @@ def test_a_planner_process_restores_the_seasons_at_start_and_saves_them_when_sto
         assert again.buckets[k] == pytest.approx([requests, seconds], abs=1e-3)
 
 
+def _children(pid: int) -> set[int]:
+    """Every process under `pid` (Linux /proc), its own children first."""
+    import pathlib
+
+    out: set[int] = set()
+    todo = [pid]
+    while todo:
+        p = todo.pop()
+        for task in pathlib.Path(f"/proc/{p}/task").glob("*"):
+            try:
+                kids = {int(k) for k in (task / "children").read_text().split()}
+            except OSError:
+                continue
+            todo.extend(kids - out)
+            out |= kids
+    return out
+
+
+def _running(pid: int) -> bool:
+    """Alive and not a zombie waiting to be reaped."""
+    import pathlib
+
+    try:
+        stat = pathlib.Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return stat.rsplit(")", 1)[1].split()[0] != "Z"
+
+
+def test_a_sigkilled_planner_leaves_no_replay_process_behind(etcd_server: EtcdServer, tmp_path) -> None:
+    import os
+    import signal
+
+    log_path = tmp_path / "planner.log"
+    cmd = [sys.executable, "-m", "services.cli", "planner", "--etcd", etcd_server.url, "--port", "0",
+           "--interval-s", "1"]  # fmt: skip
+    with open(log_path, "wb") as log:
+        proc = subprocess.Popen(
+            cmd, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"}
+        )
+    kids: set[int] = set()
+    try:
+        deadline = time.monotonic() + 60
+        # started at once: the replay process (spawned, so with multiprocessing's resource tracker beside it)
+        while len(kids) < 2 or "planner planner-" not in log_path.read_text():
+            assert proc.poll() is None and time.monotonic() < deadline, log_path.read_text()
+            time.sleep(0.2)
+            kids = _children(proc.pid)
+        assert all(_running(k) for k in kids)
+        proc.send_signal(signal.SIGKILL)  # no shutdown of its pool: the replay process must notice by itself
+        proc.wait(timeout=10)
+        deadline = time.monotonic() + 20
+        while any(_running(k) for k in kids):
+            assert time.monotonic() < deadline, f"still running after the planner's SIGKILL: {kids}"
+            time.sleep(0.2)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        for k in kids:
+            if _running(k):
+                os.kill(k, signal.SIGKILL)
+
+
 # ---- a real cluster -----------------------------------------------------------------------------------------
 
 
