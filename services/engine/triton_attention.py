@@ -33,6 +33,9 @@ except ImportError:  # a torch-only install: available() says False and nothing 
     triton = None  # type: ignore[assignment]
 
 LOG2E = 1.4426950408889634
+# multiply-adds contracted into FMAs (the online softmax's rescales): what every Triton before 3.10 did by
+# default, pinned so that 3.10's new default (off) does not change these kernels' code or numbers
+FP_FUSION = True
 # Decode splits a context only when it is at least this long, into ranges of at least MIN_SPLIT_TOKENS, and only
 # while B * kv_heads programs would not already fill the GPU (TARGET_PROGRAMS is a few waves of an H100's SMs).
 SPLIT_MIN_CONTEXT = 1024
@@ -329,6 +332,7 @@ def paged_decode_attention(
     common = dict(
         GROUP=group, GROUP_PAD=max(GROUP_ROWS, _next_pow2(group)), HEAD_DIM=head_dim, BLOCK_SIZE=block_size,
         TILE=tile, NUM_SPLITS=splits, FP32=q.dtype == torch.float32, UPCAST=_upcast(q.dtype),
+        enable_fp_fusion=FP_FUSION,
     )  # fmt: skip
     args = (
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
@@ -346,7 +350,7 @@ def paged_decode_attention(
     _decode_kernel[(B, num_kv_heads, splits)](*tensors, *args, SPLIT=True, **common)
     _reduce_splits_kernel[(B, num_heads)](
         m_part, l_part, acc_part, out, out.stride(0), out.stride(1),
-        NUM_SPLITS=splits, SPLITS_PAD=_next_pow2(splits), HEAD_DIM=head_dim,
+        NUM_SPLITS=splits, SPLITS_PAD=_next_pow2(splits), HEAD_DIM=head_dim, enable_fp_fusion=FP_FUSION,
     )  # fmt: skip
     return out
 
@@ -393,5 +397,6 @@ def paged_prefill_attention(
         out.stride(0), out.stride(1), n, start_pos, k_cache.shape[0] // num_kv_heads, scale * LOG2E,
         GROUP=num_heads // num_kv_heads, HEAD_DIM=head_dim, BLOCK_SIZE=block_size, BLOCK_M=block_m,
         TILE=_tile(head_dim, q.dtype), FP32=q.dtype == torch.float32, UPCAST=_upcast(q.dtype),
+        enable_fp_fusion=FP_FUSION,
     )  # fmt: skip
     return out

@@ -9,6 +9,9 @@ The GEMM keeps W in NVFP4 in memory and rebuilds each tile as E2M1 * E4M3 — a 
 significant bits, so it is exact in bf16, fp16 and fp32 — multiplies it with the activations on tensor
 cores with fp32 accumulation, and divides by g_e once at the end (docs/nvfp4.md's "alpha applied once").
 
+Both launch with FP fusion off (Triton 3.9 warns that its default turns from on to off in 3.10): neither has a
+multiply-add outside tl.dot, so this changes no byte today, and it keeps a later Triton from changing any.
+
 Both kernels run on CPU under TRITON_INTERPRET=1, which is how the tests check them; the variable must be set
 before this module is imported.
 """
@@ -170,8 +173,9 @@ def quantize_triton(x: torch.Tensor, *, block_rows: int = 32, block_blocks: int 
     if m > 0:
         grid = (triton.cdiv(m, block_rows), triton.cdiv(nb, block_blocks))
         _quantize_kernel[grid](
-            x2, packed, scales, g, m, k, nb, x2.stride(0), BLOCK_M=block_rows, BLOCK_B=block_blocks
-        )
+            x2, packed, scales, g, m, k, nb, x2.stride(0), BLOCK_M=block_rows, BLOCK_B=block_blocks,
+            enable_fp_fusion=False,  # the bytes are the contract: no multiply-add contracted on any Triton
+        )  # fmt: skip
     lead = shape[:-1]
     return NVFP4Tensor(
         packed=packed.reshape(*lead, kp // 2),
@@ -305,5 +309,6 @@ def w4a16_matmul(
         DOT_IN_FP32=interpreting,
         num_warps=warps,
         num_stages=3,
+        enable_fp_fusion=False,  # as the quantizer: exact dequantization, whatever Triton's default
     )
     return out.reshape(*lead, n)
