@@ -13,6 +13,8 @@ from services.rpc import pb
 WORKERS_PREFIX = "/rackserve/v1/workers/"
 # the planner's seasonal forecast state (what it measured over past days), so a restart does not forget them
 PLANNER_SEASON_KEY = "/rackserve/v1/planner/season"
+# which planner replica acts (services/discovery/election.py): its worker id, under its registration's lease
+PLANNER_LEADER_KEY = "/rackserve/v1/planner/leader"
 # the roles WorkerInfo.role may name (see the proto); the planner registers its HTTP endpoint too
 ROLES = ("prefill", "decode", "router", "frontend", "planner")
 

@@ -1010,19 +1010,27 @@ PLAN_TIMEOUT_S = 2.0  # deadline of the planner's answer to GET /v1/plan
 @api.get("/v1/plan", dependencies=[Depends(authorize)])
 async def plan(fe: FrontendDep) -> dict[str, Any]:
     """The planner's latest decision (desired and actual pool sizes, the binding SLO, each candidate's
-    predicted p90s), fetched from the planner found in discovery; 503 when none runs."""
+    predicted p90s), fetched from the planner found in discovery: of several replicas, the one that leads (a
+    standby's answer only names the leader, and is returned when no leader answers); 503 when none answers."""
     try:
         planners = fe.directory.workers("planner")
     except ValueError:  # a directory that does not follow planners (embedded use)
         planners = []
-    for p in planners:
-        try:
-            async with httpx.AsyncClient(timeout=PLAN_TIMEOUT_S) as client:
+    standby: dict[str, Any] | None = None
+    async with httpx.AsyncClient(timeout=PLAN_TIMEOUT_S) as client:
+        for p in planners:
+            try:
                 r = await client.get(f"http://{p.endpoint}/plan")
-            r.raise_for_status()
-            return {"planner": p.worker_id, **r.json()}
-        except (httpx.HTTPError, ValueError) as e:
-            log.info("planner %s did not answer GET /plan: %s", p.worker_id, e)
+                r.raise_for_status()
+                answer = {"planner": p.worker_id, **r.json()}
+            except (httpx.HTTPError, ValueError) as e:
+                log.info("planner %s did not answer GET /plan: %s", p.worker_id, e)
+                continue
+            if answer.get("outcome") != "standby":
+                return answer
+            standby = standby or answer
+    if standby is not None:
+        return standby
     if not planners:  # the cluster runs without one: there is no plan to show (not a server fault)
         raise ApiError(
             404,

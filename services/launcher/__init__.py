@@ -293,8 +293,9 @@ class Cluster:
                     plan = json.loads(r.read())
             except (urllib.error.URLError, OSError, ValueError):
                 continue
-            # only a sized decision moves workers: before one, desired merely echoes what discovery shows
-            if plan.get("outcome") in ("starting", "no_data", "idle") or self._stopping:
+            # only a sized decision moves workers: before one, desired merely echoes what discovery shows (and a
+            # planner that could not reach etcd for its election stands by, deciding nothing)
+            if plan.get("outcome") in ("starting", "no_data", "idle", "standby") or self._stopping:
                 continue
             for role in ("prefill", "decode"):
                 want = int(plan["desired"][role])

@@ -39,6 +39,7 @@ import uvicorn
 from fastapi import FastAPI, Response
 
 from services.discovery import Registration, WorkerDirectory
+from services.discovery.election import Election
 from services.discovery.etcd import (
     EtcdSecurity,
     close_quietly,
@@ -47,7 +48,7 @@ from services.discovery.etcd import (
     parse_etcd_urls,
     with_deadline,
 )
-from services.discovery.keys import PLANNER_SEASON_KEY
+from services.discovery.keys import PLANNER_LEADER_KEY, PLANNER_SEASON_KEY
 from services.planner import observe
 from services.planner.plan import (
     PREDICTORS,
@@ -242,6 +243,10 @@ class Planner:
             initargs=(os.getpid(),),
         )
         self.desired: tuple[int, int] | None = None
+        # a planner alone leads; `serve` campaigns (services/discovery/election.py) so that of several replicas
+        # one decides and acts while the others stand by, measuring, to take over where it stops
+        self.leader = True
+        self.holder: str | None = None  # the leader's worker id, as the last campaign round read it
 
     def actual(self) -> tuple[int, int]:
         return len(self.directory.workers("prefill")), len(self.directory.workers("decode"))
@@ -299,11 +304,25 @@ class Planner:
             self.prev = {**fresh, **self.prev}
         return obs
 
+    async def lead(self, holder: str | None, leads: bool) -> None:
+        """What a campaign round found: this replica leads, or `holder` does (None: no one it could see)."""
+        was, self.leader, self.holder = self.leader, leads, holder
+        metrics.PLANNER_LEADER.set(1.0 if leads else 0.0)
+        if leads and not was:
+            log.info("planner: leading now")
+            # the seasons the replica before it saved; the damping starts over from what runs
+            await self.restore_season()
+            self.desired = None
+        elif was and not leads:
+            log.info("planner: standing by (%s leads)", holder or "no one yet")
+
     async def tick(self, now: float | None = None) -> dict[str, Any]:
         wall = time.time() if now is None else now
         now = time.monotonic() if now is None else now
         t0 = time.perf_counter()
         obs = await self.measure()
+        if not self.leader:
+            return self._stand_by(obs, wall)
         actual = self.actual()
         # what the last step asked for is the base of the next (workers take a while to appear); until the
         # first sized decision, and in recommend mode, it is what runs
@@ -447,8 +466,24 @@ class Planner:
                      for c in decision["candidates"]),
         )  # fmt: skip
 
+    def _stand_by(self, obs: Observation | None, wall: float) -> dict[str, Any]:
+        """A replica that does not lead keeps measuring (its windows and its seasons stay current) and decides
+        nothing: no replay, no step, no scaling."""
+        if obs is not None and self.forecast is not None:
+            if obs.requests >= self.args.min_window_requests and obs.done > 0:
+                self.forecast.update(wall, obs.rate_rps, obs.window_s)
+        metrics.PLANNER_DECISIONS.labels("standby").inc()
+        return self.plan()
+
     def plan(self) -> dict[str, Any]:
         actual = self.actual()
+        if not self.leader:
+            return {
+                "outcome": "standby",
+                "leader": self.holder,
+                "scale_mode": self.args.scale_mode,
+                "actual": {"prefill": actual[0], "decode": actual[1]},
+            }
         if self.current is None:
             return {
                 "outcome": "starting",
@@ -501,8 +536,9 @@ class Planner:
         return taken
 
     async def save_season(self) -> int:
-        """Write what the seasonal forecast measured to etcd; its size in bytes (0: nothing written)."""
-        if not isinstance(self.forecast, SeasonalForecast) or not self.forecast.buckets:
+        """Write what the seasonal forecast measured to etcd; its size in bytes (0: nothing written). Only the
+        leader writes; a standby's own copy is for when it takes over."""
+        if not self.leader or not isinstance(self.forecast, SeasonalForecast) or not self.forecast.buckets:
             return 0
         data = self.forecast.to_state()
         if len(data) > SEASON_STATE_MAX_BYTES:
@@ -562,6 +598,28 @@ async def _loop(planner: Planner, interval_s: float, stop: asyncio.Event) -> Non
                 await stop.wait()
 
 
+async def _campaign(planner: Planner, election: Election) -> None:
+    """One round of the election: etcd not answering means not leading (never two replicas acting)."""
+    try:
+        async with planner._etcd() as client:
+            holder = await election.campaign(client, ETCD_TIMEOUT_S)
+    except Exception as e:
+        if planner.leader:
+            log.warning("planner: etcd did not answer the leader's campaign (%s); standing by", describe(e))
+        await planner.lead(None, False)
+        return
+    await planner.lead(holder, election.leads(holder))
+
+
+async def _campaigns(planner: Planner, election: Election, period_s: float, stop: asyncio.Event) -> None:
+    while not stop.is_set():
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(period_s):
+                await stop.wait()
+        if not stop.is_set():
+            await _campaign(planner, election)
+
+
 async def serve(args: argparse.Namespace) -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per scrape would drown the decisions
@@ -584,6 +642,7 @@ async def serve(args: argparse.Namespace) -> None:
     serving = loop.create_task(server.serve(), name="uvicorn")
     registration: Registration | None = None
     planning: asyncio.Task[None] | None = None
+    campaigning: asyncio.Task[None] | None = None
     try:
         while not server.started:
             if serving.done():
@@ -598,11 +657,21 @@ async def serve(args: argparse.Namespace) -> None:
         )
         registration = await Registration.start(args.etcd, info, ttl_s=args.lease_ttl_s, security=security)
         log.info("planner %s on http://%s:%d (scale mode %s)", worker_id, host, port, args.scale_mode)
-        await planner.restore_season()
+        election = Election(PLANNER_LEADER_KEY, registration)
+        planner.leader = False  # until a round of the election says otherwise; a leader restores the seasons
+        await _campaign(planner, election)
+        if not planner.leader:
+            log.info("planner: standing by (%s leads)", planner.holder or "no one yet")
+            await planner.restore_season()
+        # a round every third of the lease: a replica takes over within about a TTL of the leader's end
+        period_s = max(0.5, args.lease_ttl_s / 3)
+        campaigning = loop.create_task(_campaigns(planner, election, period_s, stop), name="campaign")
         planning = loop.create_task(_loop(planner, args.interval_s, stop), name="plan")
         await stop.wait()
     finally:
         stop.set()
+        if campaigning is not None:
+            await campaigning
         if planning is not None:
             await planning
             if args.season_save_s > 0:

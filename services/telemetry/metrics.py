@@ -175,9 +175,13 @@ PLANNER_PREDICTED_P90_S = Gauge(
     "The simulator's p90 for the chosen candidate at the last decision, by SLO (ttft | itl)",
     ["slo"],
 )
+PLANNER_LEADER = Gauge(
+    "rackserve_planner_leader",
+    "1 while this planner replica leads (decides and acts), 0 while it stands by for another",
+)
 PLANNER_DECISIONS = Counter(
     "rackserve_planner_decisions",
-    "Planning intervals by outcome (hold | scale_up | scale_down | rebalance | idle | no_data)",
+    "Planning intervals by outcome (hold | scale_up | scale_down | rebalance | idle | no_data | standby)",
     ["outcome"],
 )
 PLANNER_SCALE_ERRORS = Counter(

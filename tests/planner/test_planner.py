@@ -595,6 +595,112 @@ def test_a_sigkilled_planner_leaves_no_replay_process_behind(etcd_server: EtcdSe
                 os.kill(k, signal.SIGKILL)
 
 
+def _spawn_logged(tmp_path, name: str, *argv: str) -> tuple[subprocess.Popen[bytes], Any]:
+    import os
+
+    log_path = tmp_path / f"{name}.log"
+    with open(log_path, "wb") as log:
+        proc = subprocess.Popen([sys.executable, "-m", *argv], stdout=log, stderr=subprocess.STDOUT,
+                                env={**os.environ, "PYTHONUNBUFFERED": "1"})  # fmt: skip
+    return proc, log_path
+
+
+def _until(what: str, check: Any, procs: list[tuple[subprocess.Popen[bytes], Any]], timeout_s: float) -> Any:
+    """Poll `check` until it returns something truthy; fail naming `what` (with the logs) if a process exits
+    or the time runs out."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        got = check()
+        if got:
+            return got
+        for proc, log_path in procs:
+            assert proc.poll() is None, (
+                f"{log_path.name} exited while waiting for {what}:\n{log_path.read_text()}"
+            )
+        logs = "\n".join(f"--- {p.name}\n{p.read_text()[-3000:]}" for _, p in procs)
+        assert time.monotonic() < deadline, f"no {what} within {timeout_s:.0f} s\n{logs}"
+        time.sleep(0.2)
+
+
+def test_of_two_planner_replicas_one_leads_and_the_other_takes_over_when_it_is_killed(
+    etcd_server: EtcdServer, tmp_path
+) -> None:
+    import re
+    import signal
+
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    front = _spawn_logged(tmp_path, "frontend", "services.frontend.server", "--etcd", etcd_server.url,
+                          "--port", str(port))  # fmt: skip
+    planner = ("services.cli", "planner", "--etcd", etcd_server.url, "--port", "0", "--interval-s", "1",
+               "--lease-ttl-s", "2")  # fmt: skip
+    procs = [front]  # those that must stay up
+    spawned = [front]
+
+    def endpoint(log_path: Any) -> str | None:
+        found = re.search(r"planner \S+ on (http://\S+:\d+)", log_path.read_text())
+        return found.group(1) if found else None
+
+    def get(base: str, path: str) -> httpx.Response | None:
+        try:
+            return httpx.get(f"{base}{path}", timeout=10)
+        except httpx.HTTPError:
+            return None
+
+    try:
+        # b first, so that it leads and a, the standby, is the planner discovery lists first
+        b = _spawn_logged(tmp_path, "planner-b", *planner, "--worker-id", "planner-b")
+        procs.append(b)
+        spawned.append(b)
+        _until("a leading planner-b", lambda: "leading now" in b[1].read_text(), procs, 60)
+        a = _spawn_logged(tmp_path, "planner-a", *planner, "--worker-id", "planner-a")
+        procs.append(a)
+        spawned.append(a)
+        a_url = _until("planner-a's endpoint", lambda: endpoint(a[1]), procs, 60)
+        b_url = endpoint(b[1])
+        assert b_url is not None
+        standby = _until("planner-a's plan", lambda: get(a_url, "/plan"), procs, 30).json()
+        assert standby["outcome"] == "standby" and standby["leader"] == "planner-b", standby
+        assert "rackserve_planner_leader 0.0" in httpx.get(f"{a_url}/metrics", timeout=10).text
+        assert "rackserve_planner_leader 1.0" in httpx.get(f"{b_url}/metrics", timeout=10).text
+        leading = httpx.get(f"{b_url}/plan", timeout=10).json()
+        assert leading["outcome"] != "standby", leading
+
+        def front_plan() -> dict[str, Any] | None:
+            r = get(url, "/v1/plan")
+            return r.json() if r is not None and r.status_code == 200 else None
+
+        # the frontend asks every replica it discovers and answers with the leader's plan, not the standby's
+        _until("the frontend's plan", front_plan, procs, 60)
+        for _ in range(5):
+            answer = front_plan()
+            assert answer is not None and answer["planner"] == "planner-b", answer
+            assert answer["outcome"] != "standby", answer
+            time.sleep(0.3)
+
+        # the leader dies without a word: its lease (2 s) runs out and the standby takes over
+        b[0].send_signal(signal.SIGKILL)
+        b[0].wait(timeout=10)
+        procs.remove(b)
+        _until("planner-a leading", lambda: (p := get(a_url, "/plan")) is not None
+               and p.json()["outcome"] != "standby", procs, 30)  # fmt: skip
+        assert "rackserve_planner_leader 1.0" in httpx.get(f"{a_url}/metrics", timeout=10).text
+        answer = _until("the frontend's plan from planner-a",
+                        lambda: (p := front_plan()) is not None and p["planner"] == "planner-a" and p,
+                        procs, 30)  # fmt: skip
+        assert answer["outcome"] != "standby", answer
+    finally:
+        for proc, _ in spawned:
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGTERM)
+        for proc, _ in spawned:
+            try:
+                proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+
+
 # ---- a real cluster -----------------------------------------------------------------------------------------
 
 
@@ -809,6 +915,20 @@ def test_chart_planner_profile_validates_strictly_and_its_rbac_is_the_minimum(
     assert [p["port"] for p in policy["spec"]["ingress"][0]["ports"]] == [8090]
     workers = chart.find(objs, "NetworkPolicy", "rs-rackserve-workers")
     assert any("planner" in json.dumps(rule.get("from", [])) for rule in workers["spec"]["ingress"])
+
+
+@pytest.mark.cluster
+def test_chart_planner_replicas_roll_one_at_a_time_with_one_leading() -> None:
+    from tests.deploy import test_chart as chart
+
+    objs = chart.render("--set", "planner.enabled=true", "--set", "planner.replicas=2")
+    dep = chart.find(objs, "Deployment", "rs-rackserve-planner")
+    # two stand by for each other (the election); an upgrade surges one new pod, which waits for the lease
+    assert dep["spec"]["replicas"] == 2
+    assert dep["spec"]["strategy"] == {
+        "type": "RollingUpdate",
+        "rollingUpdate": {"maxSurge": 1, "maxUnavailable": 0},
+    }
 
 
 @pytest.mark.cluster
