@@ -315,6 +315,11 @@ class Planner:
             self.desired = None
         elif was and not leads:
             log.info("planner: standing by (%s leads)", holder or "no one yet")
+            # a standby exports no decision: dashboards take the pools' desired sizes from the leader alone
+            self.current = None
+            for gauge in (metrics.PLANNER_DESIRED, metrics.PLANNER_TARGET, metrics.PLANNER_FLOOR,
+                          metrics.PLANNER_BINDING_SLO, metrics.PLANNER_PREDICTED_P90_S):  # fmt: skip
+                gauge.clear()
 
     async def tick(self, now: float | None = None) -> dict[str, Any]:
         wall = time.time() if now is None else now

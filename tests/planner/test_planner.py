@@ -212,11 +212,13 @@ class _MetricsServer(ThreadingHTTPServer):
 
 
 def _idle_kubernetes_planner(
-    replicas: tuple[int, int], flags: list[str], times: list[float]
+    replicas: tuple[int, int], flags: list[str], times: list[float], leads: list[bool] | None = None
 ) -> tuple[list[dict], _FakeApiServer, Any]:
     """A planner in kubernetes mode before any worker has registered, against real HTTP servers: the API (the
     Deployments at `replicas`) and a frontend's /metrics that sees one request a window (below
-    --min-window-requests: nothing to size on). Its decisions at `times`, the API server, the planner."""
+    --min-window-requests: nothing to size on). Its decisions at `times`, the API server, the planner. With
+    `leads`, whether it leads the election at each of them (else another replica does); each decision then
+    also carries `exported`, the desired sizes its metrics show."""
     from types import SimpleNamespace
 
     from services.planner.server import Planner, add_arguments
@@ -241,9 +243,16 @@ def _idle_kubernetes_planner(
 
     async def go() -> list[dict]:
         decisions = []
-        for t in times:
+        for i, t in enumerate(times):
             prompts.observe(500)
+            if leads is not None:
+                await planner.lead(None if leads[i] else "planner-other", leads[i])
             decisions.append(await planner.tick(now=t))
+            if leads is not None:
+                decisions[-1]["exported"] = {
+                    p: REGISTRY.get_sample_value("rackserve_planner_desired_replicas", {"pool": p})
+                    for p in m.POOLS
+                }
         await scaler.close()
         await planner.close()
         return decisions
@@ -299,6 +308,28 @@ def test_a_floor_lifts_idle_pools_in_its_hours_through_the_kubernetes_api() -> N
     # the dashboard's floor series: the window in force at the last decision
     floor = {p: REGISTRY.get_sample_value("rackserve_planner_floor_replicas", {"pool": p}) for p in m.POOLS}
     assert floor == {"prefill": 3.0, "decode": 2.0}
+
+
+def test_a_planner_that_stops_leading_scales_nothing_and_exports_no_decision() -> None:
+    """The floor test's planner, leading, then standing by for a decision (another replica leads), then leading
+    again: no PATCH while it stands by, its metrics show no desired sizes then (a dashboard's max over the
+    replicas is the leader's), and back in the lead it steps on from what the Deployments run."""
+    day = 20 * 86_400
+    times = [day + 8 * 3600, day + 8 * 3600 + 30, day + 8 * 3600 + 60]
+    decisions, api, planner = _idle_kubernetes_planner(
+        (1, 1), ["--floor", "08:00-18:00=3,2"], times, leads=[True, False, True]
+    )
+    assert [d["outcome"] for d in decisions] == ["scale_up", "standby", "scale_up"]
+    assert decisions[1]["leader"] == "planner-other" and "desired" not in decisions[1]
+    assert [d["exported"] for d in decisions] == [
+        {"prefill": 2.0, "decode": 2.0}, {"prefill": None, "decode": None}, {"prefill": 3.0, "decode": 2.0},
+    ]  # fmt: skip
+    assert [(c[1].split("/")[-2], c[3]) for c in api.calls if c[0] == "PATCH"] == [
+        ("rackserve-prefill", {"spec": {"replicas": 2}}),
+        ("rackserve-decode", {"spec": {"replicas": 2}}),
+        ("rackserve-prefill", {"spec": {"replicas": 3}}),
+    ]
+    assert REGISTRY.get_sample_value("rackserve_planner_leader") == 1.0
 
 
 def test_floor_windows_parse_and_wrap_past_midnight() -> None:
