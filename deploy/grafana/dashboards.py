@@ -366,9 +366,13 @@ def overview() -> Board:
     )
     b.panel(
         "Planner decisions by outcome",
-        [q(f"sum by (outcome) (increase(rackserve_planner_decisions_total[{RI}]))", "{{outcome}}")],
+        [
+            q(f"sum by (outcome) (increase(rackserve_planner_decisions_total[{RI}]))", "{{outcome}}"),
+            q("sum(rackserve_planner_leader)", "replicas leading"),
+        ],
         description="hold, scale_up, scale_down, rebalance (capacity moved between pools), idle (too few "
-        "requests to size on).",
+        "requests to size on), standby (decisions a replica did not take: another leads). Replicas leading "
+        "is 1 while the election works; 0 for longer than a lease TTL: no planner acts.",
     )
     return b
 
