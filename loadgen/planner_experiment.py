@@ -44,6 +44,7 @@ from services.planner.plan import (
     PREDICTORS,
     REACH,
     SIZE_BY,
+    Correction,
     Damper,
     Floor,
     Limits,
@@ -277,6 +278,7 @@ def planner_run(
     day_s: float = 0.0,
     drain_order: str = "newest",
     replay_window_s: float = 20.0,
+    correct: bool = False,
 ) -> dict[str, Any]:
     """With `foresight_s` > 0 the planner is told the future: each decision replays the requests that really
     arrive from `foresight_s` ahead on (their lengths, at their rate; the backlog and prefix hit rate are the
@@ -284,7 +286,8 @@ def planner_run(
     synthetic trace: another seed is another draw of the same measured traffic. With `schedule` ((from time,
     (P, D)) in time order, the first from 0) nothing is decided: the pools follow the schedule, known in
     advance, through the same start-up, drain and billing (`_scheduled`). `floors` are the service's `--floor`
-    windows in seconds of each day of `day_s` (the run's own time, not UTC)."""
+    windows in seconds of each day of `day_s` (the run's own time, not UTC). With `correct`, the planner's
+    `--correction`: each window's measured p90s against the replay of it on the pools that ran (`Correction`)."""
     limits = _budget(total)
     pairs = candidates(limits)
     if schedule is not None:
@@ -304,6 +307,8 @@ def planner_run(
     starting: dict[str, int] = {"prefill": 0, "decode": 0}
     desired = start
     window_start = 0.0
+    correction = Correction() if correct else None
+    ran_on: tuple[int, int] | None = None  # the live pools at the last decision
     last_arrival = specs[-1].arrival_s
     timeline: list[dict[str, Any]] = []
     billing: list[tuple[float, float]] = []  # (time, worker-seconds so far), per tick
@@ -336,7 +341,7 @@ def planner_run(
         billed["workers"], billed["since"] = float(running + sum(starting.values())), now
 
     def tick() -> None:
-        nonlocal desired, window_start
+        nonlocal desired, window_start, ran_on
         now = sim.now
         for wid, w in sim.workers.items():
             if w.draining and wid not in stopped and sim.idle(w):
@@ -361,6 +366,21 @@ def planner_run(
                 backlog=sum(1 for r in sim.reqs if r.arrival_s <= now and r.t_prefill_start is None),
                 output_samples=[r.emitted for r in done],
             )
+            target_slo = slo
+            live = (len(pool("prefill")), len(pool("decode")))
+            if correction is not None:
+                ttfts = [r.token_times[0] - r.arrival_s for r in done if r.token_times]
+                gaps = [b - a for r in done for a, b in itertools.pairwise(r.token_times)]
+                obs.ttft_p90_s = rep.percentile(ttfts, 90) if ttfts else None
+                obs.itl_p90_s = rep.percentile(gaps, 90) if gaps else None
+                if (
+                    live == ran_on
+                ):  # the window ran on these pools throughout: its replay on them is comparable
+                    (ran,) = evaluate(obs, profile, [live], "disagg", seed, replay_requests, slo=slo,
+                                      replay_window_s=replay_window_s)  # fmt: skip
+                    correction.update(obs, ran)
+                target_slo = correction.target(slo)
+            ran_on = live
             if foresight_s > 0:
                 obs = _foreseen(obs, specs, now + foresight_s, min_window_requests)
             if forecast is not None:
@@ -372,17 +392,18 @@ def planner_run(
                 "disagg",
                 seed,
                 replay_requests,
-                until_met=slo,
+                until_met=target_slo,
                 reach=reach,
                 size_by=size_by,
                 replay_window_s=replay_window_s,
             )
-            best, binding = choose(preds, slo, reach, size_by)
+            best, binding = choose(preds, target_slo, reach, size_by)
             if best is not None:
                 desired = damp(desired, (best.prefill, best.decode), floored, damper, now)
             window_start = now
             timeline.append({"t": now, "desired": list(desired), "binding": binding, "rate": obs.rate_rps,
-                             "replayed_rate": obs.replay_rps})  # fmt: skip
+                             "replayed_rate": obs.replay_rps,
+                             "correction": correction.to_dict() if correction is not None else None})  # fmt: skip
         elif desired[0] < floored.min_prefill or desired[1] < floored.min_decode:
             desired = damp(
                 desired, desired, floored, damper, now
@@ -729,6 +750,12 @@ def main(argv: list[str] | None = None) -> int:
         help="which worker of a pool a step down drains first",
     )
     ap.add_argument(
+        "--correction",
+        action="store_true",
+        help="the planner's --correction: judge sizes against the SLO divided by how far each window's measured "
+        "p90s were from the replay of it on the pools that ran",
+    )
+    ap.add_argument(
         "--schedule-bound",
         action="store_true",
         help="also report the best schedule of one split per phase known in advance (with --phases, one day)",
@@ -767,7 +794,8 @@ def main(argv: list[str] | None = None) -> int:
                        a.replay_requests, start, forecast=forecast, reach=a.reach_margin, size_by=a.size_by,
                        scale_down_window_s=a.scale_down_window_s, foresight_s=a.foresight_s,
                        seed=a.replay_seed, floors=_floors_s(a.floor_s), day_s=day_s,
-                       drain_order=a.drain_order, replay_window_s=a.replay_window_s)  # fmt: skip
+                       drain_order=a.drain_order, replay_window_s=a.replay_window_s,
+                       correct=a.correction)  # fmt: skip
     print(json.dumps({k: v for k, v in plan.items() if k != "timeline"}), flush=True)
     lines = [
         f"**Planner vs static splits of {a.total} workers** — Mooncake trace, first {len(specs)} records, rate "

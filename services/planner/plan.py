@@ -318,6 +318,47 @@ SIZE_BY = ("p90", "attainment")
 ATTAINMENT_P90_BOUND = 2.0
 
 
+CORRECTION_BOUNDS = (0.5, 2.0)  # one window's observed / predicted p90, before smoothing
+
+
+@dataclass
+class Correction:
+    """How far the live cluster's p90s are from what the replay predicts for the pools that ran, over that same
+    window's traffic: observed / predicted, per SLO, smoothed over the windows (weight `alpha` on the newest)
+    and each window's ratio kept within CORRECTION_BOUNDS. Candidates are then judged against the SLO divided
+    by it (`target`): a cluster whose p90 TTFT runs 30 % above its replay is sized for a target 30 % tighter,
+    one that runs below it for a looser one. What the simulator does not model (a frontend's own overhead, a
+    network, another tenant of the host) is then measured instead — the correction factors of Dynamo's SLA
+    planner, applied to a replay instead of a profile's interpolation."""
+
+    alpha: float = 0.3
+    ttft: float = 1.0
+    itl: float = 1.0
+    windows: int = 0  # windows that updated it
+
+    def update(self, obs: Observation, ran: Prediction) -> bool:
+        """Take one window: `ran` is the replay of its traffic on the pools that served it. False (and
+        nothing changes) when the window measured no p90 to compare."""
+        lo, hi = CORRECTION_BOUNDS
+        took = False
+        if obs.ttft_p90_s and ran.ttft_p90_s > 0:
+            ratio = min(hi, max(lo, obs.ttft_p90_s / ran.ttft_p90_s))
+            self.ttft = (1 - self.alpha) * self.ttft + self.alpha * ratio
+            took = True
+        if obs.itl_p90_s and ran.itl_p90_s > 0:
+            ratio = min(hi, max(lo, obs.itl_p90_s / ran.itl_p90_s))
+            self.itl = (1 - self.alpha) * self.itl + self.alpha * ratio
+            took = True
+        self.windows += took
+        return took
+
+    def target(self, slo: Slo) -> Slo:
+        return Slo(slo.ttft_s / self.ttft, slo.itl_s / self.itl)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"ttft": round(self.ttft, 4), "itl": round(self.itl, 4), "windows": self.windows}
+
+
 @dataclass
 class RateForecast:
     """The arrival rate `horizon_s` from now, by Holt's linear trend (double exponential smoothing) over the

@@ -55,6 +55,7 @@ from services.planner.plan import (
     REACH,
     SIZE_BY,
     WEEKDAYS,
+    Correction,
     Damper,
     Floor,
     Limits,
@@ -74,7 +75,7 @@ from services.planner.plan import (
     with_floor,
 )
 from services.rpc import pb
-from services.runtime.args import add_flag, add_security_arguments
+from services.runtime.args import add_flag, add_security_arguments, switch
 from services.telemetry import metrics
 
 log = logging.getLogger("rackserve.planner")
@@ -143,6 +144,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
              "etcd (and at shutdown), so a restarted planner keeps its seasons; 0: never", float)  # fmt: skip
     add_flag(g, "--predict-horizon-s", 60.0, "with --predictor trend or seasonal: how far ahead to size for "
              "(a worker's start-up time plus one interval)", float)  # fmt: skip
+    switch(g, "--correction", "size against the SLO divided by how far the measured p90s have run from the replay "
+           "of the same windows on the pools that served them (smoothed; Dynamo's planner's correction factors): "
+           "what the simulator does not model is then measured")  # fmt: skip
     add_flag(g, "--history", 100, "decisions `GET /plan` keeps", int)
     k = parser.add_argument_group("kubernetes (--scale-mode kubernetes)")
     add_flag(k, "--kube-namespace", "", "namespace of the Deployments (default: the pod's own)")
@@ -224,6 +228,8 @@ class Planner:
         self.directory = directory
         self.scaler = scaler
         self.damper = Damper(args.hold_down_s, args.scale_down_window_s)
+        self.correction = Correction() if args.correction else None
+        self.ran_on: tuple[int, int] | None = None  # the live pools at the last sized window
         self.forecast = make_forecast(
             args.predictor, args.predict_horizon_s, args.season_s, args.season_span_s, args.seasons
         )
@@ -318,7 +324,8 @@ class Planner:
             # a standby exports no decision: dashboards take the pools' desired sizes from the leader alone
             self.current = None
             for gauge in (metrics.PLANNER_DESIRED, metrics.PLANNER_TARGET, metrics.PLANNER_FLOOR,
-                          metrics.PLANNER_BINDING_SLO, metrics.PLANNER_PREDICTED_P90_S):  # fmt: skip
+                          metrics.PLANNER_BINDING_SLO, metrics.PLANNER_PREDICTED_P90_S,
+                          metrics.PLANNER_CORRECTION):  # fmt: skip
                 gauge.clear()
 
     async def tick(self, now: float | None = None) -> dict[str, Any]:
@@ -345,6 +352,7 @@ class Planner:
             outcome, binding, target = "idle", "none", base
         else:
             profile = live_profile(self.base_profile, obs)
+            goal = await self._corrected(obs, profile, actual)
             if self.forecast is not None:
                 # wall-clock time: a season is a time of day (the damper's `now` is monotonic)
                 obs.replay_rate_rps = self.forecast.update(wall, obs.rate_rps, obs.window_s)
@@ -357,11 +365,11 @@ class Planner:
                 self.args.router_mode,
                 0,
                 self.args.replay_requests,
-                slo=self.slo,
+                slo=goal,
             )
             preds = await asyncio.get_running_loop().run_in_executor(self.pool, replay)
-            best, binding = choose(preds, self.slo, self.args.reach_margin, self.args.size_by)
-            targets = attainable(preds, self.slo, self.args.reach_margin)
+            best, binding = choose(preds, goal, self.args.reach_margin, self.args.size_by)
+            targets = attainable(preds, goal, self.args.reach_margin)
             target = (best.prefill, best.decode) if best is not None else base
             outcome = ""
         # no sized decision, no step: an idle window is not evidence, and at start, before the workers have
@@ -401,6 +409,7 @@ class Planner:
             },
             "predictor": self.args.predictor,
             "size_by": self.args.size_by,
+            "correction": self.correction.to_dict() if self.correction is not None else None,
             "floor": {"prefill": floor[0], "decode": floor[1]} if floor is not None else None,
             "limits": {
                 "min_prefill": self.limits.min_prefill,
@@ -425,6 +434,28 @@ class Planner:
         self._publish(decision, chosen)
         metrics.PLANNER_DECISION_S.observe(time.perf_counter() - t0)
         return decision
+
+    async def _corrected(self, obs: Observation, profile: Any, actual: tuple[int, int]) -> Slo:
+        """The SLO the candidates are judged against: as set, or with --correction divided by how far the
+        measured p90s have run from the replay. A window is compared only when the pools that serve now also
+        served at the last sized window (a window across a resize mixes two clusters), on the measured rate."""
+        if self.correction is None:
+            return self.slo
+        ran_on, self.ran_on = self.ran_on, actual
+        if actual == ran_on and min(actual) > 0 and (obs.ttft_p90_s or obs.itl_p90_s):
+            replay = functools.partial(
+                evaluate,
+                obs,
+                profile,
+                [actual],
+                self.args.router_mode,
+                0,
+                self.args.replay_requests,
+                slo=self.slo,
+            )
+            (ran,) = await asyncio.get_running_loop().run_in_executor(self.pool, replay)
+            self.correction.update(obs, ran)
+        return self.correction.target(self.slo)
 
     async def _asked(self, actual: tuple[int, int]) -> tuple[int, int] | None:
         """What the pools were last asked to be: the last decision's desired; before any, the Deployments'
@@ -453,6 +484,9 @@ class Planner:
             metrics.PLANNER_FLOOR.labels(pool).set((decision["floor"] or {}).get(pool, 0))
         for slo in ("ttft", "itl", "none"):
             metrics.PLANNER_BINDING_SLO.labels(slo).set(1.0 if decision["binding_slo"] == slo else 0.0)
+        if decision.get("correction"):
+            for slo in ("ttft", "itl"):
+                metrics.PLANNER_CORRECTION.labels(slo).set(decision["correction"][slo])
         if chosen is not None:
             metrics.PLANNER_PREDICTED_P90_S.labels("ttft").set(chosen.ttft_p90_s)
             metrics.PLANNER_PREDICTED_P90_S.labels("itl").set(chosen.itl_p90_s)

@@ -175,6 +175,11 @@ PLANNER_PREDICTED_P90_S = Gauge(
     "The simulator's p90 for the chosen candidate at the last decision, by SLO (ttft | itl)",
     ["slo"],
 )
+PLANNER_CORRECTION = Gauge(
+    "rackserve_planner_correction",
+    "With --correction: measured p90 over the replay's for the pools that ran, smoothed (the SLO is divided by it)",
+    ["slo"],
+)
 PLANNER_LEADER = Gauge(
     "rackserve_planner_leader",
     "1 while this planner replica leads (decides and acts), 0 while it stands by for another",

@@ -332,6 +332,45 @@ def test_a_planner_that_stops_leading_scales_nothing_and_exports_no_decision() -
     assert REGISTRY.get_sample_value("rackserve_planner_leader") == 1.0
 
 
+@pytest.mark.cluster  # the replay runs in the planner's spawned process
+def test_the_planner_service_corrects_its_target_only_from_windows_on_unchanged_pools() -> None:
+    """`rackserve planner --correction`: a window is compared with its replay only when the pools that serve
+    now also served at the last sized window; then the SLO it sizes for tightens by the correction. Without
+    the flag the SLO is as set."""
+    from services.planner.server import Planner, add_arguments
+
+    p = argparse.ArgumentParser()
+    add_arguments(p)
+    # 300-token prompts at 1 request/s with 5 queued, measured 3x slower at p90 than any replay of them
+    obs = Observation(window_s=20, requests=20, input_tokens=[(256, 0.0), (512, 20.0)], output_tokens=[(1, 20.0)],
+                      prompt_tokens=20 * 300, generation_tokens=20, input_samples=[300] * 20, output_samples=[1] * 20,
+                      backlog=5, ttft_p90_s=30.0)  # fmt: skip
+    profile = load_profile("cpu_smollm2")
+    plain = Planner(p.parse_args(["--slo-ttft-ms", "1000"]), directory=None)  # type: ignore[arg-type]
+    corrected = Planner(p.parse_args(["--slo-ttft-ms", "1000", "--correction"]), directory=None)  # type: ignore[arg-type]
+
+    async def go() -> list[Slo]:
+        goals = [await plain._corrected(obs, profile, (1, 1))]
+        for pools in ((1, 1), (1, 1), (2, 1), (2, 1)):
+            goals.append(await corrected._corrected(obs, profile, pools))
+        await plain.close()
+        await corrected.close()
+        return goals
+
+    goals = asyncio.run(go())
+    assert plain.correction is None and goals[0] == Slo(1.0, 0.1)
+    # first window: nothing to compare with; second, same pools: 3x, bounded to 2x, weighted 0.3 -> 1.3;
+    # third, resized: not compared; fourth, the new pools again: 1.3 x 0.7 + 2 x 0.3
+    assert [round(g.ttft_s, 4) for g in goals[1:]] == [
+        1.0,
+        round(1 / 1.3, 4),
+        round(1 / 1.3, 4),
+        round(1 / 1.51, 4),
+    ]
+    assert all(g.itl_s == 0.1 for g in goals) and corrected.correction is not None
+    assert corrected.correction.to_dict() == {"ttft": 1.51, "itl": 1.0, "windows": 2}
+
+
 def test_floor_windows_parse_and_wrap_past_midnight() -> None:
     from services.planner.plan import floor_at, parse_floors
     from services.planner.server import _floors

@@ -292,3 +292,32 @@ def test_a_middle_days_line_counts_its_own_worker_seconds_up_to_the_next_day() -
     )  # 400 of 800, 100 to 200 s
     last = pe._day_text(2, 3, 100.0, best, plan, 8)  # to each run's end: 4 x 110 of 8 x 110
     assert "goodput x0.800" in last and "worker-seconds x0.500" in last
+
+
+def test_a_cluster_slower_than_its_replay_is_sized_for_a_tighter_target_with_correction() -> None:
+    """`--correction`: windows whose measured p90 TTFT runs twice what the replay of the same traffic predicts
+    on the pools that served it raise the correction, and the choice grows the prefill pool that the
+    uncorrected choice keeps at one worker; a window that measures what the replay predicts changes nothing."""
+    from services.planner.plan import Correction
+
+    queued = Observation(**{**STEADY.__dict__, "backlog": 5})  # one prefill worker: p90 TTFT ~0.8 s of 1 s
+    pairs = candidates(LIMITS)
+    plain, _ = choose(evaluate(queued, CPU, pairs, slo=SLO), SLO)
+    assert plain is not None and (plain.prefill, plain.decode) == (1, 1)
+    (ran,) = evaluate(queued, CPU, [(1, 1)], slo=SLO)
+
+    agrees = Correction()
+    assert agrees.update(Observation(**{**queued.__dict__, "ttft_p90_s": ran.ttft_p90_s}), ran)
+    assert (agrees.ttft, agrees.itl) == (1.0, 1.0) and agrees.target(SLO) == SLO
+
+    slow = Correction()
+    measured = Observation(**{**queued.__dict__, "ttft_p90_s": 3 * ran.ttft_p90_s})  # past the bound of 2x
+    for _ in range(2):
+        assert slow.update(measured, ran)
+    assert slow.ttft == pytest.approx(0.7 * (0.7 + 0.3 * 2) + 0.3 * 2) and slow.itl == 1.0  # no ITL measured
+    goal = slow.target(SLO)
+    assert goal.ttft_s == pytest.approx(SLO.ttft_s / slow.ttft) and goal.itl_s == SLO.itl_s
+    corrected, binding = choose(evaluate(queued, CPU, pairs, slo=goal), goal)
+    assert corrected is not None and (corrected.prefill, corrected.decode) == (2, 1) and binding == "ttft"
+    # a window with nothing measured is not evidence
+    assert not slow.update(queued, ran) and slow.windows == 2
