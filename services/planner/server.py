@@ -310,14 +310,14 @@ class Planner:
             self.prev = {**fresh, **self.prev}
         return obs
 
-    async def lead(self, holder: str | None, leads: bool) -> None:
+    def lead(self, holder: str | None, leads: bool) -> None:
         """What a campaign round found: this replica leads, or `holder` does (None: no one it could see)."""
         was, self.leader, self.holder = self.leader, leads, holder
         metrics.PLANNER_LEADER.set(1.0 if leads else 0.0)
         if leads and not was:
             log.info("planner: leading now")
-            # the seasons the replica before it saved; the damping starts over from what runs
-            await self.restore_season()
+            # its seasons are the ones it restored at its start plus what it measured since, standing by: no
+            # less than the old leader saved; the damping starts over from what runs
             self.desired = None
         elif was and not leads:
             log.info("planner: standing by (%s leads)", holder or "no one yet")
@@ -645,9 +645,9 @@ async def _campaign(planner: Planner, election: Election) -> None:
     except Exception as e:
         if planner.leader:
             log.warning("planner: etcd did not answer the leader's campaign (%s); standing by", describe(e))
-        await planner.lead(None, False)
+        planner.lead(None, False)
         return
-    await planner.lead(holder, election.leads(holder))
+    planner.lead(holder, election.leads(holder))
 
 
 async def _campaigns(planner: Planner, election: Election, period_s: float, stop: asyncio.Event) -> None:
@@ -696,12 +696,12 @@ async def serve(args: argparse.Namespace) -> None:
         )
         registration = await Registration.start(args.etcd, info, ttl_s=args.lease_ttl_s, security=security)
         log.info("planner %s on http://%s:%d (scale mode %s)", worker_id, host, port, args.scale_mode)
+        await planner.restore_season()
         election = Election(PLANNER_LEADER_KEY, registration)
-        planner.leader = False  # until a round of the election says otherwise; a leader restores the seasons
+        planner.leader = False  # until a round of the election says otherwise
         await _campaign(planner, election)
         if not planner.leader:
             log.info("planner: standing by (%s leads)", planner.holder or "no one yet")
-            await planner.restore_season()
         # a round every third of the lease: a replica takes over within about a TTL of the leader's end
         period_s = max(0.5, args.lease_ttl_s / 3)
         campaigning = loop.create_task(_campaigns(planner, election, period_s, stop), name="campaign")

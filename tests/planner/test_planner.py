@@ -246,7 +246,7 @@ def _idle_kubernetes_planner(
         for i, t in enumerate(times):
             prompts.observe(500)
             if leads is not None:
-                await planner.lead(None if leads[i] else "planner-other", leads[i])
+                planner.lead(None if leads[i] else "planner-other", leads[i])
             decisions.append(await planner.tick(now=t))
             if leads is not None:
                 decisions[-1]["exported"] = {
