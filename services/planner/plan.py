@@ -21,7 +21,7 @@ import zlib
 from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
-from datetime import UTC, datetime, tzinfo
+from datetime import UTC, date, datetime, timedelta, tzinfo
 from typing import Any
 from zoneinfo import ZoneInfo, ZoneInfoNotFoundError
 
@@ -154,20 +154,60 @@ class Floor:
     decode: int
     days: frozenset[int] | None = None
 
-    def active(self, wall: float, tz: tzinfo | None = None) -> bool:
-        if tz is None and self.days is None:
+    def active(self, wall: float, tz: tzinfo | None = None, skip: FloorExceptions | None = None) -> bool:
+        """Whether the window holds at `wall` (epoch seconds) in `tz`; never on a window that starts on a date of
+        `skip` (a holiday: the window from the day before that runs past midnight still runs out)."""
+        if tz is None and self.days is None and not skip:
             t, weekday = wall % DAY_S, 0  # UTC every day: no calendar needed (the experiment's run seconds)
+            today = None
         else:
             local = datetime.fromtimestamp(wall, tz or UTC)
             t = local.hour * 3600 + local.minute * 60 + local.second + local.microsecond / 1e6
-            weekday = local.weekday()
+            weekday, today = local.weekday(), local.date()
 
-        def on(day: int) -> bool:
-            return self.days is None or day % 7 in self.days
+        def on(back: int) -> bool:
+            """Whether the window starts on the day `back` days before today."""
+            if self.days is not None and (weekday - back) % 7 not in self.days:
+                return False
+            return not skip or today is None or not skip.holds(today - timedelta(days=back))
 
         if self.start_s < self.end_s:
-            return self.start_s <= t < self.end_s and on(weekday)
-        return (t >= self.start_s and on(weekday)) or (t < self.end_s and on(weekday - 1))
+            return self.start_s <= t < self.end_s and on(0)
+        return (t >= self.start_s and on(0)) or (t < self.end_s and on(1))
+
+
+@dataclass(frozen=True)
+class FloorExceptions:
+    """`--floor-except`: dates on which no `--floor` window starts (holidays), each `YYYY-MM-DD` or, every year,
+    `MM-DD`; in `--floor-tz`."""
+
+    dates: frozenset[date] = frozenset()
+    yearly: frozenset[tuple[int, int]] = frozenset()  # (month, day)
+
+    def __bool__(self) -> bool:
+        return bool(self.dates or self.yearly)
+
+    def holds(self, day: date) -> bool:
+        return day in self.dates or (day.month, day.day) in self.yearly
+
+
+def parse_floor_exceptions(text: str) -> FloorExceptions:
+    dates, yearly = set(), set()
+    for part in (x.strip() for x in text.replace(";", ",").split(",")):
+        if not part:
+            continue
+        try:
+            if part.count("-") == 2:
+                dates.add(date.fromisoformat(part))
+            else:
+                month, _, day = part.partition("-")
+                date(2000, int(month), int(day))  # a leap year: 02-29 is a date
+                yearly.add((int(month), int(day)))
+        except ValueError as exc:
+            raise ValueError(
+                f"--floor-except wants dates YYYY-MM-DD or, every year, MM-DD; got {part!r}"
+            ) from exc
+    return FloorExceptions(frozenset(dates), frozenset(yearly))
 
 
 def _clock(text: str) -> int:
@@ -225,10 +265,12 @@ def floor_zone(name: str) -> tzinfo | None:
         ) from exc
 
 
-def floor_at(floors: Sequence[Floor], wall: float, tz: tzinfo | None = None) -> tuple[int, int] | None:
+def floor_at(
+    floors: Sequence[Floor], wall: float, tz: tzinfo | None = None, skip: FloorExceptions | None = None
+) -> tuple[int, int] | None:
     """The pools' floor at wall-clock time `wall` (epoch seconds) in time zone `tz` (None: UTC): the largest of
-    the active windows per pool, None when none is active."""
-    on = [f for f in floors if f.active(wall, tz)]
+    the active windows per pool (none starting on a date of `skip`), None when none is active."""
+    on = [f for f in floors if f.active(wall, tz, skip)]
     if not on:
         return None
     return max(f.prefill for f in on), max(f.decode for f in on)

@@ -71,6 +71,7 @@ from services.planner.plan import (
     floor_zone,
     live_profile,
     make_forecast,
+    parse_floor_exceptions,
     parse_floors,
     with_floor,
 )
@@ -109,6 +110,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
              "large, `[DAYS ]HH:MM-HH:MM=P,D` separated by `;`, DAYS such as Mon-Fri or Sat,Sun (none: every day; a "
              "cron floor, as KEDA's cron scaler; a window may run past midnight; start it a start-up plus a few "
              "intervals early)")  # fmt: skip
+    add_flag(g, "--floor-except", "", "dates on which no --floor window starts (holidays), `,`-separated: "
+             "YYYY-MM-DD, or MM-DD for every year; in --floor-tz")  # fmt: skip
     add_flag(g, "--floor-tz", "UTC", "the time zone of --floor's times and days (an IANA name such as "
              "America/New_York; daylight saving time is followed)")  # fmt: skip
     add_flag(g, "--hold-down-s", 60.0, "no step in a pool within this long of its last step", float)
@@ -224,6 +227,7 @@ class Planner:
         self.slo, self.limits = _config(args)
         self.floor_tz = floor_zone(args.floor_tz)
         self.floors = _floors(args.floor, self.limits, self.floor_tz)
+        self.floor_skip = parse_floor_exceptions(args.floor_except)
         self.base_profile = load_profile(args.profile)
         self.directory = directory
         self.scaler = scaler
@@ -340,7 +344,7 @@ class Planner:
         # first sized decision, and in recommend mode, it is what runs
         base = self.desired if self.desired is not None and self.args.scale_mode != "recommend" else actual
         preds: list[Any] = []
-        floor = floor_at(self.floors, wall, self.floor_tz)
+        floor = floor_at(self.floors, wall, self.floor_tz, self.floor_skip)
         limits = with_floor(self.limits, floor)
         profile = self.base_profile
         targets = self.slo  # what the decision sized for: the SLO, or the best reachable p90 plus the margin

@@ -354,6 +354,7 @@ def test_engine_values_carry_the_cli_flag_names() -> None:
         (["--set", "kvDisk.volume=nfs"], "/kvDisk/volume"),
         (["--set", "engine.kv-disk-bytes=-1"], "/engine/kv-disk-bytes"),
         (["--set", "planner.replicas=0"], "/planner/replicas"),
+        (["--set", "planner.flags.floor-except=Christmas"], "/planner/flags/floor-except"),
     ],
 )
 def test_bad_values_fail_lint_naming_the_value(overrides: list[str], complaint: str) -> None:

@@ -12,6 +12,7 @@ import subprocess
 import sys
 import threading
 import time
+from datetime import date
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
@@ -437,6 +438,39 @@ def test_floor_windows_keep_to_their_weekdays_and_time_zone() -> None:
     assert (
         len(_floors("Mon-Thu 08:00-18:00=3,2; Fri 17:00-19:00=1,3", Limits(1, 4, 1, 4, max_workers=5))) == 2
     )
+
+
+def test_floor_windows_do_not_start_on_the_dates_excepted() -> None:
+    """`--floor-except "2024-12-24, 12-25"`: no window starts on Christmas Eve 2024 or on any Christmas Day (in
+    --floor-tz); the window that started the evening before runs out past midnight as usual, and one that would
+    start on the excepted date does not run into the next."""
+    from services.planner.plan import floor_at, floor_zone, parse_floor_exceptions, parse_floors
+
+    floors = parse_floors("Mon-Fri 08:00-18:00=3,2; 22:00-02:00=2,1")
+    skip = parse_floor_exceptions("2024-12-24, 12-25")
+    berlin = floor_zone("Europe/Berlin")
+    hour, day = 3600, 86_400
+    mon = 1_734_908_400  # 2024-12-23 00:00 in Berlin (CET), a Monday
+    assert floor_at(floors, mon + 9 * hour, berlin, skip) == (3, 2)  # Monday: an ordinary day
+    assert floor_at(floors, mon + day + 9 * hour, berlin) == (3, 2)  # Tuesday the 24th without exceptions
+    assert floor_at(floors, mon + day + 9 * hour, berlin, skip) is None  # ... and with them
+    assert floor_at(floors, mon + day + 30 * 60, berlin, skip) == (2, 1)  # 00:30 on the 24th: Monday's night
+    assert (
+        floor_at(floors, mon + day + 23 * hour, berlin, skip) is None
+    )  # the 24th's own night does not start
+    assert floor_at(floors, mon + 2 * day + 30 * 60, berlin, skip) is None  # ... nor run into the 25th
+    assert floor_at(floors, mon + 2 * day + 9 * hour, berlin, skip) is None  # the 25th, every year
+    next_year = 1_766_617_200  # 2025-12-25 00:00 in Berlin, a Thursday
+    assert floor_at(floors, next_year + 9 * hour, berlin, skip) is None
+    assert floor_at(floors, next_year + day + 9 * hour, berlin, skip) == (3, 2)  # Friday the 26th
+    assert floor_at(floors, mon + 9 * hour, None, skip) == (
+        3,
+        2,
+    )  # without a zone, UTC: 08:00 on Monday the 23rd
+    assert not parse_floor_exceptions("") and parse_floor_exceptions("02-29").holds(date(2028, 2, 29))
+    for bad in ("2024-13-01", "12/25", "02-30", "Christmas"):
+        with pytest.raises(ValueError, match="--floor-except"):
+            parse_floor_exceptions(bad)
 
 
 def test_planner_flags_are_checked() -> None:
@@ -935,7 +969,7 @@ def test_chart_planner_profile_validates_strictly_and_its_rbac_is_the_minimum(
     """The ci profile with the planner in kubernetes mode: kubernetes-validate --strict accepts every object (the
     planner's Deployment, Role, RoleBinding, ServiceAccount, NetworkPolicy), the Role allows get/patch on the two
     worker Deployments' scale subresource and nothing else, and the env parses with the planner's own flags."""
-    from services.planner.plan import floor_zone
+    from services.planner.plan import floor_zone, parse_floor_exceptions
     from services.planner.server import _config, _floors
     from services.planner.server import add_arguments as planner_arguments
     from tests.deploy import test_chart as chart
@@ -980,6 +1014,8 @@ def test_chart_planner_profile_validates_strictly_and_its_rbac_is_the_minimum(
         (7 * 3600 + 1800, 3, 2, frozenset(range(5))), (22 * 3600, 2, 1, None),
     ]  # fmt: skip
     assert args.floor_tz == "Europe/Berlin"
+    skip = parse_floor_exceptions(args.floor_except)
+    assert (skip.yearly, skip.dates) == ({(12, 24), (12, 25)}, {date(2027, 4, 5)})
     # the frontend forwards GET /v1/plan to it; it reads the workers' /metrics: both admitted, nothing else
     policy = chart.find(objs, "NetworkPolicy", "rs-rackserve-planner")
     assert [p["port"] for p in policy["spec"]["ingress"][0]["ports"]] == [8090]
