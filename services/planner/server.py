@@ -675,6 +675,8 @@ async def serve(args: argparse.Namespace) -> None:
 
         scaler = KubeScaler.in_cluster(args)
     planner = Planner(args, directory, scaler)
+    planner.leader = False  # not before a round of the election says so (its HTTP answers start first)
+    metrics.PLANNER_LEADER.set(0.0)
     planner.start_replays()
     server = _QuietServer(uvicorn.Config(create_app(planner), host=args.host, port=args.port,
                                          log_level="warning", access_log=False))  # fmt: skip
@@ -702,7 +704,6 @@ async def serve(args: argparse.Namespace) -> None:
         log.info("planner %s on http://%s:%d (scale mode %s)", worker_id, host, port, args.scale_mode)
         await planner.restore_season()
         election = Election(PLANNER_LEADER_KEY, registration)
-        planner.leader = False  # until a round of the election says otherwise
         await _campaign(planner, election)
         if not planner.leader:
             log.info("planner: standing by (%s leads)", planner.holder or "no one yet")
