@@ -143,6 +143,7 @@ def test_a_second_request_for_the_restoring_prefix_waits_for_it_instead_of_recom
     assert not any(k == "stored" and h in hashes for k, h in kinds)
 
 
+@pytest.mark.cluster  # runs helm
 def test_the_switch_reaches_a_worker_from_its_flag_its_env_and_the_chart(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:

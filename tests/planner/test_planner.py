@@ -833,6 +833,7 @@ def test_up_passes_other_planner_flags_on_and_refuses_ones_it_sets_itself() -> N
         parser.parse_args(["--planner-flag", "predictor"])
 
 
+@pytest.mark.cluster  # starts processes (rackserve up)
 def test_up_planner_moves_capacity_from_prefill_to_decode_without_losing_a_request() -> None:
     """`rackserve up --planner` (local mode), budget 3 workers, starting at 2 prefill + 1 decode. Long prompts
     with one output token keep it there (TTFT binds); short prompts with long outputs make it drain a prefill
