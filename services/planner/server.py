@@ -641,26 +641,38 @@ async def _loop(planner: Planner, interval_s: float, stop: asyncio.Event) -> Non
                 await stop.wait()
 
 
-async def _campaign(planner: Planner, election: Election) -> None:
-    """One round of the election: etcd not answering means not leading (never two replicas acting)."""
+async def _campaign(planner: Planner, election: Election, client: aetcd.Client | None) -> aetcd.Client | None:
+    """One round of the election, on `client` (connected first when None); returns the client for the next
+    round, None after a failure. etcd not answering means not leading (never two replicas acting)."""
     try:
-        async with planner._etcd() as client:
-            holder = await election.campaign(client, ETCD_TIMEOUT_S)
+        if client is None:
+            client = await connect_first_reachable(
+                parse_etcd_urls(planner.args.etcd), ETCD_TIMEOUT_S, planner.security
+            )
+        holder = await election.campaign(client, ETCD_TIMEOUT_S)
     except Exception as e:
         if planner.leader:
             log.warning("planner: etcd did not answer the leader's campaign (%s); standing by", describe(e))
         planner.lead(None, False)
-        return
+        await close_quietly(client)
+        return None
     planner.lead(holder, election.leads(holder))
+    return client
 
 
-async def _campaigns(planner: Planner, election: Election, period_s: float, stop: asyncio.Event) -> None:
-    while not stop.is_set():
-        with contextlib.suppress(TimeoutError):
-            async with asyncio.timeout(period_s):
-                await stop.wait()
-        if not stop.is_set():
-            await _campaign(planner, election)
+async def _campaigns(
+    planner: Planner, election: Election, period_s: float, stop: asyncio.Event, client: aetcd.Client | None
+) -> None:
+    """A round every `period_s` until `stop`, on one etcd connection while it works."""
+    try:
+        while not stop.is_set():
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(period_s):
+                    await stop.wait()
+            if not stop.is_set():
+                client = await _campaign(planner, election, client)
+    finally:
+        await close_quietly(client)
 
 
 async def serve(args: argparse.Namespace) -> None:
@@ -704,12 +716,12 @@ async def serve(args: argparse.Namespace) -> None:
         log.info("planner %s on http://%s:%d (scale mode %s)", worker_id, host, port, args.scale_mode)
         await planner.restore_season()
         election = Election(PLANNER_LEADER_KEY, registration)
-        await _campaign(planner, election)
+        client = await _campaign(planner, election, None)
         if not planner.leader:
             log.info("planner: standing by (%s leads)", planner.holder or "no one yet")
         # a round every third of the lease: a replica takes over within about a TTL of the leader's end
         period_s = max(0.5, args.lease_ttl_s / 3)
-        campaigning = loop.create_task(_campaigns(planner, election, period_s, stop), name="campaign")
+        campaigning = loop.create_task(_campaigns(planner, election, period_s, stop, client), name="campaign")
         planning = loop.create_task(_loop(planner, args.interval_s, stop), name="plan")
         await stop.wait()
     finally:

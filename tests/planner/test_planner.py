@@ -866,6 +866,7 @@ def test_up_planner_moves_capacity_from_prefill_to_decode_without_losing_a_reque
             lines.append(line)
             if "rackserve is ready" in line:
                 ready.set()
+        ready.set()  # its output ended: it stopped (the wait below then fails at once, not at its deadline)
 
     threading.Thread(target=pump, daemon=True).start()
     url = f"http://127.0.0.1:{port}"
@@ -915,7 +916,9 @@ def test_up_planner_moves_capacity_from_prefill_to_decode_without_losing_a_reque
                 t.join(timeout=180)
 
     try:
-        assert ready.wait(450), "rackserve up did not become ready:\n" + "".join(lines[-40:])
+        assert ready.wait(450) and any("rackserve is ready" in x for x in lines), (
+            "rackserve up did not become ready:\n" + "".join(lines[-40:])
+        )
 
         def two_sized_decisions() -> dict:
             # a sized decision needs 10 finished arrivals
