@@ -308,7 +308,6 @@ def planner_run(
     desired = start
     window_start = 0.0
     correction = Correction() if correct else None
-    ran_on: tuple[int, int] | None = None  # the live pools at the last decision
     last_arrival = specs[-1].arrival_s
     timeline: list[dict[str, Any]] = []
     billing: list[tuple[float, float]] = []  # (time, worker-seconds so far), per tick
@@ -341,7 +340,7 @@ def planner_run(
         billed["workers"], billed["since"] = float(running + sum(starting.values())), now
 
     def tick() -> None:
-        nonlocal desired, window_start, ran_on
+        nonlocal desired, window_start
         now = sim.now
         for wid, w in sim.workers.items():
             if w.draining and wid not in stopped and sim.idle(w):
@@ -367,20 +366,17 @@ def planner_run(
                 output_samples=[r.emitted for r in done],
             )
             target_slo = slo
-            live = (len(pool("prefill")), len(pool("decode")))
             if correction is not None:
+                live = (len(pool("prefill")), len(pool("decode")))
                 ttfts = [r.token_times[0] - r.arrival_s for r in done if r.token_times]
                 gaps = [b - a for r in done for a, b in itertools.pairwise(r.token_times)]
                 obs.ttft_p90_s = rep.percentile(ttfts, 90) if ttfts else None
                 obs.itl_p90_s = rep.percentile(gaps, 90) if gaps else None
-                if (
-                    live == ran_on
-                ):  # the window ran on these pools throughout: its replay on them is comparable
+                if correction.comparable(live):
                     (ran,) = evaluate(obs, profile, [live], "disagg", seed, replay_requests, slo=slo,
                                       replay_window_s=replay_window_s)  # fmt: skip
                     correction.update(obs, ran)
                 target_slo = correction.target(slo)
-            ran_on = live
             if foresight_s > 0:
                 obs = _foreseen(obs, specs, now + foresight_s, min_window_requests)
             if forecast is not None:

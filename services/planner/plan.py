@@ -377,6 +377,13 @@ class Correction:
     ttft: float = 1.0
     itl: float = 1.0
     windows: int = 0  # windows that updated it
+    pools: tuple[int, int] | None = None  # (P, D) that served the last window offered to `comparable`
+
+    def comparable(self, pools: tuple[int, int]) -> bool:
+        """Whether the window served by `pools` can be held against its replay on them: the same pools served
+        the window before (one across a resize mixes two clusters). Records `pools` for the next."""
+        same, self.pools = pools == self.pools, pools
+        return same
 
     def update(self, obs: Observation, ran: Prediction) -> bool:
         """Take one window: `ran` is the replay of its traffic on the pools that served it. False (and

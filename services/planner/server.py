@@ -233,7 +233,6 @@ class Planner:
         self.scaler = scaler
         self.damper = Damper(args.hold_down_s, args.scale_down_window_s)
         self.correction = Correction() if args.correction else None
-        self.ran_on: tuple[int, int] | None = None  # the live pools at the last sized window
         self.forecast = make_forecast(
             args.predictor, args.predict_horizon_s, args.season_s, args.season_span_s, args.seasons
         )
@@ -308,11 +307,15 @@ class Planner:
             self.prev = fresh
             return None
         obs = observe.observation(front, workers, max(windows))
-        if obs.requests >= self.args.min_window_requests and obs.done > 0:
+        if self._sizable(obs):
             self.prev = fresh
         else:  # keep the window open; only sources first seen now start from here
             self.prev = {**fresh, **self.prev}
         return obs
+
+    def _sizable(self, obs: Observation) -> bool:
+        """A window with enough arrivals (--min-window-requests) and a finished request to replay."""
+        return obs.requests >= self.args.min_window_requests and obs.done > 0
 
     def lead(self, holder: str | None, leads: bool) -> None:
         """What a campaign round found: this replica leads, or `holder` does (None: no one it could see)."""
@@ -350,7 +353,7 @@ class Planner:
         targets = self.slo  # what the decision sized for: the SLO, or the best reachable p90 plus the margin
         if obs is None:
             outcome, binding, target = "no_data", "none", base
-        elif obs.requests < self.args.min_window_requests or obs.done == 0:
+        elif not self._sizable(obs):
             # too few finished requests to replay: no evidence to size on — hold, and let the window grow (a
             # pool is never emptied by a quiet minute; --min-* is the floor an operator sets for idle)
             outcome, binding, target = "idle", "none", base
@@ -441,12 +444,11 @@ class Planner:
 
     async def _corrected(self, obs: Observation, profile: Any, actual: tuple[int, int]) -> Slo:
         """The SLO the candidates are judged against: as set, or with --correction divided by how far the
-        measured p90s have run from the replay. A window is compared only when the pools that serve now also
-        served at the last sized window (a window across a resize mixes two clusters), on the measured rate."""
+        measured p90s have run from the replay of the window on `actual`, at the measured rate (when
+        `Correction.comparable`)."""
         if self.correction is None:
             return self.slo
-        ran_on, self.ran_on = self.ran_on, actual
-        if actual == ran_on and min(actual) > 0 and (obs.ttft_p90_s or obs.itl_p90_s):
+        if self.correction.comparable(actual) and min(actual) > 0 and (obs.ttft_p90_s or obs.itl_p90_s):
             replay = functools.partial(
                 evaluate,
                 obs,
@@ -512,9 +514,8 @@ class Planner:
     def _stand_by(self, obs: Observation | None, wall: float) -> dict[str, Any]:
         """A replica that does not lead keeps measuring (its windows and its seasons stay current) and decides
         nothing: no replay, no step, no scaling."""
-        if obs is not None and self.forecast is not None:
-            if obs.requests >= self.args.min_window_requests and obs.done > 0:
-                self.forecast.update(wall, obs.rate_rps, obs.window_s)
+        if obs is not None and self.forecast is not None and self._sizable(obs):
+            self.forecast.update(wall, obs.rate_rps, obs.window_s)
         metrics.PLANNER_DECISIONS.labels("standby").inc()
         return self.plan()
 
@@ -544,11 +545,15 @@ class Planner:
             "history": list(self.history),
         }
 
+    async def connect(self) -> aetcd.Client:
+        """A client on the first etcd endpoint that answers."""
+        return await connect_first_reachable(parse_etcd_urls(self.args.etcd), ETCD_TIMEOUT_S, self.security)
+
     @contextlib.asynccontextmanager
     async def _etcd(self) -> AsyncIterator[aetcd.Client]:
         """A client on the first etcd endpoint that answers, closed after use (the seasons' state is read once
         and written every few minutes: no connection is held between)."""
-        client = await connect_first_reachable(parse_etcd_urls(self.args.etcd), ETCD_TIMEOUT_S, self.security)
+        client = await self.connect()
         try:
             yield client
         finally:
@@ -646,9 +651,7 @@ async def _campaign(planner: Planner, election: Election, client: aetcd.Client |
     round, None after a failure. etcd not answering means not leading (never two replicas acting)."""
     try:
         if client is None:
-            client = await connect_first_reachable(
-                parse_etcd_urls(planner.args.etcd), ETCD_TIMEOUT_S, planner.security
-            )
+            client = await planner.connect()
         holder = await election.campaign(client, ETCD_TIMEOUT_S)
     except Exception as e:
         if planner.leader:
