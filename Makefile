@@ -52,7 +52,7 @@ unit: setup
 test: lint typecheck unit
 
 # The inner loop: the tests that start no process (no etcd, no service, no child interpreter: the `cluster` marker,
-# tests/conftest.py) and are not `slow` (the real model at length), under 2 minutes. `make test` still runs all.
+# tests/conftest.py) and are not `slow` (the real model at length), about 3 minutes on 2 cores. `make test` still runs all.
 test-fast: setup
 	RACKSERVE_TEST_FAST=1 $(BIN)/pytest -q -m "not cluster and not slow" tests
 
