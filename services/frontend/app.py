@@ -88,6 +88,7 @@ from services.frontend.request_state import EmittedToken, Phase, RequestState
 from services.frontend.timeline import RequestObserver
 from services.rpc import pb
 from services.telemetry import metrics
+from services.telemetry.traffic import SHARE_TOKENS, TrafficLog
 
 log = logging.getLogger("rackserve.frontend")
 
@@ -138,6 +139,7 @@ class Frontend:
         self.in_flight = 0
         self.kv_in_flight = 0  # KV tokens charged to the requests in flight (ADMISSION_OUTPUT_TOKENS)
         self._kv_charged: dict[str, int] = {}  # request id -> its charge
+        self.traffic = TrafficLog()  # the recent prompts' shapes, for the planner's replay (GET /traffic)
 
     def kv_budget(self) -> tuple[int, int]:
         """(this frontend's budget of KV tokens in flight, the decode workers' total capacity in tokens).
@@ -225,6 +227,7 @@ class Frontend:
                 code="context_length_exceeded",
             )
         params = self.sampling_params(body, max_tokens, logprobs)
+        self.traffic.admit(prompt_token_ids)  # the demand, as the prompt-length histogram counts it
         if echo_logprobs:
             params.forced_token_ids.extend(prompt_token_ids[1:])
             params.max_tokens += n - 1
@@ -1039,6 +1042,22 @@ async def plan(fe: FrontendDep) -> dict[str, Any]:
             code="no_planner",
         )
     raise ApiError(503, "the planner did not answer", SERVICE_UNAVAILABLE, code="planner_unavailable")
+
+
+@api.get("/traffic")
+async def traffic(fe: FrontendDep, since: int = 0) -> dict[str, Any]:
+    """The requests admitted in the last two minutes with a sequence number above `since`: when each arrived,
+    its prompt length, and which earlier one it shares a prefix with and how many tokens of it
+    (services/telemetry/traffic.py). The planner's `--replay-from recent` replays them. Like `/metrics`, no
+    prompt text or hash: lengths and sequence numbers."""
+    if since < 0:
+        raise bad_request(f"since: must be >= 0, got {since}", param="since")
+    records = fe.traffic.since(since)
+    return {
+        "share_tokens": SHARE_TOKENS,
+        "last": fe.traffic.last,
+        "requests": [r.to_dict() for r in records],
+    }
 
 
 @api.get("/metrics")
