@@ -85,6 +85,7 @@ sim: setup
 	$(BIN)/python -m loadgen.planner_experiment --days 2 --predictor seasonal --clairvoyant-slice-s 0 --out bench/results/sim/planner-seasonal
 	$(BIN)/python -m loadgen.planner_experiment --schedule-bound --clairvoyant-slice-s 0 --out bench/results/sim/planner-schedule
 	$(BIN)/python -m loadgen.planner_experiment --floor-s 380-560=7,1 --size-by attainment --clairvoyant-slice-s 0 --out bench/results/sim/planner-floor
+	$(BIN)/python -m loadgen.planner_experiment --floor-s 380-560=7,1 --size-by attainment --replay-from recent --replay-window-s 30 --clairvoyant-slice-s 0 --out bench/results/sim/planner-recent
 
 bench-cluster: setup
 	$(BIN)/python -m loadgen.validate --out bench/results/cluster

@@ -58,8 +58,10 @@ from services.planner.plan import (
     evaluate,
     floor_at,
     make_forecast,
+    recent_specs,
     with_floor,
 )
+from services.telemetry.traffic import SHARE_TOKENS, TrafficLog
 
 SLO = rep.Slo(ttft_s=2.0, itl_p90_s=0.05)  # the goodput SLO, per request (as loadgen/experiments.py)
 
@@ -279,6 +281,7 @@ def planner_run(
     drain_order: str = "newest",
     replay_window_s: float = 20.0,
     correct: bool = False,
+    replay_from: str = "synthetic",
 ) -> dict[str, Any]:
     """With `foresight_s` > 0 the planner is told the future: each decision replays the requests that really
     arrive from `foresight_s` ahead on (their lengths, at their rate; the backlog and prefix hit rate are the
@@ -308,6 +311,9 @@ def planner_run(
     desired = start
     window_start = 0.0
     correction = Correction() if correct else None
+    traffic = TrafficLog() if replay_from == "recent" else None
+    step = SHARE_TOKENS // profile.block_size  # engine blocks per prefix the log hashes
+    admitted = {"until": -1.0}
     last_arrival = specs[-1].arrival_s
     timeline: list[dict[str, Any]] = []
     billing: list[tuple[float, float]] = []  # (time, worker-seconds so far), per tick
@@ -347,6 +353,12 @@ def planner_run(
                 stopped[wid] = now
         bill(now)
         arrived = [r for r in sim.reqs if window_start < r.arrival_s <= now]
+        if traffic is not None:  # what the frontend's traffic log admits, as the requests arrive
+            for r in sorted(
+                (r for r in sim.reqs if admitted["until"] < r.arrival_s <= now), key=lambda r: r.arrival_s
+            ):
+                traffic.admit_chain(r.spec.input_tokens, r.hashes[step - 1 :: step], now=r.arrival_s)
+            admitted["until"] = now
         done = [
             r for r in sim.reqs if r.t_done is not None and window_start < r.t_done <= now and not r.failed
         ]
@@ -365,6 +377,9 @@ def planner_run(
                 backlog=sum(1 for r in sim.reqs if r.arrival_s <= now and r.t_prefill_start is None),
                 output_samples=[r.emitted for r in done],
             )
+            if traffic is not None:
+                span = max(replay_window_s, now - window_start)
+                obs.recent = recent_specs([("sim", r) for r in traffic.since(0, now) if r.t > now - span])
             target_slo = slo
             if correction is not None:
                 live = (len(pool("prefill")), len(pool("decode")))
@@ -740,6 +755,13 @@ def main(argv: list[str] | None = None) -> int:
         help="each replay covers at least this many seconds of the measured traffic",
     )
     ap.add_argument(
+        "--replay-from",
+        choices=("synthetic", "recent"),
+        default="synthetic",
+        help="the planner's --replay-from: requests drawn from the measured histograms with one shared prefix, "
+        "or the last --replay-window-s of requests themselves as a frontend's traffic log records them",
+    )
+    ap.add_argument(
         "--drain-order",
         choices=("newest", "least_work", "least_cache"),
         default="newest",
@@ -791,7 +813,7 @@ def main(argv: list[str] | None = None) -> int:
                        scale_down_window_s=a.scale_down_window_s, foresight_s=a.foresight_s,
                        seed=a.replay_seed, floors=_floors_s(a.floor_s), day_s=day_s,
                        drain_order=a.drain_order, replay_window_s=a.replay_window_s,
-                       correct=a.correction)  # fmt: skip
+                       correct=a.correction, replay_from=a.replay_from)  # fmt: skip
     print(json.dumps({k: v for k, v in plan.items() if k != "timeline"}), flush=True)
     lines = [
         f"**Planner vs static splits of {a.total} workers** — Mooncake trace, first {len(specs)} records, rate "

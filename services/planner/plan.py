@@ -14,6 +14,7 @@ profile calibrated from the workers' measured prefill rate and decode step time.
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
 import random
@@ -29,6 +30,7 @@ from loadgen.report import percentile
 from loadgen.sim.engine import ClusterConfig, Simulator, block_hashes_for
 from loadgen.sim.profile import Profile
 from loadgen.workload import RequestSpec
+from services.telemetry.traffic import SHARE_TOKENS, TrafficRecord
 
 # Histograms as (upper bound, count in that bucket — not cumulative); the last bound may be inf.
 Buckets = list[tuple[float, float]]
@@ -48,6 +50,9 @@ class Observation:
     finished: int = -1  # requests that finished in the window (-1: as many as arrived)
     input_samples: list[int] | None = None  # exact lengths, when known (the simulator's own planner)
     output_samples: list[int] | None = None
+    # the requests themselves, when known (the simulator's own planner, `--replay-from recent`): their arrival
+    # times and real block ids, so the replay shares prefixes as the traffic did
+    recent: list[RequestSpec] | None = None
     ttft_p90_s: float | None = None  # measured at the frontend over the window
     itl_p90_s: float | None = None
     waiting: dict[str, float] = field(default_factory=dict)  # requests queued per pool, now
@@ -592,11 +597,15 @@ def replay_workload(
     """The window's traffic as a trace: the backlog queued now arrives at once, then Poisson arrivals at the
     measured rate; lengths drawn from the measured histograms, a prefix of hit_rate x the prompt shared by every
     request (the simplest sharing that gives the measured hit rate). At most `max_requests` arrivals (plus the
-    backlog), over at least `min_window_s` simulated seconds."""
+    backlog), over at least `min_window_s` simulated seconds. With `obs.recent`, those requests themselves
+    instead (`_replay_recent`; the newest `max_requests`: the caller chose their window)."""
     rate = obs.replay_rps
     if rate <= 0:
         return []
     rng = random.Random(seed)
+    if obs.recent:
+        outputs = obs.output_samples or [max(1, round(obs.mean_output()))]
+        return _replay_recent(obs.recent[-max_requests:], obs.backlog, rate, outputs, rng)
     n = max(1, min(max_requests, math.ceil(rate * max(obs.window_s, min_window_s))))
     mean_in, mean_out = obs.mean_input(), obs.mean_output()
     shared_blocks = int(obs.hit_rate * mean_in) // block_size
@@ -623,6 +632,60 @@ def replay_workload(
             )
         )
     return specs
+
+
+def recent_specs(records: Sequence[tuple[str, TrafficRecord]]) -> list[RequestSpec]:
+    """The traffic logs' records ((source, record): a frontend's records number their parents in its own log)
+    in arrival order, as requests whose prompts share what the records say they shared: block ids of
+    `SHARE_TOKENS` tokens, a parent's ids for the shared prefix and new ones after it. A parent older than the
+    records stands in as ids of its own, so the requests that shared it share them again. Output lengths are
+    the replay's to draw (`_replay_recent`)."""
+    ids = itertools.count(1)
+    chains: dict[tuple[str, int], list[int]] = {}
+    out = []
+    for source, r in records:
+        shared = r.shared_tokens // SHARE_TOKENS
+        prefix: list[int] = []
+        if shared and r.parent is not None:
+            prefix = chains.setdefault((source, r.parent), [])
+            prefix.extend(next(ids) for _ in range(shared - len(prefix)))  # a parent older than the records
+        own = max(1, math.ceil(r.prompt_tokens / SHARE_TOKENS)) - shared
+        chain = chains[(source, r.seq)] = prefix[:shared] + [next(ids) for _ in range(own)]
+        out.append(
+            RequestSpec(
+                f"recent-{source}-{r.seq}",
+                r.prompt_tokens,
+                1,
+                arrival_s=r.t,
+                tags={
+                    "hash_ids": ",".join(map(str, chain)),
+                    "trace_block_tokens": str(SHARE_TOKENS),
+                    "trace_seed": "0",
+                },
+            )
+        )
+    return out
+
+
+def _replay_recent(
+    recent: Sequence[RequestSpec], backlog: int, rate: float, outputs: Sequence[int], rng: random.Random
+) -> list[RequestSpec]:
+    """The recent requests again, in the order and with the relative gaps they arrived with, scaled to arrive
+    at `rate` (the window's, or the forecast's); a backlog of `backlog` of them drawn at random arrives at once
+    first. Their own prompts and block ids, so the prefixes they shared are shared again (the replay's caches
+    start empty); output lengths drawn from `outputs` (those measured: an arrival's own is not known yet)."""
+    first = min(s.arrival_s for s in recent)
+    span = max(s.arrival_s for s in recent) - first
+    own = (len(recent) - 1) / span if span > 0 else rate
+    speedup = rate / own if own > 0 else 1.0
+    queued = [recent[rng.randrange(len(recent))] for _ in range(backlog)]
+    again = [(0.0, s) for s in queued] + [((s.arrival_s - first) / speedup, s) for s in recent]
+    return [
+        RequestSpec(
+            f"plan-{i}", s.input_tokens, outputs[rng.randrange(len(outputs))], arrival_s=t, tags=dict(s.tags)
+        )
+        for i, (t, s) in enumerate(again)
+    ]
 
 
 def simulate_candidate(

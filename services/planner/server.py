@@ -38,6 +38,7 @@ import httpx
 import uvicorn
 from fastapi import FastAPI, Response
 
+from loadgen.workload import RequestSpec
 from services.discovery import Registration, WorkerDirectory
 from services.discovery.election import Election
 from services.discovery.etcd import (
@@ -73,11 +74,13 @@ from services.planner.plan import (
     make_forecast,
     parse_floor_exceptions,
     parse_floors,
+    recent_specs,
     with_floor,
 )
 from services.rpc import pb
 from services.runtime.args import add_flag, add_security_arguments, switch
 from services.telemetry import metrics
+from services.telemetry.traffic import TrafficRecord
 
 log = logging.getLogger("rackserve.planner")
 
@@ -86,6 +89,9 @@ SCALE_MODES = ("recommend", "local", "kubernetes")
 SCRAPE_TIMEOUT_S = 2.0
 ETCD_TIMEOUT_S = 5.0  # one read or write of the seasons' state
 PARENT_CHECK_S = 0.5  # how often the replay process looks for the planner that spawned it
+REPLAY_FROM = ("synthetic", "recent")
+TRAFFIC_MIN_WINDOW_S = 20.0  # a recent replay covers at least this much (as a synthetic one: replay_workload)
+TRAFFIC_KEEP_S = 600.0  # the most of a frontend's traffic log the planner holds (a window kept open grows)
 SEASON_STATE_MAX_BYTES = 1 << 20  # etcd refuses requests above 1.5 MiB by default (--max-request-bytes)
 
 
@@ -127,6 +133,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_flag(g, "--min-window-requests", 10, "arrivals a window needs before it is replayed (fewer: "
              "hold, and the window extends into the next interval)", int)  # fmt: skip
     add_flag(g, "--replay-requests", 200, "most requests of one window replayed per candidate", int)
+    add_flag(g, "--replay-from", "synthetic", "what a replay plays: synthetic: requests drawn from the measured "
+             "length histograms sharing one prefix of the measured hit rate; recent: the requests of the last "
+             "interval themselves, as the frontends' GET /traffic logged them (their arrivals and the prefixes "
+             "they shared); synthetic where no frontend serves it", choices=REPLAY_FROM)  # fmt: skip
     add_flag(g, "--reach-margin", REACH, "where no size meets an SLO (prompts too long for the TTFT target on any "
              "number of workers), a size within this fraction of the best candidate's p90 counts as meeting it; "
              "with --size-by attainment, a size may miss this fraction of the replayed requests more than the best",
@@ -256,6 +266,8 @@ class Planner:
         # one decides and acts while the others stand by, measuring, to take over where it stops
         self.leader = True
         self.holder: str | None = None  # the leader's worker id, as the last campaign round read it
+        # --replay-from recent: per frontend (id and epoch), the last seq read and the records since
+        self.traffic: dict[str, tuple[int, deque[TrafficRecord]]] = {}
 
     def actual(self) -> tuple[int, int]:
         return len(self.directory.workers("prefill")), len(self.directory.workers("decode"))
@@ -282,6 +294,8 @@ class Planner:
                 if w.metrics_endpoint:
                     sources[f"{role}/{w.worker_id}/{w.epoch}"] = (role, w.metrics_endpoint)
         got = await asyncio.gather(*(self._scrape(ep) for _, ep in sources.values()))
+        if self.args.replay_from == "recent":
+            await self._read_traffic({k: ep for k, (role, ep) in sources.items() if role == "frontend"})
         front: observe.Samples = {}
         workers: dict[str, tuple[str, observe.Samples, observe.Samples]] = {}
         windows: list[float] = []
@@ -312,6 +326,38 @@ class Planner:
         else:  # keep the window open; only sources first seen now start from here
             self.prev = {**fresh, **self.prev}
         return obs
+
+    async def _read_traffic(self, frontends: dict[str, str]) -> None:
+        """The records each frontend's traffic log added since the last read (a frontend first seen, or
+        restarted under a new epoch, from its first); a frontend gone is forgotten."""
+
+        async def read(key: str, endpoint: str) -> None:
+            last, held = self.traffic.get(key, (0, deque()))
+            try:
+                r = await self.client.get(f"http://{endpoint}/traffic", params={"since": last})
+                r.raise_for_status()
+                got = [TrafficRecord(**x) for x in r.json()["requests"]]
+            except (httpx.HTTPError, ValueError, KeyError, TypeError) as e:
+                log.info("planner: GET /traffic of %s failed: %s", endpoint, e)
+                got = []
+            held.extend(got)
+            while held and held[0].t < held[-1].t - TRAFFIC_KEEP_S:  # a window that stays open is bounded
+                held.popleft()
+            self.traffic[key] = (got[-1].seq if got else last, held)
+
+        self.traffic = {k: v for k, v in self.traffic.items() if k in frontends}
+        await asyncio.gather(*(read(k, ep) for k, ep in frontends.items()))
+
+    def _recent(self, window_s: float) -> list[RequestSpec] | None:
+        """The requests of the last `window_s` (at least TRAFFIC_MIN_WINDOW_S) as the traffic logs hold them,
+        merged in arrival order, as replay specs. None: no log holds any."""
+        span = max(window_s, TRAFFIC_MIN_WINDOW_S)
+        records: list[tuple[str, TrafficRecord]] = []
+        for key, (_, held) in self.traffic.items():
+            if held:  # measured from the frontend's own newest record: its clock, not this host's
+                records.extend((key, r) for r in held if r.t >= held[-1].t - span)
+        records.sort(key=lambda kr: kr[1].t)
+        return recent_specs(records) or None
 
     def _sizable(self, obs: Observation) -> bool:
         """A window with enough arrivals (--min-window-requests) and a finished request to replay."""
@@ -359,6 +405,8 @@ class Planner:
             outcome, binding, target = "idle", "none", base
         else:
             profile = live_profile(self.base_profile, obs)
+            if self.args.replay_from == "recent":
+                obs.recent = self._recent(obs.window_s)
             goal = await self._corrected(obs, profile, actual)
             if self.forecast is not None:
                 # wall-clock time: a season is a time of day (the damper's `now` is monotonic)
@@ -416,6 +464,7 @@ class Planner:
             },
             "predictor": self.args.predictor,
             "size_by": self.args.size_by,
+            "replayed": "recent" if obs is not None and obs.recent else "synthetic",
             "correction": self.correction.to_dict() if self.correction is not None else None,
             "floor": {"prefill": floor[0], "decode": floor[1]} if floor is not None else None,
             "limits": {

@@ -381,6 +381,74 @@ def test_metrics_count_requests_and_tokens(scripted: ScriptedCluster) -> None:
     assert re.search(r"rackserve_generation_tokens_total [1-9]", text)
 
 
+def test_traffic_log_names_the_earlier_request_a_prompt_shares_its_prefix_with(
+    scripted: ScriptedCluster, tokenizer: Tokenizer
+) -> None:
+    """GET /traffic: what the planner's `--replay-from recent` replays. The same long message twice and then
+    another: the second shares the first's whole prompt in 256-token prefixes, the third no whole one."""
+    before = httpx.get(f"{scripted.url}/traffic", timeout=10).json()["last"]
+    long = " ".join(f"word{i}" for i in range(90))
+    for content in (long, long, "a different question"):
+        r = httpx.post(f"{scripted.url}/v1/chat/completions", json=chat(content, max_tokens=4), timeout=10)
+        assert r.status_code == 200, r.text
+    got = httpx.get(f"{scripted.url}/traffic", params={"since": before}, timeout=10).json()
+    first, second, third = got["requests"]
+    assert got["share_tokens"] == 256 and got["last"] == third["seq"] == before + 3
+    assert first["prompt_tokens"] == second["prompt_tokens"] > 256
+    assert (second["parent"], second["shared_tokens"]) == (first["seq"], first["prompt_tokens"] // 256 * 256)
+    assert (third["parent"], third["shared_tokens"]) == (None, 0)
+    assert first["t"] <= second["t"] <= third["t"]
+    assert "word1" not in json.dumps(got)  # lengths and numbers, no prompt text
+    bad = httpx.get(f"{scripted.url}/traffic", params={"since": -1}, timeout=10)
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "since"
+
+
+@pytest.mark.cluster  # the planner's replay runs in its spawned process
+def test_the_planner_replays_the_requests_the_frontend_logged_with_the_prefixes_they_shared(
+    scripted: ScriptedCluster,
+) -> None:
+    """`rackserve planner --replay-from recent` against this frontend: its decision replays the requests the
+    frontend admitted, their prompt lengths as the frontend counted them, the three that sent the same long
+    message sharing its prefix in the replay's own KV blocks, the fourth sharing none of it."""
+    import argparse
+    from types import SimpleNamespace
+
+    from loadgen.sim.engine import block_hashes_for
+    from services.planner.server import Planner, add_arguments
+
+    frontend = SimpleNamespace(worker_id="frontend-scripted", epoch=1, endpoint=f"127.0.0.1:{scripted.port}")
+    directory = SimpleNamespace(workers=lambda role: [frontend] if role == "frontend" else [])
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    args = parser.parse_args(["--replay-from", "recent", "--min-window-requests", "4", "--max-prefill", "2",
+                              "--max-decode", "1"])  # fmt: skip
+    planner = Planner(args, directory)  # type: ignore[arg-type]
+    long = " ".join(f"word{i}" for i in range(90))
+
+    async def go() -> tuple[dict[str, Any], list[Any], list[int]]:
+        first = await planner.tick()
+        assert first["outcome"] == "no_data"  # a frontend's first scrape opens the window
+        lengths = []
+        async with httpx.AsyncClient(timeout=10) as client:
+            for content in (long, long, long, "something else entirely"):
+                r = await client.post(f"{scripted.url}/v1/chat/completions", json=chat(content, max_tokens=4))
+                assert r.status_code == 200, r.text
+                lengths.append(r.json()["usage"]["prompt_tokens"])
+        decision = await planner.tick()
+        replayed = planner._recent(0.0) or []
+        await planner.close()
+        return decision, replayed, lengths
+
+    decision, replayed, lengths = asyncio.run(go())
+    assert decision["replayed"] == "recent" and decision["candidates"], decision
+    mine = replayed[-4:]
+    assert [s.input_tokens for s in mine] == lengths
+    hashes = block_hashes_for(mine, 16)
+    whole = lengths[0] // 256 * 256 // 16  # the long message's whole 256-token prefixes, in 16-token blocks
+    assert hashes[1][:whole] == hashes[2][:whole] == hashes[0][:whole]
+    assert hashes[3][0] not in set(hashes[0])
+
+
 # ---- processes ------------------------------------------------------------------------------------------------
 
 
