@@ -1055,6 +1055,7 @@ async def traffic(fe: FrontendDep, since: int = 0) -> dict[str, Any]:
     records = fe.traffic.since(since)
     return {
         "share_tokens": SHARE_TOKENS,
+        "now": time.time(),  # the clock the records' times are on: a reader on another host aligns by it
         "last": fe.traffic.last,
         "requests": [r.to_dict() for r in records],
     }

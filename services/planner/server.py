@@ -30,6 +30,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import AsyncIterator, Iterator
+from dataclasses import replace
 from datetime import UTC, datetime, timedelta, tzinfo
 from typing import Any
 
@@ -266,8 +267,9 @@ class Planner:
         # one decides and acts while the others stand by, measuring, to take over where it stops
         self.leader = True
         self.holder: str | None = None  # the leader's worker id, as the last campaign round read it
-        # --replay-from recent: per frontend (id and epoch), the last seq read and the records since
-        self.traffic: dict[str, tuple[int, deque[TrafficRecord]]] = {}
+        # --replay-from recent: per frontend (id and epoch), the last seq read, the records since, and how far
+        # this host's clock is ahead of the frontend's
+        self.traffic: dict[str, tuple[int, deque[TrafficRecord], float]] = {}
 
     def actual(self) -> tuple[int, int]:
         return len(self.directory.workers("prefill")), len(self.directory.workers("decode"))
@@ -332,18 +334,20 @@ class Planner:
         restarted under a new epoch, from its first); a frontend gone is forgotten."""
 
         async def read(key: str, endpoint: str) -> None:
-            last, held = self.traffic.get(key, (0, deque()))
+            last, held, ahead = self.traffic.get(key, (0, deque(), 0.0))
             try:
                 r = await self.client.get(f"http://{endpoint}/traffic", params={"since": last})
                 r.raise_for_status()
-                got = [TrafficRecord(**x) for x in r.json()["requests"]]
+                body = r.json()
+                got = [TrafficRecord(**x) for x in body["requests"]]
+                ahead = time.time() - float(body["now"])
             except (httpx.HTTPError, ValueError, KeyError, TypeError) as e:
                 log.info("planner: GET /traffic of %s failed: %s", endpoint, e)
                 got = []
             held.extend(got)
-            while held and held[0].t < held[-1].t - TRAFFIC_KEEP_S:  # a window that stays open is bounded
+            while held and held[0].t + ahead < time.time() - TRAFFIC_KEEP_S:  # an open window is bounded
                 held.popleft()
-            self.traffic[key] = (got[-1].seq if got else last, held)
+            self.traffic[key] = (got[-1].seq if got else last, held, ahead)
 
         self.traffic = {k: v for k, v in self.traffic.items() if k in frontends}
         await asyncio.gather(*(read(k, ep) for k, ep in frontends.items()))
@@ -351,13 +355,12 @@ class Planner:
     def _recent(self, window_s: float) -> list[RequestSpec] | None:
         """The requests of the last `window_s` (at least TRAFFIC_MIN_WINDOW_S) as the traffic logs hold them,
         merged in arrival order, as replay specs. None: no log holds any."""
-        span = max(window_s, TRAFFIC_MIN_WINDOW_S)
-        records: list[tuple[str, TrafficRecord]] = []
-        for key, (_, held) in self.traffic.items():
-            if held:  # measured from the frontend's own newest record: its clock, not this host's
-                records.extend((key, r) for r in held if r.t >= held[-1].t - span)
-        records.sort(key=lambda kr: kr[1].t)
-        return recent_specs(records) or None
+        since = time.time() - max(window_s, TRAFFIC_MIN_WINDOW_S)
+        timed: list[tuple[float, str, TrafficRecord]] = []
+        for key, (_, held, ahead) in self.traffic.items():  # each frontend's times on this host's clock
+            timed.extend((r.t + ahead, key, r) for r in held if r.t + ahead >= since)
+        timed.sort(key=lambda x: x[0])
+        return recent_specs([(key, replace(r, t=t)) for t, key, r in timed]) or None
 
     def _sizable(self, obs: Observation) -> bool:
         """A window with enough arrivals (--min-window-requests) and a finished request to replay."""

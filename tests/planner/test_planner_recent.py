@@ -86,3 +86,68 @@ def test_prompts_that_share_their_prefixes_need_fewer_prefill_workers_than_their
     sharing, _ = choose(evaluate(window(True), CPU, candidates(limits)), slo)
     assert apart is not None and sharing is not None
     assert (apart.prefill, sharing.prefill) == (3, 1)
+
+
+def test_the_planner_replays_only_what_each_frontend_logged_lately_on_its_own_clock() -> None:
+    """Two frontends' GET /traffic, served by real HTTP servers: one whose clock runs 100 s behind the
+    planner's, with three requests in the last seconds (the second sharing the first's prefix); one whose
+    last request was 5 minutes ago. The replay holds the three, in order, on the planner's clock, and none of
+    the idle frontend's."""
+    import argparse
+    import asyncio
+    import json
+    import threading
+    import time
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    from services.planner.server import Planner, add_arguments
+
+    def serve(now: float, records: list[dict]) -> ThreadingHTTPServer:
+        class Handler(BaseHTTPRequestHandler):
+            def do_GET(self) -> None:  # noqa: N802
+                assert self.path.startswith("/traffic?since=")
+                body = json.dumps({"share_tokens": SHARE_TOKENS, "now": now + (time.time() - start),
+                                   "last": len(records), "requests": records}).encode()  # fmt: skip
+                self.send_response(200)
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+            def log_message(self, *a: object) -> None:
+                pass
+
+        server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        threading.Thread(target=server.serve_forever, daemon=True).start()
+        return server
+
+    start = time.time()
+    behind = start - 100.0  # the first frontend's clock
+    busy = serve(behind, [
+        {"seq": 1, "t": behind - 3.0, "prompt_tokens": 600, "parent": None, "shared_tokens": 0},
+        {"seq": 2, "t": behind - 2.0, "prompt_tokens": 700, "parent": 1, "shared_tokens": 512},
+        {"seq": 3, "t": behind - 1.0, "prompt_tokens": 300, "parent": None, "shared_tokens": 0},
+    ])  # fmt: skip
+    idle = serve(
+        start, [{"seq": 1, "t": start - 300.0, "prompt_tokens": 5000, "parent": None, "shared_tokens": 0}]
+    )
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    planner = Planner(parser.parse_args(["--replay-from", "recent"]), directory=None)  # type: ignore[arg-type]
+
+    async def go() -> None:
+        await planner._read_traffic({
+            "frontend/a/1": f"127.0.0.1:{busy.server_address[1]}",
+            "frontend/b/1": f"127.0.0.1:{idle.server_address[1]}",
+        })  # fmt: skip
+        await planner.close()
+
+    try:
+        asyncio.run(go())
+    finally:
+        busy.shutdown()
+        idle.shutdown()
+    specs = planner._recent(30.0) or []
+    assert [s.input_tokens for s in specs] == [600, 700, 300]
+    assert all(start - 5.0 < s.arrival_s <= time.time() for s in specs)  # on the planner's clock
+    hashes = block_hashes_for(specs, CPU.block_size)
+    assert _common(hashes[0], hashes[1]) == 512 // CPU.block_size
