@@ -1013,27 +1013,28 @@ PLAN_TIMEOUT_S = 2.0  # deadline of the planner's answer to GET /v1/plan
 @api.get("/v1/plan", dependencies=[Depends(authorize)])
 async def plan(fe: FrontendDep) -> dict[str, Any]:
     """The planner's latest decision (desired and actual pool sizes, the binding SLO, each candidate's
-    predicted p90s), fetched from the planner found in discovery: of several replicas, the one that leads (a
-    standby's answer only names the leader, and is returned when no leader answers); 503 when none answers."""
+    predicted p90s), fetched from the planners found in discovery, all asked at once within one deadline: of
+    several replicas, the one that leads (a standby's answer only names the leader, and is returned when no
+    leader answers); 503 when none answers."""
     try:
         planners = fe.directory.workers("planner")
     except ValueError:  # a directory that does not follow planners (embedded use)
         planners = []
-    standby: dict[str, Any] | None = None
     async with httpx.AsyncClient(timeout=PLAN_TIMEOUT_S) as client:
-        for p in planners:
+
+        async def ask(p: pb.WorkerInfo) -> dict[str, Any] | None:
             try:
                 r = await client.get(f"http://{p.endpoint}/plan")
                 r.raise_for_status()
-                answer = {"planner": p.worker_id, **r.json()}
+                return {"planner": p.worker_id, **r.json()}
             except (httpx.HTTPError, ValueError) as e:
                 log.info("planner %s did not answer GET /plan: %s", p.worker_id, e)
-                continue
-            if answer.get("outcome") != "standby":
-                return answer
-            standby = standby or answer
-    if standby is not None:
-        return standby
+                return None
+
+        # all at once: a replica that hangs costs one deadline, not one per replica asked before the leader
+        answers = [a for a in await asyncio.gather(*(ask(p) for p in planners)) if a is not None]
+    if answers:  # the leader's (the first in discovery order that does not stand by), else a standby's
+        return min(answers, key=lambda a: a.get("outcome") == "standby")
     if not planners:  # the cluster runs without one: there is no plan to show (not a server fault)
         raise ApiError(
             404,

@@ -179,7 +179,7 @@ class ScriptedCluster:
             pb_grpc.add_RouterServicer_to_server, self.router
         )
         self.router.decode_endpoint = decode_endpoint
-        directory = StaticWorkers(
+        directory = self.directory = StaticWorkers(
             pb.WorkerInfo(worker_id="router-scripted", role="router", endpoint=router_endpoint),
             pb.WorkerInfo(
                 worker_id="decode-scripted", role="decode", endpoint=decode_endpoint, max_model_len=512
@@ -447,6 +447,56 @@ def test_the_planner_replays_the_requests_the_frontend_logged_with_the_prefixes_
     whole = lengths[0] // 256 * 256 // 16  # the long message's whole 256-token prefixes, in 16-token blocks
     assert hashes[1][:whole] == hashes[2][:whole] == hashes[0][:whole]
     assert hashes[3][0] not in set(hashes[0])
+
+
+def test_plan_comes_from_the_leader_within_one_deadline_however_many_replicas_hang(
+    scripted: ScriptedCluster,
+) -> None:
+    """GET /v1/plan with three planner replicas that accept the connection and never answer, listed before the
+    leader and a standby: the frontend asks all at once, so a client with a 5 s deadline gets the leader's
+    plan (asked one after another, the three would take three 2 s deadlines first)."""
+    import socket
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    def answering(outcome: str) -> ThreadingHTTPServer:
+        class Handler(BaseHTTPRequestHandler):
+            def do_GET(self) -> None:  # noqa: N802
+                body = json.dumps({"outcome": outcome}).encode()
+                self.send_response(200)
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+            def log_message(self, *a: object) -> None:
+                pass
+
+        server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        threading.Thread(target=server.serve_forever, daemon=True).start()
+        return server
+
+    hung = [socket.create_server(("127.0.0.1", 0)) for _ in range(3)]  # listening, never accepting
+    leader, standby = answering("hold"), answering("standby")
+    endpoints = [f"127.0.0.1:{h.getsockname()[1]}" for h in hung] + [
+        f"127.0.0.1:{standby.server_address[1]}",
+        f"127.0.0.1:{leader.server_address[1]}",
+    ]
+    names = ["hung-0", "hung-1", "hung-2", "standby", "leader"]
+    planners = [
+        pb.WorkerInfo(worker_id=n, role="planner", endpoint=e) for n, e in zip(names, endpoints, strict=True)
+    ]
+    scripted.directory._workers.extend(planners)
+    try:
+        r = httpx.get(f"{scripted.url}/v1/plan", timeout=5.0)
+        assert r.status_code == 200 and r.json() == {"planner": "leader", "outcome": "hold"}, r.text
+        leader.shutdown()  # no leader answers: the standby's answer, which names none
+        r = httpx.get(f"{scripted.url}/v1/plan", timeout=5.0)
+        assert r.status_code == 200 and r.json() == {"planner": "standby", "outcome": "standby"}, r.text
+    finally:
+        for w in planners:
+            scripted.directory._workers.remove(w)
+        standby.shutdown()
+        for h in hung:
+            h.close()
 
 
 # ---- processes ------------------------------------------------------------------------------------------------
