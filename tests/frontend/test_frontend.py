@@ -456,23 +456,11 @@ def test_plan_comes_from_the_leader_within_one_deadline_however_many_replicas_ha
     leader and a standby: the frontend asks all at once, so a client with a 5 s deadline gets the leader's
     plan (asked one after another, the three would take three 2 s deadlines first)."""
     import socket
-    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
-    def answering(outcome: str) -> ThreadingHTTPServer:
-        class Handler(BaseHTTPRequestHandler):
-            def do_GET(self) -> None:  # noqa: N802
-                body = json.dumps({"outcome": outcome}).encode()
-                self.send_response(200)
-                self.send_header("Content-Length", str(len(body)))
-                self.end_headers()
-                self.wfile.write(body)
+    from tests.support.http import json_server
 
-            def log_message(self, *a: object) -> None:
-                pass
-
-        server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        threading.Thread(target=server.serve_forever, daemon=True).start()
-        return server
+    def answering(outcome: str) -> Any:
+        return json_server(lambda path: {"outcome": outcome})
 
     hung = [socket.create_server(("127.0.0.1", 0)) for _ in range(3)]  # listening, never accepting
     leader, standby = answering("hold"), answering("standby")

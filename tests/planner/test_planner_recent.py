@@ -3,6 +3,8 @@ the prefixes they shared, instead of requests drawn from the length histograms w
 
 from __future__ import annotations
 
+from typing import Any
+
 from loadgen.sim.engine import block_hashes_for
 from loadgen.sim.profile import load_profile
 from services.planner.plan import (
@@ -95,30 +97,18 @@ def test_the_planner_replays_only_what_each_frontend_logged_lately_on_its_own_cl
     the idle frontend's."""
     import argparse
     import asyncio
-    import json
-    import threading
     import time
-    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
     from services.planner.server import Planner, add_arguments
+    from tests.support.http import json_server
 
-    def serve(now: float, records: list[dict]) -> ThreadingHTTPServer:
-        class Handler(BaseHTTPRequestHandler):
-            def do_GET(self) -> None:  # noqa: N802
-                assert self.path.startswith("/traffic?since=")
-                body = json.dumps({"share_tokens": SHARE_TOKENS, "now": now + (time.time() - start),
-                                   "last": len(records), "requests": records}).encode()  # fmt: skip
-                self.send_response(200)
-                self.send_header("Content-Length", str(len(body)))
-                self.end_headers()
-                self.wfile.write(body)
+    def serve(now: float, records: list[dict]) -> Any:
+        def answer(path: str) -> dict:
+            assert path.startswith("/traffic?since=")
+            return {"share_tokens": SHARE_TOKENS, "now": now + (time.time() - start), "last": len(records),
+                    "requests": records}  # fmt: skip
 
-            def log_message(self, *a: object) -> None:
-                pass
-
-        server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        threading.Thread(target=server.serve_forever, daemon=True).start()
-        return server
+        return json_server(answer)
 
     start = time.time()
     behind = start - 100.0  # the first frontend's clock
