@@ -50,8 +50,8 @@ class Observation:
     finished: int = -1  # requests that finished in the window (-1: as many as arrived)
     input_samples: list[int] | None = None  # exact lengths, when known (the simulator's own planner)
     output_samples: list[int] | None = None
-    # the requests themselves, when known (the simulator's own planner, `--replay-from recent`): their arrival
-    # times and real block ids, so the replay shares prefixes as the traffic did
+    # the requests themselves (`--replay-from recent`: the frontends' traffic logs, `recent_specs`): their
+    # arrival times and prompts' block ids, so the replay shares prefixes as the traffic did
     recent: list[RequestSpec] | None = None
     ttft_p90_s: float | None = None  # measured at the frontend over the window
     itl_p90_s: float | None = None
@@ -591,8 +591,15 @@ def _draw(buckets: Buckets, mean: float, rng: random.Random, samples: list[int] 
     return max(1, round(lo))
 
 
+REPLAY_MIN_WINDOW_S = 20.0  # the least traffic a replay covers, in simulated seconds
+
+
 def replay_workload(
-    obs: Observation, block_size: int, seed: int = 0, max_requests: int = 200, min_window_s: float = 20.0
+    obs: Observation,
+    block_size: int,
+    seed: int = 0,
+    max_requests: int = 200,
+    min_window_s: float = REPLAY_MIN_WINDOW_S,
 ) -> list[RequestSpec]:
     """The window's traffic as a trace: the backlog queued now arrives at once, then Poisson arrivals at the
     measured rate; lengths drawn from the measured histograms, a prefix of hit_rate x the prompt shared by every
@@ -729,7 +736,7 @@ def evaluate(
     reach: float = REACH,
     size_by: str = "p90",
     slo: Slo | None = None,
-    replay_window_s: float = 20.0,
+    replay_window_s: float = REPLAY_MIN_WINDOW_S,
 ) -> list[Prediction]:
     """Replay the window through each candidate (P, D), counting the requests that miss `slo` (or `until_met`).
     With `until_met`, the largest total goes first (what the limits can reach at best: `attainable`, or the

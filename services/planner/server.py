@@ -55,6 +55,7 @@ from services.planner import observe
 from services.planner.plan import (
     PREDICTORS,
     REACH,
+    REPLAY_MIN_WINDOW_S,
     SIZE_BY,
     WEEKDAYS,
     Correction,
@@ -91,7 +92,6 @@ SCRAPE_TIMEOUT_S = 2.0
 ETCD_TIMEOUT_S = 5.0  # one read or write of the seasons' state
 PARENT_CHECK_S = 0.5  # how often the replay process looks for the planner that spawned it
 REPLAY_FROM = ("synthetic", "recent")
-TRAFFIC_MIN_WINDOW_S = 20.0  # a recent replay covers at least this much (as a synthetic one: replay_workload)
 TRAFFIC_KEEP_S = 600.0  # the most of a frontend's traffic log the planner holds (a window kept open grows)
 SEASON_STATE_MAX_BYTES = 1 << 20  # etcd refuses requests above 1.5 MiB by default (--max-request-bytes)
 
@@ -345,7 +345,8 @@ class Planner:
                 log.info("planner: GET /traffic of %s failed: %s", endpoint, e)
                 got = []
             held.extend(got)
-            while held and held[0].t + ahead < time.time() - TRAFFIC_KEEP_S:  # an open window is bounded
+            oldest = time.time() - TRAFFIC_KEEP_S - ahead  # on the frontend's clock
+            while held and held[0].t < oldest:  # a window kept open is bounded
                 held.popleft()
             self.traffic[key] = (got[-1].seq if got else last, held, ahead)
 
@@ -353,9 +354,9 @@ class Planner:
         await asyncio.gather(*(read(k, ep) for k, ep in frontends.items()))
 
     def _recent(self, window_s: float) -> list[RequestSpec] | None:
-        """The requests of the last `window_s` (at least TRAFFIC_MIN_WINDOW_S) as the traffic logs hold them,
-        merged in arrival order, as replay specs. None: no log holds any."""
-        since = time.time() - max(window_s, TRAFFIC_MIN_WINDOW_S)
+        """The requests of the last `window_s` (at least REPLAY_MIN_WINDOW_S, as a synthetic replay) as the
+        traffic logs hold them, merged in arrival order, as replay specs. None: no log holds any."""
+        since = time.time() - max(window_s, REPLAY_MIN_WINDOW_S)
         timed: list[tuple[float, str, TrafficRecord]] = []
         for key, (_, held, ahead) in self.traffic.items():  # each frontend's times on this host's clock
             timed.extend((r.t + ahead, key, r) for r in held if r.t + ahead >= since)

@@ -1,7 +1,7 @@
 """The recent requests' shapes, for a replay of the traffic itself: when each arrived, its prompt length, and
 which earlier request its prompt shares a prefix with, and how long that prefix is.
 
-The frontend admits every request into a `TrafficLog` and serves what it holds at `GET /v1/traffic`; the planner
+The frontend admits every request into a `TrafficLog` and serves what it holds at `GET /traffic`; the planner
 (`--replay-from recent`) reads it and replays those requests, their prefixes shared as they were, through each
 candidate split (`services/planner/plan.py: recent_specs`). No prompt text and no hash leaves the frontend: a
 record is a sequence number, a time, a length, and a (parent, shared tokens) pair.
