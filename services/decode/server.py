@@ -291,7 +291,9 @@ class DecodeWorker(EngineWorker, pb_grpc.DecodeWorkerServicer):
             raise ValueError(f"KvHandle.transfer_endpoint: {e}") from e
         try:
             backend = self.sink.choose(ticket, self.preference)
-            pulled = await self.sink.pull(ticket, self.pull_timeout_s, backend=backend)
+            pulled = await self.sink.pull(
+                ticket, self.pull_timeout_s, backend=backend, device=self.engine.device
+            )
         except TransferIntegrityError as e:
             raise KvDataLossError(f"KV of {request_id!r} from {handle.producer_worker_id}: {e}") from e
         except TransferError as e:

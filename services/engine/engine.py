@@ -677,7 +677,7 @@ class LLMEngine:
             raise KvMismatchError(
                 f"prefix payload has {size} bytes, {n} blocks need {n * self.kv.block_bytes}"
             )
-        if isinstance(data, torch.Tensor) and data.dtype != self.kv.dtype:
+        if isinstance(data, torch.Tensor) and data.dtype not in (torch.uint8, self.kv.dtype):
             raise KvMismatchError(f"KV blocks are {data.dtype}, this engine's cache is {self.kv.dtype}")
         if not self.config.enable_prefix_caching:
             raise ValueError("this worker runs without a prefix cache: pulled blocks could never be hit")
@@ -693,14 +693,7 @@ class LLMEngine:
             self.blocks.release(keep)
             raise
         if missing:
-            shape = (n, *self.kv.data.shape[:3], self.kv.block_size, self.kv.data.shape[-1])
-            if isinstance(data, torch.Tensor):
-                src = data.to(self.device).view(shape)
-            else:
-                src = torch.frombuffer(bytearray(data), dtype=torch.uint8).view(self.kv.dtype).view(shape)
-            src = src[torch.tensor(missing)] if len(missing) < n else src
-            if self.device.type == "cuda" and not src.is_cuda:
-                src = src.pin_memory().to(self.device, non_blocking=True)
+            src = self._payload_blocks(data, n, missing if len(missing) < n else None)
             self.kv.write_blocks(self._h2d(fresh), src)
             for b, i in zip(fresh, missing, strict=True):
                 self.blocks.commit(b, hashes[i], parents[i])
@@ -720,7 +713,7 @@ class LLMEngine:
             raise KvMismatchError(
                 f"KV payload has {size} bytes, {nblocks} blocks need {nblocks * self.kv.block_bytes}"
             )
-        if isinstance(kv.data, torch.Tensor) and kv.data.dtype != self.kv.dtype:
+        if isinstance(kv.data, torch.Tensor) and kv.data.dtype not in (torch.uint8, self.kv.dtype):
             raise KvMismatchError(f"KV blocks are {kv.data.dtype}, this engine's cache is {self.kv.dtype}")
         if n == req.num_tokens:
             # a step must compute at least the last token to produce logits: keep all but that token
@@ -788,14 +781,29 @@ class LLMEngine:
         req = self.requests[request_id]
         size = data.numel() * data.element_size() if isinstance(data, torch.Tensor) else len(data)
         nblocks = size // self.kv.block_bytes
+        self.kv.write_blocks(self._h2d(req.block_ids[:nblocks]), self._payload_blocks(data, nblocks))
+
+    def _payload_blocks(
+        self, data: bytes | bytearray | memoryview | torch.Tensor, nblocks: int, only: list[int] | None = None
+    ) -> torch.Tensor:
+        """A KV payload of `nblocks` blocks (export order) as cache blocks on this engine's device, or just the
+        blocks `only` names. Host bytes (staged) become a pinned host copy and one upload; a device tensor
+        (device-direct: CUDA IPC, NIXL VRAM) is used where it lies, in the cache's dtype or as its raw bytes
+        (uint8)."""
         shape = (nblocks, *self.kv.data.shape[:3], self.kv.block_size, self.kv.data.shape[-1])
-        if isinstance(data, torch.Tensor):  # device-direct (CUDA IPC): blocks already on a device
+        if isinstance(data, torch.Tensor):
+            if data.dtype == torch.uint8 and self.kv.dtype != torch.uint8:
+                data = data.reshape(-1).view(self.kv.dtype)
+            elif data.dtype != self.kv.dtype:
+                raise KvMismatchError(f"KV blocks are {data.dtype}, this engine's cache is {self.kv.dtype}")
             src = data.to(self.device).view(shape)
-        else:  # staged bytes: pinned host copy, then one upload
+        else:
             src = torch.frombuffer(bytearray(data), dtype=torch.uint8).view(self.kv.dtype).view(shape)
-            if self.device.type == "cuda":
-                src = src.pin_memory().to(self.device, non_blocking=True)
-        self.kv.write_blocks(self._h2d(req.block_ids[:nblocks]), src)
+        if only is not None:
+            src = src[torch.tensor(only, device=src.device)]
+        if self.device.type == "cuda" and not src.is_cuda:
+            src = src.pin_memory().to(self.device, non_blocking=True)
+        return src
 
 
 def _attention_backend(wanted: str, device: torch.device) -> str:

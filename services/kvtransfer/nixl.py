@@ -33,6 +33,21 @@ log = logging.getLogger("rackserve.kvtransfer")
 T = TypeVar("T")
 
 _live: list[weakref.ref[NixlAgent]] = []
+
+Memory = tuple[str, int]  # NIXL's memory kind ("DRAM" | "VRAM") and device index (0 for host memory)
+DRAM: Memory = ("DRAM", 0)
+
+
+def memory_of(device: str) -> Memory:
+    """The NIXL memory a torch tensor on `device` ("cpu", "cuda", "cuda:1") lies in."""
+    kind, _, index = device.partition(":")
+    if kind == "cuda":
+        return ("VRAM", int(index or 0))
+    if kind == "cpu":
+        return DRAM
+    raise ValueError(f"NIXL cannot register memory of device {device!r}")
+
+
 _live_lock = threading.Lock()
 
 
@@ -97,8 +112,11 @@ class NixlAgent:
         return self._thread.submit(fn, *args)
 
     # --- source side (run on the agent thread) ---
-    def register(self, addr: int, size: int) -> tuple[Any, bytes]:
-        descs = self.agent.register_memory([(addr, size, 0, "")], "DRAM")
+    def register(self, addr: int, size: int, mem: Memory = DRAM) -> tuple[Any, bytes]:
+        """Register [addr, +size) of `mem` (host memory, or a GPU's: VRAM) and give its partial metadata, what
+        a reader loads to READ it."""
+        kind, dev = mem
+        descs = self.agent.register_memory([(addr, size, dev, "")], kind)
         return descs, self.agent.get_partial_agent_metadata(descs, True)
 
     def deregister(self, descs: Any) -> None:
@@ -143,21 +161,26 @@ class NixlAgent:
         peer_md: bytes,
         chunks: list[tuple[int, int]],
         reused: tuple[int, int, object] | None = None,
+        local_mem: Memory = DRAM,
+        remote_mem: Memory = DRAM,
     ) -> ChunkedRead:
         """Load the peer's metadata and prepare READs of [remote_addr, +local size) into `local`, one transfer
         per chunk (offset, bytes). `local` is registered for this read only, unless it lies in `reused` (addr,
-        size, owner: a caller's receive buffer, kept registered by register_cached) — one hop for all of it."""
+        size, owner: a caller's receive buffer, kept registered by register_cached) — one hop for all of it.
+        Either side may be a GPU's memory (`*_mem`: VRAM and its device index); UCX moves it device to device
+        (cuda_ipc on one node, GPUDirect RDMA across nodes) where the hardware allows."""
         if reused is not None:
             self.register_cached(*reused)
         peer = self.load_peer(peer_md)
         addr, size = local
-        cached = any(a <= addr and addr + size <= a + n for a, n in self._cached)
-        reg = None if cached else self.agent.register_memory([(addr, size, 0, "")], "DRAM")
+        (lkind, ldev), (rkind, rdev) = local_mem, remote_mem
+        cached = local_mem == DRAM and any(a <= addr and addr + size <= a + n for a, n in self._cached)
+        reg = None if cached else self.agent.register_memory([(addr, size, ldev, "")], lkind)
         read = ChunkedRead(peer, reg, chunks)
         try:
-            read.local = self.agent.prep_xfer_dlist("", [(addr + o, n, 0) for o, n in read.chunks], "DRAM")
+            read.local = self.agent.prep_xfer_dlist("", [(addr + o, n, ldev) for o, n in read.chunks], lkind)
             read.remote = self.agent.prep_xfer_dlist(
-                peer, [(remote_addr + o, n, 0) for o, n in read.chunks], "DRAM"
+                peer, [(remote_addr + o, n, rdev) for o, n in read.chunks], rkind
             )
             # No notification: a READ with one is not DONE until the target's agent makes progress (the
             # source polls only every nixl_source_poll_s); the control channel's "done" tells the source.

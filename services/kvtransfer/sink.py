@@ -29,7 +29,7 @@ from .errors import (
     TransferTimeout,
     TransferUnavailable,
 )
-from .nixl import NixlAgent, open_agent_if_enabled
+from .nixl import DRAM, Memory, NixlAgent, memory_of, open_agent_if_enabled
 from .ticket import (
     CUDA_IPC,
     DEFAULT_PREFERENCE,
@@ -62,6 +62,7 @@ class KvSink:
         self._lanes = [nixl, *(lanes or [])] if nixl is not None else []
         self.node_id = node_id()
         self._peers: dict[NixlAgent, set[str]] = {}  # peers each agent has loaded
+        self._registers: dict[str, bool] = {}  # device -> whether NIXL can register its memory here
         self._idle: dict[
             str, list[tuple[socket.socket, float]]
         ] = {}  # producer endpoint -> (conn, idle since)
@@ -102,16 +103,26 @@ class KvSink:
         deadline_s: float,
         backend: str | None = None,
         into: Buffer | None = None,
+        device: str | None = None,
     ) -> Pulled:
         """Fetch the ticket's payload within deadline_s seconds (backend: default `choose(ticket)`) and verify it:
         the size always, the published checksum over TCP and shm (NIXL: see nixl_verify_checksum). `into`, if
         given, receives the wire bytes (at least ticket.size long; reusing one avoids page faults per pull, and
-        NIXL keeps it registered). Without it the payload lands in a fresh huge-page-backed buffer."""
+        NIXL keeps it registered). Without it the payload lands in a fresh huge-page-backed buffer.
+        `device`: where the caller's KV lives (a torch device); over NIXL, a producer's device copy on the same
+        kind of device is READ straight into a tensor there (`Pulled.data`), not the host bytes."""
         backend = backend or self.choose(ticket)
         if backend not in self.supported:
             raise TransferUnavailable(f"backend {backend!r} is not enabled on this sink ({self.supported})")
         if backend == CUDA_IPC:
             return await self._pull_cuda_ipc(ticket, deadline_s)
+        if (
+            backend == NIXL
+            and device is not None
+            and _same_kind(ticket.nixl_device, device)
+            and await self._can_register(device)
+        ):
+            return await self._pull_nixl_device(ticket, deadline_s, device)
         if into is not None and len(memoryview(into)) < ticket.size:
             raise ValueError(f"into holds {len(memoryview(into))} bytes, the payload needs {ticket.size}")
         view = (
@@ -192,6 +203,59 @@ class KvSink:
         log.debug("pulled %s: %d bytes over cuda_ipc in %.4fs", ticket.key, nbytes, seconds)
         return Pulled(data=data, bytes=nbytes, seconds=seconds, backend=CUDA_IPC)
 
+    async def _can_register(self, device: str) -> bool:
+        """Whether this sink's NIXL can register memory on `device` (a UCX built without CUDA cannot register
+        VRAM): probed once per device with a page of it; where not, NIXL pulls take the host bytes (logged)."""
+        if device not in self._registers:
+            import torch
+
+            nixl = self._lanes[0]
+
+            def try_it() -> None:
+                probe = torch.empty(4096, dtype=torch.uint8, device=device)
+                reg, _ = nixl.register(probe.data_ptr(), 4096, memory_of(str(probe.device)))
+                nixl.deregister(reg)
+
+            try:
+                await nixl.call(try_it)
+                self._registers[device] = True
+            except Exception as exc:
+                log.warning("NIXL cannot register %s memory (%s); NIXL pulls read host bytes", device, exc)
+                self._registers[device] = False
+        return self._registers[device]
+
+    async def _pull_nixl_device(self, ticket: TransferTicket, deadline_s: float, device: str) -> Pulled:
+        """NIXL, device memory to device memory: open for the producer's device copy (pinned till done), READ it
+        into a fresh tensor on `device` (UCX: cuda_ipc on one node, GPUDirect RDMA across nodes), done. Raw
+        bytes, never encoded; verified by size and publication serial, as a NIXL READ completes only with every
+        byte placed."""
+        import torch
+
+        local = torch.empty(ticket.raw_size, dtype=torch.uint8, device=device)
+        mems = (memory_of(str(local.device)), memory_of(ticket.nixl_device))
+
+        async def move(sock: socket.socket, reply: Grant) -> None:
+            if reply.nixl is None or reply.nixl.md is None:
+                raise TransferUnavailable(
+                    f"producer granted nixl for {ticket.key!r} without its device region"
+                )
+            await self._nixl_read(ticket, reply.nixl.addr, reply.nixl.md, local, None, Checksum("none"), mems)
+
+        t0 = time.perf_counter()
+        try:
+            async with asyncio.timeout(deadline_s):
+                await self._exchange(ticket, NIXL, move, device=True)
+        except TimeoutError as exc:
+            raise TransferTimeout(
+                f"pull of {ticket.key} ({ticket.raw_size} bytes of device memory over nixl) missed its "
+                f"{deadline_s}s deadline"
+            ) from exc
+        seconds = time.perf_counter() - t0
+        log.debug(
+            "pulled %s: %d bytes device to device over nixl in %.4fs", ticket.key, ticket.raw_size, seconds
+        )
+        return Pulled(data=local, bytes=ticket.raw_size, seconds=seconds, backend=NIXL)
+
     async def _fetch(
         self, ticket: TransferTicket, backend: str, view: memoryview, keepalive: object, checksum: Checksum
     ) -> bool:
@@ -219,11 +283,12 @@ class KvSink:
         ticket: TransferTicket,
         backend: str,
         move: Callable[[socket.socket, Grant], Awaitable[T]],
+        device: bool = False,
     ) -> T:
-        """One pull's control exchange, whatever moves the data: open (the producer pins the publication),
-        check the reply, `move` the data, done (unpin; TCP's stream ends by itself), and keep the connection
-        for the next pull when the exchange ended cleanly."""
-        sock, reply = await self._open(ticket, backend)
+        """One pull's control exchange, whatever moves the data: open (the producer pins the publication; with
+        `device`, for its device copy), check the reply, `move` the data, done (unpin; TCP's stream ends by
+        itself), and keep the connection for the next pull when the exchange ended cleanly."""
+        sock, reply = await self._open(ticket, backend, device=device)
         reusable = False
         try:
             reusable = not reply.ok  # a refusal ends the exchange cleanly
@@ -314,12 +379,12 @@ class KvSink:
             self._put_back(ticket, sock, reusable)
 
     async def _open(
-        self, ticket: TransferTicket, backend: str, eager: bool = False
+        self, ticket: TransferTicket, backend: str, eager: bool = False, device: bool = False
     ) -> tuple[socket.socket, Reply]:
         """Send the open and read the reply, on an idle connection to this producer if one is kept (a stale
         one — the producer closed it or restarted — is dropped and the open retried on a new connection)."""
         while True:
-            sock, reused = await self._send_open(ticket, backend, eager)
+            sock, reused = await self._send_open(ticket, backend, eager, device)
             try:
                 return sock, reply_from_wire(await protocol.recv_message(sock))
             except (OSError, ValueError) as exc:  # a garbled or malformed reply too (ControlMessageError)
@@ -331,10 +396,10 @@ class KvSink:
                 raise
 
     async def _send_open(
-        self, ticket: TransferTicket, backend: str, eager: bool = False
+        self, ticket: TransferTicket, backend: str, eager: bool = False, device: bool = False
     ) -> tuple[socket.socket, bool]:
         """Send an open on a kept idle connection to the producer (True: reused) or on a new one."""
-        msg = Open(ticket.key, backend, eager)
+        msg = Open(ticket.key, backend, eager, device)
         idle = self._idle.get(ticket.endpoint, [])
         while idle:
             sock, since = idle.pop()
@@ -369,13 +434,16 @@ class KvSink:
         ticket: TransferTicket,
         remote_addr: int,
         peer_md: bytes,
-        view: memoryview,
+        view: Any,
         keepalive: object,
         checksum: Checksum,
+        mems: tuple[Memory, Memory] = (DRAM, DRAM),
     ) -> bool:
         """READ the payload in chunks, all posted at once; the checksum takes chunk i while the agent thread is
-        still reading chunk i+1 (UCX cma copies inline in the post), so the check overlaps the copy."""
-        read = self._nixl_start(remote_addr, peer_md, view, keepalive, checksum)
+        still reading chunk i+1 (UCX cma copies inline in the post), so the check overlaps the copy. `view`: a
+        memoryview, or a contiguous tensor (read unchecked), in the memory `mems[0]` names (`mems[1]`: the
+        producer's)."""
+        read = self._nixl_start(remote_addr, peer_md, view, keepalive, checksum, mems)
         try:
             return await self._nixl_complete(ticket, read, checksum)
         finally:
@@ -385,18 +453,26 @@ class KvSink:
         self,
         remote_addr: int,
         peer_md: bytes,
-        view: memoryview,
+        view: Any,
         keepalive: object,
         checksum: Checksum,
+        mems: tuple[Memory, Memory] = (DRAM, DRAM),
     ) -> _PendingRead:
-        """Split the READ into one contiguous part per lane (one part below nixl_lane_min_bytes or when the
-        checksum is verified), and submit each part's preparation and chunk posts to its lane's agent thread;
-        return at once."""
+        """Split the READ into one contiguous part per lane (one part below nixl_lane_min_bytes, when the
+        checksum is verified, or for device memory), and submit each part's preparation and chunk posts to its
+        lane's agent thread; return at once."""
+        if isinstance(view, memoryview):
+            addr, length = buffers.address_of(view), len(view)
+        else:  # a tensor: its bytes are never hashed here
+            addr, length = view.data_ptr(), view.numel() * view.element_size()
+            if checksum.kind != "none":
+                raise ValueError("a NIXL READ into a tensor is not checksummed")
         # A checked READ stays on one lane: its chunks are hashed in payload order while later ones are read,
         # and a second lane's bytes would all wait for the first lane's hashing (measured slower, not faster).
-        split = len(view) >= self.config.nixl_lane_min_bytes and checksum.kind == "none"
+        # Lanes split a host copy over cores; a device copy is the copy engine's or the NIC's, one lane does.
+        split = length >= self.config.nixl_lane_min_bytes and checksum.kind == "none" and mems == (DRAM, DRAM)
         lanes = self._lanes if split else self._lanes[:1]
-        bounds = lane_bounds(len(view), len(lanes))
+        bounds = lane_bounds(length, len(lanes))
         reused = None
         if (
             keepalive is not None and bounds
@@ -407,8 +483,10 @@ class KvSink:
         for nixl, (start, size) in zip(lanes, bounds, strict=False):
             chunk = self.config.nixl_chunk_bytes if checksum.kind != "none" else size
             chunks = read_chunks(size, chunk)
-            local = (buffers.address_of(view) + start, size)
-            prepared = nixl.submit(nixl.prepare_read, local, remote_addr + start, peer_md, chunks, reused)
+            local = (addr + start, size)
+            prepared = nixl.submit(
+                nixl.prepare_read, local, remote_addr + start, peer_md, chunks, reused, mems[0], mems[1]
+            )
             # Queued right behind the preparation, so the agent thread starts reading without a round trip back
             # to this loop; a failed preparation fails every post with its error.
             posts = [nixl.submit(nixl.post_prepared, prepared, i) for i in range(len(chunks))]
@@ -436,7 +514,8 @@ class KvSink:
                         state = await nixl.call(nixl.check, prepared, i)
                     if state != "DONE":
                         raise TransferPeerGone(f"NIXL READ of {ticket.key} ended in state {state}")
-                    checksum.update(view[part.start + offset : part.start + offset + size])
+                    if checksum.kind != "none":
+                        checksum.update(view[part.start + offset : part.start + offset + size])
             except (TransferError, asyncio.CancelledError):
                 raise
             except Exception as exc:
@@ -474,7 +553,7 @@ class _PendingRead:
     release() (once) drops the posts not started yet and frees the handles behind every started one; `view`
     lives until then."""
 
-    def __init__(self, parts: list[_LanePart], view: memoryview) -> None:
+    def __init__(self, parts: list[_LanePart], view: Any) -> None:
         self.parts, self.view = parts, view
         self.released = False
 
@@ -488,7 +567,7 @@ class _PendingRead:
                 post.cancel()  # the ones not started yet (a failure or the deadline came first)
 
             # ordered on the lane's agent thread after every post of the lane; `view` stays referenced till then
-            def finish(part: _LanePart = part, keep: memoryview = view) -> None:
+            def finish(part: _LanePart = part, keep: Any = view) -> None:
                 part.nixl.finish_prepared(part.prepared)
 
             part.nixl.submit(finish)
@@ -501,6 +580,11 @@ def _cuda_visible() -> bool:
     except ImportError:
         return False
     return bool(torch.cuda.is_available())
+
+
+def _same_kind(a: str, b: str) -> bool:
+    """Two torch devices ("cuda:0", "cuda:1", "cpu") of the same kind; False when either is ""."""
+    return bool(a) and bool(b) and a.partition(":")[0] == b.partition(":")[0]
 
 
 def _discard_outcome(task: asyncio.Future[Any]) -> None:

@@ -37,7 +37,7 @@ from .control import (
     Open,
     Refusal,
 )
-from .nixl import NixlAgent, open_agent_if_enabled
+from .nixl import NixlAgent, memory_of, open_agent_if_enabled
 from .ticket import (
     CUDA_IPC,
     NIXL,
@@ -67,7 +67,11 @@ class _Publication:
     nixl_reg: Any = None
     nixl_md: bytes = b""
     addr: int = 0
-    device_copy: Any = None  # cuda_ipc: the device tensor readers map by IPC handle (kept alive until freed)
+    device_copy: Any = (
+        None  # the device tensor (cuda_ipc readers map it, NIXL readers READ it); kept till freed
+    )
+    nixl_dev_reg: Any = None  # the device copy's NIXL registration and its metadata
+    nixl_dev_md: bytes = b""
     pins: int = 0
     served: int = 0  # pulls of it that finished (the reader got every byte)
     retracted: bool = False
@@ -86,6 +90,7 @@ class KvSource:
         self._nixl_readers = 0
         self._progress: asyncio.Task[None] | None = None
         self._closed = False
+        self._warned_device = False
         self._serials = (f"{uuid.uuid4().hex[:12]}-{n}" for n in itertools.count(1))
         self.node_id = node_id()
         host, port = listener.getsockname()[:2]
@@ -153,7 +158,9 @@ class KvSource:
         otherwise it is not copied: keep it unchanged until retracted. compress="nvfp4"|"fp8" ships it
         quantized along head_dim (kv_dtype is its element type) and the sink hands back the dequantized bytes
         in the same dtype. device_payload, a CUDA tensor holding the same (raw) bytes, is offered to same-node
-        readers by CUDA IPC handle when cuda_ipc is enabled: they copy GPU to GPU and never touch the host bytes."""
+        readers by CUDA IPC handle when cuda_ipc is enabled, and registered with NIXL (VRAM) when NIXL is: those
+        readers copy GPU to GPU and never touch the host bytes. (Any contiguous tensor is registered as the
+        memory it lies in; export_kv makes one only on a GPU.)"""
         if self._closed:
             raise RuntimeError("KvSource is closed")
         if key in self._pubs:
@@ -205,6 +212,26 @@ class KvSource:
             pub.addr = buffers.address_of(view)
             pub.nixl_reg, pub.nixl_md = self._nixl.submit(self._nixl.register, pub.addr, len(view)).result()
             backends[NIXL] = self._nixl.name
+        nixl_device = ""
+        if self._nixl is not None and device_payload is not None and device_payload.numel() > 0:
+            if not device_payload.is_contiguous():
+                raise ValueError(f"{key}: device_payload must be contiguous to be registered with NIXL")
+            nixl_device = str(device_payload.device)
+            nbytes = device_payload.numel() * device_payload.element_size()
+            if nbytes != raw_size:
+                raise ValueError(f"{key}: device_payload has {nbytes} bytes, the payload {raw_size}")
+            try:
+                pub.nixl_dev_reg, pub.nixl_dev_md = self._nixl.submit(
+                    self._nixl.register, device_payload.data_ptr(), nbytes, memory_of(nixl_device)
+                ).result()
+                pub.device_copy = device_payload
+            except Exception as exc:  # e.g. a UCX without CUDA support: readers take the host bytes
+                if not self._warned_device:
+                    log.warning(
+                        "NIXL cannot register %s memory (%s); NIXL readers get host bytes", nixl_device, exc
+                    )
+                    self._warned_device = True
+                nixl_device = ""
         pub.expiry = asyncio.get_running_loop().call_later(ttl_s, self._expire, key, pub)
         self._pubs[key] = pub
         log.debug("published %s: %d bytes (%s), ttl %.1fs", key, len(view), encoding, ttl_s)
@@ -221,6 +248,7 @@ class KvSource:
             nixl_addr=pub.addr if pub.nixl_reg is not None else 0,
             agent_metadata=pub.nixl_md,
             device_handle=device_handle,
+            nixl_device=nixl_device,
         )
 
     def retract(self, key: str) -> None:
@@ -244,7 +272,16 @@ class KvSource:
             self._free(pub)
 
     def _free(self, pub: _Publication) -> None:
-        pub.device_copy = None  # its device memory returns to torch's allocator once no IPC reader holds it
+        # the device memory returns to torch's allocator once no IPC reader holds it and NIXL has let it go
+        device_copy, dev_reg = pub.device_copy, pub.nixl_dev_reg
+        pub.device_copy = pub.nixl_dev_reg = None
+        if dev_reg is not None and self._nixl is not None and not self._nixl.closed:
+            nixl = self._nixl
+
+            def release_device(keep: Any = device_copy) -> None:
+                nixl.deregister(dev_reg)
+
+            nixl.submit(release_device)
         segment, reg, owner = pub.segment, pub.nixl_reg, pub.owner
         if segment is not None:
             segment.unlink()  # the name goes now; the mapping after NIXL lets go of it
@@ -312,10 +349,16 @@ class KvSource:
             reply = Grant(len(pub.view), pub.checksum, pub.encoding, pub.serial)
             if backend == SHM and pub.segment is not None:
                 reply = dataclasses.replace(reply, shm=pub.segment.name)
+            elif backend == NIXL and open_.device:
+                if pub.nixl_dev_reg is None or self._nixl is None:
+                    await protocol.send_message(conn, Refusal(UNAVAILABLE, f"{backend}: no device copy"))
+                    return True
+                region = NixlRegion(pub.device_copy.data_ptr(), self._nixl.name, pub.nixl_dev_md)
+                reply = dataclasses.replace(reply, nixl=region)
             elif backend == NIXL and pub.nixl_reg is not None and self._nixl is not None:
                 md = None if open_.eager else pub.nixl_md  # an eager reader took the metadata from its ticket
                 reply = dataclasses.replace(reply, nixl=NixlRegion(pub.addr, self._nixl.name, md))
-            elif backend == CUDA_IPC and pub.device_copy is not None:
+            elif backend == CUDA_IPC and pub.device_copy is not None and CUDA_IPC in self.config.backends:
                 reply = dataclasses.replace(
                     reply, cuda_ipc=True
                 )  # the handle came in the ticket; the open pins it

@@ -138,6 +138,10 @@ class TransferTicket:
     # cuda_ipc: the producer's device copy of the payload (kvtransfer/cuda_ipc.describe, as JSON); "" when the
     # producer's KV is not on a GPU
     device_handle: str = ""
+    # NIXL: the producer's device copy of the payload is registered too (raw, never encoded), on this torch
+    # device ("cuda:0"); a reader whose KV lives on the same kind of device READs it device to device.
+    # "" when there is none (a CPU producer, or NIXL off)
+    nixl_device: str = ""
     agent_metadata: bytes = field(default=b"", repr=False)
 
     def to_json(self) -> str:

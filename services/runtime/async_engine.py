@@ -191,6 +191,13 @@ class AsyncEngine:
         self.engine = await ready
         return self
 
+    @property
+    def device(self) -> str:
+        """Where the engine's KV cache lives (a torch device: "cpu", "cuda:0"); what device-direct transfers
+        deliver to."""
+        assert self.engine is not None, "AsyncEngine.start() has not finished"
+        return str(self.engine.device)
+
     # ------------------------------------------------------------------------------------ asyncio side
     def generate(
         self,

@@ -237,7 +237,7 @@ class PrefixPuller:
         try:
             ticket = TransferTicket.from_json(handle.transfer_endpoint, handle.agent_metadata)
             backend = self.sink.choose(ticket, self.preference)
-            pulled = await self.sink.pull(ticket, deadline_s, backend=backend)
+            pulled = await self.sink.pull(ticket, deadline_s, backend=backend, device=self.engine.device)
         except TransferIntegrityError as e:
             raise PullFailed("data_loss", str(e)) from e
         except TransferTimeout as e:

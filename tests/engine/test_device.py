@@ -79,10 +79,11 @@ def test_staged_kv_bytes_cross_devices_but_device_handles_need_the_same_kind():
 
 
 def test_export_kv_blocks_is_the_tensor_the_staged_bytes_come_from():
-    """export_kv (staged bytes) and export_kv_blocks (device tensor) are the same blocks; importing either into a
-    second engine continues with the same tokens as the engine that computed the prompt."""
+    """export_kv (staged bytes) and export_kv_blocks (device tensor) are the same blocks; importing either — or
+    their raw bytes as a flat uint8 tensor, what a NIXL read of device memory delivers — into a second engine
+    continues with the same tokens as the engine that computed the prompt."""
     cfg = EngineConfig(dtype="float32", num_kv_blocks=32, device="cpu")
-    src, dst_a, dst_b = (LLMEngine(tiny_llama(), cfg) for _ in range(3))
+    src, dst_a, dst_b, dst_c = (LLMEngine(tiny_llama(), cfg) for _ in range(4))
     prompt = list(range(1, 40))
     greedy = SamplingParams(max_tokens=6, temperature=0)
     want = src.generate([prompt], greedy)[0]
@@ -93,7 +94,9 @@ def test_export_kv_blocks_is_the_tensor_the_staged_bytes_come_from():
     blocks = src.export_kv_blocks("p", len(prompt))
     assert blocks.shape[0] == staged.num_blocks and blocks.view(torch.uint8).numpy().tobytes() == staged.data
     device_direct = type(staged)(src.kv_layout, staged.token_ids, blocks)
-    for dst, kv in ((dst_a, staged), (dst_b, device_direct)):
+    raw = torch.frombuffer(bytearray(staged.data), dtype=torch.uint8)
+    raw_bytes = type(staged)(src.kv_layout, staged.token_ids, raw)
+    for dst, kv in ((dst_a, staged), (dst_b, device_direct), (dst_c, raw_bytes)):
         dst.add_request("d", prompt, greedy, kv=kv)
         got: list[int] = []
         while dst.has_unfinished():

@@ -27,6 +27,7 @@ from services.kvtransfer import (
     TransferPeerGone,
     TransferTicket,
     TransferTimeout,
+    TransferUnavailable,
     choose_backend,
 )
 from services.kvtransfer import shm as shm_mod
@@ -40,6 +41,13 @@ try:
 except Exception:
     HAVE_NIXL = False
 
+
+def _cuda() -> bool:
+    import torch
+
+    return bool(torch.cuda.is_available())
+
+
 BACKENDS = [TCP, SHM, pytest.param(NIXL, marks=pytest.mark.skipif(not HAVE_NIXL, reason="nixl-cu12 missing"))]
 KiB, MiB = 1 << 10, 1 << 20
 needs_nixl_mark = pytest.mark.skipif(not HAVE_NIXL, reason="nixl-cu12 missing")
@@ -47,6 +55,11 @@ needs_nixl_mark = pytest.mark.skipif(not HAVE_NIXL, reason="nixl-cu12 missing")
 
 def payload(size: int, seed: int) -> bytes:
     return np.random.default_rng(seed).bytes(size)
+
+
+def kv_floats(size: int, seed: int) -> bytes:
+    """`size` bytes of fp32 KV values (finite, so the wire's compression applies)."""
+    return np.random.default_rng(seed).standard_normal(size // 4, dtype=np.float32).tobytes()
 
 
 # --- a producer in its own process, driven over a pipe ---
@@ -60,6 +73,18 @@ def _producer_main(conn: Any, stall_after_bytes: int | None, config: TransferCon
             if cmd == "publish":
                 key, size, seed, ttl_s = args
                 t = source.publish(key, payload(size, seed), ttl_s)
+                conn.send((t.to_json(), t.agent_metadata))
+            elif cmd == "publish_device":  # fp32 KV, with the device copy a GPU producer's export offers
+                key, size, seed, compress, device = args
+                raw = kv_floats(size, seed)
+                copy = None
+                if device:
+                    import torch
+
+                    copy = torch.frombuffer(bytearray(raw), dtype=torch.float32).to(device)
+                t = source.publish(
+                    key, raw, 60.0, compress=compress, kv_dtype="fp32", head_dim=64, device_payload=copy
+                )
                 conn.send((t.to_json(), t.agent_metadata))
             elif cmd == "retract":
                 source.retract(*args)
@@ -91,6 +116,13 @@ class Producer:
     def publish(self, key: str, size: int, seed: int = 0, ttl_s: float = 60.0) -> TransferTicket:
         text, md = self.call("publish", key, size, seed, ttl_s)
         return TransferTicket.from_json(text, md)  # as the decode worker rebuilds it from a KvHandle
+
+    def publish_device(
+        self, key: str, size: int, seed: int = 0, compress: str | None = None, device: str = "cpu"
+    ) -> TransferTicket:
+        """fp32 KV published with a device copy on `device` ("": none) beside the (maybe compressed) bytes."""
+        text, md = self.call("publish_device", key, size, seed, compress, device)
+        return TransferTicket.from_json(text, md)
 
     def kill(self) -> None:
         if self.proc.is_alive():
@@ -599,3 +631,58 @@ def test_ticket_from_a_newer_producer_with_unknown_fields_still_parses() -> None
     assert TransferTicket.from_json(text) == ticket
     with pytest.raises(ValueError, match="not a transfer ticket"):
         TransferTicket.from_json("[1, 2]")
+
+
+# --- NIXL reads of the producer's device copy (VRAM on a GPU; the same code path on host memory here) ---
+@needs_nixl
+def test_nixl_reads_the_device_copy_raw_into_a_tensor_where_the_caller_keeps_its_kv(
+    producer: Producer,
+) -> None:
+    """A producer whose KV is on a device registers that copy with NIXL beside the wire bytes; a reader whose KV
+    lives on the same kind of device READs it straight into a tensor there: every byte as the producer holds it,
+    none of the wire's fp8 rounding. A reader elsewhere (or asking for no device) gets the host bytes."""
+    import torch
+
+    raw = kv_floats(2 * MiB, seed=4)
+    ticket = producer.publish_device("dev", 2 * MiB, seed=4, compress="fp8")
+    assert ticket.nixl_device == "cpu" and ticket.encoding == "fp8" and ticket.size < len(raw) // 3
+    got = pull(ticket, NIXL, device="cpu")
+    assert (
+        isinstance(got.data, torch.Tensor) and got.data.dtype == torch.uint8 and got.data.device.type == "cpu"
+    )
+    assert got.backend == NIXL and got.bytes == len(raw) and got.data.numpy().tobytes() == raw
+    for device in (None, "cuda:0"):  # no device asked for / a device of another kind: the wire bytes
+        host = pull(ticket, NIXL, device=device)
+        assert not isinstance(host.data, torch.Tensor) and len(host.data) == len(raw)
+        assert bytes(host.data) != raw  # fp8 on the wire: close, not exact
+        back = np.frombuffer(bytes(host.data), dtype=np.float32)
+        want = np.frombuffer(raw, dtype=np.float32)
+        assert np.linalg.norm(back - want) / np.linalg.norm(want) < 0.06
+    assert pull(ticket, TCP, device="cpu").data is not None  # other backends ignore the device
+
+
+@needs_nixl
+def test_a_device_read_of_a_publication_without_a_device_copy_or_gone_is_refused(producer: Producer) -> None:
+    plain = producer.publish_device("no-copy", 1 * MiB, seed=5, device="")
+    assert plain.nixl_device == ""
+    assert bytes(pull(plain, NIXL, device="cpu").data) == kv_floats(1 * MiB, 5)  # host bytes, no device read
+    with pytest.raises(TransferUnavailable, match="no device copy"):  # a ticket claiming one it lacks
+        pull(dataclasses.replace(plain, nixl_device="cpu"), NIXL, device="cpu")
+    gone = producer.publish_device("gone-dev", 1 * MiB, seed=6)
+    producer.call("retract", "gone-dev")
+    with pytest.raises(TransferNotFound):
+        pull(gone, NIXL, device="cpu")
+    again = producer.publish_device("gone-dev", 1 * MiB, seed=7)  # same key, a new publication
+    with pytest.raises(TransferNotFound):
+        pull(gone, NIXL, device="cpu")
+    assert pull(again, NIXL, device="cpu").data.numpy().tobytes() == kv_floats(1 * MiB, 7)
+
+
+@needs_nixl
+@pytest.mark.skipif(not _cuda(), reason="needs a CUDA device")
+def test_nixl_reads_vram_gpu_to_gpu(producer: Producer) -> None:
+    """Where NIXL and a GPU meet: the producer's copy in VRAM, READ into the reader's VRAM."""
+    ticket = producer.publish_device("vram", 8 * MiB, seed=8, compress="fp8", device="cuda:0")
+    assert ticket.nixl_device == "cuda:0"
+    got = pull(ticket, NIXL, device="cuda:0")
+    assert got.data.is_cuda and got.data.cpu().numpy().tobytes() == kv_floats(8 * MiB, 8)
