@@ -168,7 +168,7 @@ Published = TransferTicket
 class Pulled:
     """A payload that arrived, verified: its bytes (decoded if it was encoded), wire bytes and time taken."""
 
-    data: Any  # bytearray | memoryview; a device tensor (torch.Tensor) over cuda_ipc
+    data: Any  # bytearray | memoryview; a device tensor (torch.Tensor) over cuda_ipc and NIXL device reads
     bytes: int  # on the wire
     seconds: float
     backend: str
