@@ -272,6 +272,7 @@ class DecodeWorker(EngineWorker, pb_grpc.DecodeWorkerServicer):
             {
                 "rackserve.transfer_bytes": pulled.bytes,
                 "rackserve.transfer_backend": pulled.backend,
+                "rackserve.transfer_device_direct": pulled.device_direct,
                 "rackserve.transfer_s": pulled.seconds,
                 "rackserve.transfer_gb_per_s": pulled.gb_per_s if pulled.seconds > 0 else None,
             },
@@ -302,8 +303,9 @@ class DecodeWorker(EngineWorker, pb_grpc.DecodeWorkerServicer):
                 f"({type(e).__name__}): {e}"
             ) from e
         log.info(
-            "pulled KV of %s: %d tokens, %d bytes over %s in %.4fs (%.2f GB/s)",
-            request_id, handle.num_tokens, pulled.bytes, pulled.backend, pulled.seconds, pulled.gb_per_s,
+            "pulled KV of %s: %d tokens, %d bytes over %s%s in %.4fs (%.2f GB/s)",
+            request_id, handle.num_tokens, pulled.bytes, pulled.backend,
+            " device to device" if pulled.device_direct else "", pulled.seconds, pulled.gb_per_s,
         )  # fmt: skip
         return pulled
 

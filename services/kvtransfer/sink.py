@@ -201,7 +201,7 @@ class KvSink:
             )
         seconds = time.perf_counter() - t0
         log.debug("pulled %s: %d bytes over cuda_ipc in %.4fs", ticket.key, nbytes, seconds)
-        return Pulled(data=data, bytes=nbytes, seconds=seconds, backend=CUDA_IPC)
+        return Pulled(data=data, bytes=nbytes, seconds=seconds, backend=CUDA_IPC, device_direct=True)
 
     async def _can_register(self, device: str) -> bool:
         """Whether this sink's NIXL can register memory on `device` (a UCX built without CUDA cannot register
@@ -254,7 +254,7 @@ class KvSink:
         log.debug(
             "pulled %s: %d bytes device to device over nixl in %.4fs", ticket.key, ticket.raw_size, seconds
         )
-        return Pulled(data=local, bytes=ticket.raw_size, seconds=seconds, backend=NIXL)
+        return Pulled(data=local, bytes=ticket.raw_size, seconds=seconds, backend=NIXL, device_direct=True)
 
     async def _fetch(
         self, ticket: TransferTicket, backend: str, view: memoryview, keepalive: object, checksum: Checksum

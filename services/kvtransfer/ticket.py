@@ -172,6 +172,9 @@ class Pulled:
     bytes: int  # on the wire
     seconds: float
     backend: str
+    device_direct: bool = (
+        False  # device memory to device memory (cuda_ipc, NIXL VRAM): no host copy on the way
+    )
 
     @property
     def gb_per_s(self) -> float:

@@ -650,10 +650,17 @@ def test_nixl_reads_the_device_copy_raw_into_a_tensor_where_the_caller_keeps_its
     assert (
         isinstance(got.data, torch.Tensor) and got.data.dtype == torch.uint8 and got.data.device.type == "cpu"
     )
-    assert got.backend == NIXL and got.bytes == len(raw) and got.data.numpy().tobytes() == raw
+    assert (
+        got.backend == NIXL
+        and got.device_direct
+        and got.bytes == len(raw)
+        and got.data.numpy().tobytes() == raw
+    )
     for device in (None, "cuda:0"):  # no device asked for / a device of another kind: the wire bytes
         host = pull(ticket, NIXL, device=device)
-        assert not isinstance(host.data, torch.Tensor) and len(host.data) == len(raw)
+        assert (
+            not host.device_direct and not isinstance(host.data, torch.Tensor) and len(host.data) == len(raw)
+        )
         assert bytes(host.data) != raw  # fp8 on the wire: close, not exact
         back = np.frombuffer(bytes(host.data), dtype=np.float32)
         want = np.frombuffer(raw, dtype=np.float32)
