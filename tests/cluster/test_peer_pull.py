@@ -19,6 +19,7 @@ from collections.abc import Iterator
 import grpc
 import httpx
 import pytest
+import torch
 from prometheus_client.parser import text_string_to_metric_families
 
 from services.engine.block_hash import block_hashes
@@ -89,9 +90,13 @@ def engine(smollm2: LoadedModel, blocks: int = 24) -> LLMEngine:
     return LLMEngine(smollm2, cfg)
 
 
+@pytest.mark.parametrize("form", ["bytes", "raw tensor, some blocks already here"])
 def test_an_exported_prefix_imported_into_another_engine_gives_the_cold_runs_tokens(
-    smollm2: LoadedModel, prompts: dict[str, list[int]]
+    smollm2: LoadedModel, prompts: dict[str, list[int]], form: str
 ) -> None:
+    """Host bytes, or the same bytes as a flat uint8 tensor (what a NIXL read of device memory delivers) into a
+    pool that already caches the first blocks: only the missing ones are written, and the tokens are the cold
+    run's."""
     a = prompts["a"]
     cold = engine(smollm2).generate([a], GREEDY)[0]
     src, dst = engine(smollm2), engine(smollm2)
@@ -100,7 +105,14 @@ def test_an_exported_prefix_imported_into_another_engine_gives_the_cold_runs_tok
     export = src.export_prefix("peer-1", hashes)
     assert export is not None and export.block_hashes == hashes
     assert len(export.data) == len(hashes) * src.kv.block_bytes
-    assert dst.import_prefix("pull-1", hashes, 0, export.data) == len(hashes)
+    if form == "bytes":
+        assert dst.import_prefix("pull-1", hashes, 0, export.data) == len(hashes)
+    else:
+        first = export.data[: 2 * src.kv.block_bytes]
+        assert dst.import_prefix("pull-0", hashes[:2], 0, first) == 2
+        dst.release_kv("pull-0")
+        raw = torch.frombuffer(bytearray(export.data), dtype=torch.uint8)
+        assert dst.import_prefix("pull-1", hashes, 0, raw) == len(hashes) - 2
     dst.release_kv("pull-1")  # unpinned: still cached, so the admission hits them
     src.release_kv("peer-1")
     dst.add_request("r", a, GREEDY)
