@@ -82,8 +82,9 @@ class KvExport:
 
     layout: KvLayout
     token_ids: list[int]
-    # host bytes (staged), or the blocks tensor of export_kv_blocks (device-direct)
-    data: bytes | torch.Tensor
+    # host bytes (staged: export_kv gives a memoryview onto them), or the blocks tensor of export_kv_blocks
+    # (device-direct)
+    data: bytes | memoryview | torch.Tensor
     device_blocks: torch.Tensor | None = None  # export_kv on a GPU: the same blocks, still on the device
 
     @property
@@ -103,7 +104,7 @@ class PrefixExport:
 
     block_ids: list[int]
     block_hashes: list[int]
-    data: bytes
+    data: bytes | memoryview
     device_blocks: torch.Tensor | None = None  # on a GPU: the same blocks, still on the device (cuda_ipc)
 
 
@@ -286,7 +287,7 @@ class LLMEngine:
         self._step_s = 0.0
         self._last_batch = 0
         self._pending_kv: dict[
-            str, bytes | torch.Tensor
+            str, bytes | memoryview | torch.Tensor
         ] = {}  # request id -> imported KV waiting for its blocks
         self._prefix_holds: dict[
             str, list[int]
@@ -607,9 +608,8 @@ class LLMEngine:
             )
         data = self.export_kv_blocks(request_id, n)
         # staged: device blocks come to host memory here, so every byte transport (TCP, shm, NIXL DRAM) works;
-        # on a GPU the device copy rides along for a same-node reader (cuda_ipc)
-        host = data.cpu().view(torch.uint8).numpy().tobytes()
-        return KvExport(self.kv_layout, req.all_ids[:n], host, data if data.is_cuda else None)
+        # on a GPU the device copy rides along for device-direct readers (cuda_ipc, NIXL VRAM)
+        return KvExport(self.kv_layout, req.all_ids[:n], staged_bytes(data), data if data.is_cuda else None)
 
     def export_kv_blocks(self, request_id: str, num_tokens: int | None = None) -> torch.Tensor:
         """The blocks covering a live or held request's first num_tokens computed tokens, copied out on the
@@ -657,8 +657,7 @@ class LLMEngine:
         if not ids:
             return None
         data = self.kv.read_blocks(self._h2d(ids))
-        host = data.cpu().view(torch.uint8).numpy().tobytes()
-        return PrefixExport(ids, list(hashes[: len(ids)]), host, data if data.is_cuda else None)
+        return PrefixExport(ids, list(hashes[: len(ids)]), staged_bytes(data), data if data.is_cuda else None)
 
     def import_prefix(
         self,
@@ -797,13 +796,27 @@ class LLMEngine:
             elif data.dtype != self.kv.dtype:
                 raise KvMismatchError(f"KV blocks are {data.dtype}, this engine's cache is {self.kv.dtype}")
             src = data.to(self.device).view(shape)
-        else:
-            src = torch.frombuffer(bytearray(data), dtype=torch.uint8).view(self.kv.dtype).view(shape)
+        else:  # a writable buffer (what a pull lands in) is read in place; bytes are copied once to be one
+            buf = data if isinstance(data, memoryview) and not data.readonly else bytearray(data)
+            src = torch.frombuffer(buf, dtype=torch.uint8).view(self.kv.dtype).view(shape)
         if only is not None:
             src = src[torch.tensor(only, device=src.device)]
         if self.device.type == "cuda" and not src.is_cuda:
             src = src.pin_memory().to(self.device, non_blocking=True)
         return src
+
+
+def staged_bytes(blocks: torch.Tensor) -> memoryview:
+    """Freshly copied-out blocks (read_blocks) as host bytes for the byte transports: on a CPU the tensor's own
+    memory (no copy: nothing else holds it); from a GPU one device-to-host copy into pinned memory, which the
+    copy engine fills at full speed (pageable memory is staged by the driver in pieces). The view keeps the
+    memory alive."""
+    flat = blocks.reshape(-1).view(torch.uint8)
+    if flat.device.type != "cpu":
+        host = torch.empty(flat.numel(), dtype=torch.uint8, pin_memory=True)
+        host.copy_(flat)  # synchronous: the bytes are there when this returns
+        flat = host
+    return memoryview(flat.numpy()).cast("B")  # type: ignore[arg-type]  # an ndarray is a buffer
 
 
 def _attention_backend(wanted: str, device: torch.device) -> str:

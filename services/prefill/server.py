@@ -185,7 +185,7 @@ class PrefillWorker(EngineWorker, pb_grpc.PrefillWorkerServicer):
                 lambda e: (list(e.requests[request_id].block_ids), e.export_kv(request_id))
             )
             layout = self.facts.kv_layout
-            assert isinstance(export.data, bytes)  # export_kv stages to host bytes
+            assert isinstance(export.data, bytes | memoryview)  # export_kv stages to host bytes
             ticket = self.source.publish(
                 request_id,
                 export.data,

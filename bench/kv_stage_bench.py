@@ -1,0 +1,132 @@
+"""KV staging on the engine thread: what a disaggregated request's KV costs the prefill worker to export and the
+decode worker to import, around the transfer itself.
+
+    python -m bench.kv_stage_bench [--reps 5] [--tokens 2048,8192,32768]
+
+The SmolLM2-135M cache shape (30 layers, 3 KV heads, head dim 64, 16-token blocks) in bfloat16, blocks scattered
+over a pool twice the prompt's size. Export: copy the prompt's blocks out of the pool (`read_blocks`) and stage
+them as host bytes for the byte transports. Import: the pulled bytes (a writable buffer, as a pull lands in)
+written into the decode pool's blocks. Each measured two ways in the same run, A/B/A/B, median of `reps`:
+
+- before: as it was until 2026-12-06 — `read_blocks` selected on the cache's layout and then made the result
+  contiguous (two copies), `.cpu().view(uint8).numpy().tobytes()` staged it (a third), and the import copied the
+  pulled bytes into a `bytearray` before `torch.frombuffer` (another);
+- now: `read_blocks` gathers from the block-major view (one copy), `engine.staged_bytes` is a view onto it, and
+  `torch.frombuffer` reads the pulled buffer in place.
+
+Both run on the engine's thread in a worker, so every millisecond here is one no other request on that worker
+steps in. Writes a markdown table to stdout and bench/results/kv_stage.md. Benchmarks never run in tests.
+"""
+
+from __future__ import annotations
+
+import argparse
+import platform
+import statistics
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+from services.engine.config import ModelConfig
+from services.engine.engine import staged_bytes
+from services.engine.model import PagedKvCache
+
+RESULTS = Path(__file__).resolve().parent / "results" / "kv_stage.md"
+LAYERS, KV_HEADS, HEAD_DIM, BLOCK = 30, 3, 64, 16
+
+
+def export_before(kv: PagedKvCache, ids: torch.Tensor) -> bytes:
+    blocks = (
+        kv.data.index_select(3, ids).permute(3, 0, 1, 2, 4, 5).contiguous()
+    )  # read_blocks until 2026-12-06
+    return blocks.cpu().view(torch.uint8).numpy().tobytes()
+
+
+def export_now(kv: PagedKvCache, ids: torch.Tensor) -> memoryview:
+    return staged_bytes(kv.read_blocks(ids))
+
+
+def _write(kv: PagedKvCache, ids: torch.Tensor, buf: bytearray | memoryview) -> None:
+    shape = (len(ids), LAYERS, 2, KV_HEADS, BLOCK, HEAD_DIM)
+    kv.write_blocks(ids, torch.frombuffer(buf, dtype=torch.uint8).view(kv.dtype).view(shape))
+
+
+def import_before(kv: PagedKvCache, ids: torch.Tensor, data: memoryview) -> None:
+    _write(kv, ids, bytearray(data))
+
+
+def import_now(kv: PagedKvCache, ids: torch.Tensor, data: memoryview) -> None:
+    _write(kv, ids, data)
+
+
+def timed(fn: Callable[..., object], *args: object) -> float:
+    t0 = time.perf_counter()
+    fn(*args)
+    return time.perf_counter() - t0
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--tokens", default="2048,8192,32768")
+    a = ap.parse_args(argv)
+    torch.set_num_threads(1)  # a worker's engine runs one torch thread per core it was given; one here
+    cfg = ModelConfig(
+        architecture="llama",
+        num_layers=LAYERS,
+        hidden_size=576,
+        num_heads=9,
+        num_kv_heads=KV_HEADS,
+        head_dim=HEAD_DIM,
+        intermediate_size=1536,
+        vocab_size=49152,
+        rope_theta=1e5,
+        rms_norm_eps=1e-5,
+        max_context=65536,
+        tie_embeddings=True,
+    )  # fmt: skip (only the cache's shape is used)
+    rows = []
+    gen = torch.Generator().manual_seed(0)
+    for tokens in (int(t) for t in a.tokens.split(",")):
+        n = tokens // BLOCK
+        src, dst = (PagedKvCache(cfg, 2 * n, BLOCK, torch.bfloat16) for _ in range(2))
+        src.data.copy_(torch.randn(src.data.shape, generator=gen, dtype=torch.float32))
+        ids = torch.randperm(2 * n, generator=gen)[:n]  # scattered, as a pool's blocks are
+        into = torch.randperm(2 * n, generator=gen)[:n]
+        pulled = memoryview(bytearray(export_before(src, ids)))  # what a pull hands the decode worker
+        assert bytes(export_now(src, ids)) == bytes(pulled)
+        times: dict[str, list[float]] = {k: [] for k in ("exp_before", "exp_now", "imp_before", "imp_now")}
+        for _ in range(a.reps):  # A/B/A/B: both see the same machine load
+            times["exp_before"].append(timed(export_before, src, ids))
+            times["exp_now"].append(timed(export_now, src, ids))
+            times["imp_before"].append(timed(import_before, dst, into, pulled))
+            times["imp_now"].append(timed(import_now, dst, into, pulled))
+        assert torch.equal(dst.read_blocks(into), src.read_blocks(ids))  # the import put the bytes in place
+        med = {k: statistics.median(v) * 1000 for k, v in times.items()}
+        rows.append((tokens, len(pulled) / 2**20, med))
+    lines = [
+        f"KV staging on the engine thread, SmolLM2-135M cache shape, bfloat16, one torch thread, median of {a.reps} "
+        f"A/B/A/B rounds ({platform.machine()}, {torch.__version__}):",
+        "",
+        "| prompt tokens | KV MiB | export before ms | export now ms | ratio | import before ms | import now ms | "
+        "ratio | both, ms saved |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for tokens, mib, m in rows:
+        saved = m["exp_before"] + m["imp_before"] - m["exp_now"] - m["imp_now"]
+        lines.append(
+            f"| {tokens:,} | {mib:.0f} | {m['exp_before']:.1f} | {m['exp_now']:.1f} | "
+            f"x{m['exp_now'] / m['exp_before']:.2f} | {m['imp_before']:.1f} | {m['imp_now']:.1f} | "
+            f"x{m['imp_now'] / m['imp_before']:.2f} | {saved:.1f} |"
+        )
+    text = "\n".join(lines) + "\n"
+    print(text)
+    RESULTS.parent.mkdir(parents=True, exist_ok=True)
+    RESULTS.write_text(text)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
