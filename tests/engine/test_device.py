@@ -93,6 +93,11 @@ def test_export_kv_blocks_is_the_tensor_the_staged_bytes_come_from():
     staged = src.export_kv("p", len(prompt))
     blocks = src.export_kv_blocks("p", len(prompt))
     assert blocks.shape[0] == staged.num_blocks and blocks.view(torch.uint8).numpy().tobytes() == staged.data
+    kept = bytes(staged.data)
+    src.kv.data.zero_()  # the pool's blocks reused by other requests: the staged bytes are the export's own
+    assert bytes(staged.data) == kept and torch.count_nonzero(
+        torch.frombuffer(bytearray(kept), dtype=torch.uint8)
+    )
     device_direct = type(staged)(src.kv_layout, staged.token_ids, blocks)
     raw = torch.frombuffer(bytearray(staged.data), dtype=torch.uint8)
     raw_bytes = type(staged)(src.kv_layout, staged.token_ids, raw)
