@@ -693,3 +693,25 @@ def test_nixl_reads_vram_gpu_to_gpu(producer: Producer) -> None:
     assert ticket.nixl_device == "cuda:0"
     got = pull(ticket, NIXL, device="cuda:0")
     assert got.data.is_cuda and got.data.cpu().numpy().tobytes() == kv_floats(8 * MiB, 8)
+
+
+@pytest.mark.parametrize("huge_on_advice", [False, True])
+def test_a_segment_holds_the_payload_whichever_way_the_kernel_wants_it_filled(
+    monkeypatch: pytest.MonkeyPatch, huge_on_advice: bool
+) -> None:
+    """By write(2), or (where tmpfs gives huge pages only to a mapping that asks) through an advised mapping:
+    either way a reader copies out exactly the payload, of any size, and the name goes with close()."""
+    monkeypatch.setattr(shm_mod, "_tmpfs_huge_on_advice", lambda: huge_on_advice)
+    for size in (0, 1, 4097, 3 * MiB + 5):
+        data = payload(size, size)
+        seg = shm_mod.Segment(
+            "/dev/shm", f"{shm_mod.PREFIX}{os.getpid()}-{size:x}{int(huge_on_advice)}", data
+        )
+        try:
+            assert bytes(seg.view()) == data
+            out = bytearray(size)
+            shm_mod.copy_out("/dev/shm", seg.name, memoryview(out))
+            assert bytes(out) == data
+        finally:
+            seg.close()
+        assert not os.path.exists(seg.path)
