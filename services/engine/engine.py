@@ -676,8 +676,7 @@ class LLMEngine:
             raise KvMismatchError(
                 f"prefix payload has {size} bytes, {n} blocks need {n * self.kv.block_bytes}"
             )
-        if isinstance(data, torch.Tensor) and data.dtype not in (torch.uint8, self.kv.dtype):
-            raise KvMismatchError(f"KV blocks are {data.dtype}, this engine's cache is {self.kv.dtype}")
+        self._check_payload_dtype(data)
         if not self.config.enable_prefix_caching:
             raise ValueError("this worker runs without a prefix cache: pulled blocks could never be hit")
         parents = [parent, *hashes[:-1]]
@@ -712,8 +711,7 @@ class LLMEngine:
             raise KvMismatchError(
                 f"KV payload has {size} bytes, {nblocks} blocks need {nblocks * self.kv.block_bytes}"
             )
-        if isinstance(kv.data, torch.Tensor) and kv.data.dtype not in (torch.uint8, self.kv.dtype):
-            raise KvMismatchError(f"KV blocks are {kv.data.dtype}, this engine's cache is {self.kv.dtype}")
+        self._check_payload_dtype(kv.data)
         if n == req.num_tokens:
             # a step must compute at least the last token to produce logits: keep all but that token
             n -= 1
@@ -782,19 +780,22 @@ class LLMEngine:
         nblocks = size // self.kv.block_bytes
         self.kv.write_blocks(self._h2d(req.block_ids[:nblocks]), self._payload_blocks(data, nblocks))
 
+    def _check_payload_dtype(self, data: bytes | bytearray | memoryview | torch.Tensor) -> None:
+        """A tensor payload holds blocks in the cache's dtype or their raw bytes (uint8); host bytes are raw."""
+        if isinstance(data, torch.Tensor) and data.dtype not in (torch.uint8, self.kv.dtype):
+            raise KvMismatchError(f"KV blocks are {data.dtype}, this engine's cache is {self.kv.dtype}")
+
     def _payload_blocks(
         self, data: bytes | bytearray | memoryview | torch.Tensor, nblocks: int, only: list[int] | None = None
     ) -> torch.Tensor:
         """A KV payload of `nblocks` blocks (export order) as cache blocks on this engine's device, or just the
         blocks `only` names. Host bytes (staged) become a pinned host copy and one upload; a device tensor
         (device-direct: CUDA IPC, NIXL VRAM) is used where it lies, in the cache's dtype or as its raw bytes
-        (uint8)."""
+        (uint8; its dtype was checked at admission: `_check_payload_dtype`)."""
         shape = (nblocks, *self.kv.data.shape[:3], self.kv.block_size, self.kv.data.shape[-1])
         if isinstance(data, torch.Tensor):
-            if data.dtype == torch.uint8 and self.kv.dtype != torch.uint8:
+            if data.dtype != self.kv.dtype:  # its raw bytes
                 data = data.reshape(-1).view(self.kv.dtype)
-            elif data.dtype != self.kv.dtype:
-                raise KvMismatchError(f"KV blocks are {data.dtype}, this engine's cache is {self.kv.dtype}")
             src = data.to(self.device).view(shape)
         else:  # a writable buffer (what a pull lands in) is read in place; bytes are copied once to be one
             buf = data if isinstance(data, memoryview) and not data.readonly else bytearray(data)

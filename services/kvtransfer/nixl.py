@@ -33,6 +33,7 @@ log = logging.getLogger("rackserve.kvtransfer")
 T = TypeVar("T")
 
 _live: list[weakref.ref[NixlAgent]] = []
+_live_lock = threading.Lock()
 
 Memory = tuple[str, int]  # NIXL's memory kind ("DRAM" | "VRAM") and device index (0 for host memory)
 DRAM: Memory = ("DRAM", 0)
@@ -46,9 +47,6 @@ def memory_of(device: str) -> Memory:
     if kind == "cpu":
         return DRAM
     raise ValueError(f"NIXL cannot register memory of device {device!r}")
-
-
-_live_lock = threading.Lock()
 
 
 def load_nixl(log_level: str = "WARN") -> Any:

@@ -67,9 +67,8 @@ class _Publication:
     nixl_reg: Any = None
     nixl_md: bytes = b""
     addr: int = 0
-    device_copy: Any = (
-        None  # the device tensor (cuda_ipc readers map it, NIXL readers READ it); kept till freed
-    )
+    # the device tensor (cuda_ipc readers map it, NIXL readers READ it); kept till freed
+    device_copy: Any = None
     nixl_dev_reg: Any = None  # the device copy's NIXL registration and its metadata
     nixl_dev_md: bytes = b""
     pins: int = 0

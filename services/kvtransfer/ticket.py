@@ -172,9 +172,8 @@ class Pulled:
     bytes: int  # on the wire
     seconds: float
     backend: str
-    device_direct: bool = (
-        False  # device memory to device memory (cuda_ipc, NIXL VRAM): no host copy on the way
-    )
+    # device memory to device memory (cuda_ipc, NIXL VRAM): no host copy on the way
+    device_direct: bool = False
 
     @property
     def gb_per_s(self) -> float:
