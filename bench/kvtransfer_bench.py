@@ -58,7 +58,9 @@ def _producer(conn: Any, sizes: list[int]) -> None:
         tickets = {}
         for (c, name), src in sources.items():
             for size in sizes:
-                t = src.publish(f"{c}-{name}-{size}", np.random.default_rng(size).bytes(size), ttl_s=3600)
+                t = await src.publish(
+                    f"{c}-{name}-{size}", np.random.default_rng(size).bytes(size), ttl_s=3600
+                )
                 tickets[(c, name, size)] = (t.to_json(), t.agent_metadata)
         conn.send(tickets)
         await asyncio.get_running_loop().run_in_executor(None, conn.recv)

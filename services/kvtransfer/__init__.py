@@ -3,7 +3,7 @@ backends — NIXL/UCX (primary; one-sided READ, RDMA where the hardware has it, 
 shared memory, TCP, and CUDA IPC between GPUs of one node.
 
     source = await KvSource.start(TransferConfig())        # prefill worker; advertise() goes into etcd
-    ticket = source.publish(key, kv_bytes, ttl_s=30)        # ticket.to_json() -> KvHandle.transfer_endpoint
+    ticket = await source.publish(key, kv_bytes, ttl_s=30)  # ticket.to_json() -> KvHandle.transfer_endpoint
     sink = await KvSink.start(TransferConfig())             # decode worker
     pulled = await sink.pull(ticket, deadline_s=5)          # verified bytes, or a typed TransferError
     pulled = await sink.pull(ticket, 5, device="cuda:0")    # a GPU consumer: device to device where offered

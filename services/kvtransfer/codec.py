@@ -15,6 +15,7 @@ import struct
 
 import torch
 
+from services.engine.host_bytes import bytes_of, joined, view_of
 from services.engine.kv_codec import fp8_decode, fp8_encode
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -30,11 +31,10 @@ def _as_tensor(payload: bytes | bytearray | memoryview, kv_dtype: str, head_dim:
     elem = torch.tensor([], dtype=DTYPES[kv_dtype]).element_size()
     if head_dim <= 0 or len(raw) % (elem * head_dim):
         raise ValueError(f"{len(raw)} bytes are not whole rows of {head_dim} {kv_dtype} elements")
-    t = torch.frombuffer(bytearray(raw), dtype=DTYPES[kv_dtype])
-    return t.view(-1, head_dim)
+    return view_of(raw, DTYPES[kv_dtype]).view(-1, head_dim)  # read in place: the encoders only read it
 
 
-def encode(payload: bytes | bytearray | memoryview, method: str, kv_dtype: str, head_dim: int) -> bytes:
+def encode(payload: bytes | bytearray | memoryview, method: str, kv_dtype: str, head_dim: int) -> memoryview:
     kv = _as_tensor(payload, kv_dtype, head_dim)
     if method == "nvfp4":
         from services.engine.nvfp4.kv import quantize_kv_for_wire
@@ -43,11 +43,11 @@ def encode(payload: bytes | bytearray | memoryview, method: str, kv_dtype: str, 
     if method == "fp8":
         scale, q = fp8_encode(kv)
         head = _FP8.pack(b"F8KV", 1, _CODES[kv_dtype], 0, kv.shape[0], head_dim)
-        return b"".join((head, scale.numpy().tobytes(), q.view(torch.uint8).numpy().tobytes()))
+        return joined((head, scale, q))
     raise ValueError(f"unknown KV wire compression {method!r}; use 'nvfp4' or 'fp8'")
 
 
-def decode(payload: bytes | bytearray | memoryview, method: str) -> bytearray:
+def decode(payload: bytes | bytearray | memoryview, method: str) -> memoryview:
     if method == "nvfp4":
         from services.engine.nvfp4.kv import dequantize_kv_from_wire
 
@@ -59,10 +59,10 @@ def decode(payload: bytes | bytearray | memoryview, method: str) -> bytearray:
             raise ValueError(f"not an fp8 KV payload (magic {magic!r}, version {version}, dtype code {code})")
         if len(view) != _FP8.size + rows * 4 + rows * head_dim:
             raise ValueError(f"fp8 KV payload of {len(view)} bytes does not hold {rows}x{head_dim}")
-        raw = torch.frombuffer(bytearray(view[_FP8.size :]), dtype=torch.uint8)
+        raw = view_of(view, torch.uint8, _FP8.size)
         scale = raw[: rows * 4].view(torch.float32)
         q = raw[rows * 4 :].view(torch.float8_e4m3fn).view(rows, head_dim)
         t = fp8_decode(scale, q, DTYPES[_NAMES[code]])
     else:
         raise ValueError(f"unknown KV wire encoding {method!r}")
-    return bytearray(t.contiguous().view(torch.uint8).numpy())
+    return bytes_of(t)

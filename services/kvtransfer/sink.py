@@ -155,7 +155,8 @@ class KvSink:
         if ticket.encoding != "raw":
             from . import codec
 
-            data = codec.decode(view, ticket.encoding)
+            # off the loop: a long prompt's KV takes a decode worker's loop (every stream on it) 0.1 s and more
+            data = await asyncio.to_thread(codec.decode, view, ticket.encoding)
             if len(data) != ticket.raw_size:
                 raise TransferIntegrityError(
                     f"{ticket.key}: decoded {len(data)} bytes, producer published {ticket.raw_size}"

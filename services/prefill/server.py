@@ -186,7 +186,7 @@ class PrefillWorker(EngineWorker, pb_grpc.PrefillWorkerServicer):
             )
             layout = self.facts.kv_layout
             assert isinstance(export.data, bytes | memoryview)  # export_kv stages to host bytes
-            ticket = self.source.publish(
+            ticket = await self.source.publish(
                 request_id,
                 export.data,
                 self.kv_max_hold_s,  # our own timer (_hold) retracts it first; this is the backstop
@@ -252,7 +252,7 @@ class PrefillWorker(EngineWorker, pb_grpc.PrefillWorkerServicer):
                 return pb.ExportPrefixResponse()
             try:
                 layout = self.facts.kv_layout
-                ticket = self.source.publish(
+                ticket = await self.source.publish(
                     hold_id,
                     export.data,
                     self.kv_max_hold_s,  # _hold's timer retracts it first; this is the backstop

@@ -173,7 +173,7 @@ def test_a_real_source_refuses_a_malformed_open_with_a_clear_error_and_still_ser
         source = await KvSource.start(TransferConfig(backends=(TCP,)))
         sink = await KvSink.start(TransferConfig(backends=(TCP,)))
         try:
-            ticket = source.publish("good", b"kv bytes" * 100, ttl_s=30)
+            ticket = await source.publish("good", b"kv bytes" * 100, ttl_s=30)
             wrong_op = await exchange(source.endpoint, frame_as_before({"op": "read", "key": "good"}))
             assert wrong_op == {"ok": False, "error": "bad_request", "detail": "expected open"}
             bad_key = await exchange(

@@ -8,6 +8,7 @@ import dataclasses
 import multiprocessing as mp
 import os
 import signal
+import threading
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -31,6 +32,7 @@ from services.kvtransfer import (
     choose_backend,
 )
 from services.kvtransfer import shm as shm_mod
+from services.kvtransfer import source as source_mod
 from services.kvtransfer.nixl import load_nixl
 from services.kvtransfer.ticket import Checksum, checksum_of
 from tests.support.markers import starts_processes
@@ -72,7 +74,7 @@ def _producer_main(conn: Any, stall_after_bytes: int | None, config: TransferCon
             cmd, *args = await loop.run_in_executor(None, conn.recv)
             if cmd == "publish":
                 key, size, seed, ttl_s = args
-                t = source.publish(key, payload(size, seed), ttl_s)
+                t = await source.publish(key, payload(size, seed), ttl_s)
                 conn.send((t.to_json(), t.agent_metadata))
             elif cmd == "publish_device":  # fp32 KV, with the device copy a GPU producer's export offers
                 key, size, seed, compress, device = args
@@ -82,7 +84,7 @@ def _producer_main(conn: Any, stall_after_bytes: int | None, config: TransferCon
                     import torch
 
                     copy = torch.frombuffer(bytearray(raw), dtype=torch.float32).to(device)
-                t = source.publish(
+                t = await source.publish(
                     key, raw, 60.0, compress=compress, kv_dtype="fp32", head_dim=64, device_payload=copy
                 )
                 conn.send((t.to_json(), t.agent_metadata))
@@ -376,7 +378,7 @@ def test_ttl_expiry_retracts_and_unlinks_the_shm_segment() -> None:
     async def go() -> None:
         source = await KvSource.start(TransferConfig())
         sink = await KvSink.start(TransferConfig())
-        ticket = source.publish("short-lived", payload(256 * KiB, 1), ttl_s=0.3)
+        ticket = await source.publish("short-lived", payload(256 * KiB, 1), ttl_s=0.3)
         assert len(own_segments()) == 1
         assert bytes((await sink.pull(ticket, 5.0, backend=SHM)).data) == payload(256 * KiB, 1)
         await asyncio.sleep(0.6)
@@ -398,7 +400,9 @@ def test_a_publication_counts_as_served_once_a_reader_has_pulled_it_all(backend:
     async def go() -> tuple[list[str], list[str], list[str], list[str]]:
         source = await KvSource.start(TransferConfig())
         sink = await KvSink.start(TransferConfig())
-        read, dropped = (source.publish(k, payload(1 * MiB, i), ttl_s=30) for i, k in enumerate(("a", "b")))
+        read, dropped = [
+            await source.publish(k, payload(1 * MiB, i), ttl_s=30) for i, k in enumerate(("a", "b"))
+        ]
         waited = await source.wait_served(0.3)
         assert bytes((await sink.pull(read, 5.0, backend=backend)).data) == payload(1 * MiB, 0)
         for _ in range(100):  # the reader's "done" reaches the source just after the pull returns
@@ -408,7 +412,7 @@ def test_a_publication_counts_as_served_once_a_reader_has_pulled_it_all(backend:
         after_pull = source.unserved()
         source.retract(dropped.key)
         after_retract = await source.wait_served(1.0)
-        stalled = source.publish("c", payload(2 * MiB, 2), ttl_s=30)
+        stalled = await source.publish("c", payload(2 * MiB, 2), ttl_s=30)
         source._test_stall_after_bytes = 1 * MiB
         with pytest.raises(TransferTimeout):
             await sink.pull(stalled, 0.5, backend=TCP)
@@ -430,7 +434,7 @@ def test_retract_during_a_pull_frees_only_after_the_reader_is_done() -> None:
         source = await KvSource.start(TransferConfig())
         source._test_stall_after_bytes = 1 * MiB
         sink = await KvSink.start(TransferConfig())
-        ticket = source.publish("pinned", payload(2 * MiB, 3), ttl_s=30)
+        ticket = await source.publish("pinned", payload(2 * MiB, 3), ttl_s=30)
         task = asyncio.create_task(sink.pull(ticket, 0.5, backend=TCP))
         await asyncio.sleep(0.2)
         source.retract("pinned")
@@ -445,11 +449,93 @@ def test_retract_during_a_pull_frees_only_after_the_reader_is_done() -> None:
     asyncio.run(go())
 
 
+class HeldChecksum:
+    """Stops a publish at its checksum until released: where the publish runs is then visible. Were it run on
+    the loop, the loop would be stuck in `wait` and nothing else could happen till the deadline."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        self.entered, self.release = threading.Event(), threading.Event()
+        real = source_mod.checksum_of
+
+        def held(view: memoryview, kind: str) -> str:
+            self.entered.set()
+            if not self.release.wait(10.0):
+                raise AssertionError("nothing released the publish: it held the loop")
+            return real(view, kind)
+
+        monkeypatch.setattr(source_mod, "checksum_of", held)
+
+    async def wait_entered(self) -> None:
+        assert await asyncio.to_thread(self.entered.wait, 10.0), "the publish never reached its checksum"
+
+
+def test_a_publish_being_prepared_leaves_the_loop_serving_pulls(monkeypatch: pytest.MonkeyPatch) -> None:
+    async def go() -> None:
+        source = await KvSource.start(TransferConfig())
+        sink = await KvSink.start(TransferConfig())
+        ready = await source.publish("ready", payload(1 * MiB, 1), ttl_s=30)
+        hold = HeldChecksum(monkeypatch)
+        slow = asyncio.create_task(source.publish("slow", payload(2 * MiB, 2), ttl_s=30))
+        await hold.wait_entered()
+        for backend in sink.supported:  # served while "slow" is mid-publish
+            assert bytes((await sink.pull(ready, 5.0, backend=backend)).data) == payload(1 * MiB, 1)
+        with pytest.raises(ValueError, match="already published"):  # its key is taken from the start
+            await source.publish("slow", payload(1 * KiB, 3), ttl_s=30)
+        assert source.live_keys() == ["ready"]  # not pullable till it is whole
+        hold.release.set()
+        ticket = await slow
+        assert ticket.expires_unix_ms > time.time() * 1000
+        for backend in sink.supported:
+            assert bytes((await sink.pull(ticket, 5.0, backend=backend)).data) == payload(2 * MiB, 2)
+        await sink.close()
+        await source.close()
+        assert own_segments() == []
+
+    asyncio.run(go())
+
+
+@pytest.mark.parametrize("how", ["retract", "cancel", "close"])
+def test_a_publish_withdrawn_while_prepared_publishes_nothing_and_frees_it(
+    monkeypatch: pytest.MonkeyPatch, how: str
+) -> None:
+    async def go() -> None:
+        source = await KvSource.start(TransferConfig())
+        hold = HeldChecksum(monkeypatch)
+        task = asyncio.create_task(source.publish("late", payload(2 * MiB, 4), ttl_s=30))
+        await hold.wait_entered()
+        assert len(own_segments()) == 1  # the segment is written before the checksum
+        closing = None
+        if how == "retract":
+            source.retract("late")
+        elif how == "cancel":
+            task.cancel()
+        else:
+            closing = asyncio.create_task(source.close())
+            await asyncio.sleep(0.05)
+        hold.release.set()
+        expected: type[BaseException] = asyncio.CancelledError if how == "cancel" else RuntimeError
+        with pytest.raises(expected):
+            await task
+        if closing is not None:
+            await closing
+        for _ in range(100):  # a cancelled publish's thread finishes, then the loop frees what it made
+            if not own_segments():
+                break
+            await asyncio.sleep(0.02)
+        assert own_segments() == []
+        assert source.live_keys() == []
+        if how != "close":
+            assert (await source.publish("late", payload(1 * KiB, 5), ttl_s=30)).size == 1 * KiB  # key free
+            await source.close()
+
+    asyncio.run(go())
+
+
 def test_control_connection_serves_consecutive_pulls_and_a_closed_idle_one_is_replaced() -> None:
     async def go() -> None:
         source = await KvSource.start(TransferConfig(backends=(TCP,), control_idle_s=0.3))
         sink = await KvSink.start(TransferConfig(backends=(TCP,)))  # keeps its idle connections far longer
-        ticket = source.publish("again", payload(64 * KiB, 4), ttl_s=30)
+        ticket = await source.publish("again", payload(64 * KiB, 4), ttl_s=30)
         for _ in range(3):
             assert bytes((await sink.pull(ticket, 5.0)).data) == payload(64 * KiB, 4)
         assert len(source._conns) == 1  # one connection served all three pulls
@@ -466,7 +552,7 @@ def test_concurrent_pulls_on_one_sink_each_get_their_own_bytes() -> None:
     async def go() -> None:
         source = await KvSource.start(TransferConfig())
         sink = await KvSink.start(TransferConfig(nixl_chunk_bytes=1 * MiB))
-        tickets = [source.publish(f"c{i}", payload(3 * MiB + i, 30 + i), ttl_s=30) for i in range(4)]
+        tickets = [await source.publish(f"c{i}", payload(3 * MiB + i, 30 + i), ttl_s=30) for i in range(4)]
         for backend in sink.supported:  # four at once per backend: chunked NIXL reads interleave on one agent
             got = await asyncio.gather(*(sink.pull(t, 10.0, backend=backend) for t in tickets))
             assert [bytes(g.data) for g in got] == [payload(3 * MiB + i, 30 + i) for i in range(4)]
@@ -480,7 +566,7 @@ def test_close_frees_every_publication() -> None:
     async def go() -> None:
         source = await KvSource.start(TransferConfig())
         for i in range(3):
-            source.publish(f"k{i}", payload(64 * KiB, i), ttl_s=30)
+            await source.publish(f"k{i}", payload(64 * KiB, i), ttl_s=30)
         assert len(own_segments()) == 3
         await source.close()
         assert own_segments() == []
@@ -527,7 +613,7 @@ def test_compressed_pull_returns_the_dtype_back_within_the_quantization_error(
     async def go() -> Any:
         source = await KvSource.start(TransferConfig(backends=(TCP,)))
         sink = await KvSink.start(TransferConfig(backends=(TCP,)))
-        ticket = source.publish("q", raw, ttl_s=30, compress=method, kv_dtype="fp32", head_dim=64)
+        ticket = await source.publish("q", raw, ttl_s=30, compress=method, kv_dtype="fp32", head_dim=64)
         got = await sink.pull(ticket, 5.0)
         await sink.close()
         await source.close()
@@ -538,6 +624,24 @@ def test_compressed_pull_returns_the_dtype_back_within_the_quantization_error(
     back = torch.frombuffer(got.data, dtype=torch.float32).view_as(kv)
     rel = ((back - kv).norm() / kv.norm()).item()
     assert rel < max_rel_err
+
+
+@pytest.mark.parametrize("method", ["nvfp4", "fp8"])
+def test_the_codec_reads_a_payload_in_place_and_never_writes_it(method: str) -> None:
+    import torch
+
+    from services.kvtransfer import codec
+
+    kv = torch.randn(3, 2, 16, 64, generator=torch.Generator().manual_seed(1)).to(torch.bfloat16)
+    export = bytearray(kv.view(torch.uint8).numpy().tobytes())  # writable, as an export's staged bytes are
+    wire = codec.encode(export, method, "bf16", 64)
+    assert export == kv.view(torch.uint8).numpy().tobytes()  # the producer's KV is untouched
+    assert bytes(codec.encode(bytes(export), method, "bf16", 64)) == bytes(wire)  # read-only input: same wire
+    back = codec.decode(bytes(wire), method)  # a read-only pulled payload decodes too
+    assert bytes(back) == bytes(codec.decode(bytearray(wire), method))
+    assert len(back) == len(export)
+    out = torch.frombuffer(back, dtype=torch.bfloat16).view_as(kv).float()
+    assert ((out - kv.float()).norm() / kv.float().norm()).item() < 0.2
 
 
 # --- NIXL pulls that READ before the producer's reply ---
@@ -595,7 +699,7 @@ def test_eager_nixl_pull_releases_its_pin_so_a_retract_frees_the_segment() -> No
     async def go() -> None:
         source = await KvSource.start(TransferConfig())  # tcp, shm, nixl: NIXL reads the shm segment
         sink = await KvSink.start(TransferConfig())
-        ticket = source.publish("pinned-eager", payload(2 * MiB, 6), ttl_s=30)
+        ticket = await source.publish("pinned-eager", payload(2 * MiB, 6), ttl_s=30)
         assert sink._may_read_eagerly(ticket, 5.0)
         assert bytes((await sink.pull(ticket, 5.0, backend=NIXL)).data) == payload(2 * MiB, 6)
         for _ in range(50):  # the "done" reaches the source's loop

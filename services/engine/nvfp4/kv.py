@@ -18,6 +18,8 @@ import struct
 
 import torch
 
+from services.engine.host_bytes import joined, view_of
+
 from .recipe import BLOCK_SIZE, NVFP4Tensor, dequantize, padded_size, quantize
 
 MAGIC = b"NVKV"
@@ -36,7 +38,7 @@ def wire_size_bytes(shape: tuple[int, ...]) -> int:
     return _HEADER.size + 8 * len(shape) + 4 + rows * (kp // BLOCK_SIZE + kp // 2)
 
 
-def quantize_kv_for_wire(kv: torch.Tensor) -> bytes:
+def quantize_kv_for_wire(kv: torch.Tensor) -> memoryview:
     """KV tensor [..., head_dim] (fp32/bf16/fp16, any device) -> self-describing NVFP4 payload."""
     if kv.dtype not in _DTYPE_CODES:
         raise ValueError(f"quantize_kv_for_wire: KV must be float32, bfloat16 or float16, got {kv.dtype}")
@@ -46,8 +48,8 @@ def quantize_kv_for_wire(kv: torch.Tensor) -> bytes:
     header = _HEADER.pack(MAGIC, VERSION, _DTYPE_CODES[kv.dtype], kv.dim())
     shape = struct.pack(f"<{kv.dim()}q", *kv.shape)
     g = struct.pack("<f", float(q.global_scale))
-    # NVFP4Tensor buffers are contiguous uint8, so their numpy view is the wire bytes.
-    return b"".join((header, shape, g, q.scales.cpu().numpy().tobytes(), q.packed.cpu().numpy().tobytes()))
+    # NVFP4Tensor buffers are contiguous uint8: their bytes are the wire's
+    return joined((header + shape + g, q.scales, q.packed))
 
 
 def dequantize_kv_from_wire(
@@ -81,7 +83,7 @@ def dequantize_kv_from_wire(
     for d in lead:
         rows *= d
     n_scales = rows * (kp // BLOCK_SIZE)
-    raw = torch.frombuffer(bytearray(view[offset:]), dtype=torch.uint8)
+    raw = view_of(view, torch.uint8, offset)
     q = NVFP4Tensor(
         packed=raw[n_scales:].reshape(*lead, kp // 2),
         scales=raw[:n_scales].reshape(*lead, kp // BLOCK_SIZE),
