@@ -69,6 +69,7 @@ bench: setup
 	$(BIN)/python -m bench.nvfp4_quality_bench
 	$(BIN)/python -m bench.kvtransfer_bench
 	$(BIN)/python -m bench.kv_stage_bench
+	$(BIN)/python -m bench.kv_publish_bench
 	$(BIN)/python -m bench.disagg_bench
 	$(BIN)/python -m bench.router_bench
 	$(BIN)/python -m bench.soak_bench

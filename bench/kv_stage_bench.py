@@ -6,7 +6,8 @@ decode worker to import, around the transfer itself.
 The SmolLM2-135M cache shape (30 layers, 3 KV heads, head dim 64, 16-token blocks) in bfloat16, blocks scattered
 over a pool twice the prompt's size. Export: copy the prompt's blocks out of the pool (`read_blocks`) and stage
 them as host bytes for the byte transports. Shm segment: the producer's publication of those bytes in
-/dev/shm (what a same-node pull reads; on the prefill worker's event loop). Import: the pulled bytes (a
+/dev/shm (what a same-node pull reads; on the prefill worker's event loop until 2026-12-06, now on its
+publishing thread, `bench/kv_publish_bench.py`). Import: the pulled bytes (a
 writable buffer, as a pull lands in) written into the decode pool's blocks. Each measured two ways in the same
 run, A/B/A/B, median of `reps`:
 
