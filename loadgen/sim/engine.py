@@ -6,7 +6,8 @@ What it models, and how simply:
   state and a PrefixIndex fed by the workers' cache events (loadgen/sim/routing.py).
 - prefill workers: FIFO, chunked prefill (`max_prefill_chunk_tokens` per step, several requests per step),
   prefix cache of chained block hashes (services/engine/block_hash.py) with LRU eviction; the cache holds what
-  running requests do not (capacity in blocks). The prefill emits the first token.
+  running requests do not (capacity in blocks), and a starting request's prefix hit is its own at once (never
+  evicted to make room for the rest of its prompt). The prefill emits the first token.
 - KV transfer: the prompt's KV bytes over the link class between the two workers (same node / rack / across
   racks); transfers queue on the sending and the receiving worker's one NIC.
 - host tier (`ClusterConfig.host_tier`, capacity and host link from the profile): a block the pool evicts moves
@@ -89,6 +90,7 @@ class Req:
     migrations: int = 0
     failed: str | None = None
     blocks_held: int = 0
+    held_from_start: int = 0  # its leading blocks the worker had when its prefill started (held since)
     first_cached: int | None = None
     estimated_ttft_s: float | None = None  # the router's estimate at the first decision
     pull_until: float | None = None  # waiting for a peer pull to land before its prefill may start
@@ -170,13 +172,12 @@ class Worker:
         return n
 
     def restore(self, hashes: list[int]) -> None:
-        """Host tier -> pool: cached again (not computed)."""
+        """Host tier -> the starting request's blocks (allocate reserved them): cached again, not computed, and
+        held by it like its pool hit."""
         for h in hashes:
             self.tier.pop(h, None)
-            self.cache[h] = None
-            self.cache.move_to_end(h)
+        self.hold(hashes)
         self.sim.router.restored(self.worker_id, hashes)
-        self._fit_cache()
 
     def receive(self, hashes: list[int]) -> None:
         """Blocks a peer pull copied here: cached in the pool (a stored event: the router can route to them)."""
@@ -199,41 +200,50 @@ class Worker:
         if gone:
             self.sim.router.tier_dropped(self.worker_id, gone)
 
-    def allocate(self, blocks: int) -> bool:
+    def allocate(self, blocks: int, pin: Sequence[int] = ()) -> bool:
+        """Reserve `blocks` for a request; False when they are not free. `pin`: the blocks among them it finds
+        here (its prefix hit), held from now on, as a real pool gives a hit block a reference rather than a new
+        block: making room for the rest never evicts them (until 2026-12-06 it could — a long prompt on a full
+        pool evicted its own least recent prefix and then found it gone)."""
         if self.used + blocks > self.capacity:
             return False
         self.used += blocks
+        self.hold(pin)
         self._fit_cache()
         return True
 
+    def hold(self, hashes: Sequence[int]) -> None:
+        """A request's reference to each block: out of the free LRU until the last holder releases it."""
+        held, cache = self.held, self.cache
+        for h in hashes:
+            held[h] = held.get(h, 0) + 1
+            cache.pop(h, None)
+
     def release(self, blocks: int, hashes: list[int]) -> None:
+        """A request lets go of its blocks: each one nobody else holds is free and cached (most recent)."""
         self.used -= blocks
         held, cache = self.held, self.cache
         for h in hashes:
             n = held.get(h, 0) - 1
             if n > 0:
                 held[h] = n
-            else:
-                held.pop(h, None)
+                continue
+            held.pop(h, None)
             cache[h] = None
             cache.move_to_end(h)
         self._fit_cache()
 
-    def computed(self, hashes: list[int]) -> None:
-        """A prefill finished: its blocks are cached while the request still holds them; the new ones are
-        announced to the router's index (a worker's KV-stored event)."""
+    def computed(self, hashes: list[int], held_already: int = 0) -> None:
+        """A prefill finished (or KV arrived): the request holds its blocks, the first `held_already` of which it
+        held from its start (`allocate`'s pin); the new ones are announced to the router's index (a worker's
+        KV-stored event)."""
         held, cache = self.held, self.cache
-        new = [h for h in hashes if h not in held and h not in cache]
-        for h in hashes:
-            held[h] = held.get(h, 0) + 1
+        rest = hashes[held_already:]
+        new = [h for h in rest if h not in held and h not in cache]
+        self.hold(rest)
         self._drop_from_tier(new)
         if new:
             self.sim.router.stored(self.worker_id, new)
-
-    def touch(self, hashes: Sequence[int]) -> None:
-        for h in hashes:
-            if h in self.cache:
-                self.cache.move_to_end(h)
 
     def step_estimate_s(self) -> float:
         """The decode step time now (what this worker's load report would say)."""
@@ -411,17 +421,18 @@ class Simulator:
         need = math.ceil(r.input_tokens / bs)
         if w.role == "decode":
             need = math.ceil((r.input_tokens + r.spec.output_tokens) / bs)
-        if not w.allocate(need):
+        hit = w.match(r.hashes)
+        if not w.allocate(need, pin=r.hashes[:hit]):
             return False
         r.blocks_held = need
-        hit = w.match(r.hashes)
-        w.touch(r.hashes[:hit])
+        r.held_from_start = hit
         if w.tier and (k := w.tier_run(r.hashes, hit)):  # the next blocks are in its host tier: restore them
             w.restore(r.hashes[hit : hit + k])
             r.restore_s += self.profile.restore_s(k)
             r.restored_blocks += k
             self.kv_moves["restored_blocks"] += k
             hit += k
+            r.held_from_start = hit
         cached = min(hit * bs, r.input_tokens - 1)
         w.queued_tokens -= r.remaining_prefill
         r.cached_tokens = cached
@@ -491,7 +502,7 @@ class Simulator:
         self._kick(w)
 
     def _prefill_finished(self, w: Worker, r: Req) -> None:
-        w.computed(r.hashes)
+        w.computed(r.hashes, r.held_from_start)
         if not r.token_times:
             r.token_times.append(self.now)  # the prefill emits the first token
             r.t_first = self.now

@@ -154,6 +154,30 @@ def test_a_worker_with_a_host_tier_restores_an_evicted_prefix_instead_of_recompu
     assert sim.router.index.tier_runs(hashes[-1], {}).get("decode-0", (0, 0))[0] == 0
 
 
+def test_a_prompt_on_a_full_pool_keeps_its_own_cached_prefix():
+    # the pool (100 blocks) is full of cached blocks, the prompt's 60-block prefix the least recent of them; the
+    # prompt needs 90 blocks: the 30 new ones push other blocks out, never the prefix it is about to use
+    import random
+
+    from loadgen.workload import RequestSpec
+
+    prof = dataclasses.replace(load_profile("h200_node"), kv_capacity_blocks=100)
+    bs = prof.block_size
+    rng = random.Random(7)
+    prefix, other = _tokens(rng, 60 * bs), _tokens(rng, 40 * bs)
+    spec = RequestSpec("long", 90 * bs, 4, arrival_s=0.0, token_ids=prefix + _tokens(rng, 30 * bs))
+    hashes = block_hashes_for([spec], bs)
+    sim = Simulator(prof, ClusterConfig(1, 1, "disagg", "ttft"))
+    sim.warm("prefill-0", hashes[0][:60])  # first: the least recently used
+    sim.warm("prefill-0", block_hashes(other, bs))
+    (result,) = sim.run([spec], hashes)
+    assert result.ok
+    assert result.cached_tokens == 60 * bs
+    w = sim.workers["prefill-0"]
+    assert w.match(hashes[0]) == 90  # the whole prompt is cached there now
+    assert w.used == 0 and len(w.cache) == 90 + 10  # 30 of the other blocks made room
+
+
 def test_a_planned_peer_pull_lands_the_prefix_on_the_idle_worker_and_lowers_ttft():
     # prefill-0 holds a 16 k-token prefix; 8 requests sharing it arrive at once: with pulls, prefill-1 copies the
     # prefix from prefill-0 instead of queueing behind it or recomputing
