@@ -9,6 +9,7 @@ worker, then the prefill worker), so they run in file order; the last test start
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import signal
 import time
 from collections.abc import Iterator
@@ -126,6 +127,42 @@ async def release(endpoint: str, request_id: str) -> None:
         await pb_grpc.PrefillWorkerStub(channel).Release(
             pb.ReleaseRequest(request_id=request_id), timeout=5.0
         )
+
+
+@contextlib.contextmanager
+def pair_cluster(
+    tmp_path_factory: pytest.TempPathFactory,
+    name: str,
+    flags: list[str],
+    backend: str,
+    prefill_extra: list[str] | None = None,
+) -> Iterator[LocalCluster]:
+    """A cluster of its own: prefill-NAME and decode-NAME (pulling over `backend`) with `flags`, no router."""
+    log_dir = str(tmp_path_factory.mktemp(f"disagg-{name}"))
+
+    def start(etcd_url: str) -> list[Proc]:
+        return [
+            start_process(
+                "services.prefill.server",
+                f"prefill-{name}",
+                etcd_url,
+                log_dir,
+                *flags,
+                *(prefill_extra or []),
+            ),
+            start_process(
+                "services.decode.server",
+                f"decode-{name}",
+                etcd_url,
+                log_dir,
+                *flags,
+                "--kv-backend-preference",
+                backend,
+            ),  # fmt: skip
+        ]
+
+    with local_cluster(log_dir, start, {"decode": 1, "prefill": 1}) as c:
+        yield c
 
 
 # ------------------------------------------------------------------------------------------ same tokens
@@ -320,24 +357,8 @@ def test_bf16_workers_on_the_fused_cpu_kernels_decode_the_same_tokens_agg_and_di
 ) -> None:
     """The default serving dtype: bf16 workers, whose model runs on the fused CPU kernels, hand KV over NIXL and
     the decode side continues exactly as if it had prefilled the prompt itself."""
-    log_dir = str(tmp_path_factory.mktemp("disagg-bf16"))
     flags = ["--dtype", "bfloat16", "--kv-cache-bytes", str(24 << 20), "--threads", "1"]
-
-    def start(etcd_url: str) -> list[Proc]:
-        return [
-            start_process("services.prefill.server", "prefill-bf16", etcd_url, log_dir, *flags),
-            start_process(
-                "services.decode.server",
-                "decode-bf16",
-                etcd_url,
-                log_dir,
-                *flags,
-                "--kv-backend-preference",
-                "nixl",
-            ),  # fmt: skip
-        ]
-
-    with local_cluster(log_dir, start, {"decode": 1, "prefill": 1}) as c:
+    with pair_cluster(tmp_path_factory, "bf16", flags, "nixl") as c:
         decode_ep, prefill_ep = c.endpoints["decode-bf16"], c.endpoints["prefill-bf16"]
 
         async def body() -> tuple[list[list[int]], list[list[int]]]:
@@ -371,31 +392,7 @@ def test_fp8_wire_compression_ships_a_quarter_of_the_kv_and_concurrent_requests_
     each ticket says fp8 and carries ~27 % of the float32 KV's bytes, and each decode runs to a whole answer from
     the dequantized KV (which tokens it picks may differ from the aggregated run's after the first: fp8 KV rounds;
     the codec's error is bounded in tests/kvtransfer)."""
-    log_dir = str(tmp_path_factory.mktemp("disagg-fp8"))
-
-    def start(etcd_url: str) -> list[Proc]:
-        return [
-            start_process(
-                "services.prefill.server",
-                "prefill-fp8",
-                etcd_url,
-                log_dir,
-                *WORKER_FLAGS,
-                "--kv-compress",
-                "fp8",
-            ),
-            start_process(
-                "services.decode.server",
-                "decode-fp8",
-                etcd_url,
-                log_dir,
-                *WORKER_FLAGS,
-                "--kv-backend-preference",
-                "tcp",
-            ),  # fmt: skip
-        ]
-
-    with local_cluster(log_dir, start, {"decode": 1, "prefill": 1}) as c:
+    with pair_cluster(tmp_path_factory, "fp8", WORKER_FLAGS, "tcp", ["--kv-compress", "fp8"]) as c:
         decode_ep, prefill_ep = c.endpoints["decode-fp8"], c.endpoints["prefill-fp8"]
 
         async def agg_run(i: int, prompt: list[int]) -> list[int]:
