@@ -179,8 +179,17 @@ class KvSource:
         loop = asyncio.get_running_loop()
         self._preparing[key] = False
         try:
+            serial = next(self._serials)  # here: a generator is not for two threads at once
             job = loop.run_in_executor(
-                self._publisher, self._prepare, key, payload, compress, kv_dtype, head_dim, device_payload
+                self._publisher,
+                self._prepare,
+                key,
+                serial,
+                payload,
+                compress,
+                kv_dtype,
+                head_dim,
+                device_payload,
             )
             try:
                 pub, ticket = await asyncio.shield(job)
@@ -205,6 +214,7 @@ class KvSource:
     def _prepare(
         self,
         key: str,
+        serial: str,
         payload: bytes | bytearray | memoryview,
         compress: str | None,
         kv_dtype: str,
@@ -232,17 +242,10 @@ class KvSource:
             view.release()
             view, owner = staged, staged
         pub = _Publication(
-            key,
-            view,
-            owner,
-            checksum_of(view, self.config.checksum),
-            encoding,
-            raw_size,
-            0,  # the expiry is set on the loop, once published
-            next(self._serials),
-            segment,
-        )
+            key, view, owner, "", encoding, raw_size, 0, serial, segment
+        )  # expiry: on the loop
         try:
+            pub.checksum = checksum_of(view, self.config.checksum)
             backends, device_handle, nixl_device = self._register(pub, device_payload)
         except BaseException:
             self._free(pub)

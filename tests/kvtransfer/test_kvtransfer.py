@@ -552,7 +552,11 @@ def test_concurrent_pulls_on_one_sink_each_get_their_own_bytes() -> None:
     async def go() -> None:
         source = await KvSource.start(TransferConfig())
         sink = await KvSink.start(TransferConfig(nixl_chunk_bytes=1 * MiB))
-        tickets = [await source.publish(f"c{i}", payload(3 * MiB + i, 30 + i), ttl_s=30) for i in range(4)]
+        # published at once too: the publishing threads prepare them side by side
+        tickets = await asyncio.gather(
+            *(source.publish(f"c{i}", payload(3 * MiB + i, 30 + i), ttl_s=30) for i in range(4))
+        )
+        assert len({t.serial for t in tickets}) == 4
         for backend in sink.supported:  # four at once per backend: chunked NIXL reads interleave on one agent
             got = await asyncio.gather(*(sink.pull(t, 10.0, backend=backend) for t in tickets))
             assert [bytes(g.data) for g in got] == [payload(3 * MiB + i, 30 + i) for i in range(4)]
