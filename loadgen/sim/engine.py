@@ -180,9 +180,10 @@ class Worker:
         self.sim.router.restored(self.worker_id, hashes)
 
     def receive(self, hashes: list[int]) -> None:
-        """Blocks a peer pull copied here: cached in the pool (a stored event: the router can route to them)."""
+        """Blocks a peer pull copied here: cached in the pool (a stored event: the router can route to them),
+        the chain's head the most recent, as `release` leaves a prompt's blocks."""
         new = [h for h in hashes if h not in self.cache and h not in self.held]
-        for h in hashes:
+        for h in reversed(hashes):
             if h in self.cache:
                 self.cache.move_to_end(h)
             elif h not in self.held:
@@ -220,10 +221,13 @@ class Worker:
             cache.pop(h, None)
 
     def release(self, blocks: int, hashes: list[int]) -> None:
-        """A request lets go of its blocks: each one nobody else holds is free and cached (most recent)."""
+        """A request lets go of its blocks: each one nobody else holds is free and cached (most recent), last block
+        first, so that its prefix's head is the most recent and its tail is evicted first — as the engine's
+        KvCache.release (and vLLM's) frees them. A chain evicted head first would leave its tail in the pool,
+        unreachable (a lookup stops at the first missing block), until 2026-12-06."""
         self.used -= blocks
         held, cache = self.held, self.cache
-        for h in hashes:
+        for h in reversed(hashes):
             n = held.get(h, 0) - 1
             if n > 0:
                 held[h] = n

@@ -178,6 +178,21 @@ def test_a_prompt_on_a_full_pool_keeps_its_own_cached_prefix():
     assert w.used == 0 and len(w.cache) == 90 + 10  # 30 of the other blocks made room
 
 
+def test_a_full_pool_evicts_a_cached_prompt_from_its_tail_so_its_head_still_hits():
+    # as the engine's KvCache frees a request's blocks (last first): the eviction that makes room takes the end
+    # of the least recent prompt, and a lookup of that prompt still finds the rest of its chain
+    prof = dataclasses.replace(load_profile("h200_node"), kv_capacity_blocks=8)
+    sim = Simulator(prof, ClusterConfig(1, 1, "disagg", "ttft"))
+    w = sim.workers["prefill-0"]
+    older, newer = [10, 11, 12, 13, 14, 15], [20, 21]
+    sim.warm("prefill-0", older)
+    sim.warm("prefill-0", newer)  # the pool is full
+    assert w.allocate(1)  # another request's block
+    assert w.match(older) == 5 and w.match(newer) == 2
+    w.receive(older)  # its tail copied back (a peer pull): whole again, and only `newer`'s tail made room
+    assert w.match(older) == 6 and w.match(newer) == 1
+
+
 def test_a_planned_peer_pull_lands_the_prefix_on_the_idle_worker_and_lowers_ttft():
     # prefill-0 holds a 16 k-token prefix; 8 requests sharing it arrive at once: with pulls, prefill-1 copies the
     # prefix from prefill-0 instead of queueing behind it or recomputing
