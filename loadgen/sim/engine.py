@@ -429,14 +429,13 @@ class Simulator:
         if not w.allocate(need, pin=r.hashes[:hit]):
             return False
         r.blocks_held = need
-        r.held_from_start = hit
         if w.tier and (k := w.tier_run(r.hashes, hit)):  # the next blocks are in its host tier: restore them
             w.restore(r.hashes[hit : hit + k])
             r.restore_s += self.profile.restore_s(k)
             r.restored_blocks += k
             self.kv_moves["restored_blocks"] += k
             hit += k
-            r.held_from_start = hit
+        r.held_from_start = hit  # the pool's hit and what the tier restored: held since the start
         cached = min(hit * bs, r.input_tokens - 1)
         w.queued_tokens -= r.remaining_prefill
         r.cached_tokens = cached

@@ -28,6 +28,7 @@ import torch
 from services.engine.block_hash import ROOT_HASH
 from services.engine.config import EngineConfig, ModelConfig, torch_dtype
 from services.engine.device import plan_kv_memory, resolve_device
+from services.engine.host_bytes import bytes_of, view_of
 from services.engine.kv_cache import BlockManager, KvEvent, NoFreeBlocksError
 from services.engine.kv_disk import DiskKvTier
 from services.engine.kv_tier import HostKvTier, TierStats, decode_entries
@@ -797,9 +798,8 @@ class LLMEngine:
             if data.dtype != self.kv.dtype:  # its raw bytes
                 data = data.reshape(-1).view(self.kv.dtype)
             src = data.to(self.device).view(shape)
-        else:  # a writable buffer (what a pull lands in) is read in place; bytes are copied once to be one
-            buf = data if isinstance(data, memoryview) and not data.readonly else bytearray(data)
-            src = torch.frombuffer(buf, dtype=torch.uint8).view(self.kv.dtype).view(shape)
+        else:  # host bytes, read in place (only read: copied into the cache or uploaded)
+            src = view_of(data, torch.uint8).view(self.kv.dtype).view(shape)
         if only is not None:
             src = src[torch.tensor(only, device=src.device)]
         if self.device.type == "cuda" and not src.is_cuda:
@@ -817,7 +817,7 @@ def staged_bytes(blocks: torch.Tensor) -> memoryview:
         host = torch.empty(flat.numel(), dtype=torch.uint8, pin_memory=True)
         host.copy_(flat)  # synchronous: the bytes are there when this returns
         flat = host
-    return memoryview(flat.numpy()).cast("B")  # type: ignore[arg-type]  # an ndarray is a buffer
+    return bytes_of(flat)
 
 
 def _attention_backend(wanted: str, device: torch.device) -> str:
