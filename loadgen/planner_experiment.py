@@ -5,7 +5,8 @@
 The trace's arrival rate is warped piecewise (`--phases`, default 0.5x, 2x, 0.75x of the trace's own rate, a
 third of its time span each: two steps), or smoothly (`--sin LOW,HIGH,PERIOD_S`: a multiplier moving from LOW to
 HIGH and back every PERIOD_S), so the load the cluster must carry changes over time. On the same requests:
-- every static (P, D) split of `--total` workers, mode disagg, the router's TTFT policy;
+- every static (P, D) split of `--total` workers, mode disagg (`--mode auto`: the router may also prefill on a
+  decode worker), the router's TTFT policy;
 - the planner (services/planner/plan.py, the code the service runs): every `--interval-s` it takes the
   window's arrivals (rate, input lengths) and finished requests (output lengths, prefix hits), replays them
   through this simulator on every candidate (P, D) with P + D <= --total, picks the fewest workers that meet
@@ -136,10 +137,15 @@ def _summary(results: list[rep.RequestResult], worker_s: float) -> dict[str, Any
 
 
 def _run_split(
-    specs: Sequence[RequestSpec], hashes: Sequence[list[int]], profile: Profile, p: int, d: int
+    specs: Sequence[RequestSpec],
+    hashes: Sequence[list[int]],
+    profile: Profile,
+    p: int,
+    d: int,
+    mode: str = "disagg",
 ) -> tuple[list[rep.RequestResult], float]:
     """The requests on a fixed P + D cluster: their results, and when the last of them was done."""
-    sim = Simulator(profile, ClusterConfig(p, d, mode="disagg"))
+    sim = Simulator(profile, ClusterConfig(p, d, mode=mode))
     results = sim.run(list(specs), list(hashes))
     return results, max((r.t_done or 0.0) for r in sim.reqs)
 
@@ -149,13 +155,20 @@ def _budget(total: int) -> Limits:
     return Limits(1, total - 1, 1, total - 1, max_workers=total)
 
 
-def static_run(specs: list[RequestSpec], hashes: list[list[int]], profile: Profile, p: int, d: int) -> dict:
-    results, end = _run_split(specs, hashes, profile, p, d)
+def static_run(
+    specs: list[RequestSpec], hashes: list[list[int]], profile: Profile, p: int, d: int, mode: str = "disagg"
+) -> dict:
+    results, end = _run_split(specs, hashes, profile, p, d, mode)
     return {"prefill": p, "decode": d, "end": end, **_summary(results, (p + d) * end)}
 
 
 def slice_goodput(
-    specs: Sequence[RequestSpec], hashes: Sequence[list[int]], profile: Profile, total: int, slice_s: float
+    specs: Sequence[RequestSpec],
+    hashes: Sequence[list[int]],
+    profile: Profile,
+    total: int,
+    slice_s: float,
+    mode: str = "disagg",
 ) -> tuple[list[float], list[dict[tuple[int, int], int]]]:
     """Cut the run into consecutive `slice_s` of arrival time and run each slice's requests on their own (from
     an empty cluster, at their own times) on every split with P, D >= 1 and P + D <= total: each slice's
@@ -176,7 +189,7 @@ def slice_goodput(
         good = {pair: 0 for pair in pairs}
         end = 0.0  # the last slice lasts until its last request is done, the others slice_s
         for p, d in pairs if part else ():
-            results, done = _run_split(part, [hashes[i] for i in idx], profile, p, d)
+            results, done = _run_split(part, [hashes[i] for i in idx], profile, p, d, mode)
             good[(p, d)] = sum(1 for r in results if SLO.met_by(r))
             end = max(end, done)
         lengths.append(end if k == len(slices) - 1 else slice_s)
@@ -223,6 +236,7 @@ def initial_sizes(
     replay_requests: int,
     reach: float = REACH,
     size_by: str = "p90",
+    mode: str = "disagg",
 ) -> tuple[int, int]:
     """The planner's own recommendation for the first window's traffic: where an operator deploys it (a Dynamo
     planner operator starts from its profile-based recommendation, not from a guess). Only the first `window_s`
@@ -249,7 +263,7 @@ def initial_sizes(
     )
     pairs = candidates(limits)
     preds = evaluate(
-        obs, profile, pairs, "disagg", 0, replay_requests, until_met=slo, reach=reach, size_by=size_by
+        obs, profile, pairs, mode, 0, replay_requests, until_met=slo, reach=reach, size_by=size_by
     )
     best, _ = choose(preds, slo, reach, size_by)
     if best is None:
@@ -282,6 +296,7 @@ def planner_run(
     replay_window_s: float = 20.0,
     correct: bool = False,
     replay_from: str = "synthetic",
+    mode: str = "disagg",
 ) -> dict[str, Any]:
     """With `foresight_s` > 0 the planner is told the future: each decision replays the requests that really
     arrive from `foresight_s` ahead on (their lengths, at their rate; the backlog and prefix hit rate are the
@@ -297,9 +312,9 @@ def planner_run(
         start = schedule[0][1]
     if start is None:
         start = initial_sizes(
-            specs, hashes, profile, limits, slo, interval_s, replay_requests, reach, size_by
+            specs, hashes, profile, limits, slo, interval_s, replay_requests, reach, size_by, mode
         )
-    sim = Simulator(profile, ClusterConfig(start[0], start[1], mode="disagg"))
+    sim = Simulator(profile, ClusterConfig(start[0], start[1], mode=mode))
     damper = Damper(hold_down_s, scale_down_window_s)
     stopped: dict[str, float] = {}
     billed = {
@@ -388,7 +403,7 @@ def planner_run(
                 obs.ttft_p90_s = rep.percentile(ttfts, 90) if ttfts else None
                 obs.itl_p90_s = rep.percentile(gaps, 90) if gaps else None
                 if correction.comparable(live):
-                    (ran,) = evaluate(obs, profile, [live], "disagg", seed, replay_requests, slo=slo,
+                    (ran,) = evaluate(obs, profile, [live], mode, seed, replay_requests, slo=slo,
                                       replay_window_s=replay_window_s)  # fmt: skip
                     correction.update(obs, ran)
                 target_slo = correction.target(slo)
@@ -400,7 +415,7 @@ def planner_run(
                 obs,
                 profile,
                 candidates(floored) if floors else pairs,
-                "disagg",
+                mode,
                 seed,
                 replay_requests,
                 until_met=target_slo,
@@ -487,6 +502,7 @@ def schedule_bound(
     best: dict[str, Any],
     interval_s: float,
     start_s: float,
+    mode: str = "disagg",
 ) -> dict[str, Any]:
     """The fewest worker-seconds of a schedule that knows the phases in advance (one split per phase, what an
     operator's cron schedule declares), at the best static split's good requests: the busiest phase keeps the
@@ -502,7 +518,7 @@ def schedule_bound(
     for splits in itertools.product(*options):
         sched = list(zip(starts, splits, strict=True))
         r = planner_run(specs, hashes, profile, total, Slo(1.0, 1.0), interval_s, 0.0, start_s, 0,
-                        schedule=sched)  # fmt: skip
+                        schedule=sched, mode=mode)  # fmt: skip
         runs.append({"splits": [list(x) for x in splits], "good": r["good"], "worker_s": r["worker_s"]})
     kept = [r for r in runs if r["good"] >= best["good"]]
     fewest = min(kept, key=lambda r: r["worker_s"])
@@ -529,10 +545,11 @@ def clairvoyant_bound(
     slice_s: float,
     best: dict[str, Any],
     planner_goodput: float,
+    mode: str = "disagg",
 ) -> dict[str, Any]:
     """The clairvoyant's worker-seconds, as a ratio to the best static split's over the same slices, at that
     split's goodput and at the planner's goodput ratio: how much of what foresight could save the planner saved."""
-    lengths, goods = slice_goodput(specs, hashes, profile, total, slice_s)
+    lengths, goods = slice_goodput(specs, hashes, profile, total, slice_s, mode)
     pair = (best["prefill"], best["decode"])
     need = sum(g[pair] for g in goods)
     full = total * sum(lengths)
@@ -768,6 +785,13 @@ def main(argv: list[str] | None = None) -> int:
         help="which worker of a pool a step down drains first",
     )
     ap.add_argument(
+        "--mode",
+        choices=("disagg", "auto"),
+        default="disagg",
+        help="the router's mode for every run: disagg (every prompt on the prefill pool) or auto (the TTFT "
+        "policy may prefill on a decode worker)",
+    )
+    ap.add_argument(
         "--correction",
         action="store_true",
         help="the planner's --correction: judge sizes against the SLO divided by how far each window's measured "
@@ -802,7 +826,7 @@ def main(argv: list[str] | None = None) -> int:
     t0 = time.time()
     statics = []
     for p in range(1, a.total):
-        statics.append(static_run(specs, hashes, profile, p, a.total - p))
+        statics.append(static_run(specs, hashes, profile, p, a.total - p, a.mode))
         print(json.dumps(statics[-1]), flush=True)
     best = max(statics, key=lambda r: (r["good"], -r["worker_s"]))
     slo = Slo(a.slo_ttft_ms / 1000, a.slo_itl_ms / 1000)
@@ -813,12 +837,12 @@ def main(argv: list[str] | None = None) -> int:
                        scale_down_window_s=a.scale_down_window_s, foresight_s=a.foresight_s,
                        seed=a.replay_seed, floors=_floors_s(a.floor_s), day_s=day_s,
                        drain_order=a.drain_order, replay_window_s=a.replay_window_s,
-                       correct=a.correction, replay_from=a.replay_from)  # fmt: skip
+                       correct=a.correction, replay_from=a.replay_from, mode=a.mode)  # fmt: skip
     print(json.dumps({k: v for k, v in plan.items() if k != "timeline"}), flush=True)
     lines = [
         f"**Planner vs static splits of {a.total} workers** — Mooncake trace, first {len(specs)} records, rate "
         f"{shape}, {profile.name} ({profile.source.split(':')[0]}), "
-        "mode disagg, TTFT policy; "
+        f"mode {a.mode}, TTFT policy; "
         f"goodput SLO TTFT <= {SLO.ttft_s:g} s and ITL p90 <= {SLO.itl_p90_s * 1000:g} ms per request; planner "
         f"target p90 TTFT {a.slo_ttft_ms:g} ms / ITL {a.slo_itl_ms:g} ms, sized by {a.size_by}, "
         f"reach margin {a.reach_margin:g}, "
@@ -854,13 +878,13 @@ def main(argv: list[str] | None = None) -> int:
         lines.append(_day_text(k, a.days, day_s, best, plan, a.total))
     bound = None
     if a.clairvoyant_slice_s > 0:
-        bound = clairvoyant_bound(specs, hashes, profile, a.total, a.clairvoyant_slice_s, best, g)
+        bound = clairvoyant_bound(specs, hashes, profile, a.total, a.clairvoyant_slice_s, best, g, a.mode)
         lines.append(bound["text"])
     scheduled = None
     if a.schedule_bound:
         starts = phase_starts(raw, specs, len(phases))
         scheduled = schedule_bound(
-            specs, hashes, profile, a.total, starts, phases, best, a.interval_s, a.start_s
+            specs, hashes, profile, a.total, starts, phases, best, a.interval_s, a.start_s, a.mode
         )
         lines.append(scheduled["text"])
     text = "\n".join(lines)

@@ -321,3 +321,21 @@ def test_a_cluster_slower_than_its_replay_is_sized_for_a_tighter_target_with_cor
     assert corrected is not None and (corrected.prefill, corrected.decode) == (2, 1) and binding == "ttft"
     # a window with nothing measured is not evidence
     assert not slow.update(queued, ran) and slow.windows == 2
+
+
+def test_the_benchmark_runs_every_cluster_in_the_mode_it_is_given() -> None:
+    """`--mode auto` lets the router prefill on a decode worker: on one prefill worker and five decode workers
+    under a 2x load, the decode workers take prompts the lone prefill worker would have queued."""
+    profile = load_profile("h200_node")
+    specs = pe.warp(mooncake(load_records(limit=150), scale=1, materialize=False), [2.0])
+    hashes = block_hashes_for(specs, profile.block_size)
+    disagg = pe.static_run(specs, hashes, profile, 1, 5)
+    auto = pe.static_run(specs, hashes, profile, 1, 5, "auto")
+    assert auto["good"] > disagg["good"]
+    assert auto["ttft_p90_ms"] < disagg["ttft_p90_ms"]
+    # the planner's own cluster runs in that mode too: from the same start it serves what the mode allows
+    runs = {
+        mode: pe.planner_run(specs, hashes, profile, 6, SLO, 10.0, 30.0, 5.0, 50, (1, 5), mode=mode)
+        for mode in ("disagg", "auto")
+    }
+    assert runs["auto"]["good"] > runs["disagg"]["good"]
