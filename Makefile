@@ -8,7 +8,7 @@ export HF_HUB_OFFLINE := 1
 export TRANSFORMERS_OFFLINE := 1
 export PYTHONUNBUFFERED := 1
 
-.PHONY: setup proto test test-fast lint typecheck unit bench gpu-check run clean images helm sim bench-cluster chaos
+.PHONY: setup proto test test-fast lint typecheck unit bench gpu-check compat run clean images helm sim bench-cluster chaos
 
 setup: $(STAMP) proto
 
@@ -109,11 +109,17 @@ gpu-check:
 	echo "gpu-check: $$py scripts/gpu_check.py $(GPU_CHECK_ARGS)"; \
 	$$py scripts/gpu_check.py $(GPU_CHECK_ARGS)
 
+# Another torch release (the CUDA build PyPI ships, as GPU images carry) in .venv-torch$(TORCH): mypy, the GPU
+# check's CPU smoke run and the fast suite (docs/gpu.md, "Other torch versions"). Slow, needs PyPI; not in `test`.
+TORCH ?= 2.11.0
+compat: setup
+	scripts/torch_compat.sh $(TORCH)
+
 run: setup
 	$(BIN)/rackserve up
 
 clean:
-	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache
+	rm -rf $(VENV) .venv-torch* .pytest_cache .mypy_cache .ruff_cache
 
 # Container images (deploy/docker/); needs a Docker engine with BuildKit, never run by `make test`.
 IMAGE_REGISTRY ?= ghcr.io/rackserve

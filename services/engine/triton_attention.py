@@ -389,8 +389,9 @@ def paged_prefill_attention(
         raise ValueError(f"out must be {tuple(q.shape)} {q.dtype}, contiguous in head_dim")
     if n == 0:
         return out
-    # 64 query rows per program, fewer for short chunks and for wide fp32 rows (keeps shared memory < 99 KiB)
-    block_m = 16 if n <= 16 else 32 if head_dim * q.dtype.itemsize > 512 else 64
+    # 64 query rows per program, fewer for short chunks and for fp32: at 64 fp32 rows a program spills its
+    # registers (7 KB of stack per thread at head_dim 128 on sm_90; none at 32: scripts/triton_compile_check.py)
+    block_m = 16 if n <= 16 else 32 if q.dtype == torch.float32 else 64
     _prefill_kernel[(triton.cdiv(n, block_m), num_heads)](
         q, k_cache, v_cache, block_table, out,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),

@@ -12,7 +12,6 @@ so the kernels run in one child process (this file run as a script) on inputs th
 
 from __future__ import annotations
 
-import importlib.util
 import math
 import os
 import subprocess
@@ -395,45 +394,6 @@ def test_unsupported_inputs_are_refused_by_name(change, message):
     tables = torch.zeros(2, 2, dtype=change.get("table_dtype", torch.int32))
     with pytest.raises(ValueError, match=message):
         ta.paged_decode_attention(q, k, k, tables, torch.ones(2, dtype=torch.int32), 3, 0.125)
-
-
-def compile_for_sm90(fn, pointers: dict[str, str], constexprs: dict):
-    """Ahead-of-time compile for an H100 (sm_90) with Triton's bundled ptxas: no GPU needed, unlike a launch."""
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-
-    sig = {
-        n: "constexpr" if n in constexprs else pointers.get(n, "fp32" if n == "qk_scale" else "i32")
-        for n in fn.arg_names
-    }
-    src = ASTSource(fn=fn, signature=sig, constexprs=constexprs)
-    options = {"num_warps": 4, "num_stages": 3, "enable_fp_fusion": ta.FP_FUSION}  # as the launches pin it
-    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options)
-
-
-@pytest.mark.cluster
-def test_kernels_compile_for_sm90_within_every_gpus_shared_memory():
-    """The interpreter never lowers to PTX; this does, for SmolLM2's bf16 shapes. 99 KiB is the smallest
-    per-block shared memory of sm_80+ parts (sm_86/89), so a launch cannot fail for lack of it."""
-    if importlib.util.find_spec("triton.backends.nvidia") is None:
-        pytest.skip("triton built without the NVIDIA backend")
-    io = {n: "*bf16" for n in ("Q", "K", "V", "OUT")}
-    part = {"M_PART": "*fp32", "L_PART": "*fp32", "ACC_PART": "*fp32"}
-    tile = ta._tile(64, torch.bfloat16)
-    common = dict(GROUP=3, GROUP_PAD=16, HEAD_DIM=64, BLOCK_SIZE=16, TILE=tile, FP32=False, UPCAST=False)
-    kernels = [
-        (ta._decode_kernel, io | {"TABLES": "*i32", "LENS": "*i32"} | part,
-         common | dict(NUM_SPLITS=1, SPLIT=False)),
-        (ta._decode_kernel, io | {"TABLES": "*i32", "LENS": "*i32"} | part,
-         common | dict(NUM_SPLITS=8, SPLIT=True)),
-        (ta._reduce_splits_kernel, part | {"OUT": "*bf16"}, dict(NUM_SPLITS=8, SPLITS_PAD=8, HEAD_DIM=64)),
-        (ta._prefill_kernel, io | {"TABLE": "*i32"},
-         dict(GROUP=3, HEAD_DIM=64, BLOCK_SIZE=16, BLOCK_M=64, TILE=tile, FP32=False, UPCAST=False)),
-    ]  # fmt: skip
-    for fn, pointers, constexprs in kernels:
-        compiled = compile_for_sm90(fn, pointers, constexprs)
-        assert compiled.asm["cubin"], fn.__name__
-        assert compiled.metadata.shared <= 99 * 1024, (fn.__name__, compiled.metadata.shared)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")

@@ -252,13 +252,18 @@ def _w4a16_kernel(
     )
 
 
-def _gemm_tiles(m: int) -> tuple[int, int, int, int]:
-    """(BLOCK_M, BLOCK_N, BLOCK_K, num_warps) by batch size: decode-sized M wants narrow M tiles."""
+def _gemm_tiles(m: int, fp32: bool = False) -> tuple[int, int, int, int]:
+    """(BLOCK_M, BLOCK_N, BLOCK_K, num_warps) by batch size: decode-sized M wants narrow M tiles. fp32
+    activations are twice as wide, and the dequantized weight tile is fp32 for them too: half the K tile keeps
+    the tiles' bytes, and their registers. At the 16-bit K tile an fp32 program spills: 9 KB of stack per thread
+    at M=32 on sm_90, 760 B at M=2048; none at half (scripts/triton_compile_check.py)."""
     if m <= 16:
-        return 16, 64, 128, 4
-    if m <= 64:
-        return 64, 64, 128, 4
-    return 128, 128, 64, 8
+        bm, bn, bk, warps = 16, 64, 128, 4
+    elif m <= 64:
+        bm, bn, bk, warps = 64, 64, 128, 4
+    else:
+        bm, bn, bk, warps = 128, 128, 64, 8
+    return bm, bn, bk // 2 if fp32 else bk, warps
 
 
 def w4a16_matmul(
@@ -285,7 +290,7 @@ def w4a16_matmul(
     out = torch.empty((m, n), dtype=x.dtype, device=x.device)
     if m == 0 or n == 0:
         return out.reshape(*lead, n)
-    bm, bn, bk, warps = _gemm_tiles(m)
+    bm, bn, bk, warps = _gemm_tiles(m, fp32=x.dtype == torch.float32)
     if tiles is not None:
         bm, bn, bk = tiles
     interpreting = bool(triton.knobs.runtime.interpret)
