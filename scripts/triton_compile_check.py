@@ -42,9 +42,12 @@ os.environ.pop("TRITON_INTERPRET", None)  # the real compiler, not the interpret
 
 import torch  # noqa: E402
 
-# per-block shared memory a kernel may opt into (CUDA programming guide, compute capabilities 9.0 and 10.0)
-SHARED_LIMIT = {90: 227 * 1024, 100: 227 * 1024}
-ARCH_NAME = {90: "sm_90 (Hopper)", 100: "sm_100 (Blackwell)"}
+# per-block shared memory a kernel may opt into (CUDA programming guide, by compute capability)
+SHARED_LIMIT = {80: 163 * 1024, 86: 99 * 1024, 89: 99 * 1024, 90: 227 * 1024, 100: 227 * 1024, 120: 99 * 1024}
+ARCH_NAME = {
+    80: "sm_80 (A100)", 86: "sm_86 (A10, RTX 30)", 89: "sm_89 (L40S, RTX 40)", 90: "sm_90 (Hopper)",
+    100: "sm_100 (Blackwell)", 120: "sm_120 (RTX 50)",
+}  # fmt: skip
 MODELS = {  # name: (heads, kv heads, head_dim)
     "smollm2-135m": (9, 3, 64),
     "llama3.1-8b": (32, 8, 128),
@@ -265,7 +268,11 @@ def table(report: Report) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--arch", default="90,100", help="compute capabilities to compile for, comma-separated")
+    ap.add_argument(
+        "--arch",
+        default="90,100",
+        help=f"compute capabilities to compile for, comma-separated, of {','.join(map(str, SHARED_LIMIT))}",
+    )
     ap.add_argument("--only", default="", help="only the cases whose name contains this")
     ap.add_argument(
         "--out", default="", help="directory for triton_compile.md and .json (default: print only)"
@@ -274,7 +281,10 @@ def main(argv: list[str] | None = None) -> int:
     import triton
 
     t0 = time.time()
-    reports = [check(int(x), only=a.only) for x in a.arch.split(",")]
+    archs = [int(x) for x in a.arch.split(",")]
+    if unknown := [x for x in archs if x not in SHARED_LIMIT]:
+        ap.error(f"--arch {unknown}: known are {sorted(SHARED_LIMIT)}")
+    reports = [check(arch, only=a.only) for arch in archs]
     head = (
         f"Triton {triton.__version__}, torch {torch.__version__}; compiled in {time.time() - t0:.0f} s "
         f"(`scripts/triton_compile_check.py --arch {a.arch}`)\n"
