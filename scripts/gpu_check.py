@@ -34,6 +34,7 @@ import inspect
 import json
 import os
 import queue
+import shutil
 import subprocess
 import sys
 import threading
@@ -848,7 +849,13 @@ def hf_decode_tps(
     model, batch: int, prompt_len: int, steps: int, vocab: int, device: torch.device
 ) -> float | None:
     """transformers `generate` with a static cache: per-step time from two runs that differ only in length, so
-    the prefill and the cache set-up cancel."""
+    the prefill and the cache set-up cancel. Eager: on CUDA a static cache makes `generate` torch.compile the
+    model (inductor, reduce-overhead) for each new cache length and batch, minutes of compiling for the 8B
+    shape that this check's one call cannot spend, so compiling is turned off where transformers has the
+    switch; the engine runs eager kernels too, with CUDA graphs."""
+    from transformers import GenerationConfig
+
+    eager = {"disable_compile": True} if hasattr(GenerationConfig(), "disable_compile") else {}
     g = torch.Generator().manual_seed(5)
     ids = torch.randint(0, vocab, (batch, prompt_len), generator=g).to(device)
     mask = torch.ones_like(ids)
@@ -863,6 +870,7 @@ def hf_decode_tps(
             do_sample=False,
             cache_implementation="static",
             pad_token_id=0,
+            **eager,
         )
         sync(device)
         return time.perf_counter() - t0
@@ -1248,6 +1256,22 @@ class Worker:
             self.proc.wait()
 
 
+def shm_fits(res: StepResult, nbytes: int, i: int, tokens: int, where: str = "/dev/shm") -> bool:
+    """Whether one staged KV of `nbytes` fits in `where` (POSIX shared memory). A container's /dev/shm is 64 MB
+    unless it is given more, and writing past it kills the writer with SIGBUS: such a prompt is skipped, said."""
+    try:
+        free = shutil.disk_usage(where).free
+    except OSError:
+        return True  # no such mount to measure: shared_memory will say what is wrong
+    if nbytes <= free * 0.9:
+        return True
+    res.say(
+        f"staged: prompt {i} ({tokens} tokens, {nbytes / 1e6:.0f} MB of KV) skipped: {where} has "
+        f"{free / 1e6:.0f} MB free (a container's default is 64 MB; give it more, e.g. --shm-size)"
+    )
+    return False
+
+
 def step_disagg(res: StepResult, plan: Plan, budget: Budget) -> None:
     dev = plan.device
     spec = dict(
@@ -1272,13 +1296,20 @@ def step_disagg(res: StepResult, plan: Plan, budget: Budget) -> None:
         modes = ["ipc", "staged"] if dev.type == "cuda" else ["staged"]
         if dev.type != "cuda":
             res.say("CUDA IPC path: skipped, it needs CUDA (the staged host path runs)")
+        cfg = model_config(spec["shape"], plan.smoke)
+        per_token = (
+            cfg.num_layers * 2 * cfg.num_kv_heads * cfg.head_dim * (4 if spec["dtype"] == "float32" else 2)
+        )
         for mode in modes:
-            same = 0
+            same = tried = 0
             nbytes = copy_s = memcpy_s = 0.0
             imports: set[str] = set()
             biggest: dict[str, Any] = {}
             for i, p in enumerate(prompts):
                 rid = f"{mode}-{i}"
+                if mode == "staged" and not shm_fits(res, -(-len(p) // 16) * 16 * per_token, i, len(p)):
+                    continue
+                tried += 1
                 offer = prefill.call(120, op="prefill", rid=rid, prompt=p, mode=mode)
                 got = decode.call(120, op="decode", rid=rid, prompt=p, max_tokens=m, mode=mode, **offer)
                 prefill.call(60, op="release", rid=rid)
@@ -1296,20 +1327,23 @@ def step_disagg(res: StepResult, plan: Plan, budget: Budget) -> None:
                 if got["nbytes"] >= biggest.get("nbytes", 0):
                     biggest = {"nbytes": got["nbytes"], "s": moved, "memcpy_s": got["memcpy_s"]}
                     biggest |= {k: got[k] for k in ("open_s", "import_s") if k in got}
+            if not biggest:
+                res.say(f"{mode}: no prompt fit, nothing transferred")
+                continue
             gbs = biggest["nbytes"] / biggest["s"] / 1e9
             ref = biggest["nbytes"] / biggest["memcpy_s"] / 1e9
             what = (
                 "peer device -> device copy" if mode == "ipc" else "export to host + shm + import to device"
             )
             res.say(
-                f"{mode}: tokens equal to the aggregated run for {same}/{len(prompts)} prompts; largest KV "
+                f"{mode}: tokens equal to the aggregated run for {same}/{tried} prompts; largest KV "
                 f"{gb(biggest['nbytes'] * 1e3)} MB at {gbs:.3g} GB/s ({what}) vs device memcpy {ref:.3g} GB/s "
                 f"= {gbs / ref:.0%}; all {len(prompts)}: {gb(nbytes * 1e3)} MB at {gb(nbytes / copy_s)} GB/s; "
                 f"import: {', '.join(sorted(imports))}"
                 + (f"; IPC open {biggest['open_s'] * 1e3:.1f} ms" if "open_s" in biggest else "")
             )
             res.data[mode] = dict(
-                equal=same, prompts=len(prompts), largest_bytes=biggest["nbytes"], largest_gb_s=gbs,
+                equal=same, prompts=tried, largest_bytes=biggest["nbytes"], largest_gb_s=gbs,
                 memcpy_gb_s=ref, ratio=gbs / ref, total_bytes=nbytes, total_gb_s=nbytes / copy_s,
                 import_path=sorted(imports),
             )  # fmt: skip

@@ -73,3 +73,21 @@ def test_asking_for_cuda_without_it_is_a_clear_error_not_a_cpu_run(tmp_path):
     assert r.returncode != 0
     assert "--device cuda asked for, but torch.cuda.is_available() is False" in r.stdout + r.stderr
     assert not (tmp_path / "gpu_check.json").exists()
+
+
+def test_a_staged_kv_larger_than_shared_memory_is_skipped_and_said_not_written(tmp_path):
+    """A container's /dev/shm is 64 MB unless given more; the 4,000-token prompt's KV is ~92 MB, and a write past
+    the mount's end kills the prefill worker with SIGBUS. The check measures the mount first."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("gpu_check_module", SCRIPT)
+    assert spec is not None and spec.loader is not None
+    gpu_check = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = gpu_check  # its dataclasses look their module up
+    spec.loader.exec_module(gpu_check)
+    res = gpu_check.StepResult("4")
+    assert gpu_check.shm_fits(res, 4096, 0, 16, where=str(tmp_path))
+    assert res.lines == [] and res.status == "ok"
+    assert not gpu_check.shm_fits(res, 10**18, 7, 4000, where=str(tmp_path))
+    assert res.status == "ok"  # a skip, not a failure
+    assert len(res.lines) == 1 and "prompt 7 (4000 tokens" in res.lines[0] and "skipped" in res.lines[0]

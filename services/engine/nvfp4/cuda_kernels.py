@@ -8,7 +8,9 @@ a machine without CUDA, importing is free and calling raises CudaKernelUnavailab
 from __future__ import annotations
 
 import functools
+import re
 import shutil
+import subprocess
 from pathlib import Path
 
 import torch
@@ -54,10 +56,30 @@ def cuda_unavailable_reason() -> str | None:
         return "no CUDA device is visible"
     from torch.utils.cpp_extension import CUDA_HOME, is_ninja_available
 
-    if CUDA_HOME is None and shutil.which("nvcc") is None:
+    nvcc = str(Path(CUDA_HOME) / "bin" / "nvcc") if CUDA_HOME is not None else shutil.which("nvcc")
+    if nvcc is None or not Path(nvcc).exists():
         return "nvcc was not found (set CUDA_HOME) to build the extension"
     if not is_ninja_available():
         return "ninja is not installed; torch.utils.cpp_extension.load needs it (pip install ninja)"
+    return toolkit_mismatch(nvcc, torch.version.cuda)
+
+
+def toolkit_mismatch(nvcc: str, torch_cuda: str) -> str | None:
+    """Why `nvcc` cannot build an extension for a torch built with CUDA `torch_cuda`, or None: torch's
+    cpp_extension refuses a toolkit of another major version (a CUDA 12 toolkit in /usr/local/cuda beside a cu130
+    torch), which is a machine without a usable toolkit, not a broken kernel."""
+    try:
+        out = subprocess.run([nvcc, "--version"], capture_output=True, text=True, timeout=30).stdout
+    except (OSError, subprocess.TimeoutExpired) as e:
+        return f"{nvcc} --version failed: {e}"
+    found = re.search(r"release (\d+)\.(\d+)", out)
+    if found is None:
+        return f"{nvcc} --version names no CUDA release"
+    if found.group(1) != torch_cuda.split(".")[0]:
+        return (
+            f"{nvcc} is CUDA {found.group(1)}.{found.group(2)} but torch was built with CUDA {torch_cuda}; "
+            "torch.utils.cpp_extension builds only with a toolkit of the same major version"
+        )
     return None
 
 

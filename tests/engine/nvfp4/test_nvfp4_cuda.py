@@ -24,6 +24,7 @@ from services.engine.nvfp4.cuda_kernels import (
     load_extension,
     nvcc_compile_command,
     quantize_cuda,
+    toolkit_mismatch,
 )
 from tests.engine.nvfp4.test_nvfp4_triton import quantize_cases
 from tests.support.paths import REPO
@@ -106,6 +107,21 @@ def test_host_build_of_the_block_routine_matches_the_reference(builds, name):
     fn(x.data_ptr(), rows, k, float(ref.global_scale), packed.data_ptr(), scales.data_ptr())
     assert torch.equal(scales, ref.scales), f"{int((scales != ref.scales).sum())} scale bytes differ"
     assert torch.equal(packed, ref.packed), f"{int((packed != ref.packed).sum())} code bytes differ"
+
+
+def test_a_toolkit_of_another_cuda_major_than_torchs_is_a_reason_to_skip_not_a_build_failure(tmp_path):
+    def fake_nvcc(release: str) -> str:
+        path = tmp_path / f"nvcc-{release}"
+        path.write_text(f"#!/bin/sh\necho 'Cuda compilation tools, release {release}, V{release}.88'\n")
+        path.chmod(0o755)
+        return str(path)
+
+    assert toolkit_mismatch(fake_nvcc("13.0"), "13.0") is None
+    assert toolkit_mismatch(fake_nvcc("13.1"), "13.0") is None  # minor versions build together
+    reason = toolkit_mismatch(fake_nvcc("12.8"), "13.0")
+    assert reason is not None and "CUDA 12.8" in reason and "13.0" in reason
+    assert "names no CUDA release" in str(toolkit_mismatch("/bin/true", "13.0"))
+    assert "failed" in str(toolkit_mismatch(str(tmp_path / "absent"), "13.0"))
 
 
 def test_arch_selection_uses_the_a_target_from_blackwell_on():
