@@ -527,6 +527,8 @@ class LLMEngine:
         logits: torch.Tensor | None = None
         if self.graphs is not None and not prefills and self.graphs.fits(len(tokens), nb):
             logits = self.graphs.run(tokens, positions, slots, padded_tables, decode_lens)
+            if len(sample_rows) != len(tokens):  # a prompt's one-token chunk before its end: a row, no sample
+                logits = logits[self._h2d(sample_rows)] if sample_rows else None
         else:
             meta = AttnMetadata(slot_mapping=self._h2d(slots), prefills=prefills)
             if decode_rows:

@@ -91,6 +91,33 @@ def _child() -> None:
             result[backend]["replayed"] = sorted(
                 b for b, g in eng.graphs._graphs.items() if b in eng.graphs._logits
             )
+    # a step of decodes that also carries another prompt's one-token chunk before its end: budget 16, 15 running
+    # sequences, so the long prompt prefills one token per step beside them — decode rows, one of which samples
+    # nothing, in a step the graphs replay
+    crowd = [[200 + i, 201 + i] for i in range(15)] + [list(range(150, 190))]
+    for backend in ("torch", "graphs"):
+        cfg = EngineConfig(dtype="float32", num_kv_blocks=64, block_size=16, max_num_batched_tokens=16,
+                           max_num_seqs=16, attention_backend="torch" if backend == "torch" else "triton")  # fmt: skip
+        eng = LLMEngine(model, cfg)
+        if backend == "graphs":
+            eng.kv = PagedKvCache(model.config, 64, 16, eng.kv.dtype, "cpu", scratch_blocks=1)
+            eng.graphs = EagerGraphs(eng.model, eng.kv, eng.max_model_len, max_batch=16)
+            eng.graphs.buckets = [16]
+        for i, p in enumerate(crowd[:15]):
+            eng.add_request(f"c{i}", p, SamplingParams(max_tokens=40, temperature=0))
+        tokens: dict[str, list[int]] = {}
+        replays = steps = 0
+        while eng.has_unfinished():
+            steps += 1
+            if (
+                steps == 3
+            ):  # the 15 short prompts prefilled (30 tokens, two steps): from here each step decodes
+                eng.add_request("long", crowd[15], SamplingParams(max_tokens=4, temperature=0))
+            for o in eng.step():
+                tokens.setdefault(o.request_id, []).extend(o.new_token_ids)
+            replays = sum(1 for b in (eng.graphs._logits if eng.graphs else {}) if b == 16)
+        result[backend]["crowd"] = [tokens[f"c{i}"] for i in range(15)] + [tokens["long"]]
+        result[backend]["crowd_replayed"] = replays
     print(json.dumps(result))
 
 
@@ -111,6 +138,15 @@ def test_triton_decode_attention_in_the_engine_gives_the_torch_paths_tokens(res)
     assert res["triton"]["imported"] == res["torch"]["imported"]
     assert all(len(t) == 12 for t in res["triton"]["generate"])
     assert res["triton"]["hits"] > 0  # the shared prefix was served from the cache, not recomputed
+
+
+def test_a_graph_step_carrying_a_prompts_one_token_chunk_samples_only_the_rows_that_end_a_chunk(res):
+    """15 sequences decode and a 40-token prompt gets the one token of budget left each step: a decode-only step
+    the graphs replay, one of whose rows is mid-prompt and samples nothing. Every sequence's tokens are the torch
+    path's (before the fix the step raised: the graph's logits had one row more than the sampled requests)."""
+    assert res["graphs"]["crowd"] == res["torch"]["crowd"]
+    assert [len(t) for t in res["graphs"]["crowd"]] == [40] * 15 + [4]
+    assert res["graphs"]["crowd_replayed"] > 0
 
 
 def test_decode_graph_buffers_pad_into_the_scratch_block_and_keep_the_tokens(res):
