@@ -64,35 +64,50 @@ class MemoryPlan:
     total_bytes: int
     weights_bytes: int
     activation_peak_bytes: int
-    other_bytes: (
-        int  # used on the device by anything but this process's torch tensors (other processes, context)
-    )
+    other_bytes: int  # in use on the device when this engine began: other processes, this process's context
     kv_budget_bytes: int
     kv_blocks: int
 
     def describe(self) -> str:
         return (
             f"GPU memory {self.total_bytes / GIB:.1f} GiB: weights {self.weights_bytes / GIB:.2f} GiB, "
-            f"activation peak {self.activation_peak_bytes / GIB:.2f} GiB, other {self.other_bytes / GIB:.2f} GiB "
+            f"activation peak {self.activation_peak_bytes / GIB:.2f} GiB, in use before it "
+            f"{self.other_bytes / GIB:.2f} GiB "
             f"-> KV cache {self.kv_blocks} blocks ({self.kv_budget_bytes / GIB:.2f} GiB)"
         )
 
 
-def plan_kv_memory(
-    device: torch.device, utilization: float, weights_bytes: int, activation_peak_bytes: int, block_bytes: int
-) -> MemoryPlan:
-    """KV blocks that fit in `utilization` of the device after what is in use now (the weights, the CUDA
-    context, other processes) and the profiled activation peak of the largest step — vLLM's rule. Call it with
-    the allocator's cache emptied, so that "in use" is what is really held."""
+def memory_in_use(device: torch.device) -> int:
+    """Bytes in use on the device now, by every process (and this one's CUDA context, created by the call)."""
     free, total = torch.cuda.mem_get_info(device)
-    used = total - free
-    other = max(0, used - weights_bytes)
-    budget = int(total * utilization) - used - activation_peak_bytes
+    return total - free
+
+
+def plan_kv_memory(
+    device: torch.device,
+    utilization: float,
+    weights_bytes: int,
+    activation_peak_bytes: int,
+    block_bytes: int,
+    in_use_at_start: int = 0,
+) -> MemoryPlan:
+    """KV blocks that fit in this engine's `utilization` of the device, vLLM's rule: what the engine itself has
+    taken since it began (`in_use_at_start`, measured before its weights came: its weights, buffers and cached
+    allocations) and the profiled activation peak of the largest step come out of `total x utilization`; what
+    other processes held then does not, so workers sharing a GPU at 0.45 each both get their share whichever
+    plans first. Never more than is free now. Call it with the allocator's cache emptied, so that "in use" is
+    what is really held."""
+    free, total = torch.cuda.mem_get_info(device)
+    # at least what this process's allocator holds: weights built on the device before the engine began count
+    own = max(total - free - in_use_at_start, torch.cuda.memory_reserved(device))
+    budget = min(int(total * utilization) - own, free) - activation_peak_bytes
     blocks = max(0, budget // block_bytes)
-    plan = MemoryPlan(total, weights_bytes, activation_peak_bytes, other, blocks * block_bytes, blocks)
+    plan = MemoryPlan(
+        total, weights_bytes, activation_peak_bytes, in_use_at_start, blocks * block_bytes, blocks
+    )
     if blocks < 1:
         raise DeviceUnavailableError(
-            f"no GPU memory is left for the KV cache on {device}: {plan.describe()}; "
+            f"no GPU memory is left for the KV cache on {device}: {plan.describe()}, {free / GIB:.2f} GiB free; "
             "raise --gpu-memory-utilization, lower --max-num-batched-tokens or use a smaller model"
         )
     return plan

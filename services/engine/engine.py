@@ -27,7 +27,7 @@ import torch
 
 from services.engine.block_hash import ROOT_HASH
 from services.engine.config import EngineConfig, ModelConfig, torch_dtype
-from services.engine.device import plan_kv_memory, resolve_device
+from services.engine.device import memory_in_use, plan_kv_memory, resolve_device
 from services.engine.host_bytes import bytes_of, view_of
 from services.engine.kv_cache import BlockManager, KvEvent, NoFreeBlocksError
 from services.engine.kv_disk import DiskKvTier
@@ -152,6 +152,8 @@ class LLMEngine:
         )  # before any weight is read: a missing GPU fails fast
         if cfg.num_threads:
             torch.set_num_threads(cfg.num_threads)
+        # what the device holds before this engine's weights: the KV plan counts only what the engine adds
+        in_use_at_start = memory_in_use(device) if device.type == "cuda" else 0
         loaded = model if isinstance(model, LoadedModel) else load_model(model)
         self.model_config: ModelConfig = loaded.config
         self.model_path = loaded.source
@@ -209,7 +211,9 @@ class LLMEngine:
         if device.type == "cuda" and not cfg.num_kv_blocks and not cfg.kv_cache_bytes:
             # on a GPU the cache takes what is left of --gpu-memory-utilization after weights and activations
             peak = self._profile_activation_bytes(loaded.config, cfg)
-            plan = plan_kv_memory(device, cfg.gpu_memory_utilization, self.weight_bytes, peak, per_block)
+            plan = plan_kv_memory(
+                device, cfg.gpu_memory_utilization, self.weight_bytes, peak, per_block, in_use_at_start
+            )
             num_blocks = plan.kv_blocks
             log.info("%s", plan.describe())
         scratch = 1 if device.type == "cuda" else 0

@@ -108,3 +108,73 @@ def test_export_kv_blocks_is_the_tensor_the_staged_bytes_come_from():
             for out in dst.step():
                 got += out.new_token_ids
         assert got == want
+
+
+GIB = 1 << 30
+
+
+class FakeGpu:
+    """torch.cuda's memory queries over a scripted 80 GiB device shared by processes: `used` is every process's."""
+
+    def __init__(self) -> None:
+        self.total, self.used, self.reserved = 80 * GIB, 0, 0
+
+    def install(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        monkeypatch.setattr(
+            torch.cuda, "mem_get_info", lambda device=None: (self.total - self.used, self.total)
+        )
+        monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device=None: self.reserved)
+
+
+def _worker_plans(gpu: FakeGpu, share: float, weights: int, peak: int, block: int):
+    """One worker's start on the shared GPU: context, weights, a plan, then the cache it allocates."""
+    from services.engine.device import memory_in_use, plan_kv_memory
+
+    gpu.reserved = 0  # a new process: its allocator holds nothing yet
+    gpu.used += GIB // 2  # its CUDA context
+    at_start = memory_in_use(torch.device("cuda"))
+    gpu.used += weights
+    gpu.reserved = weights
+    plan = plan_kv_memory(torch.device("cuda"), share, weights, peak, block, at_start)
+    gpu.used += plan.kv_budget_bytes
+    return plan
+
+
+def test_workers_sharing_a_gpu_each_get_their_share_whichever_plans_first(monkeypatch):
+    """`rackserve up` gives two workers on one GPU 0.45 each: the second plans after the first has taken its
+    weights and cache, and must still get its own share — not count the first worker's memory against it."""
+    gpu = FakeGpu()
+    gpu.install(monkeypatch)
+    block = 2 * 1024 * 1024
+    first = _worker_plans(gpu, 0.45, 16 * GIB, 2 * GIB, block)
+    second = _worker_plans(gpu, 0.45, 16 * GIB, 2 * GIB, block)
+    # 0.45 x 80 GiB = 36 GiB, less 16 GiB of weights and a 2 GiB peak: 18 GiB of cache each
+    assert first.kv_budget_bytes == second.kv_budget_bytes == 18 * GIB
+    assert second.other_bytes == first.kv_budget_bytes + 16 * GIB + GIB  # the first worker's, both contexts
+    assert gpu.used + 2 * 2 * GIB <= gpu.total  # both caches and both peaks fit the device
+
+
+def test_a_plan_never_takes_more_than_is_free_and_refuses_when_nothing_is(monkeypatch):
+    from services.engine.device import plan_kv_memory
+
+    gpu = FakeGpu()
+    gpu.install(monkeypatch)
+    gpu.used = 70 * GIB  # another tenant holds most of the device
+    at_start = gpu.used
+    gpu.used += 4 * GIB
+    gpu.reserved = 4 * GIB
+    plan = plan_kv_memory(torch.device("cuda"), 0.9, 4 * GIB, GIB, GIB, at_start)
+    assert plan.kv_budget_bytes == 5 * GIB  # 6 GiB free, less the peak: not 0.9 x 80 - 4 - 1 = 67 GiB
+    gpu.used = 79 * GIB
+    with pytest.raises(DeviceUnavailableError, match="no GPU memory is left for the KV cache"):
+        plan_kv_memory(torch.device("cuda"), 0.9, 4 * GIB, GIB, GIB, at_start)
+
+
+def test_weights_built_on_the_device_before_the_engine_still_count_as_its_own(monkeypatch):
+    from services.engine.device import plan_kv_memory
+
+    gpu = FakeGpu()
+    gpu.install(monkeypatch)
+    gpu.used = gpu.reserved = 16 * GIB  # weights made on the GPU by the caller, then the engine starts
+    plan = plan_kv_memory(torch.device("cuda"), 0.5, 16 * GIB, 2 * GIB, GIB, gpu.used)
+    assert plan.kv_budget_bytes == (40 - 16 - 2) * GIB
