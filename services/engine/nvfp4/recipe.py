@@ -128,7 +128,9 @@ def global_scale_for_amax(amax: torch.Tensor) -> torch.Tensor:
     applied to g_e itself, so no path ever multiplies by an infinite scale.
     """
     amax = amax.to(torch.float32)
-    g = torch.tensor(GLOBAL_SCALE_NUMERATOR, dtype=torch.float32, device=amax.device) / amax
+    # the numerator filled on amax's device, not copied from the host: no synchronising copy, so a forward that
+    # quantizes its activations (W4A4) can be captured in a CUDA graph; the same IEEE division either way
+    g = torch.full_like(amax, GLOBAL_SCALE_NUMERATOR) / amax
     ok = (amax > 0) & torch.isfinite(amax) & torch.isfinite(g)
     return torch.where(ok, g, torch.ones_like(g)).reshape(())
 

@@ -141,6 +141,37 @@ def test_global_scale_is_2688_over_amax_in_fp32(amax, expected):
     assert q.global_scale.item() == torch.tensor(expected, dtype=torch.float32).item()
 
 
+def test_the_global_scale_reads_nothing_from_the_host_so_a_cuda_graph_can_capture_it():
+    """W4A4 quantizes each step's activations inside the decode step's CUDA graph, where a tensor made from a host
+    value (a synchronising copy) or a host read of a device value is an error. The ops the scale runs, recorded
+    at torch's dispatcher: none of either; and the value is the IEEE fp32 quotient 2688 / amax."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from services.engine.nvfp4.recipe import global_scale_for_amax
+
+    class Ops(TorchDispatchMode):
+        def __init__(self) -> None:
+            super().__init__()
+            self.seen: list[str] = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+            self.seen.append(str(func))
+            return func(*args, **(kwargs or {}))
+
+    amaxes = torch.tensor([2688.0, 1.0, 7.0, 3.0, 5.0, 1e-30, 1e-37, 0.0, float("inf"), 3.3e38])
+    for amax in amaxes:
+        with Ops() as ops:
+            g = global_scale_for_amax(amax)
+        host = [
+            op for op in ops.seen if "lift_fresh" in op or "_local_scalar_dense" in op or "_to_copy" in op
+        ]
+        assert host == [], ops.seen
+        want = torch.tensor(2688.0, dtype=torch.float32) / amax
+        if not (amax > 0 and torch.isfinite(amax) and torch.isfinite(want)):
+            want = torch.tensor(1.0)
+        assert g.item() == want.item() and g.dtype == torch.float32
+
+
 def test_unit_amax_reconstructs_exactly():
     # g_e = 2688, the block scale is 448 and 1.0 -> code 7 -> 6 * 448 / 2688 = 1 exactly.
     q = quantize(torch.ones(16))
