@@ -150,6 +150,11 @@ class LLMEngine:
         self.device = device = resolve_device(
             cfg.device
         )  # before any weight is read: a missing GPU fails fast
+        if device.type == "cuda":
+            # this thread's current device: Triton launches on it and torch.cuda.graph captures on it, whatever
+            # device the tensors name, so cuda:1 must be current for an engine on cuda:1 (the engine is built on
+            # the thread that steps it)
+            torch.cuda.set_device(device)
         if cfg.num_threads:
             torch.set_num_threads(cfg.num_threads)
         # what the device holds before this engine's weights: the KV plan counts only what the engine adds
@@ -242,7 +247,7 @@ class LLMEngine:
             log.info(
                 "KV tier 2 in host memory: %.3f GiB, codec %s, %d blocks",
                 cfg.kv_tier2_bytes / (1 << 30), cfg.kv_tier2_codec,
-                cfg.kv_tier2_bytes // self.tier2.block_nbytes,
+                cfg.kv_tier2_bytes // self.tier2.block_charge,
             )  # fmt: skip
         self.disk: DiskKvTier | None = None
         if cfg.kv_disk_bytes:

@@ -74,10 +74,18 @@ class HostKvTier:
         self.pin_memory = pin_memory
         self._read = read_block
         self.block_nbytes = self.encoded_block_bytes(codec, block_shape, dtype)
-        if capacity_bytes < self.block_nbytes:
+        # what a block costs the host: its encoded bytes, or on a GPU worker the pinned allocations holding them,
+        # which torch's caching host allocator rounds up to powers of two (a 5 MiB block pins 8 MiB) and keeps
+        # pinned once freed; capacity is counted in these, so the flag bounds the memory really pinned
+        self.block_charge = (
+            sum(_pow2_ceil(n) for n in encoded_block_parts(codec, block_shape, dtype))
+            if pin_memory
+            else self.block_nbytes
+        )
+        if capacity_bytes < self.block_charge:
             raise ValueError(
-                f"kv_tier2_bytes={capacity_bytes} cannot hold one KV block: a block takes {self.block_nbytes} "
-                f"bytes in codec {codec!r} (0 turns the tier off)"
+                f"kv_tier2_bytes={capacity_bytes} cannot hold one KV block: a block takes {self.block_charge} "
+                f"bytes in codec {codec!r}{' (pinned)' if pin_memory else ''} (0 turns the tier off)"
             )
         self.capacity_bytes = capacity_bytes
         self._entries: OrderedDict[int, TierEntry] = OrderedDict()  # head = least recently used
@@ -113,21 +121,21 @@ class HostKvTier:
         pushed out to make room, least recently used first (a disk tier below may keep them)."""
         self.discard(block_hash)
         dropped: list[tuple[int, TierEntry]] = []
-        while self.used_bytes + self.block_nbytes > self.capacity_bytes:
+        while self.used_bytes + self.block_charge > self.capacity_bytes:
             h, e = self._entries.popitem(last=False)
-            self.used_bytes -= e.nbytes
+            self.used_bytes -= self.block_charge
             dropped.append((h, e))
         block = self._read(block_id)
         self._entries[block_hash] = TierEntry(
             parent_hash, self.block_nbytes, encode_block(self.codec, block, self._host)
         )
-        self.used_bytes += self.block_nbytes
+        self.used_bytes += self.block_charge
         return dropped
 
     def take(self, block_hash: int) -> TierEntry:
         """Remove a block to restore it (decode() it later); KeyError if it is not here."""
         e = self._entries.pop(block_hash)
-        self.used_bytes -= e.nbytes
+        self.used_bytes -= self.block_charge
         return e
 
     def discard(self, block_hash: int) -> tuple[int, int] | None:
@@ -135,7 +143,7 @@ class HostKvTier:
         e = self._entries.pop(block_hash, None)
         if e is None:
             return None
-        self.used_bytes -= e.nbytes
+        self.used_bytes -= self.block_charge
         return block_hash, e.parent_hash
 
     def decode(self, entries: list[TierEntry], device: torch.device) -> torch.Tensor:
@@ -174,6 +182,29 @@ def encoded_block_bytes(codec: str, block_shape: tuple[int, ...], dtype: torch.d
         kp = padded_size(block_shape[-1])
         return rows * (kp // 2 + kp // BLOCK_SIZE) + 4
     raise ValueError(f"unknown tier-2 codec {codec!r}")
+
+
+def encoded_block_parts(codec: str, block_shape: tuple[int, ...], dtype: torch.dtype) -> list[int]:
+    """Bytes of each host tensor `encode_block` makes for one block (their sum: `encoded_block_bytes`, but for
+    nvfp4's 4-byte tensor scale, which stays an ordinary CPU scalar)."""
+    elems = 1
+    for d in block_shape:
+        elems *= d
+    rows = elems // block_shape[-1]
+    if codec == "bf16":
+        return [elems * torch.empty(0, dtype=dtype).element_size()]
+    if codec == "fp8":
+        return [4 * rows, elems]  # one fp32 scale per head_dim row, one byte per element
+    if codec == "nvfp4":
+        from services.engine.nvfp4.recipe import BLOCK_SIZE, padded_size
+
+        kp = padded_size(block_shape[-1])
+        return [rows * kp // 2, rows * (kp // BLOCK_SIZE)]
+    raise ValueError(f"unknown tier-2 codec {codec!r}")
+
+
+def _pow2_ceil(n: int) -> int:
+    return 1 << max(0, (n - 1).bit_length())
 
 
 def encode_block(

@@ -50,7 +50,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--threads", type=int, default=1, help="torch threads per worker (pin them on small machines)"
     )
-    p.add_argument("--kv-cache-bytes", type=int, default=256 << 20, help="KV cache per worker")
+    p.add_argument(
+        "--kv-cache-bytes", type=int, default=None,
+        help="KV cache per worker (default: 256 MiB on a CPU; on a GPU each worker sizes it from its share of "
+        "--gpu-memory-utilization)",
+    )  # fmt: skip
     p.add_argument(
         "--kv-tier2-bytes", type=int, default=0,
         help="host memory per worker for KV tier 2 (evicted prefix blocks, restored on a hit); 0: off",
@@ -353,9 +357,28 @@ class Cluster:
             shutil.rmtree(self.tmp, ignore_errors=True)
 
 
+CPU_KV_CACHE_BYTES = 256 << 20  # per worker: the demo cluster's workers share a CPU machine's memory
+
+
+def _on_gpu(device: str) -> bool:
+    """Whether the workers will run on a GPU: `cuda...` asked for, or `auto` where torch sees one."""
+    if device.startswith("cuda"):
+        return True
+    if device != "auto":
+        return False
+    import torch  # only here: `up` otherwise starts processes without loading torch itself
+
+    return torch.cuda.is_available()
+
+
 def engine_flags(a: argparse.Namespace) -> list[str]:
     """The engine flags `up` gives every worker."""
-    engine = ["--dtype", a.dtype, "--threads", str(a.threads), "--kv-cache-bytes", str(a.kv_cache_bytes)]
+    engine = ["--dtype", a.dtype, "--threads", str(a.threads)]
+    kv_bytes = a.kv_cache_bytes
+    if kv_bytes is None and not _on_gpu(a.device):
+        kv_bytes = CPU_KV_CACHE_BYTES
+    # on a GPU, unless set: no size, so the worker plans its cache from its share of the GPU's memory
+    engine += ["--kv-cache-bytes", str(kv_bytes)] if kv_bytes is not None else []
     engine += ["--kv-tier2-bytes", str(a.kv_tier2_bytes), "--kv-tier2-codec", a.kv_tier2_codec]
     engine += ["--no-kv-async-restore"] if a.no_kv_async_restore else []
     engine += ["--model", a.model] if a.model else []

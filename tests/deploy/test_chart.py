@@ -182,7 +182,7 @@ def test_gpu_rdma_profile_requests_gpus_rdma_and_pins_memory() -> None:
         assert {"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"} in spec["tolerations"]
         env = env_of(c)
         assert env["RACKSERVE_QUANT"] == "nvfp4"
-        assert env["RACKSERVE_KV_CACHE_BYTES"] == "64424509440"  # not 6.4424509440e+10
+        assert env["RACKSERVE_KV_TIER2_BYTES"] == "68719476736"  # not 6.8719476736e+10
         assert env["RACKSERVE_MODEL"] == "/models/Llama-3.1-70B-Instruct-NVFP4"
         assert env["UCX_NET_DEVICES"] == "mlx5_0:1"
         assert env["RACKSERVE_TLS_SERVER_NAME"] == "rackserve.internal"
@@ -274,7 +274,10 @@ def test_rendered_env_parses_with_the_services_real_flags(role: str, monkeypatch
     assert args.etcd.count("http://") == 3
     if role in ("prefill", "decode"):
         assert (
-            args.quant == "nvfp4" and args.kv_cache_bytes == 64424509440 and args.no_prefix_caching is False
+            args.quant == "nvfp4"
+            and args.no_prefix_caching is False
+            and args.kv_cache_bytes == 0
+            and args.gpu_memory_utilization == 0.9  # planned on the GPU
         )
         assert args.device == "cuda", "a pool given GPUs must compute on them, not fall back to the CPU"
         assert args.kv_backends == ("nixl", "tcp", "shm") and args.health_port == 50052

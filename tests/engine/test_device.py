@@ -178,3 +178,28 @@ def test_weights_built_on_the_device_before_the_engine_still_count_as_its_own(mo
     gpu.used = gpu.reserved = 16 * GIB  # weights made on the GPU by the caller, then the engine starts
     plan = plan_kv_memory(torch.device("cuda"), 0.5, 16 * GIB, 2 * GIB, GIB, gpu.used)
     assert plan.kv_budget_bytes == (40 - 16 - 2) * GIB
+
+
+def test_rackserve_up_leaves_a_gpu_workers_cache_to_its_memory_plan():
+    """`rackserve up --device cuda` gives each worker its share of --gpu-memory-utilization; a fixed
+    --kv-cache-bytes would skip the plan (the engine plans only when no size is given) and leave each worker
+    a 256 MiB cache on an 80 GB GPU. On a CPU the demo's 256 MiB per worker stays; a size given is passed on."""
+    import argparse
+
+    from services.launcher import add_arguments, engine_flags
+    from services.runtime.args import add_engine_arguments, engine_config
+
+    up = argparse.ArgumentParser()
+    add_arguments(up)
+    worker = argparse.ArgumentParser()
+    add_engine_arguments(worker)
+
+    def config(argv: list[str]) -> EngineConfig:
+        return engine_config(worker.parse_args(engine_flags(up.parse_args(argv))))
+
+    gpu = config(["--device", "cuda", "--prefill", "1", "--decode", "1"])
+    assert gpu.kv_cache_bytes == 0 and gpu.num_kv_blocks == 0  # planned on the device
+    assert gpu.gpu_memory_utilization == pytest.approx(0.45)
+    assert config(["--device", "cuda:1", "--kv-cache-bytes", str(8 << 30)]).kv_cache_bytes == 8 << 30
+    assert config(["--device", "cpu"]).kv_cache_bytes == 256 << 20
+    assert config([]).kv_cache_bytes == (0 if torch.cuda.is_available() else 256 << 20)  # auto

@@ -162,6 +162,32 @@ def test_tier_capacity_is_a_byte_bound_least_recently_used_out_first(
     assert st is not None and st.blocks == 3 and st.capacity_bytes == 3 * per_block + per_block // 2
 
 
+def test_a_gpu_workers_tier_counts_the_pinned_memory_its_blocks_really_take() -> None:
+    """On a GPU worker each tier block lives in pinned host memory, which torch's caching host allocator rounds
+    up to a power of two: a Llama-70B block (80 layers, 8 KV heads, head_dim 128, 16 tokens, bf16) is 5 MiB and
+    pins 8 MiB. Counted in encoded bytes, a 64 GiB tier would pin ~102 GiB (a pod's memory limit, an OOM kill);
+    counted in what is pinned, the flag bounds it."""
+    from services.engine.kv_tier import encoded_block_bytes, encoded_block_parts
+
+    shape = (80, 2, 8, BS, 128)
+    for codec in ("bf16", "fp8", "nvfp4"):
+        parts = sum(encoded_block_parts(codec, shape, torch.bfloat16))
+        assert parts == encoded_block_bytes(codec, shape, torch.bfloat16) - (4 if codec == "nvfp4" else 0)
+    blocks = torch.zeros(3, *shape, dtype=torch.bfloat16)
+    mib = 1 << 20
+    for pinned, fits in ((True, 8), (False, 12)):
+        tier = HostKvTier(64 * mib, "bf16", shape, torch.bfloat16, lambda b: blocks[b % 3], pin_memory=pinned)
+        assert tier.block_nbytes == 5 * mib and tier.block_charge == (8 if pinned else 5) * mib
+        for h in range(20):
+            tier.put(h, h - 1, h)
+        assert len(tier) == fits and tier.used_bytes == fits * tier.block_charge <= 64 * mib
+        tier.take(19)
+        tier.discard(18)
+        assert tier.used_bytes == (fits - 2) * tier.block_charge
+    with pytest.raises(ValueError, match=r"a block takes 8388608 bytes in codec 'bf16' \(pinned\)"):
+        HostKvTier(6 * mib, "bf16", shape, torch.bfloat16, lambda b: blocks[0], pin_memory=True)
+
+
 def test_compressed_codecs_hold_more_blocks_per_byte(smollm2: LoadedModel) -> None:
     mc = smollm2.config
     shape = (mc.num_layers, 2, mc.num_kv_heads, BS, mc.head_dim)
