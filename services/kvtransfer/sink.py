@@ -114,15 +114,23 @@ class KvSink:
         backend = backend or self.choose(ticket)
         if backend not in self.supported:
             raise TransferUnavailable(f"backend {backend!r} is not enabled on this sink ({self.supported})")
+        # a device-direct read the producer cannot serve (its device copy went once a device reader had it all,
+        # or this process cannot map it) falls back to the host bytes, which stay published
         if backend == CUDA_IPC:
-            return await self._pull_cuda_ipc(ticket, deadline_s)
+            try:
+                return await self._pull_cuda_ipc(ticket, deadline_s, device)
+            except TransferUnavailable as exc:
+                backend = self._host_backend(ticket, exc)
         if (
             backend == NIXL
             and device is not None
             and _same_kind(ticket.nixl_device, device)
             and await self._can_register(device)
         ):
-            return await self._pull_nixl_device(ticket, deadline_s, device)
+            try:
+                return await self._pull_nixl_device(ticket, deadline_s, device)
+            except TransferUnavailable as exc:
+                log.info("%s: no device copy to read (%s); reading its host bytes over nixl", ticket.key, exc)
         if into is not None and len(memoryview(into)) < ticket.size:
             raise ValueError(f"into holds {len(memoryview(into))} bytes, the payload needs {ticket.size}")
         view = (
@@ -164,10 +172,26 @@ class KvSink:
         log.debug("pulled %s: %d bytes over %s in %.4fs", ticket.key, ticket.size, backend, seconds)
         return Pulled(data=data, bytes=ticket.size, seconds=seconds, backend=backend)
 
-    async def _pull_cuda_ipc(self, ticket: TransferTicket, deadline_s: float) -> Pulled:
+    def _host_backend(self, ticket: TransferTicket, why: TransferUnavailable) -> str:
+        """The backend for the host bytes when cuda_ipc cannot serve: the first other one both sides have."""
+        offered = {b: v for b, v in ticket.backends.items() if b != CUDA_IPC}
+        same_node = self.node_id in (ticket.backends.get(SHM), ticket.backends.get(CUDA_IPC))
+        try:
+            backend = choose_backend(
+                DEFAULT_PREFERENCE, offered, [b for b in self.supported if b != CUDA_IPC], same_node
+            )
+        except TransferUnavailable:
+            raise why from None
+        log.info("%s: cuda_ipc unavailable (%s); reading its host bytes over %s", ticket.key, why, backend)
+        return backend
+
+    async def _pull_cuda_ipc(
+        self, ticket: TransferTicket, deadline_s: float, device: str | None = None
+    ) -> Pulled:
         """GPU to GPU on one node: pin the producer's device copy (the open), map it by its IPC handle, copy it
         into this process's own device memory, wait for the copy, unpin (done). The data is a device tensor
-        (raw, never encoded: compression is for the wire, and no wire is crossed)."""
+        (raw, never encoded: compression is for the wire, and no wire is crossed). It lands on `device` (the
+        caller's cache, when on a GPU), not on the producer's GPU, where this process has no memory to spend."""
         from services.kvtransfer import cuda_ipc
 
         if not ticket.device_handle:
@@ -177,7 +201,10 @@ class KvSink:
             import torch
 
             remote = cuda_ipc.open_described(json.loads(ticket.device_handle))
-            local = remote.clone()  # device-to-device; the mapping goes when `remote` does
+            into = torch.device(device) if device is not None and device.startswith("cuda") else remote.device
+            local = torch.empty_like(remote, device=into)
+            local.copy_(remote)  # device to device (peer to peer across GPUs); the mapping goes with `remote`
+            torch.cuda.synchronize(remote.device)
             torch.cuda.synchronize(local.device)
             return local
 
@@ -233,6 +260,10 @@ class KvSink:
         import torch
 
         local = torch.empty(ticket.raw_size, dtype=torch.uint8, device=device)
+        # the allocator hands out memory freed on the stream while kernels queued there may still use it; UCX
+        # (or the NIC) writes outside stream order, so nothing queued may touch this memory when the READ does
+        if local.is_cuda:
+            await asyncio.to_thread(torch.cuda.synchronize, local.device)
         mems = (memory_of(str(local.device)), memory_of(ticket.nixl_device))
 
         async def move(sock: socket.socket, reply: Grant) -> None:

@@ -68,12 +68,15 @@ class _Publication:
     nixl_reg: Any = None
     nixl_md: bytes = b""
     addr: int = 0
-    # the device tensor (cuda_ipc readers map it, NIXL readers READ it); kept till freed
+    # the device tensor (cuda_ipc readers map it, NIXL readers READ it): kept until a device reader has it all
+    # (or the publication goes), as it sits in GPU memory outside the cache's plan; later readers get the host
+    # bytes
     device_copy: Any = None
     nixl_dev_reg: Any = None  # the device copy's NIXL registration and its metadata
     nixl_dev_md: bytes = b""
     pins: int = 0
     served: int = 0  # pulls of it that finished (the reader got every byte)
+    device_served: bool = False  # a device reader finished: the device copy goes when no reader holds it
     retracted: bool = False
     expiry: asyncio.TimerHandle | None = field(default=None, repr=False)
 
@@ -328,8 +331,9 @@ class KvSource:
         if pub.pins == 0:
             self._free(pub)
 
-    def _free(self, pub: _Publication) -> None:
-        # the device memory returns to torch's allocator once no IPC reader holds it and NIXL has let it go
+    def _free_device(self, pub: _Publication) -> None:
+        """Let the device copy go (the host bytes stay): it returns to torch's allocator once no IPC reader
+        holds it and NIXL has let it go."""
         device_copy, dev_reg = pub.device_copy, pub.nixl_dev_reg
         pub.device_copy = pub.nixl_dev_reg = None
         if dev_reg is not None and self._nixl is not None and not self._nixl.closed:
@@ -339,6 +343,9 @@ class KvSource:
                 nixl.deregister(dev_reg)
 
             nixl.submit(release_device)
+
+    def _free(self, pub: _Publication) -> None:
+        self._free_device(pub)
         segment, reg, owner = pub.segment, pub.nixl_reg, pub.owner
         if segment is not None:
             segment.unlink()  # the name goes now; the mapping after NIXL lets go of it
@@ -386,7 +393,7 @@ class KvSource:
     async def _serve_one(self, conn: socket.socket, timeout: float) -> bool:
         """One pull: open, reply, data or the sink's read, done. True when the connection may serve another."""
         pub: _Publication | None = None
-        nixl_reader = False
+        nixl_reader = device_reader = False
         try:
             try:
                 async with asyncio.timeout(timeout):
@@ -423,6 +430,7 @@ class KvSource:
                 await protocol.send_message(conn, Refusal(UNAVAILABLE, backend))
                 return True
             pub.pins += 1
+            device_reader = reply.cuda_ipc or (reply.nixl is not None and open_.device)
             if self.debug_on_pull is not None:
                 self.debug_on_pull(key)
             await protocol.send_message(conn, reply)
@@ -437,6 +445,7 @@ class KvSource:
             async with asyncio.timeout(self.config.max_pin_s):
                 Done.from_wire(await protocol.recv_message(conn))  # or EOF when the reader goes away
             pub.served += 1
+            pub.device_served |= device_reader
             return True
         except (OSError, ValueError, TimeoutError) as exc:
             log.debug("KV pull connection ended: %s", exc)
@@ -448,6 +457,8 @@ class KvSource:
                 pub.pins -= 1
                 if pub.retracted and pub.pins == 0:
                     self._free(pub)
+                elif pub.device_served and pub.pins == 0 and pub.device_copy is not None:
+                    self._free_device(pub)
 
     async def _send_payload(self, conn: socket.socket, view: memoryview) -> None:
         loop = asyncio.get_running_loop()

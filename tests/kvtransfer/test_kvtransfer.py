@@ -28,7 +28,6 @@ from services.kvtransfer import (
     TransferPeerGone,
     TransferTicket,
     TransferTimeout,
-    TransferUnavailable,
     choose_backend,
 )
 from services.kvtransfer import shm as shm_mod
@@ -777,12 +776,15 @@ def test_nixl_reads_the_device_copy_raw_into_a_tensor_where_the_caller_keeps_its
 
 
 @needs_nixl
-def test_a_device_read_of_a_publication_without_a_device_copy_or_gone_is_refused(producer: Producer) -> None:
+def test_a_device_read_of_a_publication_without_a_device_copy_reads_its_host_bytes_and_gone_is_refused(
+    producer: Producer,
+) -> None:
     plain = producer.publish_device("no-copy", 1 * MiB, seed=5, device="")
     assert plain.nixl_device == ""
     assert bytes(pull(plain, NIXL, device="cpu").data) == kv_floats(1 * MiB, 5)  # host bytes, no device read
-    with pytest.raises(TransferUnavailable, match="no device copy"):  # a ticket claiming one it lacks
-        pull(dataclasses.replace(plain, nixl_device="cpu"), NIXL, device="cpu")
+    # a ticket claiming a device copy the producer lacks: refused by the producer, read from the host bytes
+    lacking = pull(dataclasses.replace(plain, nixl_device="cpu"), NIXL, device="cpu")
+    assert not lacking.device_direct and bytes(lacking.data) == kv_floats(1 * MiB, 5)
     gone = producer.publish_device("gone-dev", 1 * MiB, seed=6)
     producer.call("retract", "gone-dev")
     with pytest.raises(TransferNotFound):
@@ -791,6 +793,23 @@ def test_a_device_read_of_a_publication_without_a_device_copy_or_gone_is_refused
     with pytest.raises(TransferNotFound):
         pull(gone, NIXL, device="cpu")
     assert pull(again, NIXL, device="cpu").data.numpy().tobytes() == kv_floats(1 * MiB, 7)
+
+
+@needs_nixl
+def test_the_device_copy_goes_once_a_device_reader_has_it_and_later_readers_get_the_host_bytes(
+    producer: Producer,
+) -> None:
+    """A GPU producer's device copy sits in GPU memory outside its cache's plan, and the publication lives until
+    the decode worker's Release (minutes of decoding): kept that long, every request in flight would hold its KV
+    twice on the prefill GPU. It goes as soon as a device reader has finished; a later reader (a migration's
+    re-pull) reads the host bytes, which stay published, and gets the same payload."""
+    raw = kv_floats(2 * MiB, seed=9)
+    ticket = producer.publish_device("once", 2 * MiB, seed=9)
+    first = pull(ticket, NIXL, device="cpu")
+    assert first.device_direct and first.data.numpy().tobytes() == raw
+    again = pull(ticket, NIXL, device="cpu")  # the device copy is gone: the host bytes, the same payload
+    assert not again.device_direct and bytes(again.data) == raw
+    assert bytes(pull(ticket, TCP).data) == raw
 
 
 @needs_nixl
