@@ -735,7 +735,12 @@ class LLMEngine:
         # The blocks are allocated when the scheduler admits the request, not now: a full pool is a wait in the
         # queue (the bytes wait here), never a failure.
         req.import_tokens, req.import_blocks = n, nblocks
-        self._pending_kv[req.request_id] = kv.data
+        data = kv.data
+        if isinstance(data, torch.Tensor) and data.is_cuda and nblocks > self.blocks.num_free:
+            # a device-direct payload that must wait for blocks would wait in GPU memory outside the cache's plan
+            # (and the frontend admits more KV in flight than the pool holds): it waits in host memory instead
+            data = data.cpu()
+        self._pending_kv[req.request_id] = data
 
     def _tier(self, g: RestoreGroup) -> HostKvTier | DiskKvTier:
         tier = self.disk if g.tier == "disk" else self.tier2
