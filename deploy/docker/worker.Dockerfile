@@ -44,10 +44,13 @@ LABEL org.opencontainers.image.title="rackserve-worker" \
       org.opencontainers.image.description="rackserve prefill and decode workers (CUDA, NIXL/UCX, RDMA)" \
       org.opencontainers.image.licenses="Apache-2.0"
 ENV DEBIAN_FRONTEND=noninteractive
+# gcc, libc6-dev and python3-dev: Triton compiles its CUDA driver helpers and each kernel's launcher with the
+# system C compiler against Python's headers the first time it launches (attention, NVFP4 GEMM); without them
+# every GPU worker fails at its first step ("Failed to find C compiler")
 # hadolint ignore=DL3008
 RUN apt-get update --snapshot "${UBUNTU_SNAPSHOT}" \
  && apt-get install -y --no-install-recommends --snapshot "${UBUNTU_SNAPSHOT}" \
-      python3 libibverbs1 ibverbs-providers librdmacm1t64 libnuma1 \
+      python3 python3-dev gcc libc6-dev libibverbs1 ibverbs-providers librdmacm1t64 libnuma1 \
  && rm -rf /var/lib/apt/lists/* \
  && groupadd --system --gid 10001 rackserve \
  && useradd --system --uid 10001 --gid rackserve --home-dir /tmp --shell /usr/sbin/nologin rackserve

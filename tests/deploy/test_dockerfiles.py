@@ -143,6 +143,8 @@ def test_worker_image_has_cuda_torch_nixl_and_rdma_userspace() -> None:
     final_runs = " ".join(i.args for i in final_stage(instructions) if i.cmd == "RUN")
     for lib in ("libibverbs1", "ibverbs-providers", "librdmacm1t64"):
         assert lib in final_runs, f"UCX's RDMA transports need {lib} at run time"
+    for pkg in ("gcc", "libc6-dev", "python3-dev"):  # triton.runtime.build: a C compiler and Python.h
+        assert re.search(rf"(^|\s){re.escape(pkg)}(\s|$)", final_runs), f"Triton's first launch needs {pkg}"
     cpu_runs = " ".join(i.args for i in parse(IMAGES["cpu"])[0] if i.cmd == "RUN")
     assert "torch" not in cpu_runs and "nixl" not in cpu_runs, "the frontend/router image stays slim"
 
