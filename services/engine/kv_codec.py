@@ -27,12 +27,13 @@ def fp8_decode(scale: torch.Tensor, q: torch.Tensor, dtype: torch.dtype) -> torc
     return (q.float() * scale.unsqueeze(-1)).to(dtype)
 
 
-def fp8_nbytes(shape: tuple[int, ...]) -> int:
-    """Bytes fp8_encode's two tensors take for a KV tensor of `shape` (1 per element + 4 per row)."""
+def fp8_nbytes(shape: tuple[int, ...]) -> tuple[int, int]:
+    """Bytes of fp8_encode's two tensors for a KV tensor of `shape`: the scales (4 per row), the codes (1 per
+    element)."""
     rows = 1
     for d in shape[:-1]:
         rows *= d
-    return rows * shape[-1] + 4 * rows
+    return 4 * rows, rows * shape[-1]
 
 
 def nvfp4_encode(kv: torch.Tensor) -> NVFP4Tensor:

@@ -167,37 +167,25 @@ class HostKvTier:
 
 
 def encoded_block_bytes(codec: str, block_shape: tuple[int, ...], dtype: torch.dtype) -> int:
-    """Bytes one block takes in `codec` (what the host and disk tiers' capacities are counted in)."""
+    """Bytes one block takes in `codec` (what the host and disk tiers' capacities are counted in): its host
+    tensors, and nvfp4's 4-byte fp32 tensor scale."""
+    return sum(encoded_block_parts(codec, block_shape, dtype)) + (4 if codec == "nvfp4" else 0)
+
+
+def encoded_block_parts(codec: str, block_shape: tuple[int, ...], dtype: torch.dtype) -> list[int]:
+    """Bytes of each host tensor `encode_block` makes for one block (nvfp4's tensor scale is an ordinary CPU
+    scalar, not among them)."""
     elems = 1
     for d in block_shape:
         elems *= d
     if codec == "bf16":
-        return elems * torch.empty(0, dtype=dtype).element_size()
+        return [elems * torch.empty(0, dtype=dtype).element_size()]
     if codec == "fp8":
-        return kv_codec.fp8_nbytes(block_shape)
+        return list(kv_codec.fp8_nbytes(block_shape))
     if codec == "nvfp4":
         from services.engine.nvfp4.recipe import BLOCK_SIZE, padded_size
 
         rows = elems // block_shape[-1]
-        kp = padded_size(block_shape[-1])
-        return rows * (kp // 2 + kp // BLOCK_SIZE) + 4
-    raise ValueError(f"unknown tier-2 codec {codec!r}")
-
-
-def encoded_block_parts(codec: str, block_shape: tuple[int, ...], dtype: torch.dtype) -> list[int]:
-    """Bytes of each host tensor `encode_block` makes for one block (their sum: `encoded_block_bytes`, but for
-    nvfp4's 4-byte tensor scale, which stays an ordinary CPU scalar)."""
-    elems = 1
-    for d in block_shape:
-        elems *= d
-    rows = elems // block_shape[-1]
-    if codec == "bf16":
-        return [elems * torch.empty(0, dtype=dtype).element_size()]
-    if codec == "fp8":
-        return [4 * rows, elems]  # one fp32 scale per head_dim row, one byte per element
-    if codec == "nvfp4":
-        from services.engine.nvfp4.recipe import BLOCK_SIZE, padded_size
-
         kp = padded_size(block_shape[-1])
         return [rows * kp // 2, rows * (kp // BLOCK_SIZE)]
     raise ValueError(f"unknown tier-2 codec {codec!r}")

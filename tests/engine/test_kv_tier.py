@@ -167,13 +167,20 @@ def test_a_gpu_workers_tier_counts_the_pinned_memory_its_blocks_really_take() ->
     up to a power of two: a Llama-70B block (80 layers, 8 KV heads, head_dim 128, 16 tokens, bf16) is 5 MiB and
     pins 8 MiB. Counted in encoded bytes, a 64 GiB tier would pin ~102 GiB (a pod's memory limit, an OOM kill);
     counted in what is pinned, the flag bounds it."""
-    from services.engine.kv_tier import encoded_block_bytes, encoded_block_parts
+    from services.engine.kv_tier import encode_block, encoded_block_parts
 
     shape = (80, 2, 8, BS, 128)
-    for codec in ("bf16", "fp8", "nvfp4"):
-        parts = sum(encoded_block_parts(codec, shape, torch.bfloat16))
-        assert parts == encoded_block_bytes(codec, shape, torch.bfloat16) - (4 if codec == "nvfp4" else 0)
     blocks = torch.zeros(3, *shape, dtype=torch.bfloat16)
+    made: list[int] = []
+
+    def host(t: torch.Tensor) -> torch.Tensor:
+        made.append(t.numel() * t.element_size())
+        return t
+
+    for codec in ("bf16", "fp8", "nvfp4"):  # the parts counted are the host tensors a block is encoded into
+        made.clear()
+        encode_block(codec, blocks[0], host)
+        assert made == encoded_block_parts(codec, shape, torch.bfloat16), codec
     mib = 1 << 20
     for pinned, fits in ((True, 8), (False, 12)):
         tier = HostKvTier(64 * mib, "bf16", shape, torch.bfloat16, lambda b: blocks[b % 3], pin_memory=pinned)
