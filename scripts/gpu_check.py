@@ -1296,9 +1296,10 @@ def step_disagg(res: StepResult, plan: Plan, budget: Budget) -> None:
         modes = ["ipc", "staged"] if dev.type == "cuda" else ["staged"]
         if dev.type != "cuda":
             res.say("CUDA IPC path: skipped, it needs CUDA (the staged host path runs)")
-        cfg = model_config(spec["shape"], plan.smoke)
-        per_token = (
-            cfg.num_layers * 2 * cfg.num_kv_heads * cfg.head_dim * (4 if spec["dtype"] == "float32" else 2)
+        from services.engine.model import PagedKvCache
+
+        block = PagedKvCache.bytes_per_block(
+            model_config(spec["shape"], plan.smoke), 16, getattr(torch, spec["dtype"])
         )
         for mode in modes:
             same = tried = 0
@@ -1307,7 +1308,7 @@ def step_disagg(res: StepResult, plan: Plan, budget: Budget) -> None:
             biggest: dict[str, Any] = {}
             for i, p in enumerate(prompts):
                 rid = f"{mode}-{i}"
-                if mode == "staged" and not shm_fits(res, -(-len(p) // 16) * 16 * per_token, i, len(p)):
+                if mode == "staged" and not shm_fits(res, -(-len(p) // 16) * block, i, len(p)):
                     continue
                 tried += 1
                 offer = prefill.call(120, op="prefill", rid=rid, prompt=p, mode=mode)
@@ -1338,7 +1339,7 @@ def step_disagg(res: StepResult, plan: Plan, budget: Budget) -> None:
             res.say(
                 f"{mode}: tokens equal to the aggregated run for {same}/{tried} prompts; largest KV "
                 f"{gb(biggest['nbytes'] * 1e3)} MB at {gbs:.3g} GB/s ({what}) vs device memcpy {ref:.3g} GB/s "
-                f"= {gbs / ref:.0%}; all {len(prompts)}: {gb(nbytes * 1e3)} MB at {gb(nbytes / copy_s)} GB/s; "
+                f"= {gbs / ref:.0%}; all {tried}: {gb(nbytes * 1e3)} MB at {gb(nbytes / copy_s)} GB/s; "
                 f"import: {', '.join(sorted(imports))}"
                 + (f"; IPC open {biggest['open_s'] * 1e3:.1f} ms" if "open_s" in biggest else "")
             )
