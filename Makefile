@@ -69,6 +69,8 @@ bench: setup
 	$(BIN)/python -m bench.nvfp4_quality_bench
 	$(BIN)/python -m bench.kvtransfer_bench
 	$(BIN)/python -m bench.kv_stage_bench
+	$(BIN)/python -m bench.kv_export_bench
+	$(BIN)/python -m bench.kv_import_bench
 	$(BIN)/python -m bench.kv_publish_bench
 	$(BIN)/python -m bench.disagg_bench
 	$(BIN)/python -m bench.router_bench

@@ -41,6 +41,7 @@ import threading
 import time
 import traceback
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -1139,11 +1140,17 @@ def worker_main(role: str, spec: dict[str, Any]) -> int:
                     r |= {"desc": describe(blocks), "token_ids": token_ids}
                 else:
                     t0 = time.perf_counter()
-                    exp = engine.export_kv(rid)  # device -> host bytes
-                    shm = shared_memory.SharedMemory(create=True, size=len(exp.data))
-                    shm.buf[: len(exp.data)] = exp.data
-                    r |= {"export_s": time.perf_counter() - t0, "shm": shm.name, "nbytes": len(exp.data)}
-                    r["token_ids"] = exp.token_ids
+                    # as a prefill worker exports: pin the blocks, copy them off the engine thread (a stream of
+                    # its own, to pinned host memory 64 MiB at a time), unpin
+                    pin = f"{rid}\x00copy"
+                    job = engine.begin_export(pin, rid)
+                    with ThreadPoolExecutor(1) as copier:
+                        data, _ = copier.submit(job.copy_out, False).result()
+                    engine.release_kv(pin)
+                    shm = shared_memory.SharedMemory(create=True, size=len(data))
+                    shm.buf[: len(data)] = data
+                    r |= {"export_s": time.perf_counter() - t0, "shm": shm.name, "nbytes": len(data)}
+                    r["token_ids"] = job.token_ids
                     held[rid] = shm
                 reply(r)
             elif op == "release":
@@ -1194,6 +1201,30 @@ def worker_main(role: str, spec: dict[str, Any]) -> int:
                     r["import"] = "host"
                 r["tokens"] = [first] + finish(engine, rid)
                 reply(r)
+            elif op == "decode_beside":
+                # decode worker: the staged KV arrives while another sequence decodes, so the engine writes it
+                # beside that sequence's step (the restore thread; its own stream on a GPU): both must give the
+                # tokens they give alone
+                rid, prompt, first = msg["rid"], msg["prompt"], msg["first"]
+                params = SamplingParams(max_tokens=msg["max_tokens"], temperature=0, ignore_eos=True)
+                other = msg["companion"]
+                solo = engine.generate([other], params)[0]
+                engine.add_request("companion", other, params)
+                outs: dict[str, list[int]] = {"companion": [], rid: [first]}
+                for o in engine.step():  # its prefill: it is decoding when the KV comes
+                    outs[o.request_id] += o.new_token_ids
+                shm = attach_shm(msg["shm"])
+                data = bytes(shm.buf[: msg["nbytes"]])
+                shm.close()
+                kv = KvExport(KvLayout(**msg["layout"]), msg["token_ids"], data)
+                engine.add_request(rid, prompt, params, output_ids=[first], kv=kv)
+                beside = None
+                while engine.has_unfinished():
+                    for o in engine.step():
+                        outs[o.request_id] += o.new_token_ids
+                    if beside is None:
+                        beside = rid in engine.scheduler.restoring
+                reply({"tokens": outs[rid], "companion": outs["companion"], "solo": solo, "beside": beside})
             else:
                 reply({"error": f"unknown op {op!r}"})
         except Exception as exc:  # noqa: BLE001 - the parent reports it and goes on
@@ -1352,6 +1383,32 @@ def step_disagg(res: StepResult, plan: Plan, budget: Budget) -> None:
                 res.say(
                     f"target transfer >= 50% of device memcpy: {gbs / ref:.0%} "
                     f"({'met' if gbs >= ref / 2 else 'not met'})"
+                )
+        # the staged import once more, while another sequence decodes on the decode worker: written beside its
+        # step (the restore thread, on a GPU its own stream after the steps before it)
+        i = min(range(len(prompts)), key=lambda k: len(prompts[k]))
+        p = prompts[i]
+        if shm_fits(res, -(-len(p) // 16) * block, i, len(p)):
+            offer = prefill.call(120, op="prefill", rid="beside", prompt=p, mode="staged")
+            other = torch.randint(0, vocab, (8,), generator=g).tolist()
+            got = decode.call(
+                120, op="decode_beside", rid="beside", prompt=p, max_tokens=m, companion=other, **offer
+            )
+            prefill.call(60, op="release", rid="beside")
+            ok = got["tokens"] == want[i] and got["companion"] == got["solo"]
+            res.say(
+                f"staged import beside a decoding sequence: written beside its step: {got['beside']}; tokens "
+                f"{'equal' if ok else 'DIFFERENT'} to both runs alone"
+            )
+            res.data["import_beside"] = dict(beside=got["beside"], equal=ok)
+            if not ok:
+                res.fail(
+                    f"import beside a decoding sequence: imported {got['tokens']} (alone {want[i]}), the other "
+                    f"sequence {got['companion']} (alone {got['solo']})"
+                )
+            elif not got["beside"]:
+                res.fail(
+                    "import beside a decoding sequence: the KV was written before the step, not beside it"
                 )
     finally:
         for w in workers:

@@ -104,6 +104,9 @@ class EngineConfig:
     nvfp4_cache_dequantized: bool = False
     device: str = "auto"  # auto | cpu | cuda | cuda:N (engine/device.py); auto = CUDA when one is visible
     gpu_memory_utilization: float = 0.9  # share of the GPU's memory for weights + activations + KV blocks
+    # GPU: kept out of the KV plan for the KV device copies a prefill worker holds for device-direct readers
+    # (--kv-device-copy-bytes; services/kvtransfer/source.py)
+    kv_device_copy_bytes: int = 0
     enforce_eager: bool = False  # True: no CUDA graphs for decode steps
     attention_backend: str = "auto"  # one of ATTENTION_BACKENDS
     nvfp4_method: str = "rtn"  # how --quant nvfp4 picks scales and codes at load (nvfp4/methods.py)
@@ -114,8 +117,9 @@ class EngineConfig:
     # Blocks are kept in kv_tier2_codec.
     kv_disk_path: str = ""
     kv_disk_bytes: int = 0
-    # a request whose prefix comes back from a tier while others run waits a step while its blocks are written
-    # beside the step (a worker thread; a side stream on CUDA) instead of stalling the batch: docs/kv-tiers.md
+    # a request whose prefix comes back from a tier, or whose KV came from a prefill worker, while others run waits
+    # a step while its blocks are written beside the step (a worker thread; a side stream on CUDA) instead of
+    # stalling the batch: docs/kv-tiers.md
     kv_async_restore: bool = True
     extra: dict[str, Any] = field(default_factory=dict)
 
@@ -139,6 +143,8 @@ class EngineConfig:
             raise ValueError(f"block_size must be a positive power of two, got {self.block_size}")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
+        if self.kv_device_copy_bytes < 0:
+            raise ValueError(f"kv_device_copy_bytes must not be negative, got {self.kv_device_copy_bytes}")
         if self.attention_backend not in ATTENTION_BACKENDS:
             raise ValueError(
                 f"attention_backend must be one of {ATTENTION_BACKENDS}, got {self.attention_backend!r}"

@@ -67,13 +67,15 @@ class MemoryPlan:
     other_bytes: int  # in use on the device when this engine began: other processes, this process's context
     kv_budget_bytes: int
     kv_blocks: int
+    reserved_bytes: int = 0  # kept out of the KV cache for the KV device copies a prefill worker publishes
 
     def describe(self) -> str:
         return (
             f"GPU memory {self.total_bytes / GIB:.1f} GiB: weights {self.weights_bytes / GIB:.2f} GiB, "
             f"activation peak {self.activation_peak_bytes / GIB:.2f} GiB, in use before it "
-            f"{self.other_bytes / GIB:.2f} GiB "
-            f"-> KV cache {self.kv_blocks} blocks ({self.kv_budget_bytes / GIB:.2f} GiB)"
+            f"{self.other_bytes / GIB:.2f} GiB"
+            + (f", KV device copies {self.reserved_bytes / GIB:.2f} GiB" if self.reserved_bytes else "")
+            + f" -> KV cache {self.kv_blocks} blocks ({self.kv_budget_bytes / GIB:.2f} GiB)"
         )
 
 
@@ -90,24 +92,33 @@ def plan_kv_memory(
     activation_peak_bytes: int,
     block_bytes: int,
     in_use_at_start: int = 0,
+    reserved_bytes: int = 0,
 ) -> MemoryPlan:
     """KV blocks that fit in this engine's `utilization` of the device, vLLM's rule: what the engine itself has
     taken since it began (`in_use_at_start`, measured before its weights came: its weights, buffers and cached
     allocations) and the profiled activation peak of the largest step come out of `total x utilization`; what
     other processes held then does not, so workers sharing a GPU at 0.45 each both get their share whichever
-    plans first. Never more than is free now. Call it with the allocator's cache emptied, so that "in use" is
+    plans first. reserved_bytes (the KV device copies a prefill worker may keep for device-direct readers) come
+    out of it too. Never more than is free now. Call it with the allocator's cache emptied, so that "in use" is
     what is really held."""
     free, total = torch.cuda.mem_get_info(device)
     # at least what this process's allocator holds: weights built on the device before the engine began count
     own = max(total - free - in_use_at_start, torch.cuda.memory_reserved(device))
-    budget = min(int(total * utilization) - own, free) - activation_peak_bytes
+    budget = min(int(total * utilization) - own, free) - activation_peak_bytes - reserved_bytes
     blocks = max(0, budget // block_bytes)
     plan = MemoryPlan(
-        total, weights_bytes, activation_peak_bytes, in_use_at_start, blocks * block_bytes, blocks
+        total,
+        weights_bytes,
+        activation_peak_bytes,
+        in_use_at_start,
+        blocks * block_bytes,
+        blocks,
+        reserved_bytes,
     )
     if blocks < 1:
         raise DeviceUnavailableError(
             f"no GPU memory is left for the KV cache on {device}: {plan.describe()}, {free / GIB:.2f} GiB free; "
-            "raise --gpu-memory-utilization, lower --max-num-batched-tokens or use a smaller model"
+            "raise --gpu-memory-utilization, lower --max-num-batched-tokens or --kv-device-copy-bytes, or use a "
+            "smaller model"
         )
     return plan

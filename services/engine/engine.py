@@ -217,8 +217,9 @@ class LLMEngine:
             # on a GPU the cache takes what is left of --gpu-memory-utilization after weights and activations
             peak = self._profile_activation_bytes(loaded.config, cfg)
             plan = plan_kv_memory(
-                device, cfg.gpu_memory_utilization, self.weight_bytes, peak, per_block, in_use_at_start
-            )
+                device, cfg.gpu_memory_utilization, self.weight_bytes, peak, per_block, in_use_at_start,
+                cfg.kv_device_copy_bytes,
+            )  # fmt: skip
             num_blocks = plan.kv_blocks
             log.info("%s", plan.describe())
         scratch = 1 if device.type == "cuda" else 0
@@ -418,12 +419,20 @@ class LLMEngine:
         self._preemptions += len(decision.preempted)
         for g in decision.restored:
             self._write_restored(g)
+        if (decision.restoring or decision.importing) and self._restorer is None:
+            self._restorer = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="kv-restore")
+        if (decision.restoring or decision.importing) and self._restore_stream is not None:
+            # the side stream's writes come after what the device was asked to do before (with those blocks too)
+            self._restore_stream.wait_stream(torch.cuda.current_stream(self.device))
         for request_id, groups in decision.restoring:
-            if self._restorer is None:
-                self._restorer = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="kv-restore")
+            assert self._restorer is not None
             self._restore_jobs[request_id] = (self._restorer.submit(self._restore_job, groups), groups)
         for request_id in decision.imported:
             self._write_imported(request_id)
+        for request_id in decision.importing:  # its KV, written beside the step like a restore
+            assert self._restorer is not None
+            data, ids, nblocks = self._imported_payload(request_id)
+            self._restore_jobs[request_id] = (self._restorer.submit(self._import_job, ids, data, nblocks), [])
         if decision.empty:
             if self._restore_jobs:  # nothing else to run: wait for a restore, the next step runs its request
                 concurrent.futures.wait(
@@ -609,24 +618,24 @@ class LLMEngine:
 
     # ------------------------------------------------------------------------------------------ KV export/import
     def export_kv(self, request_id: str, num_tokens: int | None = None) -> KvExport:
-        """The KV of a live or held request's first num_tokens computed tokens (default: all computed)."""
-        req = self.requests.get(request_id)
-        if req is None:
-            raise KeyError(f"no live or held request {request_id!r}")
-        n = req.num_computed_tokens if num_tokens is None else num_tokens
-        if n > req.num_computed_tokens or n <= 0:
-            raise ValueError(
-                f"request {request_id!r} has {req.num_computed_tokens} computed tokens, asked for {n}"
-            )
-        data = self.export_kv_blocks(request_id, n)
-        # staged: device blocks come to host memory here, so every byte transport (TCP, shm, NIXL DRAM) works;
-        # on a GPU the device copy rides along for device-direct readers (cuda_ipc, NIXL VRAM)
-        return KvExport(self.kv_layout, req.all_ids[:n], staged_bytes(data), data if data.is_cuda else None)
+        """The KV of a live or held request's first num_tokens computed tokens (default: all computed), copied out
+        here, on the engine's thread. A worker copies off the thread instead: begin_export, then
+        ExportJob.copy_out elsewhere, then release_kv of the pin."""
+        job = self._export_job(request_id, num_tokens)
+        host, device = job.copy_out(keep_device=True, own_stream=False)
+        return KvExport(job.layout, job.token_ids, host, device)
 
-    def export_kv_blocks(self, request_id: str, num_tokens: int | None = None) -> torch.Tensor:
-        """The blocks covering a live or held request's first num_tokens computed tokens, copied out on the
-        engine's device: [n, layers, 2, kv_heads, block_size, head_dim] (the export order). A device-direct
-        transfer (CUDA IPC) shares this tensor; export_kv stages it to host bytes."""
+    def begin_export(self, pin_id: str, request_id: str, num_tokens: int | None = None) -> ExportJob:
+        """Pin a live or held request's blocks under pin_id and return the job that copies them out, to run on
+        another thread: the engine steps on meanwhile (a 32 k-token prompt's copy is hundreds of milliseconds
+        that no other request would step in), and the pin keeps the blocks from being freed and reused — by a
+        release of the request, its hold's expiry — before the copy has read them. release_kv(pin_id) once the
+        job is done."""
+        job = self._export_job(request_id, num_tokens)
+        self._pin(pin_id, job.block_ids)
+        return job
+
+    def _export_job(self, request_id: str, num_tokens: int | None) -> ExportJob:
         req = self.requests.get(request_id)
         if req is None:
             raise KeyError(f"no live or held request {request_id!r}")
@@ -636,7 +645,20 @@ class LLMEngine:
                 f"request {request_id!r} has {req.num_computed_tokens} computed tokens, asked for {n}"
             )
         nblocks = -(-n // self.kv.block_size)
-        return self.kv.read_blocks(self._h2d(req.block_ids[:nblocks]))
+        return ExportJob(self.kv, self.kv_layout, list(req.block_ids[:nblocks]), req.all_ids[:n])
+
+    def _pin(self, pin_id: str, block_ids: list[int]) -> None:
+        if pin_id in self._prefix_holds or pin_id in self.requests:
+            raise ValueError(f"hold id {pin_id!r} is already in use on this worker")
+        self.blocks.acquire(block_ids)
+        self._prefix_holds[pin_id] = list(block_ids)
+
+    def export_kv_blocks(self, request_id: str, num_tokens: int | None = None) -> torch.Tensor:
+        """The blocks covering a live or held request's first num_tokens computed tokens, copied out on the
+        engine's device: [n, layers, 2, kv_heads, block_size, head_dim] (the export order). A device-direct
+        transfer (CUDA IPC) shares this tensor; export_kv stages it to host bytes."""
+        job = self._export_job(request_id, num_tokens)
+        return self.kv.read_blocks(self._h2d(job.block_ids))
 
     # ------------------------------------------------------------------------------------------ prefix pulls
     def hold_cached_prefix(
@@ -663,13 +685,29 @@ class LLMEngine:
     def export_prefix(
         self, hold_id: str, hashes: Sequence[int], parent: int | None = None
     ) -> PrefixExport | None:
-        """Pin the longest cached run of `hashes` (hold_cached_prefix) and copy its blocks out: staged host bytes,
-        plus the device copy on a GPU. None (and no hold) when the pool has not even the first block."""
+        """Pin the longest cached run of `hashes` (hold_cached_prefix) and copy its blocks out, here on the
+        engine's thread: staged host bytes, plus the device copy on a GPU. None (and no hold) when the pool has
+        not even the first block. A worker copies off the thread: begin_prefix_export."""
+        job = self.begin_prefix_export(hold_id, hashes, parent)
+        if job is None:
+            return None
+        host, device = job.copy_out(keep_device=True, own_stream=False)
+        return PrefixExport(job.block_ids, list(hashes[: len(job.block_ids)]), host, device)
+
+    def begin_prefix_export(
+        self, hold_id: str, hashes: Sequence[int], parent: int | None = None
+    ) -> ExportJob | None:
+        """Pin the longest cached run of `hashes` under hold_id and return the job that copies it out on another
+        thread (the hold keeps the blocks until release_kv(hold_id); take a second pin for the copy itself if
+        the hold can be released meanwhile, as begin_export does). None (and no hold) when nothing is cached."""
         ids = self.hold_cached_prefix(hold_id, hashes, parent)
         if not ids:
             return None
-        data = self.kv.read_blocks(self._h2d(ids))
-        return PrefixExport(ids, list(hashes[: len(ids)]), staged_bytes(data), data if data.is_cuda else None)
+        return ExportJob(self.kv, self.kv_layout, ids, [])
+
+    def pin_held(self, pin_id: str, hold_id: str) -> None:
+        """A second pin on what hold_id pins, released by release_kv(pin_id): an off-thread copy's own."""
+        self._pin(pin_id, self._prefix_holds[hold_id])
 
     def import_prefix(
         self,
@@ -791,11 +829,27 @@ class LLMEngine:
 
     def _write_imported(self, request_id: str) -> None:
         """The scheduler just gave an importing request its blocks: copy the KV it brought into them."""
+        data, ids, nblocks = self._imported_payload(request_id)
+        self.kv.write_blocks(self._h2d(ids), self._payload_blocks(data, nblocks))
+
+    def _imported_payload(self, request_id: str) -> tuple[bytes | memoryview | torch.Tensor, list[int], int]:
+        """An admitted request's imported KV, the blocks it goes to and how many."""
         data = self._pending_kv.pop(request_id)
-        req = self.requests[request_id]
         size = data.numel() * data.element_size() if isinstance(data, torch.Tensor) else len(data)
         nblocks = size // self.kv.block_bytes
-        self.kv.write_blocks(self._h2d(req.block_ids[:nblocks]), self._payload_blocks(data, nblocks))
+        return data, list(self.requests[request_id].block_ids[:nblocks]), nblocks
+
+    def _import_job(
+        self, ids: list[int], data: bytes | memoryview | torch.Tensor, nblocks: int
+    ) -> list[float]:
+        """On the restore thread, beside the step: write an imported payload into its fresh blocks (on CUDA on the
+        restore stream, waited for here). No tier groups to time: []."""
+        stream = self._restore_stream
+        with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
+            self.kv.write_blocks(self._h2d(ids), self._payload_blocks(data, nblocks))
+            if stream is not None:
+                stream.synchronize()
+        return []
 
     def _check_payload_dtype(self, data: bytes | bytearray | memoryview | torch.Tensor) -> None:
         """A tensor payload holds blocks in the cache's dtype or their raw bytes (uint8); host bytes are raw."""
@@ -823,6 +877,10 @@ class LLMEngine:
         return src
 
 
+# a GPU export with no device copy kept goes to the host through this much at a time
+STAGE_CHUNK_BYTES = 64 << 20
+
+
 def staged_bytes(blocks: torch.Tensor) -> memoryview:
     """Freshly copied-out blocks (read_blocks) as host bytes for the byte transports: on a CPU the tensor's own
     memory (no copy: nothing else holds it); from a GPU one device-to-host copy into pinned memory, which the
@@ -830,10 +888,56 @@ def staged_bytes(blocks: torch.Tensor) -> memoryview:
     memory alive."""
     flat = blocks.reshape(-1).view(torch.uint8)
     if flat.device.type != "cpu":
-        host = torch.empty(flat.numel(), dtype=torch.uint8, pin_memory=True)
-        host.copy_(flat)  # synchronous: the bytes are there when this returns
+        with torch.cuda.device(flat.device):  # the pinned buffer's context is this GPU's, on any thread
+            host = torch.empty(flat.numel(), dtype=torch.uint8, pin_memory=True)
+            host.copy_(flat)  # synchronous: the bytes are there when this returns
         flat = host
     return bytes_of(flat)
+
+
+@dataclass
+class ExportJob:
+    """Blocks of the cache to copy out (begin_export / begin_prefix_export), in the export order. copy_out may
+    run on any thread while the engine steps: the blocks are pinned, so nothing writes them, and on a GPU its
+    copies run on a stream of their own that waits for the steps queued before it (those that wrote them)."""
+
+    kv: PagedKvCache
+    layout: KvLayout
+    block_ids: list[int]
+    token_ids: list[int]
+
+    @property
+    def nbytes(self) -> int:
+        return len(self.block_ids) * self.kv.block_bytes
+
+    def copy_out(self, keep_device: bool, own_stream: bool = True) -> tuple[memoryview, torch.Tensor | None]:
+        """The blocks as host bytes, and on a GPU with keep_device the whole device copy they came through (for
+        device-direct readers in other processes: cuda_ipc, NIXL VRAM). Without keep_device a GPU's blocks go to
+        one pinned host buffer STAGE_CHUNK_BYTES at a time, so the copy never takes more device memory than
+        that. own_stream=False copies on the current stream instead: for a device copy that this process's
+        current stream will read (the allocator would otherwise hand its memory to the side stream's next
+        allocation while that stream's reads are still queued)."""
+        kv = self.kv
+        if kv.device.type == "cpu":
+            return staged_bytes(kv.read_blocks(torch.tensor(self.block_ids, dtype=torch.long))), None
+        # a stream of its own, after everything queued so far (the steps that wrote these blocks): the gather
+        # and the copy to the host then overlap the engine's next steps instead of queuing ahead of them
+        stream = torch.cuda.current_stream(kv.device)
+        if own_stream:
+            side = torch.cuda.Stream(kv.device)
+            side.wait_stream(stream)
+            stream = side
+        with torch.cuda.device(kv.device), torch.cuda.stream(stream):
+            ids = torch.tensor(self.block_ids, dtype=torch.long, device=kv.device)
+            if keep_device:
+                data = kv.read_blocks(ids)
+                return staged_bytes(data), data
+            per, bb = max(1, STAGE_CHUNK_BYTES // kv.block_bytes), kv.block_bytes
+            host = torch.empty(len(self.block_ids) * bb, dtype=torch.uint8, pin_memory=True)
+            for i in range(0, len(self.block_ids), per):
+                part = kv.read_blocks(ids[i : i + per]).reshape(-1).view(torch.uint8)
+                host[i * bb : i * bb + part.numel()].copy_(part)
+            return bytes_of(host), None
 
 
 def _attention_backend(wanted: str, device: torch.device) -> str:

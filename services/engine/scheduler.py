@@ -11,7 +11,8 @@ tier, the blocks of a prefix that follow the primary pool's hit and sit in tier 
 they take freshly allocated blocks, count as cached tokens, and a disk tier continues the same run after tier 2
 (pool -> host -> disk). When the step has other work (`async_restore`), the request waits in `restoring` while the
 runner writes those blocks beside the step; `complete_restore` then caches them under their hashes and makes it
-running. With nothing else to run, the runner writes them before the step.
+running. With nothing else to run, the runner writes them before the step. A request admitted with imported KV
+does the same (`importing`): the running sequences do not wait for a long prompt's KV to be written.
 
 The scheduler's decision is a `SchedulerOutput`: plain data the runner executes and a log or test can read.
 """
@@ -102,6 +103,9 @@ class SchedulerOutput:
     restored: list[RestoreGroup] = field(default_factory=list)
     # requests now restoring, with their groups: write them beside the step, then complete_restore(request_id)
     restoring: list[tuple[str, list[RestoreGroup]]] = field(default_factory=list)
+    # admitted now with imported KV while the step has other work: write it beside the step, then
+    # complete_restore(request_id) (they wait in `restoring`, with no tier groups)
+    importing: list[str] = field(default_factory=list)
 
     @property
     def empty(self) -> bool:
@@ -141,6 +145,7 @@ class Scheduler:
         imported: list[str] = []
         restored: list[RestoreGroup] = []
         restoring: list[tuple[str, list[RestoreGroup]]] = []
+        importing: list[str] = []
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
@@ -182,6 +187,11 @@ class Scheduler:
                 req.block_ids = self.blocks.allocate(need)
                 req.num_computed_tokens = start
                 req.import_tokens = req.import_blocks = 0
+                if self.async_restore and chunks:  # the step has other work: its KV is written beside it
+                    req.status = RequestStatus.RESTORING
+                    self.restoring[req.request_id] = (req, [])
+                    importing.append(req.request_id)
+                    continue
                 req.status = RequestStatus.RUNNING
                 self.running.append(req)
                 imported.append(req.request_id)
@@ -246,7 +256,7 @@ class Scheduler:
             chunks.append(ScheduledChunk(req.request_id, start, n, start + n == req.num_tokens))
             budget -= n
         return SchedulerOutput(
-            chunks, preempted, self.max_num_batched_tokens - budget, imported, restored, restoring
+            chunks, preempted, self.max_num_batched_tokens - budget, imported, restored, restoring, importing
         )
 
     def complete_restore(self, request_id: str) -> Request:

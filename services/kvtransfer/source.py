@@ -17,6 +17,7 @@ import json
 import logging
 import os
 import socket
+import threading
 import time
 import uuid
 from collections.abc import Callable
@@ -72,6 +73,7 @@ class _Publication:
     # (or the publication goes), as it sits in GPU memory outside the cache's plan; later readers get the host
     # bytes
     device_copy: Any = None
+    device_bytes: int = 0  # what device_copy counts against config.device_copy_bytes
     nixl_dev_reg: Any = None  # the device copy's NIXL registration and its metadata
     nixl_dev_md: bytes = b""
     pins: int = 0
@@ -97,6 +99,8 @@ class KvSource:
         self._progress: asyncio.Task[None] | None = None
         self._closed = False
         self._warned_device = False
+        self._device_lock = threading.Lock()  # publishing threads take, the loop gives back
+        self._device_bytes = 0  # held by publications' device copies
         self._serials = (f"{uuid.uuid4().hex[:12]}-{n}" for n in itertools.count(1))
         self.node_id = node_id()
         host, port = listener.getsockname()[:2]
@@ -129,6 +133,28 @@ class KvSource:
         if self._nixl is not None:
             out[NIXL] = self._nixl.name
         return out
+
+    def device_room(self, nbytes: int) -> bool:
+        """Whether a device copy of nbytes could be kept for device-direct readers now: a backend that reads one is
+        open (cuda_ipc, NIXL) and it fits in config.device_copy_bytes beside those held. A worker asks before it
+        makes the copy; publish takes the room (or, past it by then, offers the host bytes only)."""
+        if CUDA_IPC not in self.config.backends and self._nixl is None:
+            return False
+        cap = self.config.device_copy_bytes
+        with self._device_lock:
+            return cap is None or self._device_bytes + nbytes <= cap
+
+    def device_bytes_held(self) -> int:
+        return self._device_bytes
+
+    def _take_device(self, pub: _Publication, nbytes: int) -> bool:
+        cap = self.config.device_copy_bytes
+        with self._device_lock:
+            if cap is not None and self._device_bytes + nbytes > cap:
+                return False
+            self._device_bytes += nbytes
+        pub.device_bytes = nbytes
+        return True
 
     def live_keys(self) -> list[str]:
         return list(self._pubs)
@@ -276,25 +302,32 @@ class KvSource:
         backends = {TCP: self.endpoint}
         if pub.segment is not None:
             backends[SHM] = self.node_id
-        device_handle = ""
-        if CUDA_IPC in self.config.backends and getattr(device_payload, "is_cuda", False):
+        if self._nixl is not None and len(view) > 0:
+            pub.addr = buffers.address_of(view)
+            pub.nixl_reg, pub.nixl_md = self._nixl.submit(self._nixl.register, pub.addr, len(view)).result()
+            backends[NIXL] = self._nixl.name
+        device_handle = nixl_device = ""
+        if device_payload is None or device_payload.numel() == 0:
+            return backends, device_handle, nixl_device
+        if not device_payload.is_contiguous():
+            raise ValueError(f"{key}: device_payload must be contiguous")
+        nbytes = device_payload.numel() * device_payload.element_size()
+        if nbytes != pub.raw_size:
+            raise ValueError(f"{key}: device_payload has {nbytes} bytes, the payload {pub.raw_size}")
+        ipc = CUDA_IPC in self.config.backends and getattr(device_payload, "is_cuda", False)
+        if not (ipc or self._nixl is not None):
+            return backends, device_handle, nixl_device
+        if not self._take_device(pub, nbytes):  # past the budget: readers get the host bytes
+            log.debug("%s: no room for its %d-byte device copy; offered as host bytes", key, nbytes)
+            return backends, device_handle, nixl_device
+        if ipc:
             from services.kvtransfer import cuda_ipc
 
             device_handle = json.dumps(cuda_ipc.describe(device_payload), separators=(",", ":"))
             pub.device_copy = device_payload
             backends[CUDA_IPC] = self.node_id
-        if self._nixl is not None and len(view) > 0:
-            pub.addr = buffers.address_of(view)
-            pub.nixl_reg, pub.nixl_md = self._nixl.submit(self._nixl.register, pub.addr, len(view)).result()
-            backends[NIXL] = self._nixl.name
-        nixl_device = ""
-        if self._nixl is not None and device_payload is not None and device_payload.numel() > 0:
-            if not device_payload.is_contiguous():
-                raise ValueError(f"{key}: device_payload must be contiguous to be registered with NIXL")
+        if self._nixl is not None:
             nixl_device = str(device_payload.device)
-            nbytes = device_payload.numel() * device_payload.element_size()
-            if nbytes != pub.raw_size:
-                raise ValueError(f"{key}: device_payload has {nbytes} bytes, the payload {pub.raw_size}")
             try:
                 pub.nixl_dev_reg, pub.nixl_dev_md = self._nixl.submit(
                     self._nixl.register, device_payload.data_ptr(), nbytes, memory_of(nixl_device)
@@ -307,7 +340,14 @@ class KvSource:
                     )
                     self._warned_device = True
                 nixl_device = ""
+        if pub.device_copy is None:  # nothing keeps it: its room goes back
+            self._give_device(pub)
         return backends, device_handle, nixl_device
+
+    def _give_device(self, pub: _Publication) -> None:
+        with self._device_lock:
+            self._device_bytes -= pub.device_bytes
+        pub.device_bytes = 0
 
     def retract(self, key: str) -> None:
         """Stop serving `key` (the consumer acknowledged, or the request ended); memory is freed once no reader
@@ -336,6 +376,8 @@ class KvSource:
         holds it and NIXL has let it go."""
         device_copy, dev_reg = pub.device_copy, pub.nixl_dev_reg
         pub.device_copy = pub.nixl_dev_reg = None
+        if pub.device_bytes:
+            self._give_device(pub)
         if dev_reg is not None and self._nixl is not None and not self._nixl.closed:
             nixl = self._nixl
 

@@ -60,6 +60,9 @@ class TransferConfig:
     tcp_chunk_bytes: int = 4 << 20
     socket_buffer_bytes: int = 4 << 20
     max_pin_s: float = 60.0  # a consumer holding a key longer than this loses its pin
+    # Source: device memory the device copies of publications (for cuda_ipc and NIXL VRAM readers) may take at
+    # once; a publication past it is offered as host bytes only. None: no limit.
+    device_copy_bytes: int | None = None
     control_idle_s: float = 30.0  # a control connection idle this long between pulls is closed (both sides)
 
     def __post_init__(self) -> None:

@@ -40,6 +40,7 @@ from typing import Any
 import grpc
 from opentelemetry import trace
 
+from services.engine.engine import ExportJob, LLMEngine
 from services.kvtransfer import KvSink, KvSource, TransferConfig
 from services.rpc import pb, pb_grpc
 from services.runtime import wire
@@ -48,6 +49,7 @@ from services.runtime.args import (
     add_flag,
     add_kv_transfer_arguments,
     add_service_arguments,
+    kv_device_copy_bytes,
 )
 from services.runtime.async_engine import ENGINE_STUCK_S, AsyncEngine
 from services.runtime.channels import ChannelPool
@@ -60,6 +62,12 @@ from services.runtime.worker import EngineWorker, run_engine_worker
 from services.telemetry import metrics, tracing
 
 log = logging.getLogger("rackserve.prefill")
+
+
+def _copy_pin(hold_id: str) -> str:
+    """The engine-side pin an off-thread KV copy holds (a NUL cannot be in a request or hold id)."""
+    return f"{hold_id}\x00copy"
+
 
 ROLE = "prefill"
 SERVICE_NAME = "rackserve.v1.PrefillWorker"
@@ -94,6 +102,8 @@ class PrefillWorker(EngineWorker, pb_grpc.PrefillWorkerServicer):
         self.kv_compress = kv_compress
         self._expiry: dict[str, asyncio.TimerHandle] = {}  # request id -> the timer that frees its held KV
         self._expiring = BackgroundTasks()
+        # KV copies off the engine thread (a cancelled call's runs to its end)
+        self._copies = BackgroundTasks()
         for outcome in ("held", "empty"):
             metrics.PREFIX_EXPORTS.labels(outcome)
 
@@ -181,19 +191,20 @@ class PrefillWorker(EngineWorker, pb_grpc.PrefillWorkerServicer):
         # the deadline starts before any await, so the blocks are freed even if this call dies from here on
         expires_unix_ms = self._hold(request_id)
         try:
-            block_ids, export = await self.engine.call(
-                lambda e: (list(e.requests[request_id].block_ids), e.export_kv(request_id))
+            pin = _copy_pin(request_id)
+            block_ids, job = await self.engine.call(
+                lambda e: (list(e.requests[request_id].block_ids), e.begin_export(pin, request_id))
             )
+            host_bytes, device_copy = await self._copy_out(job, pin)
             layout = self.facts.kv_layout
-            assert isinstance(export.data, bytes | memoryview)  # export_kv stages to host bytes
             ticket = await self.source.publish(
                 request_id,
-                export.data,
+                host_bytes,
                 self.kv_max_hold_s,  # our own timer (_hold) retracts it first; this is the backstop
                 compress=self.kv_compress,
                 kv_dtype=wire.KV_DTYPE_NAMES[layout.dtype],
                 head_dim=layout.head_dim,
-                device_payload=export.device_blocks,  # GPU caches: offered to same-node readers (cuda_ipc)
+                device_payload=device_copy,  # GPU caches: offered to device-direct readers (cuda_ipc, NIXL)
             )
         except BaseException:
             await self._release(request_id)  # nothing will be pulled; free the blocks now, not at the TTL
@@ -201,8 +212,8 @@ class PrefillWorker(EngineWorker, pb_grpc.PrefillWorkerServicer):
         kv = wire.kv_handle(
             layout,
             request_id,
-            block_ids[: export.num_blocks],
-            len(export.token_ids),
+            block_ids[: len(job.block_ids)],
+            len(job.token_ids),
             self.host.worker_id,
             self.host.epoch_ms,
             expires_unix_ms,
@@ -228,8 +239,16 @@ class PrefillWorker(EngineWorker, pb_grpc.PrefillWorkerServicer):
         with tracing.server_span("export_prefix", request_meta(context).traceparent, hold_id) as span:
             # the deadline starts before any await, so the blocks are freed even if this call dies from here on
             expires_unix_ms = self._hold(hold_id, min(ttl_s, self.kv_max_hold_s))
+            pin = _copy_pin(hold_id)
+
+            def begin(e: LLMEngine) -> ExportJob | None:
+                job = e.begin_prefix_export(hold_id, hashes)
+                if job is not None:  # the hold can be released (Release, its TTL) while the copy reads
+                    e.pin_held(pin, hold_id)
+                return job
+
             try:
-                export = await self.engine.call(lambda e: e.export_prefix(hold_id, hashes))
+                export = await self.engine.call(begin)
             except ValueError:  # the id names a request or hold of the engine's: nothing here is ours to free
                 self._held_since.pop(hold_id, None)
                 timer = self._expiry.pop(hold_id, None)
@@ -251,15 +270,16 @@ class PrefillWorker(EngineWorker, pb_grpc.PrefillWorkerServicer):
                 metrics.PREFIX_EXPORTS.labels("empty").inc()
                 return pb.ExportPrefixResponse()
             try:
+                host_bytes, device_copy = await self._copy_out(export, pin)
                 layout = self.facts.kv_layout
                 ticket = await self.source.publish(
                     hold_id,
-                    export.data,
+                    host_bytes,
                     self.kv_max_hold_s,  # _hold's timer retracts it first; this is the backstop
                     compress=self.kv_compress,
                     kv_dtype=wire.KV_DTYPE_NAMES[layout.dtype],
                     head_dim=layout.head_dim,
-                    device_payload=export.device_blocks,
+                    device_payload=device_copy,
                 )
             except BaseException:
                 await self._release(hold_id)
@@ -313,6 +333,24 @@ class PrefillWorker(EngineWorker, pb_grpc.PrefillWorkerServicer):
         timer.cancel()
         self._expiry[request.request_id] = self._expire_at(request.request_id, until_s)
         return pb.ExtendHoldResponse(held=True, expires_unix_ms=int(until_s * 1000))
+
+    async def _copy_out(self, job: ExportJob, pin: str) -> tuple[memoryview, Any]:
+        """Copy the pinned blocks out off the engine's thread (it steps other requests meanwhile), then unpin
+        them. A device copy is kept for device-direct readers only where the source has room for it. Cancelled,
+        the copy still finishes before the pin goes: the blocks are never freed under it."""
+        keep = job.kv.device.type != "cpu" and self.source.device_room(job.nbytes)
+        loop = asyncio.get_running_loop()
+
+        async def copy_then_unpin() -> tuple[memoryview, Any]:
+            try:
+                return await asyncio.shield(loop.run_in_executor(None, job.copy_out, keep))
+            finally:
+                try:
+                    await self.engine.release(pin)
+                except Exception as exc:  # an engine shutting down frees everything anyway
+                    log.debug("unpinning %s: %s", pin, exc)
+
+        return await asyncio.shield(self._copies.spawn(copy_then_unpin(), name=f"copy {pin}"))
 
     async def _release(self, request_id: str) -> None:
         self._held_since.pop(request_id, None)
@@ -381,7 +419,11 @@ def pull_attributes(span: trace.Span, pull: PullResult) -> None:
 
 
 async def serve(args: argparse.Namespace) -> None:
-    source = await KvSource.start(TransferConfig(backends=tuple(args.kv_backends), host=args.host))
+    source = await KvSource.start(
+        TransferConfig(
+            backends=tuple(args.kv_backends), host=args.host, device_copy_bytes=kv_device_copy_bytes(args)
+        )
+    )
     # a prefill worker pulls too: the prefix blocks a plan's PrefixPull names, from a peer's KvSource
     sink = await KvSink.start(
         TransferConfig(

@@ -25,6 +25,8 @@ from services.engine.config import (
 
 ENV_PREFIX = "RACKSERVE_"
 TOPOLOGY_LABELS = ("node", "rack", "zone")
+# 16 k tokens of an 8B model's bf16 KV in flight to device-direct readers
+DEFAULT_KV_DEVICE_COPY_BYTES = 2 << 30
 
 
 def env_name(flag: str) -> str:
@@ -130,7 +132,8 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
              "survive a restart of the same model (docs/kv-tiers.md)")  # fmt: skip
     add_flag(g, "--kv-disk-bytes", 0, "disk bytes the KV disk tier may take (0: off; needs --kv-disk-path)",
              _non_negative_int)  # fmt: skip
-    switch(g, "--no-kv-async-restore", "write blocks restored from a KV tier before the step, not beside it")
+    switch(g, "--no-kv-async-restore", "write blocks restored from a KV tier, and KV imported from a prefill "
+           "worker, before the step, not beside it")  # fmt: skip
     add_flag(g, "--threads", 1, "torch CPU threads for this worker (0: torch's default)", int)
     switch(g, "--no-cpu-kernels", "run the model on plain torch ops instead of the fused CPU kernels")
     add_flag(g, "--device", "auto", "where the engine computes: auto (CUDA when visible), cpu, cuda or cuda:N; "
@@ -184,6 +187,9 @@ def add_kv_transfer_arguments(parser: argparse.ArgumentParser, role: str) -> Non
     )  # fmt: skip
     if role == "prefill":
         add_flag(g, "--kv-compress", "none", "transfer-only KV compression", choices=("none", "fp8", "nvfp4"))
+        add_flag(g, "--kv-device-copy-bytes", DEFAULT_KV_DEVICE_COPY_BYTES, "GPU: device memory for the KV copies "
+                 "kept for device-direct readers (cuda_ipc, NIXL VRAM) until one has read them, taken out of the KV "
+                 "cache's plan; past it readers get the host bytes (0: none kept)", _non_negative_int)  # fmt: skip
     if role in ("decode", "prefill"):  # a prefill worker pulls too: a peer's prefix blocks (PrefixPull)
         add_flag(
             g, "--kv-backend-preference", ("cuda_ipc", "shm", "nixl", "tcp"),
@@ -234,9 +240,18 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         cpu_kernels=not args.no_cpu_kernels,
         device=args.device,
         gpu_memory_utilization=args.gpu_memory_utilization,
+        kv_device_copy_bytes=kv_device_copy_bytes(args),
         enforce_eager=args.enforce_eager,
         attention_backend=args.attention_backend,
     )
+
+
+def kv_device_copy_bytes(args: argparse.Namespace) -> int:
+    """A prefill worker's budget for KV device copies, when a device-direct backend can use them (else 0)."""
+    backends = getattr(args, "kv_backends", ())
+    if "cuda_ipc" not in backends and "nixl" not in backends:
+        return 0
+    return int(getattr(args, "kv_device_copy_bytes", 0))
 
 
 def model_path(args: argparse.Namespace) -> str:

@@ -203,3 +203,31 @@ def test_rackserve_up_leaves_a_gpu_workers_cache_to_its_memory_plan():
     assert config(["--device", "cuda:1", "--kv-cache-bytes", str(8 << 30)]).kv_cache_bytes == 8 << 30
     assert config(["--device", "cpu"]).kv_cache_bytes == 256 << 20
     assert config([]).kv_cache_bytes == (0 if torch.cuda.is_available() else 256 << 20)  # auto
+
+
+def test_a_prefill_workers_kv_device_copies_come_out_of_its_cache_plan(monkeypatch):
+    """The device copies a GPU prefill worker keeps for cuda_ipc and NIXL VRAM readers get their room
+    (--kv-device-copy-bytes, 2 GiB unless set) out of the KV plan, not from memory the plan gave the cache: a
+    worker with only host backends, and every decode worker, keeps none and plans none."""
+    import argparse
+
+    from services.engine.device import plan_kv_memory
+    from services.runtime.args import add_engine_arguments, add_kv_transfer_arguments, engine_config
+
+    gpu = FakeGpu()
+    gpu.install(monkeypatch)
+    gpu.used = gpu.reserved = 16 * GIB
+    plan = plan_kv_memory(torch.device("cuda"), 0.5, 16 * GIB, 2 * GIB, GIB, gpu.used, reserved_bytes=3 * GIB)
+    assert plan.kv_budget_bytes == (40 - 16 - 2 - 3) * GIB and "KV device copies 3.00 GiB" in plan.describe()
+
+    def reserve(role: str, argv: list[str]) -> int:
+        parser = argparse.ArgumentParser()
+        add_engine_arguments(parser)
+        add_kv_transfer_arguments(parser, role)
+        return engine_config(parser.parse_args(argv)).kv_device_copy_bytes
+
+    assert reserve("prefill", []) == 2 << 30
+    assert reserve("prefill", ["--kv-device-copy-bytes", str(1 << 30)]) == 1 << 30
+    assert reserve("prefill", ["--kv-backends", "tcp,shm"]) == 0  # nobody could read a device copy
+    assert reserve("prefill", ["--kv-backends", "tcp,cuda_ipc"]) == 2 << 30
+    assert reserve("decode", []) == 0

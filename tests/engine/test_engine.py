@@ -185,6 +185,37 @@ def test_kv_export_import_continues_exactly_like_never_moving():
     assert prefill.stats().free_blocks == prefill.stats().total_blocks
 
 
+def test_an_export_copied_off_the_engine_thread_is_the_requests_kv_even_when_its_blocks_are_released_meanwhile():
+    """A prefill worker copies a request's KV out on another thread while the engine steps on. The pin taken by
+    begin_export keeps the blocks from being freed and refilled by other prompts — a release of the request, its
+    hold's expiry — until the copy has read them: the bytes are the request's own."""
+    import threading
+
+    p = prompts(3)[2]
+    e = engine(num_kv_blocks=12, enable_prefix_caching=False)
+    e.add_request("r", p, SamplingParams(max_tokens=1, temperature=0), hold_kv=True)
+    e.step()
+    want = bytes(e.export_kv("r").data)
+    job = e.begin_export("r\x00copy", "r")
+    e.release_kv("r")  # the hold expires before the copy runs
+    assert e.stats().free_blocks == 12 - 4  # the pin keeps the request's 4 blocks
+    others = prompts(2, lengths=(16,))  # 4 blocks each: every free block, with their own KV
+    for i, q in enumerate(others):
+        e.add_request(f"o{i}", q, SamplingParams(max_tokens=1, temperature=0), hold_kv=True)
+    while e.has_unfinished():
+        e.step()
+    assert e.stats().free_blocks == 0
+    out: list[bytes] = []
+    copier = threading.Thread(target=lambda: out.append(bytes(job.copy_out(keep_device=False)[0])))
+    copier.start()
+    copier.join(30)
+    assert out == [want]
+    e.release_kv("r\x00copy")
+    for i in range(2):
+        e.release_kv(f"o{i}")
+    assert e.stats().free_blocks == 12
+
+
 def test_kv_import_refuses_another_layout_or_model():
     p = prompts(3)[2]  # 4 blocks of 4
     src = engine()

@@ -1,7 +1,7 @@
 """Restores written beside the step: a request whose prefix comes back from tier 2 while another sequence decodes
 waits while its blocks are written on the restore thread, and the other sequence keeps stepping. Both get the
 tokens they get alone, the restored blocks become cached prefix blocks only once written, and an abort in the
-middle of a restore leaks nothing."""
+middle of a restore leaks nothing. KV imported from a prefill worker is written the same way."""
 
 from __future__ import annotations
 
@@ -173,3 +173,64 @@ def test_the_switch_reaches_a_worker_from_its_flag_its_env_and_the_chart(
     add_arguments(up)
     for argv, on in (([], True), (["--no-kv-async-restore"], False)):
         assert worker(engine_flags(up.parse_args(argv))).kv_async_restore is on, argv
+
+
+# --- KV imported from a prefill worker: written beside the step too ---
+def prefilled_a() -> tuple[int, object]:
+    """A's first token and its KV, from a prefill engine (what a decode worker pulls)."""
+    p = engine(num_kv_blocks=256)
+    p.add_request("a", A, SamplingParams(max_tokens=1, temperature=0, ignore_eos=True), hold_kv=True)
+    [first] = p.step()
+    return first.new_token_ids[0], p.export_kv("a")
+
+
+def start_x_then_import_a(e: LLMEngine) -> dict[str, list[int]]:
+    first, kv = prefilled_a()
+    out: dict[str, list[int]] = {"x": [], "a": [first]}
+    e.add_request("x", X, LONG)
+    for o in e.step():  # x's prefill: it is decoding when A's KV arrives
+        out[o.request_id] += o.new_token_ids
+    e.add_request("a", A, GREEDY, output_ids=[first], kv=kv)  # type: ignore[arg-type]
+    return out
+
+
+def test_an_import_beside_a_decoding_sequence_gives_both_their_solo_tokens(
+    solo: tuple[list[int], list[int]],
+) -> None:
+    """A decode worker given a long prompt's KV while it streams other sequences writes that KV on the restore
+    thread beside the step: the other sequence gets its token in that step instead of waiting for the write, and
+    the imported request continues exactly as the prompt's own run."""
+    e = engine(num_kv_blocks=64)
+    out = start_x_then_import_a(e)
+    got = e.step()
+    assert [o.request_id for o in got] == ["x"]  # x stepped; a's KV was being written beside it
+    out["x"] += got[0].new_token_ids
+    assert "a" in e.scheduler.restoring
+    run(e, out)
+    assert out == {"a": solo[0], "x": solo[1]}
+    assert e.stats().free_blocks == 64
+
+
+def test_with_async_restore_off_an_import_is_written_before_the_step(
+    solo: tuple[list[int], list[int]],
+) -> None:
+    e = engine(num_kv_blocks=64, kv_async_restore=False)
+    out = start_x_then_import_a(e)
+    got = e.step()
+    assert sorted(o.request_id for o in got) == ["a", "x"]  # written first, then both stepped
+    for o in got:
+        out[o.request_id] += o.new_token_ids
+    assert run(e, out) == {"a": solo[0], "x": solo[1]}
+
+
+def test_aborting_an_importing_request_leaks_no_block(solo: tuple[list[int], list[int]]) -> None:
+    e = engine(num_kv_blocks=64)
+    out = start_x_then_import_a(e)
+    for o in e.step():
+        out[o.request_id] += o.new_token_ids
+    assert "a" in e.scheduler.restoring
+    e.abort("a")
+    assert "a" not in e.scheduler.restoring and "a" not in e.requests
+    run(e, out)
+    assert out["x"] == solo[1]
+    assert e.stats().free_blocks == 64

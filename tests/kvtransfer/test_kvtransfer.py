@@ -813,6 +813,29 @@ def test_the_device_copy_goes_once_a_device_reader_has_it_and_later_readers_get_
 
 
 @needs_nixl
+@pytest.mark.cluster
+def test_device_copies_past_the_budget_are_offered_as_host_bytes_and_room_returns_once_one_is_read() -> None:
+    """A producer keeps device copies only within --kv-device-copy-bytes (the room its GPU's KV plan left for
+    them): a publication past it is offered as host bytes alone, which its device readers then get, the same
+    payload; once a device reader has finished with a kept copy, its room takes the next publication's."""
+    p = Producer(config=TransferConfig(device_copy_bytes=3 * MiB))
+    try:
+        kept = p.publish_device("kept", 2 * MiB, seed=11)
+        assert kept.nixl_device == "cpu"
+        over = p.publish_device("over", 2 * MiB, seed=12)  # 4 MiB of copies would not fit in 3
+        assert over.nixl_device == ""
+        got = pull(over, NIXL, device="cpu")
+        assert not got.device_direct and bytes(got.data) == kv_floats(2 * MiB, 12)
+        first = pull(kept, NIXL, device="cpu")  # its device copy goes once read: its room with it
+        assert first.device_direct and first.data.numpy().tobytes() == kv_floats(2 * MiB, 11)
+        after = p.publish_device("after", 2 * MiB, seed=13)
+        assert after.nixl_device == "cpu"
+        assert pull(after, NIXL, device="cpu").data.numpy().tobytes() == kv_floats(2 * MiB, 13)
+    finally:
+        p.stop()
+
+
+@needs_nixl
 @pytest.mark.skipif(not _cuda(), reason="needs a CUDA device")
 def test_nixl_reads_vram_gpu_to_gpu(producer: Producer) -> None:
     """Where NIXL and a GPU meet: the producer's copy in VRAM, READ into the reader's VRAM."""

@@ -62,6 +62,8 @@ def test_cpu_smoke_run_passes_every_step_and_writes_the_report(tmp_path):
 
     staged = steps["step 4"]["data"]["staged"]
     assert staged["equal"] == staged["prompts"] == 8 and staged["largest_bytes"] > 0
+    # the import once more while another sequence decodes: written beside its step, both as they run alone
+    assert steps["step 4"]["data"]["import_beside"] == {"beside": True, "equal": True}
     md = (tmp_path / "gpu_check.md").read_text()
     assert "| model | format | phase | batch / tokens | engine tok/s |" in md
     assert "CUDA IPC path: skipped, it needs CUDA" in md
