@@ -29,6 +29,7 @@ from typing import Any
 
 import torch
 
+from bench.report import publish, wait_rows
 from services.engine.engine import ExportJob, staged_bytes
 from services.engine.kv_cache import BlockManager
 from services.engine.model import PagedKvCache
@@ -120,15 +121,8 @@ def main(argv: list[str] | None = None) -> int:
         "the copy | ratio | the step's wait, before / now ms |",
         "|---|---|---|---|---|---|---|",
     ]
-    for tokens, mib, m in rows:
-        lines.append(
-            f"| {tokens:,} | {mib:.0f} | {m['alone']:.1f} | {m['before']:.1f} | {m['now']:.1f} | "
-            f"x{m['now'] / m['before']:.2f} | {m['before'] - m['alone']:.1f} / {m['now'] - m['alone']:.1f} |"
-        )
-    text = "\n".join(lines) + "\n"
-    print(text)
-    RESULTS.parent.mkdir(parents=True, exist_ok=True)
-    RESULTS.write_text(text)
+    lines += wait_rows(rows, "now")
+    publish(lines, RESULTS.name)
     return 0
 
 

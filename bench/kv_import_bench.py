@@ -26,6 +26,7 @@ from pathlib import Path
 
 import torch
 
+from bench.report import publish, wait_rows
 from services.engine.config import EngineConfig
 from services.engine.engine import KvExport, LLMEngine
 from services.engine.host_bytes import bytes_of
@@ -93,15 +94,8 @@ def main(argv: list[str] | None = None) -> int:
         "| ratio | the streams' extra wait, before / now ms |",
         "|---|---|---|---|---|---|---|",
     ]
-    for tokens, mib, m in rows:
-        lines.append(
-            f"| {tokens:,} | {mib:.0f} | {m['alone']:.1f} | {m['before']:.1f} | {m['beside']:.1f} | "
-            f"x{m['beside'] / m['before']:.2f} | {m['before'] - m['alone']:.1f} / {m['beside'] - m['alone']:.1f} |"
-        )
-    text = "\n".join(lines) + "\n"
-    print(text)
-    RESULTS.parent.mkdir(parents=True, exist_ok=True)
-    RESULTS.write_text(text)
+    lines += wait_rows(rows, "beside")
+    publish(lines, RESULTS.name)
     return 0
 
 

@@ -38,6 +38,7 @@ from types import SimpleNamespace
 
 import torch
 
+from bench.report import publish
 from services.engine.engine import staged_bytes
 from services.engine.model import PagedKvCache
 from services.kvtransfer import shm
@@ -138,10 +139,7 @@ def main(argv: list[str] | None = None) -> int:
             before, now = m[f"{k}_before"], m[f"{k}_now"]
             cells += [f"{before:.1f}", f"{now:.1f}", f"x{now / before:.2f}"]
         lines.append("| " + " | ".join([*cells, f"{saved:.1f}"]) + " |")
-    text = "\n".join(lines) + "\n"
-    print(text)
-    RESULTS.parent.mkdir(parents=True, exist_ok=True)
-    RESULTS.write_text(text)
+    publish(lines, RESULTS.name)
     return 0
 
 

@@ -37,6 +37,7 @@ from typing import Any
 
 import numpy as np
 
+from bench.report import publish
 from services.kvtransfer import NIXL, SHM, TCP, KvSink, KvSource, TransferConfig, TransferTicket
 from services.kvtransfer.buffers import hugepage_buffer
 
@@ -280,10 +281,7 @@ def main() -> None:
         "|---|---|---|---|---|---|---|",
         *compression_rows(),
     ]
-    text = "\n".join(lines) + "\n"
-    print(text)
-    RESULTS.parent.mkdir(parents=True, exist_ok=True)
-    RESULTS.write_text(text)
+    publish(lines, RESULTS.name)
 
 
 if __name__ == "__main__":
