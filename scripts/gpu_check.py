@@ -1144,9 +1144,11 @@ def worker_main(role: str, spec: dict[str, Any]) -> int:
                     # its own, to pinned host memory 64 MiB at a time), unpin
                     pin = f"{rid}\x00copy"
                     job = engine.begin_export(pin, rid)
-                    with ThreadPoolExecutor(1) as copier:
-                        data, _ = copier.submit(job.copy_out, False).result()
-                    engine.release_kv(pin)
+                    try:
+                        with ThreadPoolExecutor(1) as copier:
+                            data, _ = copier.submit(job.copy_out, False).result()
+                    finally:
+                        engine.release_kv(pin)
                     shm = shared_memory.SharedMemory(create=True, size=len(data))
                     shm.buf[: len(data)] = data
                     r |= {"export_s": time.perf_counter() - t0, "shm": shm.name, "nbytes": len(data)}

@@ -21,7 +21,7 @@ import os
 import time
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -278,6 +278,7 @@ class LLMEngine:
         # restores written beside the step: one worker thread (and a side stream on CUDA), jobs by request id
         self._restorer: concurrent.futures.ThreadPoolExecutor | None = None
         self._restore_stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+        self._export_stream: torch.cuda.Stream | None = None  # copies of exports off the engine thread (GPU)
         self._restore_jobs: dict[str, tuple[concurrent.futures.Future[list[float]], list[RestoreGroup]]] = {}
         self.requests: dict[str, Request] = {}
         self.kv_layout = KvLayout(
@@ -633,6 +634,17 @@ class LLMEngine:
         job is done."""
         job = self._export_job(request_id, num_tokens)
         self._pin(pin_id, job.block_ids)
+        return self._off_thread(job)
+
+    def _off_thread(self, job: ExportJob) -> ExportJob:
+        """On a GPU, the stream a copy off the engine thread runs on (one per engine: a stream per copy would
+        strand freed memory in the allocator's per-stream pools) and the point of this thread's stream it must
+        come after (the steps that wrote the blocks; not the ones queued later)."""
+        if self.device.type == "cuda":
+            if self._export_stream is None:
+                self._export_stream = torch.cuda.Stream(self.device)
+            job.stream, job.ready = self._export_stream, torch.cuda.Event()
+            job.ready.record(torch.cuda.current_stream(self.device))
         return job
 
     def _export_job(self, request_id: str, num_tokens: int | None) -> ExportJob:
@@ -703,7 +715,7 @@ class LLMEngine:
         ids = self.hold_cached_prefix(hold_id, hashes, parent)
         if not ids:
             return None
-        return ExportJob(self.kv, self.kv_layout, ids, [])
+        return self._off_thread(ExportJob(self.kv, self.kv_layout, ids, []))
 
     def pin_held(self, pin_id: str, hold_id: str) -> None:
         """A second pin on what hold_id pins, released by release_kv(pin_id): an off-thread copy's own."""
@@ -905,6 +917,8 @@ class ExportJob:
     layout: KvLayout
     block_ids: list[int]
     token_ids: list[int]
+    stream: Any = None  # GPU: the engine's export stream, and the event on the engine's stream to wait for
+    ready: Any = None
 
     @property
     def nbytes(self) -> int:
@@ -912,26 +926,30 @@ class ExportJob:
 
     def copy_out(self, keep_device: bool, own_stream: bool = True) -> tuple[memoryview, torch.Tensor | None]:
         """The blocks as host bytes, and on a GPU with keep_device the whole device copy they came through (for
-        device-direct readers in other processes: cuda_ipc, NIXL VRAM). Without keep_device a GPU's blocks go to
-        one pinned host buffer STAGE_CHUNK_BYTES at a time, so the copy never takes more device memory than
-        that. own_stream=False copies on the current stream instead: for a device copy that this process's
-        current stream will read (the allocator would otherwise hand its memory to the side stream's next
-        allocation while that stream's reads are still queued)."""
+        device-direct readers in other processes: cuda_ipc, NIXL VRAM; None where the device has no memory for
+        it now). Without keep_device a GPU's blocks go to one pinned host buffer STAGE_CHUNK_BYTES at a time, so
+        the copy never takes more device memory than that. A job from begin_export copies on the engine's export
+        stream, after the steps queued before the pin; own_stream=False copies on the current stream instead:
+        for a device copy that this process's current stream will read (the allocator would otherwise hand its
+        memory to the export stream's next allocation while that stream's reads are still queued)."""
         kv = self.kv
         if kv.device.type == "cpu":
             return staged_bytes(kv.read_blocks(torch.tensor(self.block_ids, dtype=torch.long))), None
-        # a stream of its own, after everything queued so far (the steps that wrote these blocks): the gather
-        # and the copy to the host then overlap the engine's next steps instead of queuing ahead of them
+        # the export stream, after the steps that wrote these blocks: the gather and the copy to the host then
+        # overlap the engine's next steps instead of queuing ahead of them
         stream = torch.cuda.current_stream(kv.device)
-        if own_stream:
-            side = torch.cuda.Stream(kv.device)
-            side.wait_stream(stream)
-            stream = side
+        if own_stream and self.stream is not None:
+            stream = self.stream
+            stream.wait_event(self.ready)
         with torch.cuda.device(kv.device), torch.cuda.stream(stream):
             ids = torch.tensor(self.block_ids, dtype=torch.long, device=kv.device)
             if keep_device:
-                data = kv.read_blocks(ids)
-                return staged_bytes(data), data
+                try:
+                    data = kv.read_blocks(ids)
+                except torch.cuda.OutOfMemoryError:  # no room on the device now: the host bytes alone
+                    data = None
+                if data is not None:
+                    return staged_bytes(data), data
             per, bb = max(1, STAGE_CHUNK_BYTES // kv.block_bytes), kv.block_bytes
             host = torch.empty(len(self.block_ids) * bb, dtype=torch.uint8, pin_memory=True)
             for i in range(0, len(self.block_ids), per):

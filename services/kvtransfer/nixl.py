@@ -18,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import atexit
 import concurrent.futures
+import importlib.util
 import logging
 import os
 import socket
@@ -47,6 +48,14 @@ def memory_of(device: str) -> Memory:
     if kind == "cpu":
         return DRAM
     raise ValueError(f"NIXL cannot register memory of device {device!r}")
+
+
+NIXL_MODULE = "nixl_cu12"  # NIXL's Python package, as its wheel installs it
+
+
+def nixl_installed() -> bool:
+    """Whether NIXL's package is there to load (without loading it: a worker decides its memory plan by this)."""
+    return importlib.util.find_spec(NIXL_MODULE) is not None
 
 
 def load_nixl(log_level: str = "WARN") -> Any:

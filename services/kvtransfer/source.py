@@ -73,7 +73,7 @@ class _Publication:
     # (or the publication goes), as it sits in GPU memory outside the cache's plan; later readers get the host
     # bytes
     device_copy: Any = None
-    device_bytes: int = 0  # what device_copy counts against config.device_copy_bytes
+    device_room: DeviceRoom | None = None  # what device_copy counts against config.device_copy_bytes
     nixl_dev_reg: Any = None  # the device copy's NIXL registration and its metadata
     nixl_dev_md: bytes = b""
     pins: int = 0
@@ -81,6 +81,20 @@ class _Publication:
     device_served: bool = False  # a device reader finished: the device copy goes when no reader holds it
     retracted: bool = False
     expiry: asyncio.TimerHandle | None = field(default=None, repr=False)
+
+
+class DeviceRoom:
+    """Room reserved in a KvSource's device-copy budget (KvSource.device_room): give() returns it, once."""
+
+    def __init__(self, source: KvSource, nbytes: int) -> None:
+        self._source, self.nbytes = source, nbytes
+        self._given = False
+
+    def give(self) -> None:
+        with self._source._device_lock:
+            if not self._given:
+                self._given = True
+                self._source._device_bytes -= self.nbytes
 
 
 class KvSource:
@@ -99,8 +113,8 @@ class KvSource:
         self._progress: asyncio.Task[None] | None = None
         self._closed = False
         self._warned_device = False
-        self._device_lock = threading.Lock()  # publishing threads take, the loop gives back
-        self._device_bytes = 0  # held by publications' device copies
+        self._device_lock = threading.Lock()  # workers and publishing threads take, the loop gives back
+        self._device_bytes = 0  # held by publications' device copies, and reserved for copies being made
         self._serials = (f"{uuid.uuid4().hex[:12]}-{n}" for n in itertools.count(1))
         self.node_id = node_id()
         host, port = listener.getsockname()[:2]
@@ -134,27 +148,26 @@ class KvSource:
             out[NIXL] = self._nixl.name
         return out
 
-    def device_room(self, nbytes: int) -> bool:
-        """Whether a device copy of nbytes could be kept for device-direct readers now: a backend that reads one is
-        open (cuda_ipc, NIXL) and it fits in config.device_copy_bytes beside those held. A worker asks before it
-        makes the copy; publish takes the room (or, past it by then, offers the host bytes only)."""
-        if CUDA_IPC not in self.config.backends and self._nixl is None:
-            return False
-        cap = self.config.device_copy_bytes
-        with self._device_lock:
-            return cap is None or self._device_bytes + nbytes <= cap
+    def device_room(self, nbytes: int) -> DeviceRoom | None:
+        """Reserve room for a device copy of nbytes, to be kept for device-direct readers: None where no backend
+        reads one (cuda_ipc, or NIXL that can register device memory) or it would not fit in
+        config.device_copy_bytes beside those held and reserved. A worker reserves before it makes the copy
+        and hands the room to publish, which keeps it with the copy; give() it back if no publish takes it
+        (giving is idempotent: once taken by a publication, the source gives it when the copy goes)."""
+        if CUDA_IPC not in self.config.backends and (self._nixl is None or self._warned_device):
+            return None
+        return self._reserve(nbytes)
 
     def device_bytes_held(self) -> int:
         return self._device_bytes
 
-    def _take_device(self, pub: _Publication, nbytes: int) -> bool:
+    def _reserve(self, nbytes: int) -> DeviceRoom | None:
         cap = self.config.device_copy_bytes
         with self._device_lock:
             if cap is not None and self._device_bytes + nbytes > cap:
-                return False
+                return None
             self._device_bytes += nbytes
-        pub.device_bytes = nbytes
-        return True
+        return DeviceRoom(self, nbytes)
 
     def live_keys(self) -> list[str]:
         return list(self._pubs)
@@ -184,6 +197,7 @@ class KvSource:
         kv_dtype: str = "fp32",
         head_dim: int = 0,
         device_payload: Any = None,
+        device_room: DeviceRoom | None = None,
     ) -> Published:
         """Make `payload` pullable under `key` for `ttl_s` seconds. With shm it is copied into a segment; with
         NIXL (and no shm) from 2 MiB up into huge-page memory (NIXL reads it ~25 % faster than 4 KiB pages);
@@ -219,6 +233,7 @@ class KvSource:
                 kv_dtype,
                 head_dim,
                 device_payload,
+                device_room,
             )
             try:
                 pub, ticket = await asyncio.shield(job)
@@ -249,6 +264,7 @@ class KvSource:
         kv_dtype: str,
         head_dim: int,
         device_payload: Any,
+        device_room: DeviceRoom | None,
     ) -> tuple[_Publication, Published]:
         """publish's work off the loop (on the publishing thread): encode, stage, checksum, register."""
         raw_size = len(memoryview(payload).cast("B"))
@@ -275,7 +291,7 @@ class KvSource:
         )  # expiry: on the loop
         try:
             pub.checksum = checksum_of(view, self.config.checksum)
-            backends, device_handle, nixl_device = self._register(pub, device_payload)
+            backends, device_handle, nixl_device = self._register(pub, device_payload, device_room)
         except BaseException:
             self._free(pub)
             raise
@@ -296,7 +312,9 @@ class KvSource:
         )
         return pub, ticket
 
-    def _register(self, pub: _Publication, device_payload: Any) -> tuple[dict[str, str], str, str]:
+    def _register(
+        self, pub: _Publication, device_payload: Any, device_room: DeviceRoom | None = None
+    ) -> tuple[dict[str, str], str, str]:
         """Offer the publication on every backend that can serve it: (backends, cuda_ipc handle, NIXL device)."""
         key, view = pub.key, pub.view
         backends = {TCP: self.endpoint}
@@ -308,6 +326,8 @@ class KvSource:
             backends[NIXL] = self._nixl.name
         device_handle = nixl_device = ""
         if device_payload is None or device_payload.numel() == 0:
+            if device_room is not None:
+                device_room.give()
             return backends, device_handle, nixl_device
         if not device_payload.is_contiguous():
             raise ValueError(f"{key}: device_payload must be contiguous")
@@ -316,10 +336,18 @@ class KvSource:
             raise ValueError(f"{key}: device_payload has {nbytes} bytes, the payload {pub.raw_size}")
         ipc = CUDA_IPC in self.config.backends and getattr(device_payload, "is_cuda", False)
         if not (ipc or self._nixl is not None):
+            if device_room is not None:
+                device_room.give()
             return backends, device_handle, nixl_device
-        if not self._take_device(pub, nbytes):  # past the budget: readers get the host bytes
+        room = (
+            device_room if device_room is not None and device_room.nbytes == nbytes else self._reserve(nbytes)
+        )
+        if device_room is not None and room is not device_room:
+            device_room.give()
+        if room is None:  # past the budget: readers get the host bytes
             log.debug("%s: no room for its %d-byte device copy; offered as host bytes", key, nbytes)
             return backends, device_handle, nixl_device
+        pub.device_room = room
         if ipc:
             from services.kvtransfer import cuda_ipc
 
@@ -341,13 +369,9 @@ class KvSource:
                     self._warned_device = True
                 nixl_device = ""
         if pub.device_copy is None:  # nothing keeps it: its room goes back
-            self._give_device(pub)
+            room.give()
+            pub.device_room = None
         return backends, device_handle, nixl_device
-
-    def _give_device(self, pub: _Publication) -> None:
-        with self._device_lock:
-            self._device_bytes -= pub.device_bytes
-        pub.device_bytes = 0
 
     def retract(self, key: str) -> None:
         """Stop serving `key` (the consumer acknowledged, or the request ended); memory is freed once no reader
@@ -376,8 +400,9 @@ class KvSource:
         holds it and NIXL has let it go."""
         device_copy, dev_reg = pub.device_copy, pub.nixl_dev_reg
         pub.device_copy = pub.nixl_dev_reg = None
-        if pub.device_bytes:
-            self._give_device(pub)
+        if pub.device_room is not None:
+            pub.device_room.give()
+            pub.device_room = None
         if dev_reg is not None and self._nixl is not None and not self._nixl.closed:
             nixl = self._nixl
 

@@ -34,7 +34,8 @@ import os
 import signal
 import sys
 import time
-from collections.abc import Coroutine
+import uuid
+from collections.abc import Callable, Coroutine
 from typing import Any
 
 import grpc
@@ -42,6 +43,8 @@ from opentelemetry import trace
 
 from services.engine.engine import ExportJob, LLMEngine
 from services.kvtransfer import KvSink, KvSource, TransferConfig
+from services.kvtransfer.source import DeviceRoom
+from services.kvtransfer.ticket import Published
 from services.rpc import pb, pb_grpc
 from services.runtime import wire
 from services.runtime.args import (
@@ -64,9 +67,19 @@ from services.telemetry import metrics, tracing
 log = logging.getLogger("rackserve.prefill")
 
 
-def _copy_pin(hold_id: str) -> str:
-    """The engine-side pin an off-thread KV copy holds (a NUL cannot be in a request or hold id)."""
-    return f"{hold_id}\x00copy"
+@dataclasses.dataclass
+class _Copied:
+    """A KV export copied out of the pool: host bytes, maybe the device copy and the room it holds."""
+
+    job: ExportJob
+    host: memoryview
+    device: Any
+    room: DeviceRoom | None
+
+
+def _give_room(task: asyncio.Task[_Copied | None]) -> None:
+    if not task.cancelled() and task.exception() is None and (copied := task.result()) and copied.room:
+        copied.room.give()
 
 
 ROLE = "prefill"
@@ -191,28 +204,18 @@ class PrefillWorker(EngineWorker, pb_grpc.PrefillWorkerServicer):
         # the deadline starts before any await, so the blocks are freed even if this call dies from here on
         expires_unix_ms = self._hold(request_id)
         try:
-            pin = _copy_pin(request_id)
-            block_ids, job = await self.engine.call(
-                lambda e: (list(e.requests[request_id].block_ids), e.begin_export(pin, request_id))
-            )
-            host_bytes, device_copy = await self._copy_out(job, pin)
-            layout = self.facts.kv_layout
-            ticket = await self.source.publish(
-                request_id,
-                host_bytes,
-                self.kv_max_hold_s,  # our own timer (_hold) retracts it first; this is the backstop
-                compress=self.kv_compress,
-                kv_dtype=wire.KV_DTYPE_NAMES[layout.dtype],
-                head_dim=layout.head_dim,
-                device_payload=device_copy,  # GPU caches: offered to device-direct readers (cuda_ipc, NIXL)
-            )
+            copied = await self._copy_out(lambda e, pin: e.begin_export(pin, request_id))
+            assert copied is not None  # a live request always has blocks
+            job = copied.job
+            ticket = await self._publish(request_id, copied)
         except BaseException:
             await self._release(request_id)  # nothing will be pulled; free the blocks now, not at the TTL
             raise
+        layout = self.facts.kv_layout
         kv = wire.kv_handle(
             layout,
             request_id,
-            block_ids[: len(job.block_ids)],
+            job.block_ids,
             len(job.token_ids),
             self.host.worker_id,
             self.host.epoch_ms,
@@ -239,16 +242,15 @@ class PrefillWorker(EngineWorker, pb_grpc.PrefillWorkerServicer):
         with tracing.server_span("export_prefix", request_meta(context).traceparent, hold_id) as span:
             # the deadline starts before any await, so the blocks are freed even if this call dies from here on
             expires_unix_ms = self._hold(hold_id, min(ttl_s, self.kv_max_hold_s))
-            pin = _copy_pin(hold_id)
 
-            def begin(e: LLMEngine) -> ExportJob | None:
+            def begin(e: LLMEngine, pin: str) -> ExportJob | None:
                 job = e.begin_prefix_export(hold_id, hashes)
                 if job is not None:  # the hold can be released (Release, its TTL) while the copy reads
                     e.pin_held(pin, hold_id)
                 return job
 
             try:
-                export = await self.engine.call(begin)
+                copied = await self._copy_out(begin)
             except ValueError:  # the id names a request or hold of the engine's: nothing here is ours to free
                 self._held_since.pop(hold_id, None)
                 timer = self._expiry.pop(hold_id, None)
@@ -262,28 +264,20 @@ class PrefillWorker(EngineWorker, pb_grpc.PrefillWorkerServicer):
                 span,
                 {
                     "rackserve.asked_blocks": len(hashes),
-                    "rackserve.matched_blocks": len(export.block_ids) if export else 0,
+                    "rackserve.matched_blocks": len(copied.job.block_ids) if copied else 0,
                 },
             )
-            if export is None:
+            if copied is None:
                 await self._release(hold_id)  # nothing is held
                 metrics.PREFIX_EXPORTS.labels("empty").inc()
                 return pb.ExportPrefixResponse()
+            export = copied.job
             try:
-                host_bytes, device_copy = await self._copy_out(export, pin)
-                layout = self.facts.kv_layout
-                ticket = await self.source.publish(
-                    hold_id,
-                    host_bytes,
-                    self.kv_max_hold_s,  # _hold's timer retracts it first; this is the backstop
-                    compress=self.kv_compress,
-                    kv_dtype=wire.KV_DTYPE_NAMES[layout.dtype],
-                    head_dim=layout.head_dim,
-                    device_payload=device_copy,
-                )
+                ticket = await self._publish(hold_id, copied)
             except BaseException:
                 await self._release(hold_id)
                 raise
+            layout = self.facts.kv_layout
             n = len(export.block_ids)
             kv = wire.kv_handle(
                 layout, hold_id, export.block_ids, n * layout.block_size,
@@ -334,23 +328,60 @@ class PrefillWorker(EngineWorker, pb_grpc.PrefillWorkerServicer):
         self._expiry[request.request_id] = self._expire_at(request.request_id, until_s)
         return pb.ExtendHoldResponse(held=True, expires_unix_ms=int(until_s * 1000))
 
-    async def _copy_out(self, job: ExportJob, pin: str) -> tuple[memoryview, Any]:
-        """Copy the pinned blocks out off the engine's thread (it steps other requests meanwhile), then unpin
-        them. A device copy is kept for device-direct readers only where the source has room for it. Cancelled,
-        the copy still finishes before the pin goes: the blocks are never freed under it."""
-        keep = job.kv.device.type != "cpu" and self.source.device_room(job.nbytes)
+    async def _copy_out(self, begin: Callable[[LLMEngine, str], ExportJob | None]) -> _Copied | None:
+        """Pin blocks on the engine's thread (`begin(engine, pin)`, None: nothing to export), copy them out off
+        it (the engine steps other requests meanwhile), unpin them. One task does all three, and a cancelled
+        call does not stop it, so the pin is released exactly once and never before the copy has read the
+        blocks. A device copy is kept for device-direct readers only where the source has room for it."""
+        pin = f"copy\x00{uuid.uuid4().hex}"  # no request or hold has this id, nor any other copy's pin
         loop = asyncio.get_running_loop()
 
-        async def copy_then_unpin() -> tuple[memoryview, Any]:
+        async def pin_copy_unpin() -> _Copied | None:
             try:
-                return await asyncio.shield(loop.run_in_executor(None, job.copy_out, keep))
+                job = await self.engine.call(lambda e: begin(e, pin))
+                if job is None:
+                    return None
+                room = self.source.device_room(job.nbytes) if job.kv.device.type != "cpu" else None
+                try:
+                    host, device = await loop.run_in_executor(None, job.copy_out, room is not None)
+                except BaseException:
+                    if room is not None:
+                        room.give()
+                    raise
+                if device is None and room is not None:  # the device had no memory for it after all
+                    room.give()
+                    room = None
+                return _Copied(job, host, device, room)
             finally:
                 try:
                     await self.engine.release(pin)
                 except Exception as exc:  # an engine shutting down frees everything anyway
                     log.debug("unpinning %s: %s", pin, exc)
 
-        return await asyncio.shield(self._copies.spawn(copy_then_unpin(), name=f"copy {pin}"))
+        task = self._copies.spawn(pin_copy_unpin(), name="kv copy")
+        try:
+            return await asyncio.shield(task)
+        except asyncio.CancelledError:  # nobody will publish what the task copies: its device room goes back
+            task.add_done_callback(_give_room)
+            raise
+
+    async def _publish(self, key: str, copied: _Copied) -> Published:
+        layout = self.facts.kv_layout
+        try:
+            return await self.source.publish(
+                key,
+                copied.host,
+                self.kv_max_hold_s,  # our own timer (_hold) retracts it first; this is the backstop
+                compress=self.kv_compress,
+                kv_dtype=wire.KV_DTYPE_NAMES[layout.dtype],
+                head_dim=layout.head_dim,
+                device_payload=copied.device,  # GPU caches: offered to device-direct readers (cuda_ipc, NIXL)
+                device_room=copied.room,
+            )
+        except BaseException:
+            if copied.room is not None:  # a publication that took it has given it back already: no-op
+                copied.room.give()
+            raise
 
     async def _release(self, request_id: str) -> None:
         self._held_since.pop(request_id, None)

@@ -22,6 +22,7 @@ from services.engine.config import (
     TIER2_CODECS,
     EngineConfig,
 )
+from services.kvtransfer.nixl import nixl_installed
 
 ENV_PREFIX = "RACKSERVE_"
 TOPOLOGY_LABELS = ("node", "rack", "zone")
@@ -247,9 +248,11 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
 
 
 def kv_device_copy_bytes(args: argparse.Namespace) -> int:
-    """A prefill worker's budget for KV device copies, when a device-direct backend can use them (else 0)."""
+    """A prefill worker's budget for KV device copies, when a device-direct backend can use them: cuda_ipc, or
+    NIXL where it is installed (else 0, and the KV cache keeps that memory)."""
     backends = getattr(args, "kv_backends", ())
-    if "cuda_ipc" not in backends and "nixl" not in backends:
+    nixl = "nixl" in backends and nixl_installed()
+    if "cuda_ipc" not in backends and not nixl:
         return 0
     return int(getattr(args, "kv_device_copy_bytes", 0))
 

@@ -208,7 +208,8 @@ def test_rackserve_up_leaves_a_gpu_workers_cache_to_its_memory_plan():
 def test_a_prefill_workers_kv_device_copies_come_out_of_its_cache_plan(monkeypatch):
     """The device copies a GPU prefill worker keeps for cuda_ipc and NIXL VRAM readers get their room
     (--kv-device-copy-bytes, 2 GiB unless set) out of the KV plan, not from memory the plan gave the cache: a
-    worker with only host backends, and every decode worker, keeps none and plans none."""
+    worker with only host backends (or NIXL that is not installed), and every decode worker, keeps none and
+    plans none."""
     import argparse
 
     from services.engine.device import plan_kv_memory
@@ -226,8 +227,14 @@ def test_a_prefill_workers_kv_device_copies_come_out_of_its_cache_plan(monkeypat
         add_kv_transfer_arguments(parser, role)
         return engine_config(parser.parse_args(argv)).kv_device_copy_bytes
 
+    import services.runtime.args as args_mod
+
+    monkeypatch.setattr(args_mod, "nixl_installed", lambda: True)
     assert reserve("prefill", []) == 2 << 30
     assert reserve("prefill", ["--kv-device-copy-bytes", str(1 << 30)]) == 1 << 30
     assert reserve("prefill", ["--kv-backends", "tcp,shm"]) == 0  # nobody could read a device copy
-    assert reserve("prefill", ["--kv-backends", "tcp,cuda_ipc"]) == 2 << 30
+    assert reserve("prefill", ["--kv-backends", "tcp,nixl"]) == 2 << 30
     assert reserve("decode", []) == 0
+    monkeypatch.setattr(args_mod, "nixl_installed", lambda: False)  # NIXL cannot load: the cache keeps it
+    assert reserve("prefill", ["--kv-backends", "tcp,shm,nixl"]) == 0
+    assert reserve("prefill", ["--kv-backends", "tcp,nixl,cuda_ipc"]) == 2 << 30

@@ -835,6 +835,40 @@ def test_device_copies_past_the_budget_are_offered_as_host_bytes_and_room_return
         p.stop()
 
 
+def test_device_room_is_reserved_before_the_copy_and_goes_back_once_whatever_happens() -> None:
+    """A prefill worker reserves a device copy's room before it makes the copy, so copies being made count
+    against --kv-device-copy-bytes too (prompts finishing together would otherwise each see room for one and
+    all gather a copy). Given back once however often it is given; a publication that keeps no device copy
+    gives it back itself."""
+    import torch
+
+    async def go() -> None:
+        src = await KvSource.start(TransferConfig(backends=(TCP, "cuda_ipc"), device_copy_bytes=3 * MiB))
+        try:
+            first = src.device_room(2 * MiB)
+            assert first is not None and src.device_bytes_held() == 2 * MiB
+            assert src.device_room(2 * MiB) is None  # the copy being made holds its room
+            first.give()
+            first.give()
+            assert src.device_bytes_held() == 0
+            room = src.device_room(2 * MiB)
+            assert room is not None
+            host_only = torch.zeros(2 * MiB, dtype=torch.uint8)  # no reader here reads host memory directly
+            ticket = await src.publish("k", bytes(2 * MiB), 10.0, device_payload=host_only, device_room=room)
+            assert ticket.device_handle == "" and src.device_bytes_held() == 0
+            room.give()  # a caller's give after the publication gave it: nothing more
+            assert src.device_bytes_held() == 0
+        finally:
+            await src.close()
+        none = await KvSource.start(TransferConfig(backends=(TCP, SHM)))  # no device-direct reader at all
+        try:
+            assert none.device_room(1) is None
+        finally:
+            await none.close()
+
+    asyncio.run(go())
+
+
 @needs_nixl
 @pytest.mark.skipif(not _cuda(), reason="needs a CUDA device")
 def test_nixl_reads_vram_gpu_to_gpu(producer: Producer) -> None:
