@@ -12,8 +12,12 @@ Measured on the real SmolLM2-135M engine (bf16, one torch thread for the engine;
 with a KV payload of the model's layout (random values: only the bytes' size matters here). Each round, A/B/A/B
 on the same engine: a step of the streams alone; the step that admits the import with the write before it
 (`async_restore` off); the same with the write beside it (on). The imported request is then aborted, so every
-round starts from the same pool. Reported: each step's wall time, median of `reps`. Writes a markdown table to
-stdout and bench/results/kv_import.md.
+round starts from the same pool. Reported: each step's wall time, median of `reps`.
+
+The same for a pulled prefix (a prompt about to be prefilled on this worker, whose prefix a peer had: until
+2026-12-06 `import_prefix` wrote it between two steps; now `begin_import_prefix` writes it beside the step and
+`finish_import_prefix` commits it): the time from the import's start to the end of the streams' next step.
+Writes two markdown tables to stdout and bench/results/kv_import.md.
 """
 
 from __future__ import annotations
@@ -54,6 +58,26 @@ def import_step(e: LLMEngine, kv: KvExport, beside: bool, n: int) -> float:
     return took
 
 
+def prefix_step(e: LLMEngine, payload: memoryview, beside: bool, gen: torch.Generator) -> float:
+    """A pulled prefix of fresh hashes written before the streams' next step (import_prefix between steps, as
+    until 2026-12-06) or beside it (begin_import_prefix, the step, then finish_import_prefix)."""
+    n = len(payload) // e.kv.block_bytes
+    hashes = torch.randint(1, 2**62, (n,), generator=gen).tolist()
+    t0 = time.perf_counter()
+    if beside:
+        job = e.begin_import_prefix("pull", hashes, 0, payload)
+        e.step()
+        took = time.perf_counter() - t0
+        job.written.result()
+        e.finish_import_prefix(job)
+    else:
+        e.import_prefix("pull", hashes, 0, payload)
+        e.step()
+        took = time.perf_counter() - t0
+    e.release_kv("pull")
+    return took
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--reps", type=int, default=5)
@@ -68,7 +92,8 @@ def main(argv: list[str] | None = None) -> int:
         e.add_request(f"s{i}", torch.randint(10, 40_000, (16,), generator=gen).tolist(), streams)
     for _ in range(3):
         e.step()  # the streams' prefill, then decode steps
-    rows = []
+    rows: list[tuple[int, float, dict[str, float]]] = []
+    prefix_rows: list[tuple[int, float, dict[str, float]]] = []
     n = 0
     for tokens in (int(t) for t in a.tokens.split(",")):
         nblocks = -(-tokens // e.kv.block_size)
@@ -86,6 +111,14 @@ def main(argv: list[str] | None = None) -> int:
             timed_step(e)
         med = {k: statistics.median(v) * 1000 for k, v in times.items()}
         rows.append((tokens, len(payload) / 2**20, med))
+        pulled: dict[str, list[float]] = {"alone": [], "before": [], "beside": []}
+        for _ in range(a.reps):  # A/B/A/B
+            pulled["alone"].append(timed_step(e))
+            pulled["before"].append(prefix_step(e, payload, False, gen))
+            pulled["alone"].append(timed_step(e))
+            pulled["beside"].append(prefix_step(e, payload, True, gen))
+        med = {k: statistics.median(v) * 1000 for k, v in pulled.items()}
+        prefix_rows.append((tokens, len(payload) / 2**20, med))
     lines = [
         f"The step of {a.streams} decoding streams that admits a prompt's imported KV, SmolLM2-135M bf16 engine, "
         f"median of {a.reps} A/B/A/B rounds ({platform.machine()}, {torch.__version__}):",
@@ -95,6 +128,17 @@ def main(argv: list[str] | None = None) -> int:
         "|---|---|---|---|---|---|---|",
     ]
     lines += wait_rows(rows, "beside")
+    lines += [
+        "",
+        f"The step of the same {a.streams} streams after a pulled prefix of that many tokens is written into the pool "
+        "(a prefill's peer pull on this worker: `import_prefix` between steps until 2026-12-06, now beside the "
+        "step), same rounds:",
+        "",
+        "| prefix tokens | KV MiB | step alone ms | written before the step | written beside it | ratio "
+        "| the streams' extra wait, before / now ms |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    lines += wait_rows(prefix_rows, "beside")
     publish(lines, RESULTS.name)
     return 0
 

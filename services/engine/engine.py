@@ -16,10 +16,11 @@ from __future__ import annotations
 
 import concurrent.futures
 import contextlib
+import itertools
 import logging
 import os
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -107,6 +108,19 @@ class PrefixExport:
     block_hashes: list[int]
     data: bytes | memoryview
     device_blocks: torch.Tensor | None = None  # on a GPU: the same blocks, still on the device (cuda_ipc)
+
+
+@dataclass
+class PrefixImport:
+    """A pulled prefix being written into fresh blocks (begin_import_prefix): `written` completes when the bytes
+    are in place; then finish_import_prefix commits them."""
+
+    pin_id: str
+    fresh: list[int]  # the blocks written, one per entry of `missing`
+    missing: list[int]  # indexes into hashes of the blocks the pool did not cache
+    hashes: Sequence[int]
+    parents: list[int]
+    written: concurrent.futures.Future[None] = field(default_factory=concurrent.futures.Future)
 
 
 @dataclass
@@ -279,6 +293,7 @@ class LLMEngine:
         self._restorer: concurrent.futures.ThreadPoolExecutor | None = None
         self._restore_stream = torch.cuda.Stream(device) if device.type == "cuda" else None
         self._export_stream: torch.cuda.Stream | None = None  # copies of exports off the engine thread (GPU)
+        self._write_pins = itertools.count(1)  # pulled prefixes being written: each write's own pin
         self._restore_jobs: dict[str, tuple[concurrent.futures.Future[list[float]], list[RestoreGroup]]] = {}
         self.requests: dict[str, Request] = {}
         self.kv_layout = KvLayout(
@@ -731,7 +746,24 @@ class LLMEngine:
         """Write a peer's blocks (block-major, the export order; `hashes` their chained hashes, `parent` the
         first one's parent) into this pool and commit them as cached prefix blocks, pinned under hold_id (which
         may already pin this prompt's earlier blocks) until release_kv(hold_id). Blocks the pool already caches
-        are kept, not overwritten. Returns how many blocks were written."""
+        are kept, not overwritten. Returns how many blocks were written. Here, on the engine's thread: a worker
+        writes beside the step instead (begin_import_prefix, then finish_import_prefix)."""
+        job = self.begin_import_prefix(hold_id, hashes, parent, data, beside=False)
+        return self.finish_import_prefix(job)
+
+    def begin_import_prefix(
+        self,
+        hold_id: str,
+        hashes: Sequence[int],
+        parent: int,
+        data: bytes | bytearray | memoryview | torch.Tensor,
+        beside: bool = True,
+    ) -> PrefixImport:
+        """import_prefix's first half: check the payload, pin the blocks already cached and take fresh ones for
+        the rest under hold_id, and start writing the payload into them — on the restore thread (beside the
+        engine's steps; on a GPU on the restore stream, after what this stream was asked before) unless
+        `beside` is False. The fresh blocks are also pinned under the job's own id, so a release of the hold
+        meanwhile cannot hand them to another request under the write. Then finish_import_prefix(job)."""
         n = len(hashes)
         size = data.numel() * data.element_size() if isinstance(data, torch.Tensor) else len(memoryview(data))
         if size != n * self.kv.block_bytes:
@@ -752,13 +784,47 @@ class LLMEngine:
         except NoFreeBlocksError:
             self.blocks.release(keep)
             raise
-        if missing:
-            src = self._payload_blocks(data, n, missing if len(missing) < n else None)
-            self.kv.write_blocks(self._h2d(fresh), src)
-            for b, i in zip(fresh, missing, strict=True):
-                self.blocks.commit(b, hashes[i], parents[i])
         self._prefix_holds.setdefault(hold_id, []).extend(keep + fresh)
-        return len(missing)
+        job = PrefixImport(f"{hold_id}\x00write-{next(self._write_pins)}", fresh, missing, hashes, parents)
+        if not missing:
+            job.written.set_result(None)
+            return job
+        self._pin(job.pin_id, fresh)
+        if not beside:
+            self._write_prefix(job, data, n)
+            job.written.set_result(None)
+            return job
+        if self._restorer is None:
+            self._restorer = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="kv-restore")
+        if self._restore_stream is not None:
+            self._restore_stream.wait_stream(torch.cuda.current_stream(self.device))
+        job.written = self._restorer.submit(self._prefix_job, job, data, n)
+        return job
+
+    def _write_prefix(
+        self, job: PrefixImport, data: bytes | bytearray | memoryview | torch.Tensor, n: int
+    ) -> None:
+        only = job.missing if len(job.missing) < n else None
+        self.kv.write_blocks(self._h2d(job.fresh), self._payload_blocks(data, n, only))
+
+    def _prefix_job(
+        self, job: PrefixImport, data: bytes | bytearray | memoryview | torch.Tensor, n: int
+    ) -> None:
+        """On the restore thread: a pulled prefix's blocks into its fresh blocks."""
+        self._on_restore_stream(lambda: self._write_prefix(job, data, n))
+
+    def finish_import_prefix(self, job: PrefixImport) -> int:
+        """import_prefix's second half, once job.written is done: commit the written blocks under their hashes
+        (cached prefix blocks from now on, even if the hold was released meanwhile: their bytes are whole) and
+        drop the write's pin. A write that failed commits nothing and raises its error. Returns how many blocks
+        were written."""
+        try:
+            job.written.result()  # raises the write's error
+            for b, i in zip(job.fresh, job.missing, strict=True):
+                self.blocks.commit(b, job.hashes[i], job.parents[i])
+        finally:
+            self.release_kv(job.pin_id)
+        return len(job.missing)
 
     def _import_into(self, req: Request, kv: KvExport) -> None:
         self.kv_layout.check_compatible(kv.layout, same_device=isinstance(kv.data, torch.Tensor))
@@ -854,14 +920,20 @@ class LLMEngine:
     def _import_job(
         self, ids: list[int], data: bytes | memoryview | torch.Tensor, nblocks: int
     ) -> list[float]:
-        """On the restore thread, beside the step: write an imported payload into its fresh blocks (on CUDA on the
-        restore stream, waited for here). No tier groups to time: []."""
+        """On the restore thread, beside the step: write an imported payload into its fresh blocks. No tier
+        groups to time: []."""
+        self._on_restore_stream(
+            lambda: self.kv.write_blocks(self._h2d(ids), self._payload_blocks(data, nblocks))
+        )
+        return []
+
+    def _on_restore_stream(self, write: Callable[[], None]) -> None:
+        """Run a write on the restore thread's stream (CUDA) and wait for it: its blocks are in place on return."""
         stream = self._restore_stream
         with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
-            self.kv.write_blocks(self._h2d(ids), self._payload_blocks(data, nblocks))
+            write()
             if stream is not None:
                 stream.synchronize()
-        return []
 
     def _check_payload_dtype(self, data: bytes | bytearray | memoryview | torch.Tensor) -> None:
         """A tensor payload holds blocks in the cache's dtype or their raw bytes (uint8); host bytes are raw."""

@@ -21,11 +21,13 @@ This room pulls and imports only; it never decides whether a pull is worth it (t
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import logging
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import grpc
 
@@ -188,7 +190,7 @@ class PrefixPuller:
                     self._release_source(plan.source, hold_id)
                 parent = own[local - 1] if local else ROOT_HASH
                 hashes = want[:matched]
-                await self.engine.call(lambda e: e.import_prefix(hold_id, hashes, parent, data))  # type: ignore[arg-type]
+                await self._import(hold_id, hashes, parent, data)
         except NoFreeBlocksError as e:
             raise PullFailed("no_space", str(e)) from e
         except KvMismatchError as e:
@@ -198,6 +200,19 @@ class PrefixPuller:
         result.hold_id = hold_id
         result.outcome, result.first_block, result.blocks = "pulled", local, matched
         return result
+
+    async def _import(self, hold_id: str, hashes: list[int], parent: int, data: Any) -> int:
+        """Write the pulled blocks into this pool beside the engine's steps (the restore thread), then commit
+        them. One task begins, waits and finishes, and a deadline or cancellation here does not stop it: the
+        write's own pin is always dropped, after the write (its blocks, whole, stay cached)."""
+
+        async def begin_wait_finish() -> int:
+            job = await self.engine.call(lambda e: e.begin_import_prefix(hold_id, hashes, parent, data))
+            with contextlib.suppress(Exception):  # finish raises the write's error, if any
+                await asyncio.wrap_future(job.written)
+            return await self.engine.call(lambda e: e.finish_import_prefix(job))
+
+        return await asyncio.shield(self._releases.spawn(begin_wait_finish(), name=f"import {hold_id}"))
 
     async def _export(
         self, source: pb.WorkerRef, hold_id: str, hashes: list[int], deadline_s: float

@@ -126,6 +126,45 @@ def test_an_exported_prefix_imported_into_another_engine_gives_the_cold_runs_tok
     assert cached == len(hashes) * BS  # the whole pulled prefix was a hit; only the last block was computed
 
 
+def test_a_pulled_prefix_written_beside_the_steps_is_hit_only_once_written_even_if_its_hold_went_meanwhile(
+    smollm2: LoadedModel, prompts: dict[str, list[int]]
+) -> None:
+    """A worker writes a pulled prefix on its restore thread while its engine steps other requests
+    (begin_import_prefix). Until finish_import_prefix the blocks are not in the prefix cache, so no prompt can
+    hit a block not yet written; a release of the pull's hold meanwhile (its deadline passed) does not hand the
+    blocks to another request under the write; once finished they are cached and the prompt's run is the cold
+    run's."""
+    a, b = prompts["a"], prompts["b"]
+    cold = engine(smollm2).generate([a], GREEDY)[0]
+    cold_b = engine(smollm2).generate([b], GREEDY)[0]
+    src, dst = engine(smollm2), engine(smollm2, blocks=40)
+    src.generate([a], GREEDY)
+    hashes = block_hashes(a[: len(a) - 1], BS)
+    export = src.export_prefix("peer-1", hashes)
+    assert export is not None
+    job = dst.begin_import_prefix("pull-1", hashes, 0, export.data)
+    assert dst.blocks.lookup_prefix(hashes[:1]) == []  # not cached before it is written
+    dst.release_kv("pull-1")  # the pull gave up; the write's own pin keeps its blocks
+    dst.add_request("b", b, GREEDY)  # another prompt takes free blocks while the write runs
+    out_b: list[int] = []
+    while "b" in dst.requests:
+        for o in dst.step():
+            out_b += o.new_token_ids
+    assert out_b == cold_b
+    job.written.result(timeout=30)
+    assert dst.finish_import_prefix(job) == len(hashes)
+    assert len(dst.blocks.lookup_prefix(hashes)) == len(hashes)  # whole: cached like computed blocks
+    dst.add_request("r", a, GREEDY)
+    out: list[int] = []
+    cached = -1
+    while "r" in dst.requests:
+        for o in dst.step():
+            out += o.new_token_ids
+            cached = o.num_cached_tokens
+    assert out == cold and cached == len(hashes) * BS
+    assert dst.stats().free_blocks == 40
+
+
 def test_export_prefix_holds_the_longest_exact_run_and_pins_it_against_eviction(
     smollm2: LoadedModel, prompts: dict[str, list[int]]
 ) -> None:
