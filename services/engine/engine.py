@@ -115,6 +115,7 @@ class PrefixImport:
     """A pulled prefix being written into fresh blocks (begin_import_prefix): `written` completes when the bytes
     are in place; then finish_import_prefix commits them."""
 
+    hold_id: str
     pin_id: str
     fresh: list[int]  # the blocks written, one per entry of `missing`
     missing: list[int]  # indexes into hashes of the blocks the pool did not cache
@@ -785,7 +786,9 @@ class LLMEngine:
             self.blocks.release(keep)
             raise
         self._prefix_holds.setdefault(hold_id, []).extend(keep + fresh)
-        job = PrefixImport(f"{hold_id}\x00write-{next(self._write_pins)}", fresh, missing, hashes, parents)
+        job = PrefixImport(
+            hold_id, f"{hold_id}\x00write-{next(self._write_pins)}", fresh, missing, hashes, parents
+        )
         if not missing:
             job.written.set_result(None)
             return job
@@ -816,15 +819,27 @@ class LLMEngine:
     def finish_import_prefix(self, job: PrefixImport) -> int:
         """import_prefix's second half, once job.written is done: commit the written blocks under their hashes
         (cached prefix blocks from now on, even if the hold was released meanwhile: their bytes are whole) and
-        drop the write's pin. A write that failed commits nothing and raises its error. Returns how many blocks
-        were written."""
+        drop the write's pin. A block whose hash was cached meanwhile by another block (an overlapping pull
+        finished first, or a local prefill computed it) is not committed: the hold, if still there, pins that
+        block instead, and the written copy goes back to the free blocks. A write that failed commits nothing
+        and raises its error. Returns how many blocks were committed."""
+        committed = 0
         try:
             job.written.result()  # raises the write's error
+            held = self._prefix_holds.get(job.hold_id)
             for b, i in zip(job.fresh, job.missing, strict=True):
+                other = self.blocks.lookup_prefix([job.hashes[i]])
+                if other and other[0] != b:
+                    if held is not None and b in held:
+                        self.blocks.acquire(other)
+                        held[held.index(b)] = other[0]
+                        self.blocks.release([b])
+                    continue
                 self.blocks.commit(b, job.hashes[i], job.parents[i])
+                committed += 1
         finally:
             self.release_kv(job.pin_id)
-        return len(job.missing)
+        return committed
 
     def _import_into(self, req: Request, kv: KvExport) -> None:
         self.kv_layout.check_compatible(kv.layout, same_device=isinstance(kv.data, torch.Tensor))
@@ -867,12 +882,14 @@ class LLMEngine:
         """The scheduler restored blocks from tier 2 or disk into fresh primary blocks for a request in this step:
         decode and write their K/V before it runs (the disk tier's files were read at admission, when the lookup
         checked them)."""
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
+        # this stream only: a write beside the steps on the restore stream (an import) is not this restore's time
+        stream = torch.cuda.current_stream(self.device) if self.device.type == "cuda" else None
+        if stream is not None:
+            stream.synchronize()
         t0 = time.perf_counter()
         self._write_group(g)
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)  # the restore's own time, not whatever the stream ran before
+        if stream is not None:
+            stream.synchronize()  # the restore's own time, not whatever the stream ran before
         self._tier(g).observe_restore(len(g.block_ids), time.perf_counter() - t0)
 
     def _write_group(self, g: RestoreGroup) -> None:

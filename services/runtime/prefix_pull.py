@@ -204,15 +204,23 @@ class PrefixPuller:
     async def _import(self, hold_id: str, hashes: list[int], parent: int, data: Any) -> int:
         """Write the pulled blocks into this pool beside the engine's steps (the restore thread), then commit
         them. One task begins, waits and finishes, and a deadline or cancellation here does not stop it: the
-        write's own pin is always dropped, after the write (its blocks, whole, stay cached)."""
+        write's own pin is always dropped, after the write (its blocks, whole, stay cached). Its error comes
+        back as a value, raised here: an expected failure (no space, another layout) is the pull's outcome, not
+        a background task's failure."""
 
-        async def begin_wait_finish() -> int:
-            job = await self.engine.call(lambda e: e.begin_import_prefix(hold_id, hashes, parent, data))
-            with contextlib.suppress(Exception):  # finish raises the write's error, if any
-                await asyncio.wrap_future(job.written)
-            return await self.engine.call(lambda e: e.finish_import_prefix(job))
+        async def begin_wait_finish() -> int | Exception:
+            try:
+                job = await self.engine.call(lambda e: e.begin_import_prefix(hold_id, hashes, parent, data))
+                with contextlib.suppress(Exception):  # finish raises the write's error, if any
+                    await asyncio.wrap_future(job.written)
+                return await self.engine.call(lambda e: e.finish_import_prefix(job))
+            except Exception as e:  # noqa: BLE001 - handed to the pull, which names its outcome
+                return e
 
-        return await asyncio.shield(self._releases.spawn(begin_wait_finish(), name=f"import {hold_id}"))
+        done = await asyncio.shield(self._releases.spawn(begin_wait_finish(), name=f"import {hold_id}"))
+        if isinstance(done, Exception):
+            raise done
+        return done
 
     async def _export(
         self, source: pb.WorkerRef, hold_id: str, hashes: list[int], deadline_s: float

@@ -31,6 +31,8 @@ from services.engine.model_files import smollm2_gguf_path
 from services.engine.sampling import SamplingParams
 from services.engine.tokenizer import Tokenizer
 from services.rpc import pb, pb_grpc
+from services.runtime.async_engine import AsyncEngine
+from services.runtime.prefix_pull import PrefixPuller
 from tests.support.cluster import (
     WORKER_FLAGS,
     LocalCluster,
@@ -163,6 +165,81 @@ def test_a_pulled_prefix_written_beside_the_steps_is_hit_only_once_written_even_
             cached = o.num_cached_tokens
     assert out == cold and cached == len(hashes) * BS
     assert dst.stats().free_blocks == 40
+
+
+@pytest.mark.parametrize("meanwhile", ["another pull", "a local prefill"])
+def test_a_prefix_cached_meanwhile_by_other_blocks_is_what_the_pulls_hold_pins(
+    smollm2: LoadedModel, prompts: dict[str, list[int]], meanwhile: str
+) -> None:
+    """While a pull writes its blocks beside the steps, the same prefix may be cached by other blocks: a second,
+    overlapping pull that finishes first, or the worker prefilling the prompt itself. The pull then commits
+    nothing of its own: its hold pins the blocks that are cached (so the prompt, when its prefill is admitted,
+    still hits them, whatever the pool had to evict meanwhile), and its written copies go back to the free
+    blocks."""
+    a = prompts["a"]
+    cold = engine(smollm2).generate([a], GREEDY)[0]
+    src, dst = engine(smollm2), engine(smollm2, blocks=40)
+    src.generate([a], GREEDY)
+    hashes = block_hashes(a[: len(a) - 1], BS)
+    n = len(hashes)
+    export = src.export_prefix("peer-1", hashes)
+    assert export is not None
+    late = dst.begin_import_prefix("pull-late", hashes, 0, export.data)
+    if meanwhile == "another pull":
+        first = dst.begin_import_prefix("pull-first", hashes, 0, export.data)
+        first.written.result(timeout=30)
+        assert dst.finish_import_prefix(first) == n
+        dst.release_kv("pull-first")  # its prompt ran and ended: the blocks are only cached now
+    else:
+        assert dst.generate([a], GREEDY)[0] == cold  # computed and committed while the pull writes
+    late.written.result(timeout=30)
+    assert dst.finish_import_prefix(late) == 0  # nothing of its own committed
+    cached = dst.blocks.lookup_prefix(hashes)
+    assert len(cached) == n and not set(cached) & set(late.fresh)
+    assert dst.stats().free_blocks == 40 - n  # the hold pins the cached blocks; the copies are free again
+    taken = dst.blocks.allocate(dst.blocks.num_free)  # the pool under pressure evicts all it may
+    assert dst.blocks.lookup_prefix(hashes) == cached
+    dst.blocks.release(taken)
+    dst.add_request("r", a, GREEDY)
+    out: list[int] = []
+    hit = -1
+    while "r" in dst.requests:
+        for o in dst.step():
+            out += o.new_token_ids
+            hit = o.num_cached_tokens
+    assert out == cold and hit == n * BS
+    dst.release_kv("pull-late")
+    assert dst.stats().free_blocks == 40
+
+
+def test_a_pulled_prefix_that_finds_no_room_fails_as_the_pulls_outcome_not_as_a_failed_background_task(
+    smollm2: LoadedModel, prompts: dict[str, list[int]], caplog: pytest.LogCaptureFixture
+) -> None:
+    """The worker's import (begin, wait for the write, finish) runs as one shielded task so a pull's deadline
+    cannot cut it in half; an expected failure in it (a pool with no room) reaches the pull as its error, to be
+    named as the pull's outcome (no_space), with no ERROR line of a failed background task, and pins nothing."""
+    a = prompts["a"]
+    src = engine(smollm2)
+    src.generate([a], GREEDY)
+    hashes = block_hashes(a[: len(a) - 1], BS)
+    export = src.export_prefix("peer-1", hashes)
+    assert export is not None and len(hashes) > 2
+
+    async def scenario() -> None:
+        eng = await AsyncEngine.start(lambda: engine(smollm2, blocks=2))
+        try:
+            puller = PrefixPuller(eng, None, None, "prefill", ())  # type: ignore[arg-type]
+            with pytest.raises(NoFreeBlocksError):
+                await puller._import("pull-1", hashes, 0, export.data)
+            await asyncio.sleep(0.05)  # the task's end has been logged, if it logs
+            assert not await eng.call(lambda e: e.holds_prefix("pull-1"))
+            assert await eng.call(lambda e: e.stats().free_blocks) == 2
+        finally:
+            await eng.close()
+
+    with caplog.at_level("DEBUG"):
+        asyncio.run(scenario())
+    assert [r.getMessage() for r in caplog.records if r.levelname == "ERROR"] == []
 
 
 def test_export_prefix_holds_the_longest_exact_run_and_pins_it_against_eviction(
