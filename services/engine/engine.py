@@ -53,6 +53,12 @@ class KvMismatchError(ValueError):
     """A KV payload was produced for another model, dtype or layout; it must be refused, not reinterpreted."""
 
 
+class KvWriteError(RuntimeError):
+    """Writing a request's KV into its blocks beside the step (an import, a tier restore) failed, e.g. out of
+    device memory: that request ends with this error (LLMEngine.take_failures); the engine and its other
+    requests go on."""
+
+
 @dataclass(frozen=True)
 class KvLayout:
     model_fingerprint: str
@@ -296,6 +302,9 @@ class LLMEngine:
         self._export_stream: torch.cuda.Stream | None = None  # copies of exports off the engine thread (GPU)
         self._write_pins = itertools.count(1)  # pulled prefixes being written: each write's own pin
         self._restore_jobs: dict[str, tuple[concurrent.futures.Future[list[float]], list[RestoreGroup]]] = {}
+        self._failures: list[
+            tuple[str, KvWriteError]
+        ] = []  # requests ended by a failed write (take_failures)
         self.requests: dict[str, Request] = {}
         self.kv_layout = KvLayout(
             model_fingerprint=self.fingerprint,
@@ -403,6 +412,7 @@ class LLMEngine:
     def abort(self, request_id: str) -> None:
         if request_id in self._restore_jobs:
             self._collect_restores(only=request_id)  # its blocks are being written: let that finish first
+            self._failures = [f for f in self._failures if f[0] != request_id]  # aborted anyway
         self._matchers.pop(request_id, None)
         self._pending_kv.pop(request_id, None)
         req = self.requests.pop(request_id, None)
@@ -610,6 +620,9 @@ class LLMEngine:
             for out in self.step():
                 if out.request_id in results:
                     results[out.request_id] += out.new_token_ids
+            failed = [e for rid, e in self._failures if rid in results]
+            if failed:
+                raise failed[0]
         return [results[i] for i in ids]
 
     def drain_kv_events(self) -> list[KvEvent]:
@@ -808,7 +821,7 @@ class LLMEngine:
         self, job: PrefixImport, data: bytes | bytearray | memoryview | torch.Tensor, n: int
     ) -> None:
         only = job.missing if len(job.missing) < n else None
-        self.kv.write_blocks(self._h2d(job.fresh), self._payload_blocks(data, n, only))
+        self._write_payload(job.fresh, data, n, only)
 
     def _prefix_job(
         self, job: PrefixImport, data: bytes | bytearray | memoryview | torch.Tensor, n: int
@@ -904,9 +917,11 @@ class LLMEngine:
         with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
             for g in groups:
                 t0 = time.perf_counter()
-                self._write_group(g)
-                if stream is not None:
-                    stream.synchronize()
+                try:
+                    self._write_group(g)
+                finally:  # failed or not, nothing of it is left queued when its blocks are released
+                    if stream is not None:
+                        stream.synchronize()
                 times.append(time.perf_counter() - t0)
         return times
 
@@ -916,16 +931,44 @@ class LLMEngine:
         for request_id, (future, groups) in list(self._restore_jobs.items()):
             if (only is not None and request_id != only) or (only is None and not future.done()):
                 continue
-            times = future.result()
+            try:
+                times = future.result()
+            except Exception as e:  # noqa: BLE001 - that request's failure, not the engine's
+                del self._restore_jobs[request_id]
+                self._fail_write(request_id, e)
+                continue
             del self._restore_jobs[request_id]
             for g, dt in zip(groups, times, strict=True):
                 self._tier(g).observe_restore(len(g.block_ids), dt, overlapped=True)
             self.scheduler.complete_restore(request_id)
 
+    def _fail_write(self, request_id: str, cause: Exception) -> None:
+        """A write beside the step failed (its stream was synchronized: nothing of it is still queued): the
+        request ends with a KvWriteError and its blocks go back uncached."""
+        log.error("request %s: writing its KV beside the step failed: %s", request_id, cause)
+        self.scheduler.fail_restore(request_id)
+        self._matchers.pop(request_id, None)
+        req = self.requests.pop(request_id, None)
+        if req is not None:
+            self.scheduler.finish(req, "abort")
+            if req.hold_kv:
+                self.scheduler.release_kv(req)
+        err = KvWriteError(
+            f"writing the KV of request {request_id!r} failed: {type(cause).__name__}: {cause}"
+        )
+        err.__cause__ = cause
+        self._failures.append((request_id, err))
+
+    def take_failures(self) -> list[tuple[str, KvWriteError]]:
+        """Requests ended since the last call because their KV could not be written (each with its error): a
+        server fails their streams with it."""
+        out, self._failures = self._failures, []
+        return out
+
     def _write_imported(self, request_id: str) -> None:
         """The scheduler just gave an importing request its blocks: copy the KV it brought into them."""
         data, ids, nblocks = self._imported_payload(request_id)
-        self.kv.write_blocks(self._h2d(ids), self._payload_blocks(data, nblocks))
+        self._write_payload(ids, data, nblocks)
 
     def _imported_payload(self, request_id: str) -> tuple[bytes | memoryview | torch.Tensor, list[int], int]:
         """An admitted request's imported KV, the blocks it goes to and how many."""
@@ -939,43 +982,57 @@ class LLMEngine:
     ) -> list[float]:
         """On the restore thread, beside the step: write an imported payload into its fresh blocks. No tier
         groups to time: []."""
-        self._on_restore_stream(
-            lambda: self.kv.write_blocks(self._h2d(ids), self._payload_blocks(data, nblocks))
-        )
+        self._on_restore_stream(lambda: self._write_payload(ids, data, nblocks))
         return []
 
     def _on_restore_stream(self, write: Callable[[], None]) -> None:
         """Run a write on the restore thread's stream (CUDA) and wait for it: its blocks are in place on return."""
         stream = self._restore_stream
         with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
-            write()
-            if stream is not None:
-                stream.synchronize()
+            try:
+                write()
+            finally:  # failed or not, nothing of it is left queued when its blocks are released
+                if stream is not None:
+                    stream.synchronize()
 
     def _check_payload_dtype(self, data: bytes | bytearray | memoryview | torch.Tensor) -> None:
         """A tensor payload holds blocks in the cache's dtype or their raw bytes (uint8); host bytes are raw."""
         if isinstance(data, torch.Tensor) and data.dtype not in (torch.uint8, self.kv.dtype):
             raise KvMismatchError(f"KV blocks are {data.dtype}, this engine's cache is {self.kv.dtype}")
 
-    def _payload_blocks(
-        self, data: bytes | bytearray | memoryview | torch.Tensor, nblocks: int, only: list[int] | None = None
-    ) -> torch.Tensor:
-        """A KV payload of `nblocks` blocks (export order) as cache blocks on this engine's device, or just the
-        blocks `only` names. Host bytes (staged) become a pinned host copy and one upload; a device tensor
-        (device-direct: CUDA IPC, NIXL VRAM) is used where it lies, in the cache's dtype or as its raw bytes
-        (uint8; its dtype was checked at admission: `_check_payload_dtype`)."""
+    def _write_payload(
+        self,
+        ids: list[int],
+        data: bytes | bytearray | memoryview | torch.Tensor,
+        nblocks: int,
+        only: list[int] | None = None,
+    ) -> None:
+        """Write a KV payload of `nblocks` blocks (export order), or just the blocks `only` names, into the pool
+        blocks `ids` (on the current stream). A device tensor (device-direct: CUDA IPC, NIXL VRAM) is read where
+        it lies, in the cache's dtype or as its raw bytes (uint8; its dtype was checked at admission:
+        `_check_payload_dtype`); host bytes (staged) are read in place on a CPU and, into a GPU's cache, go up
+        STAGE_CHUNK_BYTES at a time through pinned memory, so an import takes a chunk of device and pinned
+        memory outside the cache's plan, not its whole size."""
         shape = (nblocks, *self.kv.data.shape[:3], self.kv.block_size, self.kv.data.shape[-1])
         if isinstance(data, torch.Tensor):
             if data.dtype != self.kv.dtype:  # its raw bytes
                 data = data.reshape(-1).view(self.kv.dtype)
-            src = data.to(self.device).view(shape)
+            src = (data if data.device.type == "cpu" else data.to(self.device)).view(shape)
         else:  # host bytes, read in place (only read: copied into the cache or uploaded)
             src = view_of(data, torch.uint8).view(self.kv.dtype).view(shape)
-        if only is not None:
-            src = src[torch.tensor(only, device=src.device)]
-        if self.device.type == "cuda" and not src.is_cuda:
-            src = src.pin_memory().to(self.device, non_blocking=True)
-        return src
+        if src.is_cuda:  # device-direct: on this engine's GPU now
+            part = src if only is None else src[torch.tensor(only, device=src.device)]
+            self.kv.write_blocks(self._h2d(ids), part)
+            return
+        rows = list(range(nblocks)) if only is None else only
+        per = max(1, STAGE_CHUNK_BYTES // self.kv.block_bytes)
+        for lo in range(0, len(rows), per):
+            chunk = rows[lo : lo + per]
+            run = chunk == list(range(chunk[0], chunk[0] + len(chunk)))
+            host = src[chunk[0] : chunk[0] + len(chunk)] if run else src[torch.tensor(chunk)]
+            if self.device.type == "cuda":  # pinned from torch's host cache, reused once this upload is done
+                host = host.pin_memory().to(self.device, non_blocking=True)
+            self.kv.write_blocks(self._h2d(ids[lo : lo + per]), host)
 
 
 # a GPU export with no device copy kept goes to the host through this much at a time

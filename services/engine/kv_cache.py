@@ -209,6 +209,11 @@ class BlockManager:
             self._cached[h] = b
             self._events.append(KvEvent("restored", h, parent, b, tier))
 
+    def report_lost(self, hashes: list[int], parents: list[int], tier: KvTierName) -> None:
+        """Blocks taken from a tier to be restored whose restore failed: they are in no tier now (dropped)."""
+        for h, parent in zip(hashes, parents, strict=True):
+            self._events.append(KvEvent("dropped", h, parent, -1, tier))
+
     def _evict(self, b: int) -> None:
         st = self.blocks[b]
         assert st.block_hash is not None

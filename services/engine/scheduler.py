@@ -270,6 +270,15 @@ class Scheduler:
             self.running.append(req)
         return req
 
+    def fail_restore(self, request_id: str) -> Request:
+        """Its blocks' write failed: nothing of it is cached, and the tier copies it took are lost (reported
+        dropped). The engine finishes the request next."""
+        req, groups = self.restoring.pop(request_id)
+        for g in groups:
+            self._restoring_hashes.difference_update(g.hashes)
+            self.blocks.report_lost(g.hashes, g.parents, g.tier)
+        return req
+
     def _preempt(self, req: Request) -> None:
         self.running.remove(req)
         self.blocks.release(req.block_ids)

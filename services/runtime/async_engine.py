@@ -368,6 +368,7 @@ class AsyncEngine:
                     self._step_since = None
                 metrics.ENGINE_STEP_S.labels(metrics.process_role).observe(time.monotonic() - t0)
                 items += [(o.request_id, o) for o in outs]
+                items += engine.take_failures()  # requests whose KV write failed: their streams raise it
                 for rid in list(waiting):
                     req = engine.requests.get(rid)
                     if req is None or req.status is not RequestStatus.WAITING:

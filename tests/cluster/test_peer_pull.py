@@ -22,6 +22,7 @@ import pytest
 import torch
 from prometheus_client.parser import text_string_to_metric_families
 
+from services.engine import engine as engine_module
 from services.engine.block_hash import block_hashes
 from services.engine.config import EngineConfig
 from services.engine.engine import LLMEngine
@@ -92,13 +93,17 @@ def engine(smollm2: LoadedModel, blocks: int = 24) -> LLMEngine:
     return LLMEngine(smollm2, cfg)
 
 
-@pytest.mark.parametrize("form", ["bytes", "raw tensor, some blocks already here"])
+@pytest.mark.parametrize(
+    "form",
+    ["bytes", "raw tensor, some blocks already here", "bytes in 2-block chunks, one block already here"],
+)
 def test_an_exported_prefix_imported_into_another_engine_gives_the_cold_runs_tokens(
-    smollm2: LoadedModel, prompts: dict[str, list[int]], form: str
+    smollm2: LoadedModel, prompts: dict[str, list[int]], form: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Host bytes, or the same bytes as a flat uint8 tensor (what a NIXL read of device memory delivers) into a
     pool that already caches the first blocks: only the missing ones are written, and the tokens are the cold
-    run's."""
+    run's. Host bytes are written a chunk of blocks at a time (on a GPU: each chunk one pinned upload); with a
+    block cached in the middle, a chunk's blocks are not one run of the payload."""
     a = prompts["a"]
     cold = engine(smollm2).generate([a], GREEDY)[0]
     src, dst = engine(smollm2), engine(smollm2)
@@ -109,6 +114,13 @@ def test_an_exported_prefix_imported_into_another_engine_gives_the_cold_runs_tok
     assert len(export.data) == len(hashes) * src.kv.block_bytes
     if form == "bytes":
         assert dst.import_prefix("pull-1", hashes, 0, export.data) == len(hashes)
+    elif form.startswith("bytes in"):
+        assert len(hashes) >= 4
+        monkeypatch.setattr(engine_module, "STAGE_CHUNK_BYTES", 2 * dst.kv.block_bytes)
+        bb = src.kv.block_bytes
+        assert dst.import_prefix("pull-0", hashes[1:2], hashes[0], export.data[bb : 2 * bb]) == 1
+        dst.release_kv("pull-0")
+        assert dst.import_prefix("pull-1", hashes, 0, export.data) == len(hashes) - 1  # [0, 2], [3, ...]
     else:
         first = export.data[: 2 * src.kv.block_bytes]
         assert dst.import_prefix("pull-0", hashes[:2], 0, first) == 2

@@ -5,13 +5,17 @@ middle of a restore leaks nothing. KV imported from a prefill worker is written 
 
 from __future__ import annotations
 
+import asyncio
+import threading
+
 import pytest
 import torch
 
 from services.engine.block_hash import block_hashes
-from services.engine.engine import EngineConfig, LLMEngine
+from services.engine.engine import EngineConfig, KvWriteError, LLMEngine
 from services.engine.sampling import SamplingParams
 from services.engine.scheduler import RequestStatus
+from services.runtime.async_engine import AsyncEngine
 from tests.conftest import tiny_llama
 
 BS = 4
@@ -234,3 +238,98 @@ def test_aborting_an_importing_request_leaks_no_block(solo: tuple[list[int], lis
     run(e, out)
     assert out["x"] == solo[1]
     assert e.stats().free_blocks == 64
+
+
+# --- a write beside the step that fails (out of device memory, say) ends its request, not the engine ---
+def fail_writes_on_the_restore_thread(e: LLMEngine, monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """Make every KV write on the restore thread raise, as a device out of memory would; the engine thread's own
+    writes go on. Returns the list the failed writes' thread names go to."""
+    failed: list[str] = []
+    write = e.kv.write_blocks
+
+    def failing(ids: torch.Tensor, src: torch.Tensor) -> None:
+        if threading.current_thread().name.startswith("kv-restore"):
+            failed.append(threading.current_thread().name)
+            raise torch.OutOfMemoryError("CUDA out of memory (injected)")
+        write(ids, src)
+
+    monkeypatch.setattr(e.kv, "write_blocks", failing)
+    return failed
+
+
+@pytest.mark.parametrize("what", ["import", "tier restore"])
+def test_a_failed_write_beside_the_step_ends_that_request_with_its_error_and_the_engine_goes_on(
+    solo: tuple[list[int], list[int]], monkeypatch: pytest.MonkeyPatch, what: str
+) -> None:
+    """The failed request ends with a KvWriteError naming it (its stream gets the error; its blocks go back,
+    nothing of it cached, the tier copies it took reported dropped); the sequence decoding beside it keeps its
+    solo tokens, later steps run, and the same prompt runs whole afterwards."""
+    if what == "import":
+        e = engine(num_kv_blocks=64)
+        pool, hashes = 64, block_hashes(A[: len(A) - 1], BS)
+        failed = fail_writes_on_the_restore_thread(e, monkeypatch)
+        out = start_x_then_import_a(e)
+    else:
+        e = engine(kv_tier2_bytes=1 << 20)
+        pool = POOL
+        hashes = evict_a_into_tier2(e)
+        failed = fail_writes_on_the_restore_thread(e, monkeypatch)
+        out = start_x_then_a(e)
+    e.drain_kv_events()
+    for o in e.step():
+        out[o.request_id] += o.new_token_ids
+    assert "a" in e.scheduler.restoring  # its write runs beside this step, and fails
+    failures: list[tuple[str, Exception]] = []
+    while e.has_unfinished():
+        for o in e.step():
+            out[o.request_id] += o.new_token_ids
+        failures += e.take_failures()
+    assert failed and [rid for rid, _ in failures] == ["a"]
+    assert isinstance(failures[0][1], KvWriteError) and "'a'" in str(failures[0][1])
+    assert isinstance(failures[0][1].__cause__, torch.OutOfMemoryError)
+    assert out["x"] == solo[1]  # the other sequence never noticed
+    assert "a" not in e.requests and e.stats().free_blocks == pool
+    assert e.blocks.lookup_prefix(hashes) == []  # nothing unwritten is cached
+    if what == "tier restore":
+        dropped = {ev.block_hash for ev in e.drain_kv_events() if ev.kind == "dropped"}
+        assert set(hashes) <= dropped and not any(h in e.tier2 for h in hashes)  # type: ignore[operator]
+    monkeypatch.undo()
+    assert e.generate([A], GREEDY)[0] == solo[0]  # the engine is whole
+
+
+def test_a_failed_import_write_fails_only_its_own_stream_on_the_async_engine(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """On a worker (AsyncEngine) the failed request's stream raises the KvWriteError (the server turns it into
+    a failed call, which the frontend migrates); the stream decoding beside it finishes with its solo tokens."""
+    first, kv = prefilled_a()
+    long_x = SamplingParams(max_tokens=64, temperature=0, ignore_eos=True)  # still decoding when A arrives
+    x_solo = engine(num_kv_blocks=256).generate([X], long_x)[0]
+
+    async def scenario() -> None:
+        eng = await AsyncEngine.start(lambda: engine(num_kv_blocks=64))
+        try:
+            assert eng.engine is not None
+            failed = fail_writes_on_the_restore_thread(eng.engine, monkeypatch)
+            x_stream = eng.generate("x", X, long_x)
+            x_first = await x_stream.__anext__()  # x decodes from here on
+
+            async def rest_of_x() -> list[int]:
+                return x_first.new_token_ids + [t async for o in x_stream for t in o.new_token_ids]
+
+            x = asyncio.create_task(rest_of_x())
+            a = eng.generate("a", A, GREEDY, output_ids=[first], kv=kv)  # type: ignore[arg-type]
+            with pytest.raises(KvWriteError, match="'a'"):
+                async for _ in a:
+                    pass
+            assert failed  # it failed beside x's steps, on the restore thread
+            assert await x == x_solo
+            assert await eng.call(lambda e: e.stats().free_blocks) == 64
+        finally:
+            await eng.close()
+
+    async def bounded() -> None:  # a wedged engine fails the test instead of hanging it
+        async with asyncio.timeout(60):
+            await scenario()
+
+    asyncio.run(bounded())
