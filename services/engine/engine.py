@@ -1035,22 +1035,58 @@ class LLMEngine:
             self.kv.write_blocks(self._h2d(ids[lo : lo + per]), host)
 
 
-# a GPU export with no device copy kept goes to the host through this much at a time
+# a GPU's KV goes to the host (an export's staging) and comes from it (an import's upload) this much at a time
 STAGE_CHUNK_BYTES = 64 << 20
 
 
 def staged_bytes(blocks: torch.Tensor) -> memoryview:
     """Freshly copied-out blocks (read_blocks) as host bytes for the byte transports: on a CPU the tensor's own
-    memory (no copy: nothing else holds it); from a GPU one device-to-host copy into pinned memory, which the
-    copy engine fills at full speed (pageable memory is staged by the driver in pieces). The view keeps the
-    memory alive."""
+    memory (no copy: nothing else holds it); from a GPU, on the current stream, STAGE_CHUNK_BYTES at a time
+    (device_to_host). The view keeps the memory alive."""
     flat = blocks.reshape(-1).view(torch.uint8)
     if flat.device.type != "cpu":
-        with torch.cuda.device(flat.device):  # the pinned buffer's context is this GPU's, on any thread
-            host = torch.empty(flat.numel(), dtype=torch.uint8, pin_memory=True)
-            host.copy_(flat)  # synchronous: the bytes are there when this returns
-        flat = host
+        flat = device_to_host(flat.split(STAGE_CHUNK_BYTES), flat.numel(), flat.device, STAGE_CHUNK_BYTES)
     return bytes_of(flat)
+
+
+def device_to_host(
+    parts: Iterable[torch.Tensor], total: int, device: torch.device, chunk_bytes: int
+) -> torch.Tensor:
+    """Flat uint8 device tensors (each at most chunk_bytes, made on the current stream), in order, into one
+    pageable host buffer of `total` bytes, through two pinned bounce buffers: the copy engine fills pinned
+    memory at full speed (pageable memory it stages in pieces, synchronously) while the chunk before is copied
+    on into the buffer. The pinned memory taken, and kept by torch's host cache, is two chunks, not the whole
+    export rounded up to a power of two for as long as its publication lives. Returns when every byte is in
+    the buffer."""
+    host = torch.empty(total, dtype=torch.uint8)
+    stream = torch.cuda.current_stream(device)
+    size = min(chunk_bytes, total)
+    with torch.cuda.device(device):  # the pinned buffers' context is this GPU's, on any thread
+        bounce = [torch.empty(size, dtype=torch.uint8, pin_memory=True) for _ in range(2)]
+    offset = 0
+    pending: tuple[Any, torch.Tensor, int] | None = None  # (its copy's event, the bounce slice, host offset)
+
+    def land(p: tuple[Any, torch.Tensor, int]) -> None:
+        done, buf, at = p
+        done.synchronize()
+        host[at : at + buf.numel()].copy_(buf)
+
+    for k, part in enumerate(parts):
+        n = part.numel()
+        if n > size:
+            raise ValueError(f"a {n}-byte part is larger than the {size}-byte bounce buffer")
+        buf = bounce[k % 2][:n]  # used two parts ago, landed one part ago: free again
+        buf.copy_(part, non_blocking=True)
+        done = torch.cuda.Event()
+        done.record(stream)
+        if pending is not None:
+            land(pending)  # the part before, while this one's copy runs
+        pending, offset = (done, buf, offset), offset + n
+    if pending is not None:
+        land(pending)
+    if offset != total:
+        raise ValueError(f"{offset} bytes copied to the host, {total} expected")
+    return host
 
 
 @dataclass
@@ -1073,9 +1109,10 @@ class ExportJob:
     def copy_out(self, keep_device: bool, own_stream: bool = True) -> tuple[memoryview, torch.Tensor | None]:
         """The blocks as host bytes, and on a GPU with keep_device the whole device copy they came through (for
         device-direct readers in other processes: cuda_ipc, NIXL VRAM; None where the device has no memory for
-        it now). Without keep_device a GPU's blocks go to one pinned host buffer STAGE_CHUNK_BYTES at a time, so
-        the copy never takes more device memory than that. A job from begin_export copies on the engine's export
-        stream, after the steps queued before the pin; own_stream=False copies on the current stream instead:
+        it now). Without keep_device a GPU's blocks are gathered and go to the host STAGE_CHUNK_BYTES at a time
+        (device_to_host), so the copy never takes more device or pinned memory than that. A job from
+        begin_export copies on the engine's export stream, after the steps queued before the pin;
+        own_stream=False copies on the current stream instead:
         for a device copy that this process's current stream will read (the allocator would otherwise hand its
         memory to the export stream's next allocation while that stream's reads are still queued)."""
         kv = self.kv
@@ -1096,11 +1133,12 @@ class ExportJob:
                     data = None
                 if data is not None:
                     return staged_bytes(data), data
-            per, bb = max(1, STAGE_CHUNK_BYTES // kv.block_bytes), kv.block_bytes
-            host = torch.empty(len(self.block_ids) * bb, dtype=torch.uint8, pin_memory=True)
-            for i in range(0, len(self.block_ids), per):
-                part = kv.read_blocks(ids[i : i + per]).reshape(-1).view(torch.uint8)
-                host[i * bb : i * bb + part.numel()].copy_(part)
+            per = max(1, STAGE_CHUNK_BYTES // kv.block_bytes)
+            parts = (
+                kv.read_blocks(ids[i : i + per]).reshape(-1).view(torch.uint8)
+                for i in range(0, len(self.block_ids), per)
+            )
+            host = device_to_host(parts, self.nbytes, kv.device, per * kv.block_bytes)
             return bytes_of(host), None
 
 
