@@ -28,6 +28,7 @@ test_gpu_check_smoke.py runs it in `make test`); without CUDA and without --devi
 from __future__ import annotations
 
 import argparse
+import asyncio
 import faulthandler
 import importlib.util
 import inspect
@@ -1103,6 +1104,49 @@ def gb(x: float) -> str:
     return format(x / 1e9, ".3g")
 
 
+class TransferLoop:
+    """The transfer engine's own objects in a step-4 worker (KvSource in the prefill process, KvSink in the
+    decode process), on an asyncio loop of their own thread, as a worker's server runs them."""
+
+    def __init__(self, dev: torch.device) -> None:
+        self.loop = asyncio.new_event_loop()
+        threading.Thread(target=self.loop.run_forever, name="transfer-loop", daemon=True).start()
+        # on a GPU: cuda_ipc for the device copy, TCP for the host bytes (shm is left out: a container's 64 MB
+        # /dev/shm would not hold the larger prompts); on a CPU: TCP
+        self.backends = ("tcp", "cuda_ipc") if dev.type == "cuda" else ("tcp",)
+        self.source: Any = None
+        self.sink: Any = None
+
+    def run(self, coro: Any, timeout: float = 120.0) -> Any:
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
+
+    def open_source(self) -> Any:
+        from services.kvtransfer import KvSource, TransferConfig
+
+        if self.source is None:
+            self.source = self.run(KvSource.start(TransferConfig(backends=self.backends)))
+        return self.source
+
+    def open_sink(self) -> Any:
+        from services.kvtransfer import KvSink, TransferConfig
+
+        if self.sink is None:
+            self.sink = self.run(KvSink.start(TransferConfig(backends=self.backends)))
+        return self.sink
+
+    def retract(self, key: str) -> None:
+        async def retract() -> None:
+            self.source.retract(key)
+
+        self.run(retract())
+
+    def close(self) -> None:
+        for end in (self.sink, self.source):
+            if end is not None:
+                self.run(end.close(), 60.0)
+        self.loop.call_soon_threadsafe(self.loop.stop)
+
+
 def worker_main(role: str, spec: dict[str, Any]) -> int:
     """A prefill or decode worker of step 4: JSON requests on stdin, `@@`-prefixed JSON replies on stdout."""
     from multiprocessing import shared_memory
@@ -1118,6 +1162,7 @@ def worker_main(role: str, spec: dict[str, Any]) -> int:
     dev = engine_device(engine)
     reply({"ready": role, "pid": os.getpid(), "device": str(dev)})
     held: dict[str, Any] = {}
+    transfer = TransferLoop(dev)
     for line in sys.stdin:
         msg = json.loads(line)
         op = msg["op"]
@@ -1138,6 +1183,22 @@ def worker_main(role: str, spec: dict[str, Any]) -> int:
                     sync(dev)
                     held[rid] = blocks  # alive until the decode worker has copied out of it
                     r |= {"desc": describe(blocks), "token_ids": token_ids}
+                elif msg["mode"] == "source":
+                    # as a prefill worker hands KV over: pin, copy off the engine thread (on a GPU keeping the
+                    # device copy for cuda_ipc readers), unpin, publish on the worker's KvSource
+                    source = transfer.open_source()
+                    t0 = time.perf_counter()
+                    pin = f"{rid}\x00copy"
+                    job = engine.begin_export(pin, rid)
+                    try:
+                        with ThreadPoolExecutor(1) as copier:
+                            data, device_copy = copier.submit(job.copy_out, dev.type == "cuda").result()
+                    finally:
+                        engine.release_kv(pin)
+                    ticket = transfer.run(source.publish(rid, data, 120.0, device_payload=device_copy))
+                    r |= {"export_s": time.perf_counter() - t0, "ticket": ticket.to_json()}
+                    r |= {"token_ids": job.token_ids, "device_copy": device_copy is not None}
+                    held[rid] = "source"
                 else:
                     t0 = time.perf_counter()
                     # as a prefill worker exports: pin the blocks, copy them off the engine thread (a stream of
@@ -1157,6 +1218,8 @@ def worker_main(role: str, spec: dict[str, Any]) -> int:
                 reply(r)
             elif op == "release":
                 h = held.pop(msg["rid"], None)
+                if h == "source":
+                    transfer.retract(msg["rid"])
                 if isinstance(h, shared_memory.SharedMemory):
                     h.close()
                     h.unlink()
@@ -1188,7 +1251,7 @@ def worker_main(role: str, spec: dict[str, Any]) -> int:
                     )
                     sync(dev)
                     r["import_s"] = time.perf_counter() - t0
-                else:
+                elif msg["mode"] == "staged":
                     t0 = time.perf_counter()
                     shm = attach_shm(msg["shm"])
                     data = bytes(shm.buf[: msg["nbytes"]])
@@ -1201,6 +1264,32 @@ def worker_main(role: str, spec: dict[str, Any]) -> int:
                     staged = torch.frombuffer(bytearray(data), dtype=torch.uint8).to(dev)
                     r["memcpy_s"] = best_copy_s(torch.empty_like(staged), staged)
                     r["import"] = "host"
+                elif msg["mode"] == "source":
+                    # as a decode worker takes it: its KvSink pulls the ticket (cuda_ipc: GPU to GPU, onto this
+                    # process's GPU), and the engine imports what arrived
+                    from services.kvtransfer import TransferTicket
+
+                    sink = transfer.open_sink()
+                    ticket = TransferTicket.from_json(msg["ticket"])
+                    backend = "cuda_ipc" if dev.type == "cuda" else "tcp"
+                    pulled = transfer.run(sink.pull(ticket, 60.0, backend=backend, device=str(dev)))
+                    r |= {"copy_s": pulled.seconds, "nbytes": pulled.bytes}
+                    r["import"] = pulled.backend + (
+                        " device-direct" if pulled.device_direct else " host bytes"
+                    )
+                    on_dev = (
+                        pulled.data
+                        if isinstance(pulled.data, torch.Tensor)
+                        else torch.frombuffer(bytearray(pulled.data), dtype=torch.uint8).to(dev)
+                    )
+                    r["memcpy_s"] = best_copy_s(
+                        torch.empty_like(on_dev), on_dev
+                    )  # the same bytes within ours
+                    t0 = time.perf_counter()
+                    kv = KvExport(KvLayout(**msg["layout"]), msg["token_ids"], pulled.data)
+                    engine.add_request(rid, prompt, params, output_ids=[first], kv=kv)
+                    sync(dev)
+                    r["import_s"] = time.perf_counter() - t0
                 r["tokens"] = [first] + finish(engine, rid)
                 reply(r)
             elif op == "decode_beside":
@@ -1232,6 +1321,7 @@ def worker_main(role: str, spec: dict[str, Any]) -> int:
         except Exception as exc:  # noqa: BLE001 - the parent reports it and goes on
             traceback.print_exc()
             reply({"error": f"{type(exc).__name__}: {exc}"})
+    transfer.close()
     return 0
 
 
@@ -1347,9 +1437,12 @@ def step_disagg(res: StepResult, plan: Plan, budget: Budget) -> None:
         prompts = [torch.randint(0, vocab, (n,), generator=g).tolist() for n in plan.disagg_prompt_lens]
         m = plan.disagg_max_tokens
         want = [decode.call(120, op="aggregated", prompt=p, max_tokens=m)["tokens"] for p in prompts]
-        modes = ["ipc", "staged"] if dev.type == "cuda" else ["staged"]
+        modes = ["ipc", "source", "staged"] if dev.type == "cuda" else ["source", "staged"]
         if dev.type != "cuda":
-            res.say("CUDA IPC path: skipped, it needs CUDA (the staged host path runs)")
+            res.say(
+                "CUDA IPC path: skipped, it needs CUDA (the transfer engine pulls over TCP; the staged host path "
+                "runs)"
+            )
         from services.engine.model import PagedKvCache
 
         block = PagedKvCache.bytes_per_block(
@@ -1374,7 +1467,11 @@ def step_disagg(res: StepResult, plan: Plan, budget: Budget) -> None:
                         f"{mode}: prompt {i} (len {len(p)}) decoded {got['tokens']} after the transfer, "
                         f"the aggregated run gave {want[i]}"
                     )
-                moved = got["copy_s"] if mode == "ipc" else offer["export_s"] + got["import_s"]
+                moved = got["copy_s"] if mode in ("ipc", "source") else offer["export_s"] + got["import_s"]
+                if mode == "source" and dev.type == "cuda" and got["import"] != "cuda_ipc device-direct":
+                    res.fail(
+                        f"source: prompt {i}: the KvSink pull went {got['import']}, not cuda_ipc GPU to GPU"
+                    )
                 nbytes += got["nbytes"]
                 copy_s += moved
                 memcpy_s += got["memcpy_s"]
@@ -1387,9 +1484,11 @@ def step_disagg(res: StepResult, plan: Plan, budget: Budget) -> None:
                 continue
             gbs = biggest["nbytes"] / biggest["s"] / 1e9
             ref = biggest["nbytes"] / biggest["memcpy_s"] / 1e9
-            what = (
-                "peer device -> device copy" if mode == "ipc" else "export to host + shm + import to device"
-            )
+            what = {
+                "ipc": "peer device -> device copy",
+                "source": "KvSource -> KvSink pull",
+                "staged": "export to host + shm + import to device",
+            }[mode]
             res.say(
                 f"{mode}: tokens equal to the aggregated run for {same}/{tried} prompts; largest KV "
                 f"{gb(biggest['nbytes'] * 1e3)} MB at {gbs:.3g} GB/s ({what}) vs device memcpy {ref:.3g} GB/s "
@@ -1402,9 +1501,9 @@ def step_disagg(res: StepResult, plan: Plan, budget: Budget) -> None:
                 memcpy_gb_s=ref, ratio=gbs / ref, total_bytes=nbytes, total_gb_s=nbytes / copy_s,
                 import_path=sorted(imports),
             )  # fmt: skip
-            if mode == "ipc":
+            if mode in ("ipc", "source") and dev.type == "cuda":
                 res.say(
-                    f"target transfer >= 50% of device memcpy: {gbs / ref:.0%} "
+                    f"{mode}: target transfer >= 50% of device memcpy: {gbs / ref:.0%} "
                     f"({'met' if gbs >= ref / 2 else 'not met'})"
                 )
         # the staged import once more, while another sequence decodes on the decode worker: written beside its

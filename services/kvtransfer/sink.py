@@ -202,10 +202,15 @@ class KvSink:
 
             remote = cuda_ipc.open_described(json.loads(ticket.device_handle))
             into = torch.device(device) if device is not None and device.startswith("cuda") else remote.device
+            # allocated on the current stream (the engine's, which frees it after its import); copied on a side
+            # stream, so a large copy does not queue ahead of the engine's steps, after the current stream (the
+            # open made it wait for the producer's writes); waited for on that stream alone
             local = torch.empty_like(remote, device=into)
-            local.copy_(remote)  # device to device (peer to peer across GPUs); the mapping goes with `remote`
-            torch.cuda.synchronize(remote.device)
-            torch.cuda.synchronize(local.device)
+            side = torch.cuda.Stream(into)
+            side.wait_stream(torch.cuda.current_stream(into))
+            with torch.cuda.stream(side):
+                local.copy_(remote)  # device to device (peer to peer across GPUs); unmapped with `remote`
+            side.synchronize()
             return local
 
         async def move(sock: socket.socket, reply: Grant) -> Any:
