@@ -68,7 +68,9 @@ class DecodeGraphs:
         pool = torch.cuda.graph_pool_handle()
         for b in reversed(self.buckets):  # largest first, so the smaller graphs reuse its memory pool
             g = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(g, pool=pool):
+            # thread_local: a CUDA call another thread of the process makes meanwhile (a NIXL/UCX progress thread,
+            # started before the engine on a worker) is not an error of this capture, as it is in "global" mode
+            with torch.cuda.graph(g, pool=pool, capture_error_mode="thread_local"):
                 self._logits[b] = self._forward(b)
             self._graphs[b] = g
         torch.cuda.synchronize(self.kv.device)
