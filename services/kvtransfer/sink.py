@@ -115,7 +115,8 @@ class KvSink:
         if backend not in self.supported:
             raise TransferUnavailable(f"backend {backend!r} is not enabled on this sink ({self.supported})")
         # a device-direct read the producer cannot serve (its device copy went once a device reader had it all,
-        # or this process cannot map it) falls back to the host bytes, which stay published
+        # or this process cannot map it, or has no device memory for it now) falls back to the host bytes, which
+        # stay published
         if backend == CUDA_IPC:
             try:
                 return await self._pull_cuda_ipc(ticket, deadline_s, device)
@@ -205,7 +206,10 @@ class KvSink:
             # allocated on the current stream (the engine's, which frees it after its import); copied on a side
             # stream, so a large copy does not queue ahead of the engine's steps, after the current stream (the
             # open made it wait for the producer's writes); waited for on that stream alone
-            local = torch.empty_like(remote, device=into)
+            try:
+                local = torch.empty_like(remote, device=into)
+            except torch.cuda.OutOfMemoryError as exc:  # the host bytes then, uploaded a chunk at a time
+                raise TransferUnavailable(f"{ticket.key}: no device memory for its copy now ({exc})") from exc
             side = torch.cuda.Stream(into)
             side.wait_stream(torch.cuda.current_stream(into))
             with torch.cuda.stream(side):
@@ -264,7 +268,10 @@ class KvSink:
         byte placed."""
         import torch
 
-        local = torch.empty(ticket.raw_size, dtype=torch.uint8, device=device)
+        try:
+            local = torch.empty(ticket.raw_size, dtype=torch.uint8, device=device)
+        except torch.cuda.OutOfMemoryError as exc:  # the host bytes then, uploaded a chunk at a time
+            raise TransferUnavailable(f"{ticket.key}: no device memory for its copy now ({exc})") from exc
         # the allocator hands out memory freed on the stream while kernels queued there may still use it; UCX
         # (or the NIC) writes outside stream order, so nothing queued may touch this memory when the READ does
         if local.is_cuda:
