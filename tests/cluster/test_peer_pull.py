@@ -93,6 +93,18 @@ def engine(smollm2: LoadedModel, blocks: int = 24) -> LLMEngine:
     return LLMEngine(smollm2, cfg)
 
 
+def run_counting_hits(e: LLMEngine, prompt: list[int]) -> tuple[list[int], int]:
+    """Run one prompt greedily on `e`: its tokens, and how many of its prompt tokens the prefix cache served."""
+    e.add_request("r", prompt, GREEDY)
+    out: list[int] = []
+    cached = -1
+    while "r" in e.requests:
+        for o in e.step():
+            out += o.new_token_ids
+            cached = o.num_cached_tokens
+    return out, cached
+
+
 @pytest.mark.parametrize(
     "form",
     ["bytes", "raw tensor, some blocks already here", "bytes in 2-block chunks, one block already here"],
@@ -129,13 +141,7 @@ def test_an_exported_prefix_imported_into_another_engine_gives_the_cold_runs_tok
         assert dst.import_prefix("pull-1", hashes, 0, raw) == len(hashes) - 2
     dst.release_kv("pull-1")  # unpinned: still cached, so the admission hits them
     src.release_kv("peer-1")
-    dst.add_request("r", a, GREEDY)
-    out: list[int] = []
-    cached = -1
-    while "r" in dst.requests:
-        for o in dst.step():
-            out += o.new_token_ids
-            cached = o.num_cached_tokens
+    out, cached = run_counting_hits(dst, a)
     assert out == cold
     assert cached == len(hashes) * BS  # the whole pulled prefix was a hit; only the last block was computed
 
@@ -168,13 +174,7 @@ def test_a_pulled_prefix_written_beside_the_steps_is_hit_only_once_written_even_
     job.written.result(timeout=30)
     assert dst.finish_import_prefix(job) == len(hashes)
     assert len(dst.blocks.lookup_prefix(hashes)) == len(hashes)  # whole: cached like computed blocks
-    dst.add_request("r", a, GREEDY)
-    out: list[int] = []
-    cached = -1
-    while "r" in dst.requests:
-        for o in dst.step():
-            out += o.new_token_ids
-            cached = o.num_cached_tokens
+    out, cached = run_counting_hits(dst, a)
     assert out == cold and cached == len(hashes) * BS
     assert dst.stats().free_blocks == 40
 
@@ -212,13 +212,7 @@ def test_a_prefix_cached_meanwhile_by_other_blocks_is_what_the_pulls_hold_pins(
     taken = dst.blocks.allocate(dst.blocks.num_free)  # the pool under pressure evicts all it may
     assert dst.blocks.lookup_prefix(hashes) == cached
     dst.blocks.release(taken)
-    dst.add_request("r", a, GREEDY)
-    out: list[int] = []
-    hit = -1
-    while "r" in dst.requests:
-        for o in dst.step():
-            out += o.new_token_ids
-            hit = o.num_cached_tokens
+    out, hit = run_counting_hits(dst, a)
     assert out == cold and hit == n * BS
     dst.release_kv("pull-late")
     assert dst.stats().free_blocks == 40
