@@ -302,9 +302,8 @@ class LLMEngine:
         self._export_stream: torch.cuda.Stream | None = None  # copies of exports off the engine thread (GPU)
         self._write_pins = itertools.count(1)  # pulled prefixes being written: each write's own pin
         self._restore_jobs: dict[str, tuple[concurrent.futures.Future[list[float]], list[RestoreGroup]]] = {}
-        self._failures: list[
-            tuple[str, KvWriteError]
-        ] = []  # requests ended by a failed write (take_failures)
+        # requests ended by a failed write beside the step (take_failures)
+        self._failures: list[tuple[str, KvWriteError]] = []
         self.requests: dict[str, Request] = {}
         self.kv_layout = KvLayout(
             model_fingerprint=self.fingerprint,
@@ -760,7 +759,7 @@ class LLMEngine:
         """Write a peer's blocks (block-major, the export order; `hashes` their chained hashes, `parent` the
         first one's parent) into this pool and commit them as cached prefix blocks, pinned under hold_id (which
         may already pin this prompt's earlier blocks) until release_kv(hold_id). Blocks the pool already caches
-        are kept, not overwritten. Returns how many blocks were written. Here, on the engine's thread: a worker
+        are kept, not overwritten. Returns how many blocks it committed. Here, on the engine's thread: a worker
         writes beside the step instead (begin_import_prefix, then finish_import_prefix)."""
         job = self.begin_import_prefix(hold_id, hashes, parent, data, beside=False)
         return self.finish_import_prefix(job)
