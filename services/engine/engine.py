@@ -445,20 +445,13 @@ class LLMEngine:
         self._preemptions += len(decision.preempted)
         for g in decision.restored:
             self._write_restored(g)
-        if (decision.restoring or decision.importing) and self._restorer is None:
-            self._restorer = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="kv-restore")
-        if (decision.restoring or decision.importing) and self._restore_stream is not None:
-            # the side stream's writes come after what the device was asked to do before (with those blocks too)
-            self._restore_stream.wait_stream(torch.cuda.current_stream(self.device))
         for request_id, groups in decision.restoring:
-            assert self._restorer is not None
-            self._restore_jobs[request_id] = (self._restorer.submit(self._restore_job, groups), groups)
+            self._restore_jobs[request_id] = (self._beside(self._restore_job, groups), groups)
         for request_id in decision.imported:
             self._write_imported(request_id)
         for request_id in decision.importing:  # its KV, written beside the step like a restore
-            assert self._restorer is not None
             data, ids, nblocks = self._imported_payload(request_id)
-            self._restore_jobs[request_id] = (self._restorer.submit(self._import_job, ids, data, nblocks), [])
+            self._restore_jobs[request_id] = (self._beside(self._import_job, ids, data, nblocks), [])
         if decision.empty:
             if self._restore_jobs:  # nothing else to run: wait for a restore, the next step runs its request
                 concurrent.futures.wait(
@@ -809,11 +802,7 @@ class LLMEngine:
             self._write_prefix(job, data, n)
             job.written.set_result(None)
             return job
-        if self._restorer is None:
-            self._restorer = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="kv-restore")
-        if self._restore_stream is not None:
-            self._restore_stream.wait_stream(torch.cuda.current_stream(self.device))
-        job.written = self._restorer.submit(self._prefix_job, job, data, n)
+        job.written = self._beside(self._on_restore_stream, lambda: self._write_prefix(job, data, n))
         return job
 
     def _write_prefix(
@@ -821,12 +810,6 @@ class LLMEngine:
     ) -> None:
         only = job.missing if len(job.missing) < n else None
         self._write_payload(job.fresh, data, n, only)
-
-    def _prefix_job(
-        self, job: PrefixImport, data: bytes | bytearray | memoryview | torch.Tensor, n: int
-    ) -> None:
-        """On the restore thread: a pulled prefix's blocks into its fresh blocks."""
-        self._on_restore_stream(lambda: self._write_prefix(job, data, n))
 
     def finish_import_prefix(self, job: PrefixImport) -> int:
         """import_prefix's second half, once job.written is done: commit the written blocks under their hashes
@@ -983,6 +966,16 @@ class LLMEngine:
         groups to time: []."""
         self._on_restore_stream(lambda: self._write_payload(ids, data, nblocks))
         return []
+
+    def _beside(self, fn: Callable[..., Any], *args: Any) -> concurrent.futures.Future[Any]:
+        """Run fn(*args) on the restore thread, beside the engine's steps (a tier restore, an import, a pulled
+        prefix). On a GPU the restore stream first waits for what this thread's stream was asked to do so far
+        (with those blocks too)."""
+        if self._restorer is None:
+            self._restorer = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="kv-restore")
+        if self._restore_stream is not None:
+            self._restore_stream.wait_stream(torch.cuda.current_stream(self.device))
+        return self._restorer.submit(fn, *args)
 
     def _on_restore_stream(self, write: Callable[[], None]) -> None:
         """Run a write on the restore thread's stream (CUDA) and wait for it: its blocks are in place on return."""
