@@ -206,10 +206,7 @@ class KvSink:
             # allocated on the current stream (the engine's, which frees it after its import); copied on a side
             # stream, so a large copy does not queue ahead of the engine's steps, after the current stream (the
             # open made it wait for the producer's writes); waited for on that stream alone
-            try:
-                local = torch.empty_like(remote, device=into)
-            except torch.cuda.OutOfMemoryError as exc:  # the host bytes then, uploaded a chunk at a time
-                raise TransferUnavailable(f"{ticket.key}: no device memory for its copy now ({exc})") from exc
+            local = _device_buffer(ticket.key, lambda: torch.empty_like(remote, device=into))
             side = torch.cuda.Stream(into)
             side.wait_stream(torch.cuda.current_stream(into))
             with torch.cuda.stream(side):
@@ -268,10 +265,9 @@ class KvSink:
         byte placed."""
         import torch
 
-        try:
-            local = torch.empty(ticket.raw_size, dtype=torch.uint8, device=device)
-        except torch.cuda.OutOfMemoryError as exc:  # the host bytes then, uploaded a chunk at a time
-            raise TransferUnavailable(f"{ticket.key}: no device memory for its copy now ({exc})") from exc
+        local = _device_buffer(
+            ticket.key, lambda: torch.empty(ticket.raw_size, dtype=torch.uint8, device=device)
+        )
         # the allocator hands out memory freed on the stream while kernels queued there may still use it; UCX
         # (or the NIC) writes outside stream order, so nothing queued may touch this memory when the READ does
         if local.is_cuda:
@@ -624,6 +620,17 @@ def _cuda_visible() -> bool:
     except ImportError:
         return False
     return bool(torch.cuda.is_available())
+
+
+def _device_buffer(key: str, make: Callable[[], Any]) -> Any:
+    """A fresh device tensor for a device-direct pull; with no device memory for it now, TransferUnavailable:
+    the pull reads the host bytes instead, which the engine uploads a chunk at a time."""
+    import torch
+
+    try:
+        return make()
+    except torch.cuda.OutOfMemoryError as exc:
+        raise TransferUnavailable(f"{key}: no device memory for its copy now ({exc})") from exc
 
 
 def _same_kind(a: str, b: str) -> bool:
