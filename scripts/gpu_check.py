@@ -1066,6 +1066,20 @@ def import_blocks(
     return "host (engine has no add_request(kv_blocks=...) yet)"
 
 
+def export_off_thread(engine, rid: str, keep_device: bool) -> tuple[Any, memoryview, torch.Tensor | None]:
+    """As a prefill worker exports: pin the request's blocks, copy them off the engine thread (on a GPU on a
+    stream of its own, to the host 64 MiB at a time, keeping the device copy if asked), unpin. The job, the host
+    bytes and the device copy (or None)."""
+    pin = f"{rid}\x00copy"
+    job = engine.begin_export(pin, rid)
+    try:
+        with ThreadPoolExecutor(1) as copier:
+            data, device_copy = copier.submit(job.copy_out, keep_device).result()
+    finally:
+        engine.release_kv(pin)
+    return job, data, device_copy
+
+
 def finish(engine, rid: str) -> list[int]:
     out: list[int] = []
     while rid in engine.requests and not engine.requests[rid].finished:
@@ -1188,28 +1202,14 @@ def worker_main(role: str, spec: dict[str, Any]) -> int:
                     # device copy for cuda_ipc readers), unpin, publish on the worker's KvSource
                     source = transfer.open_source()
                     t0 = time.perf_counter()
-                    pin = f"{rid}\x00copy"
-                    job = engine.begin_export(pin, rid)
-                    try:
-                        with ThreadPoolExecutor(1) as copier:
-                            data, device_copy = copier.submit(job.copy_out, dev.type == "cuda").result()
-                    finally:
-                        engine.release_kv(pin)
+                    job, data, device_copy = export_off_thread(engine, rid, keep_device=dev.type == "cuda")
                     ticket = transfer.run(source.publish(rid, data, 120.0, device_payload=device_copy))
                     r |= {"export_s": time.perf_counter() - t0, "ticket": ticket.to_json()}
                     r |= {"token_ids": job.token_ids, "device_copy": device_copy is not None}
                     held[rid] = "source"
                 else:
                     t0 = time.perf_counter()
-                    # as a prefill worker exports: pin the blocks, copy them off the engine thread (a stream of
-                    # its own, to pinned host memory 64 MiB at a time), unpin
-                    pin = f"{rid}\x00copy"
-                    job = engine.begin_export(pin, rid)
-                    try:
-                        with ThreadPoolExecutor(1) as copier:
-                            data, _ = copier.submit(job.copy_out, False).result()
-                    finally:
-                        engine.release_kv(pin)
+                    job, data, _ = export_off_thread(engine, rid, keep_device=False)
                     shm = shared_memory.SharedMemory(create=True, size=len(data))
                     shm.buf[: len(data)] = data
                     r |= {"export_s": time.perf_counter() - t0, "shm": shm.name, "nbytes": len(data)}
@@ -1282,9 +1282,8 @@ def worker_main(role: str, spec: dict[str, Any]) -> int:
                         if isinstance(pulled.data, torch.Tensor)
                         else torch.frombuffer(bytearray(pulled.data), dtype=torch.uint8).to(dev)
                     )
-                    r["memcpy_s"] = best_copy_s(
-                        torch.empty_like(on_dev), on_dev
-                    )  # the same bytes within ours
+                    # the same bytes within ours
+                    r["memcpy_s"] = best_copy_s(torch.empty_like(on_dev), on_dev)
                     t0 = time.perf_counter()
                     kv = KvExport(KvLayout(**msg["layout"]), msg["token_ids"], pulled.data)
                     engine.add_request(rid, prompt, params, output_ids=[first], kv=kv)
