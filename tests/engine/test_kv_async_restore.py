@@ -64,6 +64,25 @@ def run(e: LLMEngine, out: dict[str, list[int]]) -> dict[str, list[int]]:
     return out
 
 
+def step_while_a_is_written(e: LLMEngine, out: dict[str, list[int]]) -> None:
+    """One step: x decodes while a's blocks are written beside it."""
+    for o in e.step():
+        out[o.request_id] += o.new_token_ids
+    assert "a" in e.scheduler.restoring
+
+
+def abort_a_mid_write(
+    e: LLMEngine, out: dict[str, list[int]], solo: tuple[list[int], list[int]], pool: int
+) -> None:
+    """Abort a while its blocks are being written: x goes on with its solo tokens, and no block is leaked."""
+    step_while_a_is_written(e, out)
+    e.abort("a")
+    assert "a" not in e.scheduler.restoring and "a" not in e.requests
+    run(e, out)
+    assert out["x"] == solo[1]
+    assert e.stats().free_blocks == pool
+
+
 @pytest.mark.parametrize("codec", ["bf16", "fp8"])
 def test_a_restore_beside_a_decoding_sequence_gives_both_their_solo_tokens(
     solo: tuple[list[int], list[int]], codec: str
@@ -115,15 +134,7 @@ def test_aborting_a_restoring_request_leaks_no_block_and_keeps_the_restored_pref
 ) -> None:
     e = engine(kv_tier2_bytes=1 << 20)
     hashes = evict_a_into_tier2(e)
-    out = start_x_then_a(e)
-    for o in e.step():
-        out[o.request_id] += o.new_token_ids
-    assert "a" in e.scheduler.restoring
-    e.abort("a")
-    assert "a" not in e.scheduler.restoring and "a" not in e.requests
-    run(e, out)
-    assert out["x"] == solo[1]
-    assert e.stats().free_blocks == POOL
+    abort_a_mid_write(e, start_x_then_a(e), solo, POOL)
     assert len(e.blocks.lookup_prefix(hashes)) == len(hashes)  # written, so kept as cached blocks
 
 
@@ -229,15 +240,7 @@ def test_with_async_restore_off_an_import_is_written_before_the_step(
 
 def test_aborting_an_importing_request_leaks_no_block(solo: tuple[list[int], list[int]]) -> None:
     e = engine(num_kv_blocks=64)
-    out = start_x_then_import_a(e)
-    for o in e.step():
-        out[o.request_id] += o.new_token_ids
-    assert "a" in e.scheduler.restoring
-    e.abort("a")
-    assert "a" not in e.scheduler.restoring and "a" not in e.requests
-    run(e, out)
-    assert out["x"] == solo[1]
-    assert e.stats().free_blocks == 64
+    abort_a_mid_write(e, start_x_then_import_a(e), solo, 64)
 
 
 # --- a write beside the step that fails (out of device memory, say) ends its request, not the engine ---
@@ -276,9 +279,7 @@ def test_a_failed_write_beside_the_step_ends_that_request_with_its_error_and_the
         failed = fail_writes_on_the_restore_thread(e, monkeypatch)
         out = start_x_then_a(e)
     e.drain_kv_events()
-    for o in e.step():
-        out[o.request_id] += o.new_token_ids
-    assert "a" in e.scheduler.restoring  # its write runs beside this step, and fails
+    step_while_a_is_written(e, out)  # and the write fails
     failures: list[tuple[str, Exception]] = []
     while e.has_unfinished():
         for o in e.step():
