@@ -24,18 +24,17 @@ import statistics
 import threading
 import time
 from pathlib import Path
-from types import SimpleNamespace
 from typing import Any
 
 import torch
 
+from bench.kv_cache_fixture import BLOCK, LAYERS, smollm2_cache, timed
 from bench.report import publish, wait_rows
 from services.engine.engine import ExportJob, staged_bytes
 from services.engine.kv_cache import BlockManager
 from services.engine.model import PagedKvCache
 
 RESULTS = Path(__file__).resolve().parent / "results" / "kv_export.md"
-LAYERS, KV_HEADS, HEAD_DIM, BLOCK = 30, 3, 64, 16
 HIDDEN, FFN = 576, 1536
 
 
@@ -78,26 +77,18 @@ def now(kv: PagedKvCache, blocks: BlockManager, ids: list[int], step: Any) -> fl
     return took
 
 
-def alone(step: Any) -> float:
-    t0 = time.perf_counter()
-    step()
-    return time.perf_counter() - t0
-
-
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--tokens", default="2048,8192,32768")
     a = ap.parse_args(argv)
     torch.set_num_threads(1)
-    cfg = SimpleNamespace(num_layers=LAYERS, num_kv_heads=KV_HEADS, head_dim=HEAD_DIM)
     gen = torch.Generator().manual_seed(0)
     step = make_step(gen)
     rows = []
     for tokens in (int(t) for t in a.tokens.split(",")):
         n = tokens // BLOCK
-        kv = PagedKvCache(cfg, 2 * n, BLOCK, torch.bfloat16)  # type: ignore[arg-type]
-        kv.data.copy_(torch.randn(kv.data.shape, generator=gen, dtype=torch.float32))
+        kv = smollm2_cache(2 * n, gen)
         blocks = BlockManager(2 * n, BLOCK)
         ids = blocks.allocate(2 * n)
         perm = torch.randperm(2 * n, generator=gen)[:n].tolist()
@@ -108,7 +99,7 @@ def main(argv: list[str] | None = None) -> int:
         )
         times: dict[str, list[float]] = {"alone": [], "before": [], "now": []}
         for _ in range(a.reps):  # A/B/A/B
-            times["alone"].append(alone(step))
+            times["alone"].append(timed(step))
             times["before"].append(before(kv, ids, step))
             times["now"].append(now(kv, blocks, ids, step))
         med = {k: statistics.median(v) * 1000 for k, v in times.items()}

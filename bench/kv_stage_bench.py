@@ -30,21 +30,18 @@ import mmap
 import os
 import platform
 import statistics
-import time
 import uuid
-from collections.abc import Callable
 from pathlib import Path
-from types import SimpleNamespace
 
 import torch
 
+from bench.kv_cache_fixture import BLOCK, HEAD_DIM, KV_HEADS, LAYERS, smollm2_cache, timed
 from bench.report import publish
 from services.engine.engine import staged_bytes
 from services.engine.model import PagedKvCache
 from services.kvtransfer import shm
 
 RESULTS = Path(__file__).resolve().parent / "results" / "kv_stage.md"
-LAYERS, KV_HEADS, HEAD_DIM, BLOCK = 30, 3, 64, 16
 
 
 def export_before(kv: PagedKvCache, ids: torch.Tensor) -> bytes:
@@ -88,26 +85,17 @@ def segment_now(payload: memoryview) -> None:
     seg.close()
 
 
-def timed(fn: Callable[..., object], *args: object) -> float:
-    t0 = time.perf_counter()
-    fn(*args)
-    return time.perf_counter() - t0
-
-
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--tokens", default="2048,8192,32768")
     a = ap.parse_args(argv)
     torch.set_num_threads(1)  # a worker's engine runs one torch thread per core it was given; one here
-    # only the cache's shape: what PagedKvCache reads of a model config
-    cfg = SimpleNamespace(num_layers=LAYERS, num_kv_heads=KV_HEADS, head_dim=HEAD_DIM)
     rows = []
     gen = torch.Generator().manual_seed(0)
     for tokens in (int(t) for t in a.tokens.split(",")):
         n = tokens // BLOCK
-        src, dst = (PagedKvCache(cfg, 2 * n, BLOCK, torch.bfloat16) for _ in range(2))  # type: ignore[arg-type]
-        src.data.copy_(torch.randn(src.data.shape, generator=gen, dtype=torch.float32))
+        src, dst = smollm2_cache(2 * n, gen), smollm2_cache(2 * n)
         ids = torch.randperm(2 * n, generator=gen)[:n]  # scattered, as a pool's blocks are
         into = torch.randperm(2 * n, generator=gen)[:n]
         pulled = memoryview(bytearray(export_before(src, ids)))  # what a pull hands the decode worker
