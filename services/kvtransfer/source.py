@@ -17,7 +17,6 @@ import json
 import logging
 import os
 import socket
-import threading
 import time
 import uuid
 from collections.abc import Callable
@@ -28,6 +27,7 @@ from typing import Any
 from services.runtime.tasks import BackgroundTasks
 
 from . import buffers, protocol, shm
+from .budget import DeviceBudget, DeviceRoom
 from .control import (
     BAD_REQUEST,
     NOT_FOUND,
@@ -83,20 +83,6 @@ class _Publication:
     expiry: asyncio.TimerHandle | None = field(default=None, repr=False)
 
 
-class DeviceRoom:
-    """Room reserved in a KvSource's device-copy budget (KvSource.device_room): give() returns it, once."""
-
-    def __init__(self, source: KvSource, nbytes: int) -> None:
-        self._source, self.nbytes = source, nbytes
-        self._given = False
-
-    def give(self) -> None:
-        with self._source._device_lock:
-            if not self._given:
-                self._given = True
-                self._source._device_bytes -= self.nbytes
-
-
 class KvSource:
     """Holds published payloads and serves pulls. Create with `await KvSource.start(config)`."""
 
@@ -113,8 +99,8 @@ class KvSource:
         self._progress: asyncio.Task[None] | None = None
         self._closed = False
         self._warned_device = False
-        self._device_lock = threading.Lock()  # workers and publishing threads take, the loop gives back
-        self._device_bytes = 0  # held by publications' device copies, and reserved for copies being made
+        # held by publications' device copies, and reserved for copies being made
+        self._device = DeviceBudget(config.device_copy_bytes)
         self._serials = (f"{uuid.uuid4().hex[:12]}-{n}" for n in itertools.count(1))
         self.node_id = node_id()
         host, port = listener.getsockname()[:2]
@@ -156,18 +142,10 @@ class KvSource:
         (giving is idempotent: once taken by a publication, the source gives it when the copy goes)."""
         if CUDA_IPC not in self.config.backends and (self._nixl is None or self._warned_device):
             return None
-        return self._reserve(nbytes)
+        return self._device.reserve(nbytes)
 
     def device_bytes_held(self) -> int:
-        return self._device_bytes
-
-    def _reserve(self, nbytes: int) -> DeviceRoom | None:
-        cap = self.config.device_copy_bytes
-        with self._device_lock:
-            if cap is not None and self._device_bytes + nbytes > cap:
-                return None
-            self._device_bytes += nbytes
-        return DeviceRoom(self, nbytes)
+        return self._device.held
 
     def live_keys(self) -> list[str]:
         return list(self._pubs)
@@ -340,7 +318,9 @@ class KvSource:
                 device_room.give()
             return backends, device_handle, nixl_device
         room = (
-            device_room if device_room is not None and device_room.nbytes == nbytes else self._reserve(nbytes)
+            device_room
+            if device_room is not None and device_room.nbytes == nbytes
+            else self._device.reserve(nbytes)
         )
         if device_room is not None and room is not device_room:
             device_room.give()
