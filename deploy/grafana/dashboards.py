@@ -316,6 +316,14 @@ def overview() -> Board:
         description="Prefix blocks a worker copied from a peer's pool instead of recomputing them (a plan's "
         "PrefixPull), by outcome: pulled, local (already here), fallback_<cause> (recomputed)",
     )
+    b.panel(
+        "Pulled KV held outside the cache",
+        [q("max by (memory) (rackserve_kv_pulled_resident_bytes)", "largest on a worker, {{memory}}")],
+        "bytes",
+        description="KV a worker pulled and has not yet written into its cache (waiting for blocks, or being "
+        "written); device: device-direct pulls, bounded by --kv-device-pull-bytes. It returns to 0 as each "
+        "import is written",
+    )
     b.row("Routing")
     b.panel(
         "Routing decisions/s by reason",

@@ -43,7 +43,6 @@ from services.engine.engine import KvExport, RequestOutput
 from services.kvtransfer import (
     KvSink,
     Pulled,
-    TransferConfig,
     TransferError,
     TransferIntegrityError,
     TransferTicket,
@@ -55,6 +54,7 @@ from services.runtime.args import (
     add_flag,
     add_kv_transfer_arguments,
     add_service_arguments,
+    kv_sink_config,
 )
 from services.runtime.async_engine import ENGINE_STUCK_S, AsyncEngine, RequestStream, RequestTiming
 from services.runtime.channels import ChannelPool
@@ -127,6 +127,10 @@ class DecodeWorker(EngineWorker, pb_grpc.DecodeWorkerServicer):
                 pulled = await self._pull(request_id, request.kv, len(request.prompt_token_ids), span)
             n = request.kv.num_tokens
             kv = KvExport(self.facts.kv_layout, list(request.prompt_token_ids[:n]), pulled.data)  # type: ignore[arg-type]
+            # the engine holds the payload until it has written it into its blocks; nothing here may keep it for
+            # the stream's life (a device-direct one is GPU memory outside the cache's plan, a host one the
+            # prompt's KV again in RAM)
+            pulled.data = None
         prefix: PullResult | None = None
         if not request.HasField("kv") and request.HasField(
             "prefix_pull"
@@ -147,6 +151,7 @@ class DecodeWorker(EngineWorker, pb_grpc.DecodeWorkerServicer):
             async with self.engine.generate(
                 request_id, request.prompt_token_ids, params, output_ids=request.emitted_token_ids, kv=kv
             ) as stream:
+                kv = None  # handed to the engine
                 async for out in _with_heartbeats(stream, self.engine):
                     if out is None:  # still queued for KV blocks (or a slow step): busy, not hung
                         yield pb.DecodeChunk(waiting=True)
@@ -368,14 +373,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 async def serve(args: argparse.Namespace) -> None:
-    sink = await KvSink.start(
-        TransferConfig(
-            backends=tuple(args.kv_backends),
-            host=args.host,
-            nixl_verify_checksum=args.kv_nixl_verify_checksum,
-            nixl_lanes=args.kv_nixl_lanes,
-        )
-    )
+    sink = await KvSink.start(kv_sink_config(args))
+    metrics.export_pulled_resident(sink.resident_bytes)
     workers: list[DecodeWorker] = []
 
     def make(host: ServiceHost, engine: AsyncEngine) -> DecodeWorker:

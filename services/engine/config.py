@@ -104,9 +104,10 @@ class EngineConfig:
     nvfp4_cache_dequantized: bool = False
     device: str = "auto"  # auto | cpu | cuda | cuda:N (engine/device.py); auto = CUDA when one is visible
     gpu_memory_utilization: float = 0.9  # share of the GPU's memory for weights + activations + KV blocks
-    # GPU: kept out of the KV plan for the KV device copies a prefill worker holds for device-direct readers
-    # (--kv-device-copy-bytes; services/kvtransfer/source.py)
-    kv_device_copy_bytes: int = 0
+    # GPU: kept out of the KV plan for KV copies in transit beside the cache: the device copies a prefill worker
+    # keeps for device-direct readers (--kv-device-copy-bytes) and device-direct pulls not yet written into the
+    # cache (--kv-device-pull-bytes); services/kvtransfer/budget.py
+    kv_transit_bytes: int = 0
     enforce_eager: bool = False  # True: no CUDA graphs for decode steps
     attention_backend: str = "auto"  # one of ATTENTION_BACKENDS
     nvfp4_method: str = "rtn"  # how --quant nvfp4 picks scales and codes at load (nvfp4/methods.py)
@@ -143,8 +144,8 @@ class EngineConfig:
             raise ValueError(f"block_size must be a positive power of two, got {self.block_size}")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
-        if self.kv_device_copy_bytes < 0:
-            raise ValueError(f"kv_device_copy_bytes must not be negative, got {self.kv_device_copy_bytes}")
+        if self.kv_transit_bytes < 0:
+            raise ValueError(f"kv_transit_bytes must not be negative, got {self.kv_transit_bytes}")
         if self.attention_backend not in ATTENTION_BACKENDS:
             raise ValueError(
                 f"attention_backend must be one of {ATTENTION_BACKENDS}, got {self.attention_backend!r}"

@@ -67,14 +67,16 @@ class MemoryPlan:
     other_bytes: int  # in use on the device when this engine began: other processes, this process's context
     kv_budget_bytes: int
     kv_blocks: int
-    reserved_bytes: int = 0  # kept out of the KV cache for the KV device copies a prefill worker publishes
+    reserved_bytes: int = (
+        0  # kept out of the KV cache for KV copies in transit (EngineConfig.kv_transit_bytes)
+    )
 
     def describe(self) -> str:
         return (
             f"GPU memory {self.total_bytes / GIB:.1f} GiB: weights {self.weights_bytes / GIB:.2f} GiB, "
             f"activation peak {self.activation_peak_bytes / GIB:.2f} GiB, in use before it "
             f"{self.other_bytes / GIB:.2f} GiB"
-            + (f", KV device copies {self.reserved_bytes / GIB:.2f} GiB" if self.reserved_bytes else "")
+            + (f", KV copies in transit {self.reserved_bytes / GIB:.2f} GiB" if self.reserved_bytes else "")
             + f" -> KV cache {self.kv_blocks} blocks ({self.kv_budget_bytes / GIB:.2f} GiB)"
         )
 
@@ -98,9 +100,9 @@ def plan_kv_memory(
     taken since it began (`in_use_at_start`, measured before its weights came: its weights, buffers and cached
     allocations) and the profiled activation peak of the largest step come out of `total x utilization`; what
     other processes held then does not, so workers sharing a GPU at 0.45 each both get their share whichever
-    plans first. reserved_bytes (the KV device copies a prefill worker may keep for device-direct readers) come
-    out of it too. Never more than is free now. Call it with the allocator's cache emptied, so that "in use" is
-    what is really held."""
+    plans first. reserved_bytes (KV copies in transit: the device copies a prefill worker keeps for device-direct
+    readers, device-direct pulls not yet written) come out of it too. Never more than is free now. Call it with
+    the allocator's cache emptied, so that "in use" is what is really held."""
     free, total = torch.cuda.mem_get_info(device)
     # at least what this process's allocator holds: weights built on the device before the engine began count
     own = max(total - free - in_use_at_start, torch.cuda.memory_reserved(device))
@@ -118,7 +120,7 @@ def plan_kv_memory(
     if blocks < 1:
         raise DeviceUnavailableError(
             f"no GPU memory is left for the KV cache on {device}: {plan.describe()}, {free / GIB:.2f} GiB free; "
-            "raise --gpu-memory-utilization, lower --max-num-batched-tokens or --kv-device-copy-bytes, or use a "
-            "smaller model"
+            "raise --gpu-memory-utilization, lower --max-num-batched-tokens, --kv-device-copy-bytes or "
+            "--kv-device-pull-bytes, or use a smaller model"
         )
     return plan

@@ -239,7 +239,7 @@ class LLMEngine:
             peak = self._profile_activation_bytes(loaded.config, cfg)
             plan = plan_kv_memory(
                 device, cfg.gpu_memory_utilization, self.weight_bytes, peak, per_block, in_use_at_start,
-                cfg.kv_device_copy_bytes,
+                cfg.kv_transit_bytes,
             )  # fmt: skip
             num_blocks = plan.kv_blocks
             log.info("%s", plan.describe())

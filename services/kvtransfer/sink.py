@@ -14,12 +14,15 @@ import concurrent.futures
 import json
 import logging
 import socket
+import threading
 import time
+import weakref
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
 from . import buffers, protocol, shm
+from .budget import DeviceBudget
 from .control import NOT_FOUND, Done, Grant, Open, Refusal, Reply, reply_from_wire
 from .errors import (
     TransferError,
@@ -66,6 +69,9 @@ class KvSink:
         self._idle: dict[
             str, list[tuple[socket.socket, float]]
         ] = {}  # producer endpoint -> (conn, idle since)
+        self._device = DeviceBudget(config.device_pull_bytes)  # device-direct pulls not yet dropped
+        self._resident = {"host": 0, "device": 0}  # bytes of pulled payloads their consumers still hold
+        self._resident_lock = threading.Lock()
 
     @classmethod
     async def start(cls, config: TransferConfig | None = None) -> KvSink:
@@ -83,6 +89,51 @@ class KvSink:
                     break
                 lanes.append(lane)
         return cls(config, nixl, lanes)
+
+    def resident_bytes(self, memory: str) -> int:
+        """Bytes of payloads this sink pulled that are still alive ("host" or "device" memory): a decode worker's
+        KV waiting for blocks or being written, outside its KV cache; back to 0 once the engine has written them
+        and let them go."""
+        return self._resident[memory]
+
+    def device_bytes_held(self) -> int:
+        """Device memory counted against config.device_pull_bytes now."""
+        return self._device.held
+
+    def _device_buffer(self, key: str, nbytes: int, make: Callable[[], Any]) -> Any:
+        """A fresh device tensor of nbytes for a device-direct pull, counted against config.device_pull_bytes until
+        its last holder drops it (the engine, once it has written the KV into its blocks). With no room in that
+        budget, or no device memory for it now, TransferUnavailable: the pull reads the host bytes instead, which
+        the engine uploads a chunk at a time."""
+        import torch
+
+        room = self._device.reserve(nbytes)
+        if room is None:
+            raise TransferUnavailable(
+                f"{key}: its {nbytes}-byte device copy would pass the device-direct pull budget "
+                f"({self._device.held} of {self._device.cap} bytes held)"
+            )
+        try:
+            local = make()
+        except BaseException as exc:
+            room.give()
+            if isinstance(exc, torch.cuda.OutOfMemoryError):
+                raise TransferUnavailable(f"{key}: no device memory for its copy now ({exc})") from exc
+            raise
+        room.give_with(local)
+        return local
+
+    def _resident_while_alive(self, pulled: Pulled) -> Pulled:
+        """Count the payload as resident until its last holder drops it (the host view or the device tensor)."""
+        memory, nbytes = ("device" if pulled.device_direct else "host"), int(pulled.data.nbytes)
+        with self._resident_lock:
+            self._resident[memory] += nbytes
+        weakref.finalize(pulled.data, self._drop_resident, memory, nbytes)
+        return pulled
+
+    def _drop_resident(self, memory: str, nbytes: int) -> None:  # on whichever thread dropped it last
+        with self._resident_lock:
+            self._resident[memory] -= nbytes
 
     @property
     def supported(self) -> list[str]:
@@ -111,6 +162,16 @@ class KvSink:
         NIXL keeps it registered). Without it the payload lands in a fresh huge-page-backed buffer.
         `device`: where the caller's KV lives (a torch device); over NIXL, a producer's device copy on the same
         kind of device is READ straight into a tensor there (`Pulled.data`), not the host bytes."""
+        return self._resident_while_alive(await self._pull(ticket, deadline_s, backend, into, device))
+
+    async def _pull(
+        self,
+        ticket: TransferTicket,
+        deadline_s: float,
+        backend: str | None,
+        into: Buffer | None,
+        device: str | None,
+    ) -> Pulled:
         backend = backend or self.choose(ticket)
         if backend not in self.supported:
             raise TransferUnavailable(f"backend {backend!r} is not enabled on this sink ({self.supported})")
@@ -206,7 +267,8 @@ class KvSink:
             # allocated on the current stream (the engine's, which frees it after its import); copied on a side
             # stream, so a large copy does not queue ahead of the engine's steps, after the current stream (the
             # open made it wait for the producer's writes); waited for on that stream alone
-            local = _device_buffer(ticket.key, lambda: torch.empty_like(remote, device=into))
+            nbytes = remote.numel() * remote.element_size()
+            local = self._device_buffer(ticket.key, nbytes, lambda: torch.empty_like(remote, device=into))
             side = torch.cuda.Stream(into)
             side.wait_stream(torch.cuda.current_stream(into))
             with torch.cuda.stream(side):
@@ -265,8 +327,10 @@ class KvSink:
         byte placed."""
         import torch
 
-        local = _device_buffer(
-            ticket.key, lambda: torch.empty(ticket.raw_size, dtype=torch.uint8, device=device)
+        local = self._device_buffer(
+            ticket.key,
+            ticket.raw_size,
+            lambda: torch.empty(ticket.raw_size, dtype=torch.uint8, device=device),
         )
         # the allocator hands out memory freed on the stream while kernels queued there may still use it; UCX
         # (or the NIC) writes outside stream order, so nothing queued may touch this memory when the READ does
@@ -620,17 +684,6 @@ def _cuda_visible() -> bool:
     except ImportError:
         return False
     return bool(torch.cuda.is_available())
-
-
-def _device_buffer(key: str, make: Callable[[], Any]) -> Any:
-    """A fresh device tensor for a device-direct pull; with no device memory for it now, TransferUnavailable:
-    the pull reads the host bytes instead, which the engine uploads a chunk at a time."""
-    import torch
-
-    try:
-        return make()
-    except torch.cuda.OutOfMemoryError as exc:
-        raise TransferUnavailable(f"{key}: no device memory for its copy now ({exc})") from exc
 
 
 def _same_kind(a: str, b: str) -> bool:

@@ -63,6 +63,10 @@ class TransferConfig:
     # Source: device memory the device copies of publications (for cuda_ipc and NIXL VRAM readers) may take at
     # once; a publication past it is offered as host bytes only. None: no limit.
     device_copy_bytes: int | None = None
+    # Sink: device memory device-direct pulls (cuda_ipc, NIXL VRAM) may hold at once, from the pull until their
+    # consumer drops the tensor (a decode worker's engine, once it has written the KV into its blocks); a pull
+    # past it reads the host bytes. None: no limit.
+    device_pull_bytes: int | None = None
     control_idle_s: float = 30.0  # a control connection idle this long between pulls is closed (both sides)
 
     def __post_init__(self) -> None:

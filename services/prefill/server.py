@@ -43,7 +43,7 @@ from opentelemetry import trace
 
 from services.engine.engine import ExportJob, LLMEngine
 from services.kvtransfer import KvSink, KvSource, TransferConfig
-from services.kvtransfer.source import DeviceRoom
+from services.kvtransfer.budget import DeviceRoom
 from services.kvtransfer.ticket import Published
 from services.rpc import pb, pb_grpc
 from services.runtime import wire
@@ -53,6 +53,7 @@ from services.runtime.args import (
     add_kv_transfer_arguments,
     add_service_arguments,
     kv_device_copy_bytes,
+    kv_sink_config,
 )
 from services.runtime.async_engine import ENGINE_STUCK_S, AsyncEngine
 from services.runtime.channels import ChannelPool
@@ -456,14 +457,8 @@ async def serve(args: argparse.Namespace) -> None:
         )
     )
     # a prefill worker pulls too: the prefix blocks a plan's PrefixPull names, from a peer's KvSource
-    sink = await KvSink.start(
-        TransferConfig(
-            backends=tuple(args.kv_backends),
-            host=args.host,
-            nixl_verify_checksum=args.kv_nixl_verify_checksum,
-            nixl_lanes=args.kv_nixl_lanes,
-        )
-    )
+    sink = await KvSink.start(kv_sink_config(args))
+    metrics.export_pulled_resident(sink.resident_bytes)
     compress = None if args.kv_compress == "none" else args.kv_compress
     pullers: list[tuple[PrefixPuller, ChannelPool]] = []
 

@@ -23,11 +23,13 @@ from services.engine.config import (
     EngineConfig,
 )
 from services.kvtransfer.nixl import nixl_installed
+from services.kvtransfer.ticket import TransferConfig
 
 ENV_PREFIX = "RACKSERVE_"
 TOPOLOGY_LABELS = ("node", "rack", "zone")
-# 16 k tokens of an 8B model's bf16 KV in flight to device-direct readers
+# 16 k tokens of an 8B model's bf16 KV, kept for device-direct readers / pulled device-direct and not yet written
 DEFAULT_KV_DEVICE_COPY_BYTES = 2 << 30
+DEFAULT_KV_DEVICE_PULL_BYTES = 2 << 30
 
 
 def env_name(flag: str) -> str:
@@ -197,6 +199,10 @@ def add_kv_transfer_arguments(parser: argparse.ArgumentParser, role: str) -> Non
             "backend order to pull with (cuda_ipc and shm only when the producer is on this node)", _backend_list,
         )  # fmt: skip
         add_flag(g, "--kv-pull-timeout-s", 10.0, "deadline of one KV pull", float)
+        add_flag(g, "--kv-device-pull-bytes", DEFAULT_KV_DEVICE_PULL_BYTES, "GPU: device memory device-direct "
+                 "pulls (cuda_ipc, NIXL VRAM) may hold until the engine has written them into its cache, taken out "
+                 "of the KV cache's plan; past it a pull reads the host bytes (0: never device-direct)",
+                 _non_negative_int)  # fmt: skip
         switch(
             g, "--kv-nixl-verify-checksum", "verify the producer's checksum on NIXL pulls too (default: size and "
             "publication only; TCP and shm pulls always verify it)",
@@ -241,20 +247,38 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         cpu_kernels=not args.no_cpu_kernels,
         device=args.device,
         gpu_memory_utilization=args.gpu_memory_utilization,
-        kv_device_copy_bytes=kv_device_copy_bytes(args),
+        kv_transit_bytes=kv_device_copy_bytes(args) + kv_device_pull_bytes(args),
         enforce_eager=args.enforce_eager,
         attention_backend=args.attention_backend,
     )
 
 
+def kv_sink_config(args: argparse.Namespace) -> TransferConfig:
+    """The KV sink of a pulling worker (a decode worker's KV, a prefill worker's peer prefixes)."""
+    return TransferConfig(
+        backends=tuple(args.kv_backends),
+        host=args.host,
+        nixl_verify_checksum=args.kv_nixl_verify_checksum,
+        nixl_lanes=args.kv_nixl_lanes,
+        device_pull_bytes=kv_device_pull_bytes(args),
+    )
+
+
 def kv_device_copy_bytes(args: argparse.Namespace) -> int:
-    """A prefill worker's budget for KV device copies, when a device-direct backend can use them: cuda_ipc, or
-    NIXL where it is installed (else 0, and the KV cache keeps that memory)."""
+    """A prefill worker's budget for KV device copies kept for device-direct readers (0 where none can read one,
+    and the KV cache keeps that memory)."""
+    return int(getattr(args, "kv_device_copy_bytes", 0)) if _device_direct(args) else 0
+
+
+def kv_device_pull_bytes(args: argparse.Namespace) -> int:
+    """A pulling worker's budget for device-direct pulls not yet written into its cache (0 where none can come)."""
+    return int(getattr(args, "kv_device_pull_bytes", 0)) if _device_direct(args) else 0
+
+
+def _device_direct(args: argparse.Namespace) -> bool:
+    """Whether a device-direct KV backend can open: cuda_ipc, or NIXL where it is installed."""
     backends = getattr(args, "kv_backends", ())
-    nixl = "nixl" in backends and nixl_installed()
-    if "cuda_ipc" not in backends and not nixl:
-        return 0
-    return int(getattr(args, "kv_device_copy_bytes", 0))
+    return "cuda_ipc" in backends or ("nixl" in backends and nixl_installed())
 
 
 def model_path(args: argparse.Namespace) -> str:

@@ -239,6 +239,12 @@ KV_TRANSFER_BANDWIDTH = Gauge(
     "Measured bandwidth of the last KV pull, GB/s (1e9 bytes per second), by backend",
     ["backend"],
 )
+KV_PULLED_RESIDENT_BYTES = Gauge(
+    "rackserve_kv_pulled_resident_bytes",
+    "Bytes of pulled KV a worker holds outside its KV cache (waiting for blocks or being written), by memory "
+    "(host | device: a device-direct pull, within --kv-device-pull-bytes)",
+    ["memory"],
+)
 KV_TRANSFER_FAILURES = Counter(
     "rackserve_kv_transfer_failures",
     "KV pulls that failed, by reason (unavailable | data_loss | precondition)",
@@ -400,6 +406,12 @@ REGISTRY.register(_engine_collector)
 def export_engine(role: str, stats: Callable[[], Any]) -> None:
     """Export this process's engine gauges, read from `stats()` at scrape time (one engine per process)."""
     _engine_collector.role, _engine_collector.stats = role, stats
+
+
+def export_pulled_resident(resident_bytes: Callable[[str], int]) -> None:
+    """rackserve_kv_pulled_resident_bytes{memory}: read from this process's KV sink at scrape time."""
+    for memory in ("host", "device"):
+        KV_PULLED_RESIDENT_BYTES.labels(memory).set_function(functools.partial(resident_bytes, memory))
 
 
 _NUMBER = re.compile(r"\d+(?:\.\d+)?")

@@ -15,7 +15,9 @@ import time
 from collections.abc import Iterator
 
 import grpc
+import httpx
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from services.discovery import WorkerDirectory
 from services.engine.model_files import smollm2_gguf_path
@@ -210,6 +212,49 @@ def test_the_decode_side_ack_frees_the_prefill_blocks_before_the_ttl(
     held, freed, waited_s = run(body)
     assert held.free_blocks < held.total_blocks and freed.free_blocks == freed.total_blocks
     assert waited_s < KV_TTL_S / 2  # the Release, not the TTL, freed them
+
+
+def test_the_decode_worker_lets_go_of_the_pulled_kv_once_written_while_its_stream_goes_on(
+    cluster: LocalCluster, prompts: list[list[int]]
+) -> None:
+    """The pulled KV is the prompt's KV a second time, outside the decode worker's cache (on a GPU, device memory
+    within --kv-device-pull-bytes): once the engine has written it into its blocks nothing may keep it for the
+    stream's life, minutes of decoding. The worker's /metrics says what pulled KV it still holds."""
+    rid = "resident-0"
+
+    async def body() -> tuple[pb.DecodeChunk, dict[str, float], pb.DecodeChunk]:
+        response = await prefill(cluster.endpoints["prefill-a"], rid, prompts[2])
+        request = pb.DecodeRequest(
+            request_id=rid,
+            prompt_token_ids=prompts[2],
+            emitted_token_ids=[response.first_token.token_id],
+            params=greedy(400, ignore_eos=True),
+            kv=response.kv,
+        )
+        async with grpc.aio.insecure_channel(cluster.endpoints["decode-tcp"]) as channel:
+            call = pb_grpc.DecodeWorkerStub(channel).Decode(request, timeout=120)
+            first = await call.read()
+            while not first.tokens:  # heartbeats while it waits for blocks
+                first = await call.read()
+            held = await asyncio.to_thread(pulled_resident, cluster.infos["decode-tcp"].metrics_endpoint)
+            later = await call.read()
+            call.cancel()
+        return first, held, later
+
+    first, held, later = run(body)
+    assert first.transfer_backend == "tcp" and first.transfer_bytes > 0
+    assert held == {"host": 0.0, "device": 0.0}
+    assert later.tokens and not later.finished  # it was measured mid-stream
+
+
+def pulled_resident(metrics_endpoint: str) -> dict[str, float]:
+    text = httpx.get(f"http://{metrics_endpoint}/metrics", timeout=10).text
+    return {
+        s.labels["memory"]: s.value
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+        if s.name == "rackserve_kv_pulled_resident_bytes"
+    }
 
 
 def test_coordinator_through_a_disagg_router_streams_the_same_tokens_and_records_each_phase(

@@ -205,11 +205,12 @@ def test_rackserve_up_leaves_a_gpu_workers_cache_to_its_memory_plan():
     assert config([]).kv_cache_bytes == (0 if torch.cuda.is_available() else 256 << 20)  # auto
 
 
-def test_a_prefill_workers_kv_device_copies_come_out_of_its_cache_plan(monkeypatch):
-    """The device copies a GPU prefill worker keeps for cuda_ipc and NIXL VRAM readers get their room
-    (--kv-device-copy-bytes, 2 GiB unless set) out of the KV plan, not from memory the plan gave the cache: a
-    worker with only host backends (or NIXL that is not installed), and every decode worker, keeps none and
-    plans none."""
+def test_kv_copies_in_transit_come_out_of_the_cache_plan(monkeypatch):
+    """KV copies a GPU worker holds beside its cache get their room out of the KV plan, not from memory the plan
+    gave the cache: a prefill worker's device copies kept for cuda_ipc and NIXL VRAM readers
+    (--kv-device-copy-bytes) and a pulling worker's device-direct pulls not yet written (--kv-device-pull-bytes;
+    a prefill worker pulls peers' prefixes too), 2 GiB each unless set. A worker with only host backends (or
+    NIXL that is not installed) holds none and plans none."""
     import argparse
 
     from services.engine.device import plan_kv_memory
@@ -219,22 +220,28 @@ def test_a_prefill_workers_kv_device_copies_come_out_of_its_cache_plan(monkeypat
     gpu.install(monkeypatch)
     gpu.used = gpu.reserved = 16 * GIB
     plan = plan_kv_memory(torch.device("cuda"), 0.5, 16 * GIB, 2 * GIB, GIB, gpu.used, reserved_bytes=3 * GIB)
-    assert plan.kv_budget_bytes == (40 - 16 - 2 - 3) * GIB and "KV device copies 3.00 GiB" in plan.describe()
+    assert (
+        plan.kv_budget_bytes == (40 - 16 - 2 - 3) * GIB and "KV copies in transit 3.00 GiB" in plan.describe()
+    )
 
     def reserve(role: str, argv: list[str]) -> int:
         parser = argparse.ArgumentParser()
         add_engine_arguments(parser)
         add_kv_transfer_arguments(parser, role)
-        return engine_config(parser.parse_args(argv)).kv_device_copy_bytes
+        return engine_config(parser.parse_args(argv)).kv_transit_bytes
 
     import services.runtime.args as args_mod
 
     monkeypatch.setattr(args_mod, "nixl_installed", lambda: True)
-    assert reserve("prefill", []) == 2 << 30
-    assert reserve("prefill", ["--kv-device-copy-bytes", str(1 << 30)]) == 1 << 30
-    assert reserve("prefill", ["--kv-backends", "tcp,shm"]) == 0  # nobody could read a device copy
-    assert reserve("prefill", ["--kv-backends", "tcp,nixl"]) == 2 << 30
-    assert reserve("decode", []) == 0
+    assert reserve("prefill", []) == 4 << 30
+    assert reserve("prefill", ["--kv-device-copy-bytes", str(1 << 30)]) == 3 << 30
+    assert reserve("prefill", ["--kv-device-copy-bytes", "0", "--kv-device-pull-bytes", "0"]) == 0
+    assert reserve("prefill", ["--kv-backends", "tcp,shm"]) == 0  # nothing device-direct could come or go
+    assert reserve("prefill", ["--kv-backends", "tcp,nixl"]) == 4 << 30
+    assert reserve("decode", []) == 2 << 30
+    assert reserve("decode", ["--kv-device-pull-bytes", str(1 << 30)]) == 1 << 30
+    assert reserve("decode", ["--kv-backends", "tcp,shm"]) == 0
     monkeypatch.setattr(args_mod, "nixl_installed", lambda: False)  # NIXL cannot load: the cache keeps it
     assert reserve("prefill", ["--kv-backends", "tcp,shm,nixl"]) == 0
-    assert reserve("prefill", ["--kv-backends", "tcp,nixl,cuda_ipc"]) == 2 << 30
+    assert reserve("decode", ["--kv-backends", "tcp,shm,nixl"]) == 0
+    assert reserve("prefill", ["--kv-backends", "tcp,nixl,cuda_ipc"]) == 4 << 30

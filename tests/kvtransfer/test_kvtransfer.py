@@ -870,6 +870,44 @@ def test_device_room_is_reserved_before_the_copy_and_goes_back_once_whatever_hap
 
 
 @needs_nixl
+def test_device_direct_pulls_stay_within_their_budget_until_their_holder_drops_them(
+    producer: Producer,
+) -> None:
+    """A decode worker's device-direct pull lands in device memory outside its KV cache's plan, until the engine
+    has written it into its blocks: pulls count against --kv-device-pull-bytes (the room the plan left) from the
+    pull until the last holder drops the tensor, and a pull past it reads the host bytes, the same payload. The
+    sink counts what its pulls still hold, host and device (rackserve_kv_pulled_resident_bytes)."""
+    import gc
+
+    tickets = [producer.publish_device(f"budget-{i}", 2 * MiB, seed=20 + i) for i in range(3)]
+
+    async def go() -> None:
+        sink = await KvSink.start(TransferConfig(device_pull_bytes=3 * MiB))
+        try:
+            first = await sink.pull(tickets[0], 20.0, backend=NIXL, device="cpu")
+            assert first.device_direct and first.data.numpy().tobytes() == kv_floats(2 * MiB, 20)
+            assert sink.device_bytes_held() == 2 * MiB and sink.resident_bytes("device") == 2 * MiB
+            # 4 MiB of device pulls would not fit in 3: the host bytes, whole
+            second = await sink.pull(tickets[1], 20.0, backend=NIXL, device="cpu")
+            assert not second.device_direct and bytes(second.data) == kv_floats(2 * MiB, 21)
+            assert sink.device_bytes_held() == 2 * MiB and sink.resident_bytes("host") == 2 * MiB
+            kept = first.data
+            del first  # the Pulled goes; whoever holds the tensor (the engine) still counts
+            gc.collect()
+            assert sink.device_bytes_held() == 2 * MiB
+            del kept, second
+            gc.collect()
+            assert sink.device_bytes_held() == 0
+            assert sink.resident_bytes("device") == 0 and sink.resident_bytes("host") == 0
+            third = await sink.pull(tickets[2], 20.0, backend=NIXL, device="cpu")  # the room is back
+            assert third.device_direct and third.data.numpy().tobytes() == kv_floats(2 * MiB, 22)
+        finally:
+            await sink.close()
+
+    asyncio.run(go())
+
+
+@needs_nixl
 @pytest.mark.skipif(not _cuda(), reason="needs a CUDA device")
 def test_nixl_reads_vram_gpu_to_gpu(producer: Producer) -> None:
     """Where NIXL and a GPU meet: the producer's copy in VRAM, READ into the reader's VRAM."""
