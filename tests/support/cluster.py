@@ -89,13 +89,18 @@ def run(body: Callable[[], Awaitable[T]], timeout_s: float = 60.0) -> T:
     return asyncio.run(bounded())
 
 
-def start_process(module: str, worker_id: str, etcd_url: str, log_dir: str, *extra: str) -> Proc:
+def start_process(
+    module: str, worker_id: str, etcd_url: str, log_dir: str, *extra: str, tree: str = ROOT
+) -> Proc:
+    """`python -m module` of the checkout at `tree` (this one unless a benchmark runs another's code)."""
     log_path = os.path.join(log_dir, f"{worker_id}.log")
     cmd = [sys.executable, "-m", module, "--etcd", etcd_url, "--port", "0", "--worker-id", worker_id]
     cmd += ["--lease-ttl-s", str(LEASE_TTL_S), *extra]
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1"}
+    if tree != ROOT:
+        env.pop("PYTHONPATH", None)  # that tree's code, not this checkout's
     with open(log_path, "wb") as log:
-        popen = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
+        popen = subprocess.Popen(cmd, cwd=tree, env=env, stdout=log, stderr=subprocess.STDOUT)
     return Proc(worker_id, popen, log_path)
 
 
