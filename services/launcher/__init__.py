@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import shutil
 import signal
@@ -18,6 +19,8 @@ import threading
 import time
 import urllib.error
 import urllib.request
+from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from services.engine.config import SUPPORTED_DTYPES, TIER2_CODECS, EngineConfig
@@ -41,11 +44,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--dtype", default=EngineConfig.dtype, choices=SUPPORTED_DTYPES)
     p.add_argument(
-        "--device", default="auto", help="workers' device: auto (CUDA when visible), cpu, cuda or cuda:N"
-    )
+        "--device", default="auto",
+        help="workers' device: auto (CUDA when visible), cpu, cuda (the workers spread over every visible GPU, "
+        "fewest workers first; restrict with CUDA_VISIBLE_DEVICES) or cuda:N (all on that GPU)",
+    )  # fmt: skip
     p.add_argument(
         "--gpu-memory-utilization", type=float, default=0.9,
-        help="share of the GPU for all the workers on it together (each gets its part: workers share one GPU)",
+        help="share of each GPU for all the workers on it together: each gets its part (as many parts as the most "
+        "workers one GPU may hold: with --planner, its --max-* counts spread over the GPUs)",
     )  # fmt: skip
     p.add_argument(
         "--threads", type=int, default=1, help="torch threads per worker (pin them on small machines)"
@@ -160,6 +166,69 @@ class Proc:
     popen: subprocess.Popen[bytes]
     pump: threading.Thread | None = None
     drained: bool = False  # SIGTERMed by the planner's decision: its exit is expected
+    gpu: int | None = None  # the GPU a worker runs on
+
+
+@dataclass(frozen=True)
+class GpuPlacement:
+    """Which GPU each worker `up` starts runs on, and its part of that GPU's memory. On a machine of several GPUs
+    the workers spread over them, one per GPU while there are GPUs enough (what a vLLM or SGLang user expects of a
+    GPU box: `up --prefill 2 --decode 6` on 8 GPUs gives every worker its own); a GPU holds at most `per_gpu`
+    workers, the most that `up` may run (with --planner, its --max-* counts) spread over the GPUs, and each
+    worker gets `utilization / per_gpu` of it, fixed at its start — a worker the planner adds later fits beside
+    the others without any shrinking."""
+
+    gpus: tuple[int, ...]
+    per_gpu: int
+    utilization: float
+
+    @property
+    def share(self) -> float:
+        return self.utilization / self.per_gpu
+
+    def pick(self, occupied: Counter[int]) -> int:
+        """The GPU for a new worker: the one holding the fewest running workers (a draining one still holds its
+        memory until it exits), the lowest index among equals."""
+        return min(self.gpus, key=lambda g: (occupied[g], g))
+
+    def flags(self, gpu: int) -> list[str]:
+        return ["--device", f"cuda:{gpu}", "--gpu-memory-utilization", f"{self.share:.4f}"]
+
+
+def _cuda_device_count() -> int:
+    import torch  # only here: `up` otherwise starts processes without loading torch itself
+
+    return int(torch.cuda.device_count()) if torch.cuda.is_available() else 0
+
+
+def most_workers(a: argparse.Namespace) -> int:
+    """The most prefill + decode workers `up` may run at once: its starting sizes, or with --planner up to its
+    --max-* counts (and --max-workers)."""
+    start = a.prefill + a.decode
+    if not a.planner:
+        return start
+    cap = a.max_prefill + a.max_decode
+    if a.max_workers:
+        cap = min(cap, a.max_workers)
+    return max(start, cap)
+
+
+def gpu_placement(
+    a: argparse.Namespace, gpu_count: Callable[[], int] = _cuda_device_count
+) -> GpuPlacement | None:
+    """Where `up`'s workers go: None for CPU workers (--device cpu, or auto where no GPU is visible)."""
+    if a.device == "cpu":
+        return None
+    if a.device.startswith("cuda:"):
+        gpus: tuple[int, ...] = (int(a.device.partition(":")[2]),)
+    else:
+        n = gpu_count()
+        if n == 0:
+            if a.device == "auto":
+                return None
+            raise SystemExit(f"rackserve up: --device {a.device} but no GPU is visible here")
+        gpus = tuple(range(n))
+    return GpuPlacement(gpus, math.ceil(most_workers(a) / len(gpus)), a.gpu_memory_utilization)
 
 
 @dataclass
@@ -178,6 +247,7 @@ class Cluster:
     next_index: dict[str, int] = field(default_factory=lambda: {"prefill": 0, "decode": 0})
     _lock: threading.Lock = field(default_factory=threading.Lock)
     _stopping: bool = False
+    placement: GpuPlacement | None = None
 
     # ----------------------------------------------------------------------------------------- starting
     def spawn(self, name: str, cmd: list[str], env: dict[str, str] | None = None) -> Proc:
@@ -240,7 +310,8 @@ class Cluster:
         a = self.args
         base = [sys.executable, "-m", "services.cli"]
         common = ["--etcd", self.etcd_url]
-        engine = engine_flags(a)
+        self.placement = gpu_placement(a)
+        engine = engine_flags(a, self.placement)
         routing = ["--mode", a.mode, "--disagg-min-prompt-tokens", str(a.disagg_min_prompt_tokens)]
         routing += ["--peer-pull" if a.peer_pull else "--no-peer-pull"]
         self.spawn("router", base + ["router", *common, *routing])
@@ -273,9 +344,19 @@ class Cluster:
         ):  # one directory per worker (a worker locks its own)
             path = os.path.join(self.args.kv_disk_path, wid) if self.args.kv_disk_path else ""
             disk = ["--kv-disk-path", path, "--kv-disk-bytes", str(self.args.kv_disk_bytes)]
-        proc = self.spawn(wid, base + [role, *common, *engine, *disk, "--worker-id", wid])
+        device = ["--device", self.args.device]
+        gpu = None
+        if self.placement is not None:
+            gpu = self.placement.pick(self.gpus_occupied())
+            device = self.placement.flags(gpu)
+        proc = self.spawn(wid, base + [role, *common, *engine, *device, *disk, "--worker-id", wid])
+        proc.gpu = gpu
         self.pools[role].append(proc)
         return proc
+
+    def gpus_occupied(self) -> Counter[int]:
+        """Running workers per GPU, a draining one included until it has exited."""
+        return Counter(p.gpu for p in self.live() if p.gpu is not None and p.popen.poll() is None)
 
     def drain_worker(self, role: str, want: int) -> Proc:
         """SIGTERM the newest worker of a pool: it leaves discovery at once, finishes its in-flight requests
@@ -360,31 +441,17 @@ class Cluster:
 CPU_KV_CACHE_BYTES = 256 << 20  # per worker: the demo cluster's workers share a CPU machine's memory
 
 
-def _on_gpu(device: str) -> bool:
-    """Whether the workers will run on a GPU: `cuda...` asked for, or `auto` where torch sees one."""
-    if device.startswith("cuda"):
-        return True
-    if device != "auto":
-        return False
-    import torch  # only here: `up` otherwise starts processes without loading torch itself
-
-    return torch.cuda.is_available()
-
-
-def engine_flags(a: argparse.Namespace) -> list[str]:
-    """The engine flags `up` gives every worker."""
+def engine_flags(a: argparse.Namespace, placement: GpuPlacement | None) -> list[str]:
+    """The engine flags `up` gives every worker (its device flags are its own: GpuPlacement.flags)."""
     engine = ["--dtype", a.dtype, "--threads", str(a.threads)]
     kv_bytes = a.kv_cache_bytes
-    if kv_bytes is None and not _on_gpu(a.device):
+    if kv_bytes is None and placement is None:
         kv_bytes = CPU_KV_CACHE_BYTES
     # on a GPU, unless set: no size, so the worker plans its cache from its share of the GPU's memory
     engine += ["--kv-cache-bytes", str(kv_bytes)] if kv_bytes is not None else []
     engine += ["--kv-tier2-bytes", str(a.kv_tier2_bytes), "--kv-tier2-codec", a.kv_tier2_codec]
     engine += ["--no-kv-async-restore"] if a.no_kv_async_restore else []
     engine += ["--model", a.model] if a.model else []
-    # every worker uses the same device; on one GPU they split its memory instead of each taking 90 %
-    share = a.gpu_memory_utilization / max(1, a.prefill + a.decode)
-    engine += ["--device", a.device, "--gpu-memory-utilization", f"{share:.4f}"]
     return engine
 
 

@@ -22,7 +22,7 @@ from services.discovery import EtcdSecurity, Registration, WorkerDirectory
 from services.discovery.etcd import EtcdUnavailableError
 from services.frontend.auth import AuthConfig, Guard, load_api_keys
 from services.frontend.errors import ApiError
-from services.launcher import Cluster
+from services.launcher import Cluster, Proc
 from services.launcher import add_arguments as launcher_arguments
 from services.rpc import pb
 from services.runtime.tls import GrpcTls, TlsConfigError
@@ -181,7 +181,12 @@ def test_rackserve_up_passes_the_key_in_the_environment_not_argv(monkeypatch: py
     args = parser.parse_args(["--api-key", "sk-up-123", "--etcd", "http://127.0.0.1:1"])
     spawned: list[tuple[str, list[str], dict[str, str]]] = []
     cluster = Cluster(args)
-    monkeypatch.setattr(cluster, "spawn", lambda name, cmd, env=None: spawned.append((name, cmd, env or {})))
+
+    def spawn(name: str, cmd: list[str], env: dict[str, str] | None = None) -> Proc:
+        spawned.append((name, cmd, env or {}))
+        return Proc(name, popen=None)  # type: ignore[arg-type]  # nothing started: the argv is what is checked
+
+    monkeypatch.setattr(cluster, "spawn", spawn)
     cluster.start_etcd()
     cluster.start_services()
     frontend = [s for s in spawned if s[0] == "frontend"]

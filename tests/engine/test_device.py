@@ -180,29 +180,116 @@ def test_weights_built_on_the_device_before_the_engine_still_count_as_its_own(mo
     assert plan.kv_budget_bytes == (40 - 16 - 2) * GIB
 
 
-def test_rackserve_up_leaves_a_gpu_workers_cache_to_its_memory_plan():
-    """`rackserve up --device cuda` gives each worker its share of --gpu-memory-utilization; a fixed
-    --kv-cache-bytes would skip the plan (the engine plans only when no size is given) and leave each worker
-    a 256 MiB cache on an 80 GB GPU. On a CPU the demo's 256 MiB per worker stays; a size given is passed on."""
-    import argparse
+# a worker stand-in for `rackserve up`'s placement tests: a real process that takes the worker's argv, ignores
+# SIGTERM (a draining worker finishing its streams) and lives until killed
+_WORKER_STANDIN = "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); time.sleep(120)"
 
-    from services.launcher import add_arguments, engine_flags
-    from services.runtime.args import add_engine_arguments, engine_config
 
-    up = argparse.ArgumentParser()
-    add_arguments(up)
-    worker = argparse.ArgumentParser()
-    add_engine_arguments(worker)
+class UpWorkers:
+    """`rackserve up`'s launcher (services.launcher.Cluster) starting workers on a machine of `gpus` GPUs: each
+    worker a real process given the argv `up` builds for it, read back as that worker's engine config."""
 
-    def config(argv: list[str]) -> EngineConfig:
-        return engine_config(worker.parse_args(engine_flags(up.parse_args(argv))))
+    def __init__(self, argv: list[str], gpus: int) -> None:
+        import argparse
 
-    gpu = config(["--device", "cuda", "--prefill", "1", "--decode", "1"])
-    assert gpu.kv_cache_bytes == 0 and gpu.num_kv_blocks == 0  # planned on the device
-    assert gpu.gpu_memory_utilization == pytest.approx(0.45)
-    assert config(["--device", "cuda:1", "--kv-cache-bytes", str(8 << 30)]).kv_cache_bytes == 8 << 30
-    assert config(["--device", "cpu"]).kv_cache_bytes == 256 << 20
-    assert config([]).kv_cache_bytes == (0 if torch.cuda.is_available() else 256 << 20)  # auto
+        from services.launcher import Cluster, add_arguments, engine_flags, gpu_placement
+
+        up = argparse.ArgumentParser()
+        add_arguments(up)
+        self.args = up.parse_args(argv)
+        self.cluster = Cluster(self.args)
+        self.cluster.placement = gpu_placement(self.args, lambda: gpus)
+        engine = engine_flags(self.args, self.cluster.placement)
+        self.cluster._worker_cmd = ([sys.executable, "-c", _WORKER_STANDIN], [], engine)
+
+    def add(self, role: str) -> EngineConfig:
+        import argparse
+
+        from services.runtime.args import add_engine_arguments, engine_config
+
+        proc = self.cluster.add_worker(role)
+        worker = argparse.ArgumentParser()
+        add_engine_arguments(worker)
+        argv = list(proc.popen.args)[3:]  # after `python -c CODE`: the role, then the worker's flags
+        assert argv[0] == role
+        known, _ = worker.parse_known_args(argv[1:])
+        return engine_config(known)
+
+    def close(self) -> None:
+        for p in self.cluster.live():
+            p.popen.kill()
+            p.popen.wait()
+
+
+@pytest.mark.parametrize(
+    ("argv", "gpus", "want"),
+    [
+        # every worker its own GPU while there are GPUs enough
+        (["--device", "cuda", "--prefill", "2", "--decode", "6"], 8, [(f"cuda:{i}", 0.9) for i in range(8)]),
+        # one GPU: the workers split its memory rather than each taking 90 %
+        (["--device", "cuda", "--prefill", "1", "--decode", "1"], 1, [("cuda:0", 0.45)] * 2),
+        # more workers than GPUs: fewest workers first, each GPU's share sized for the most it holds
+        (["--device", "cuda", "--prefill", "2", "--decode", "1"], 2, [(f"cuda:{i}", 0.45) for i in (0, 1, 0)]),
+        (["--prefill", "1", "--decode", "1"], 4, [("cuda:0", 0.9), ("cuda:1", 0.9)]),  # auto on a GPU machine
+        # cuda:N asks for that GPU: everyone on it
+        (["--device", "cuda:1", "--prefill", "1", "--decode", "2"], 4, [("cuda:1", 0.3)] * 3),
+    ],
+)  # fmt: skip
+def test_rackserve_up_spreads_gpu_workers_over_the_visible_gpus_each_with_its_part_of_one(argv, gpus, want):
+    """`rackserve up --device cuda` on a GPU box starts every worker on a GPU of its own while there are GPUs
+    enough (vLLM and SGLang users start one engine per GPU), and workers sharing a GPU split its
+    --gpu-memory-utilization. A GPU worker's cache is left to its memory plan: no --kv-cache-bytes (the CPU
+    demo's 256 MiB would give each worker 256 MiB of an 80 GB GPU)."""
+    up = UpWorkers(argv, gpus)
+    try:
+        roles = ["prefill"] * up.args.prefill + ["decode"] * up.args.decode
+        got = [up.add(role) for role in roles]
+    finally:
+        up.close()
+    assert [(c.device, round(c.gpu_memory_utilization, 4)) for c in got] == want
+    assert all(c.kv_cache_bytes == 0 for c in got)  # planned on the device
+
+
+def test_rackserve_up_places_the_planners_workers_beside_the_running_ones_and_a_draining_one_keeps_its_gpu():
+    """With --planner the workers come and go: a GPU's share is sized for the most workers `up` may run
+    (--max-prefill + --max-decode over the GPUs), so a worker added later fits beside the running ones; it goes
+    to the GPU with the fewest, and a draining worker (SIGTERMed, finishing its streams) still holds its GPU's
+    memory until it has exited."""
+    import signal
+
+    argv = ["--device", "cuda", "--planner", "--prefill", "1", "--decode", "1", "--max-prefill", "2"]
+    up = UpWorkers([*argv, "--max-decode", "2"], gpus=2)
+    try:
+        placed = [up.add("prefill").device, up.add("decode").device, up.add("decode").device]
+        assert placed == ["cuda:0", "cuda:1", "cuda:0"]
+        draining = up.cluster.drain_worker("decode", 1)  # the newest decode worker, on cuda:0
+        assert draining.gpu == 0 and draining.popen.poll() is None
+        added = up.add("prefill")
+        assert (added.device, round(added.gpu_memory_utilization, 4)) == ("cuda:1", 0.45)
+        draining.popen.send_signal(signal.SIGKILL)  # it has exited: its GPU takes the next one
+        draining.popen.wait()
+        assert up.add("decode").device == "cuda:0"
+    finally:
+        up.close()
+
+
+def test_rackserve_up_without_a_gpu_runs_cpu_workers_and_refuses_cuda_naming_it():
+    """`auto` on a machine without a GPU gives CPU workers with the demo's 256 MiB cache each (a size given is
+    passed on); `--device cuda` there stops `up` before any worker starts, naming the device."""
+    for argv in ([], ["--device", "cpu"]):
+        up = UpWorkers(argv, gpus=0)
+        try:
+            cfg = up.add("decode")
+        finally:
+            up.close()
+        assert cfg.device == (argv[1] if argv else "auto") and cfg.kv_cache_bytes == 256 << 20
+    up = UpWorkers(["--device", "cpu", "--kv-cache-bytes", str(8 << 30)], gpus=4)
+    try:
+        assert up.add("prefill").kv_cache_bytes == 8 << 30
+    finally:
+        up.close()
+    with pytest.raises(SystemExit, match="--device cuda but no GPU is visible"):
+        UpWorkers(["--device", "cuda"], gpus=0)
 
 
 def test_kv_copies_in_transit_come_out_of_the_cache_plan(monkeypatch):

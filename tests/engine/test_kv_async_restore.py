@@ -187,7 +187,7 @@ def test_the_switch_reaches_a_worker_from_its_flag_its_env_and_the_chart(
     up = argparse.ArgumentParser()
     add_arguments(up)
     for argv, on in (([], True), (["--no-kv-async-restore"], False)):
-        assert worker(engine_flags(up.parse_args(argv))).kv_async_restore is on, argv
+        assert worker(engine_flags(up.parse_args(argv), None)).kv_async_restore is on, argv
 
 
 # --- KV imported from a prefill worker: written beside the step too ---
