@@ -354,6 +354,13 @@ class Cluster:
         self.pools[role].append(proc)
         return proc
 
+    def describe_gpus(self) -> str:
+        """The ready message's line of which worker runs on which GPU (nothing for CPU workers)."""
+        if self.placement is None:
+            return ""
+        placed = ", ".join(f"{p.name} cuda:{p.gpu}" for pool in self.pools.values() for p in pool)
+        return f"  GPUs: {placed} ({self.placement.share:.0%} of its GPU's memory each)\n"
+
     def gpus_occupied(self) -> Counter[int]:
         """Running workers per GPU, a draining one included until it has exited."""
         return Counter(p.gpu for p in self.live() if p.gpu is not None and p.popen.poll() is None)
@@ -476,7 +483,8 @@ def run(args: argparse.Namespace) -> int:
             f"\nrackserve is ready: {url}  (etcd {cluster.etcd_url}; {args.prefill} prefill, {args.decode} decode"
             + (f"; planner on :{cluster.planner_port}, scaling them" if args.planner else "")
             + ")\n"
-            f"  curl {url}/v1/chat/completions -H 'Content-Type: application/json' \\\n"
+            + cluster.describe_gpus()
+            + f"  curl {url}/v1/chat/completions -H 'Content-Type: application/json' \\\n"
             + ('    -H "Authorization: Bearer $RACKSERVE_API_KEY" \\\n' if args.api_key else "")
             + '    -d \'{"model": "SmolLM2-135M-Instruct", "messages": '
             '[{"role": "user", "content": "What is the capital of France?"}]}\'\n'

@@ -244,9 +244,11 @@ def test_rackserve_up_spreads_gpu_workers_over_the_visible_gpus_each_with_its_pa
     try:
         roles = ["prefill"] * up.args.prefill + ["decode"] * up.args.decode
         got = [up.add(role) for role in roles]
+        ready = up.cluster.describe_gpus()  # the line `up` prints when the cluster is ready
     finally:
         up.close()
     assert [(c.device, round(c.gpu_memory_utilization, 4)) for c in got] == want
+    assert ready.startswith("  GPUs: prefill-0 cuda:") and f"decode-0 {want[up.args.prefill][0]}" in ready
     assert all(c.kv_cache_bytes == 0 for c in got)  # planned on the device
 
 
