@@ -936,6 +936,10 @@ def throughput(res: StepResult, plan: Plan, budget: Budget, models: Models) -> N
             f"{'from step 2' if reused else f'built in {time.perf_counter() - t0:.1f} s'}, "
             f"{wbytes / 1e9:.2f} GB of weights read per step"
         )
+        if getattr(engine, "graphs_error", ""):  # the engine serves eagerly; the issue asks for graphs
+            res.fail(
+                f"{fmt_name}: CUDA graphs not captured ({engine.graphs_error}); its decode rows are eager"
+            )
         cases = [("decode", b) for b in plan.decode_batches] + [("prefill", plan.prefill_len)]
         for phase, n in cases:
             if not budget.allows(0 if plan.smoke else 15):

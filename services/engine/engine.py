@@ -237,6 +237,10 @@ class LLMEngine:
         if device.type == "cuda" and not cfg.num_kv_blocks and not cfg.kv_cache_bytes:
             # on a GPU the cache takes what is left of --gpu-memory-utilization after weights and activations
             peak = self._profile_activation_bytes(loaded.config, cfg)
+            if self._wants_graphs(cfg):  # their private pool is not in the eager steps' peak
+                from services.engine.cuda_graphs import graph_pool_bytes
+
+                peak += graph_pool_bytes(loaded.config, cfg.max_num_seqs, self.dtype.itemsize)
             plan = plan_kv_memory(
                 device, cfg.gpu_memory_utilization, self.weight_bytes, peak, per_block, in_use_at_start,
                 cfg.kv_transit_bytes,
@@ -329,15 +333,26 @@ class LLMEngine:
             str, list[int]
         ] = {}  # hold id -> blocks pinned for a prefix pull (either end)
         self.graphs: DecodeGraphs | None = None
-        if device.type == "cuda" and not cfg.enforce_eager and self.attention_backend == "triton":
+        self.graphs_error = ""  # why decode steps run eagerly though graphs were wanted (a failed capture)
+        if self._wants_graphs(cfg):
             from services.engine.cuda_graphs import DecodeGraphs
 
             t0 = time.perf_counter()
-            self.graphs = DecodeGraphs(self.model, self.kv, self.max_model_len, cfg.max_num_seqs)
-            log.info(
-                "CUDA graphs captured for decode batch sizes %s in %.1f s (--enforce-eager turns them off)",
-                self.graphs.buckets, time.perf_counter() - t0,
-            )  # fmt: skip
+            try:
+                self.graphs = DecodeGraphs(self.model, self.kv, self.max_model_len, cfg.max_num_seqs)
+            except Exception as e:  # noqa: BLE001 - the worker serves, eagerly, and says why
+                self.graphs_error = f"{type(e).__name__}: {e}"
+                torch.cuda.synchronize(device)
+                torch.cuda.empty_cache()
+                log.exception("CUDA graph capture failed; decode steps run eagerly (slower at small batch)")
+            else:
+                log.info(
+                    "CUDA graphs captured for decode batch sizes %s in %.1f s (--enforce-eager turns them off)",
+                    self.graphs.buckets, time.perf_counter() - t0,
+                )  # fmt: skip
+
+    def _wants_graphs(self, cfg: EngineConfig) -> bool:
+        return self.device.type == "cuda" and not cfg.enforce_eager and self.attention_backend == "triton"
 
     @torch.inference_mode()
     def _profile_activation_bytes(self, mc: ModelConfig, cfg: EngineConfig) -> int:
