@@ -79,12 +79,15 @@ def _dot(a, b, FP32: tl.constexpr, UPCAST: tl.constexpr):
 def _decode_kernel(
     Q, K, V, TABLES, LENS, OUT, M_PART, L_PART, ACC_PART,
     stride_qb, stride_qh, stride_kr, stride_kt, stride_vr, stride_vt, stride_tb, stride_ob, stride_oh,
-    num_blocks, split_len, qk_scale,
+    num_blocks, qk_scale,
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     TILE: tl.constexpr, NUM_SPLITS: tl.constexpr, SPLIT: tl.constexpr, FP32: tl.constexpr,
     UPCAST: tl.constexpr,
 ):  # fmt: skip
-    """One (sequence, KV head[, split]): online softmax over its keys for the whole query group."""
+    """One (sequence, KV head[, split]): online softmax over its keys for the whole query group. With split-K, a
+    sequence's own context (its length, read here) is cut into NUM_SPLITS runs of whole tiles: the same work per
+    split whatever the longest context the grid was sized for (a CUDA graph's tables are as wide as the model's
+    context), and a short context's trailing splits are empty."""
     b = tl.program_id(0)
     kvh = tl.program_id(1)
     s = tl.program_id(2)
@@ -100,6 +103,7 @@ def _decode_kernel(
         other=0.0,
     )
     if SPLIT:
+        split_len = tl.cdiv(tl.cdiv(seq_len, NUM_SPLITS), TILE) * TILE
         start = s * split_len
         end = tl.minimum(start + split_len, seq_len)
     else:
@@ -299,10 +303,11 @@ def paged_decode_attention(
     into `out` when given. num_splits overrides choose_num_splits (1 forces the single-pass kernel).
 
     CUDA-graph capturable: no host synchronisation, no .item(), no branch on tensor values. The launch grid and
-    the split-K choice depend only on shapes (max_blocks is block_tables.shape[1]); each program reads its own
-    length on the device and loops only over its keys. Replaying a graph with new tables and lengths in the same
-    tensors is therefore correct as long as max_blocks (the tables' width) is unchanged. The split-K partials are
-    allocated per call (a graph keeps them in its private pool).
+    the split-K count depend only on shapes (max_blocks is block_tables.shape[1]); each program reads its own
+    length on the device, splits that context evenly over the splits, and loops only over its share of keys.
+    Replaying a graph with new tables and lengths in the same tensors is therefore correct as long as max_blocks
+    (the tables' width) is unchanged, and a short context in a graph's wide tables is spread over the splits as
+    in an eager call. The split-K partials are allocated per call (a graph keeps them in its private pool).
     """
     if triton is None:
         raise RuntimeError("triton is not installed")
@@ -327,8 +332,6 @@ def paged_decode_attention(
     splits = choose_num_splits(B, num_kv_heads, max_context) if num_splits is None else num_splits
     if splits < 1:
         raise ValueError(f"num_splits must be >= 1, got {splits}")
-    # whole tiles per split, so no split starts mid-tile
-    split_len = math.ceil(math.ceil(max_context / splits) / tile) * tile
     common = dict(
         GROUP=group, GROUP_PAD=max(GROUP_ROWS, _next_pow2(group)), HEAD_DIM=head_dim, BLOCK_SIZE=block_size,
         TILE=tile, NUM_SPLITS=splits, FP32=q.dtype == torch.float32, UPCAST=_upcast(q.dtype),
@@ -336,7 +339,7 @@ def paged_decode_attention(
     )  # fmt: skip
     args = (
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
-        block_tables.stride(0), out.stride(0), out.stride(1), num_blocks, split_len, scale * LOG2E,
+        block_tables.stride(0), out.stride(0), out.stride(1), num_blocks, scale * LOG2E,
     )  # fmt: skip
     if splits == 1:
         _decode_kernel[(B, num_kv_heads, 1)](

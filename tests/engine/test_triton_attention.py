@@ -131,6 +131,12 @@ def decode_cases() -> dict[str, dict]:
         # forced: 3 splits (not a power of two) with the short sequence's later splits empty
         "split_forced_3": decode_case(8, [1, 15, 17, 300], 9, 3, 64, 16, fp32, num_splits=3),
         "single_pass_long": decode_case(6, [1, 700, 2000], 3, 1, 64, 16, fp32, num_blocks=190, num_splits=1),
+        # a CUDA graph's tables: as wide as a long context allows (the splits sized for it), short contexts in
+        # them, each cut into its own splits (a context shorter than the splits' tiles leaves most empty)
+        "split_graph_width": decode_case(11, [1, 33, 200, 600], 6, 2, 64, 16, bf16, extra_blocks=90),
+        "split_graph_width_fp32": decode_case(
+            12, [5, 130, 700], 4, 1, 64, 16, fp32, extra_blocks=80, num_splits=16
+        ),
         "poison_nan": poisoned_case(nan=True, num_splits=1),
         "poison_zero": poisoned_case(nan=False, num_splits=1),
         "poison_nan_split": poisoned_case(nan=True, num_splits=2),
@@ -318,7 +324,7 @@ def test_decode_matches_the_torch_reference(interpreted, name):
 
 def test_split_k_is_what_the_heuristic_picks_for_long_contexts_and_agrees_with_one_pass(interpreted):
     inputs, outputs = interpreted
-    for name in ("split_auto_fp32", "split_auto_bf16"):
+    for name in ("split_auto_fp32", "split_auto_bf16", "split_graph_width"):
         case = inputs["decode"][name]
         B, kv, width = case["q"].shape[0], case["num_kv_heads"], case["block_tables"].shape[1]
         assert ta.choose_num_splits(B, kv, width * case["k_cache"].shape[1]) > 1, name
