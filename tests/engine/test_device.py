@@ -221,6 +221,7 @@ class UpWorkers:
             p.popen.wait()
 
 
+@pytest.mark.cluster  # real stand-in worker processes
 @pytest.mark.parametrize(
     ("argv", "gpus", "want"),
     [
@@ -252,6 +253,7 @@ def test_rackserve_up_spreads_gpu_workers_over_the_visible_gpus_each_with_its_pa
     assert all(c.kv_cache_bytes == 0 for c in got)  # planned on the device
 
 
+@pytest.mark.cluster  # real stand-in worker processes
 def test_rackserve_up_places_the_planners_workers_beside_the_running_ones_and_a_draining_one_keeps_its_gpu():
     """With --planner the workers come and go: a GPU's share is sized for the most workers `up` may run
     (--max-prefill + --max-decode over the GPUs), so a worker added later fits beside the running ones; it goes
@@ -275,6 +277,7 @@ def test_rackserve_up_places_the_planners_workers_beside_the_running_ones_and_a_
         up.close()
 
 
+@pytest.mark.cluster  # real stand-in worker processes
 def test_rackserve_up_without_a_gpu_runs_cpu_workers_and_refuses_cuda_naming_it():
     """`auto` on a machine without a GPU gives CPU workers with the demo's 256 MiB cache each (a size given is
     passed on); `--device cuda` there stops `up` before any worker starts, naming the device."""
