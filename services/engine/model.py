@@ -307,8 +307,10 @@ def make_fused_linear(
     --quant nvfp4, one tensor scale); pre-quantized NVFP4 parts keep their bytes — fused when their tensor
     scales agree, side by side when they don't."""
     dense = [w for w in parts if isinstance(w, torch.Tensor)]
-    if len(dense) == len(parts):
-        return make_linear(torch.cat(dense), bias, dtype, quant, **kw)
+    if len(dense) == len(
+        parts
+    ):  # one part as it is: a weight already on the device in its dtype is not copied
+        return make_linear(dense[0] if len(dense) == 1 else torch.cat(dense), bias, dtype, quant, **kw)
     if dense:
         raise ValueError("a fused projection mixes pre-quantized NVFP4 and dense parts")
     from services.engine.nvfp4 import NVFP4Linear, fuse_rows
@@ -467,9 +469,11 @@ class Attention(nn.Module):
 
 
 class FeedForward(nn.Module):
-    def __init__(self, w: Weights, prefix: str, dtype: torch.dtype, quant: str, **kw):
+    def __init__(self, w: Weights, prefix: str, ffn: int, dtype: torch.dtype, quant: str, **kw):
         super().__init__()
-        self.ffn = w[f"{prefix}.gate_proj"].shape[0]
+        self.ffn = (
+            ffn  # not read off gate_proj: through _OnDevice that would copy it to the device to learn a shape
+        )
         gate_up = [w[f"{prefix}.gate_proj"], w[f"{prefix}.up_proj"]]
         self.w_gate_up = make_fused_linear(gate_up, None, dtype, quant, **kw)
         self.w_down = make_fused_linear([w[f"{prefix}.down_proj"]], None, dtype, quant, **kw)
@@ -489,7 +493,7 @@ class Block(nn.Module):
         self.attn_norm = RMSNorm(dense(w, f"{p}.input_layernorm").to(dtype), cfg.rms_norm_eps)
         self.attn = Attention(cfg, w, p, dtype, quant, **kw)
         self.ffn_norm = RMSNorm(dense(w, f"{p}.post_attention_layernorm").to(dtype), cfg.rms_norm_eps)
-        self.ffn = FeedForward(w, p, dtype, quant, **kw)
+        self.ffn = FeedForward(w, p, cfg.intermediate_size, dtype, quant, **kw)
 
 
 class Transformer(nn.Module):
@@ -512,6 +516,9 @@ class Transformer(nn.Module):
         super().__init__()
         self.config, self.dtype, self.quant = cfg, dtype, quant
         self.device = torch.device(device)
+        # the rotary tables are computed on the CPU in fp32, then moved: GGUF's Llama-3 factors are read where the
+        # loader left them, never through the device view
+        factors = dense(w, "rope_freqs").cpu() if "rope_freqs" in w else None
         # each weight is moved to the device as its layer is built, so the device never holds a second copy and
         # NVFP4 weights are quantized where they will be used (Triton on CUDA)
         w = _OnDevice(w, self.device)
@@ -530,8 +537,7 @@ class Transformer(nn.Module):
         # are quantized (docs/nvfp4.md)
         head = self.embed.weight if cfg.tie_embeddings else dense(w, "lm_head")
         self.lm_head = make_linear(head, None, dtype, "none")
-        inv = rope_inv_freq(cfg, dense(w, "rope_freqs") if "rope_freqs" in w else None)
-        cos, sin = rope_tables(inv.cpu(), cfg.max_context)
+        cos, sin = rope_tables(rope_inv_freq(cfg, factors), cfg.max_context)
         self.register_buffer("rope_cos", cos.to(self.device), persistent=False)
         self.register_buffer("rope_sin", sin.to(self.device), persistent=False)
         for blk in cast(list[Block], self.blocks):

@@ -337,3 +337,19 @@ def test_kv_copies_in_transit_come_out_of_the_cache_plan(monkeypatch):
     assert reserve("prefill", ["--kv-backends", "tcp,shm,nixl"]) == 0
     assert reserve("decode", ["--kv-backends", "tcp,shm,nixl"]) == 0
     assert reserve("prefill", ["--kv-backends", "tcp,nixl,cuda_ipc"]) == 4 << 30
+
+
+def test_a_llama3_gguf_with_rope_freqs_builds_on_another_device_than_the_cpu():
+    """llama.cpp stores Llama 3.x's frequency scaling as a `rope_freqs` tensor. The model moves each weight to its
+    device as it builds, and computes the rotary tables on the CPU: the factors must come back to the CPU first
+    (on a GPU the division mixed devices and every Llama 3.x GGUF failed to load). The meta device stands in for
+    the GPU: another device than the CPU, with no memory behind it."""
+    from services.engine.model import Transformer
+
+    loaded = tiny_llama()
+    factors = torch.linspace(1.0, 8.0, loaded.config.head_dim // 2)
+    weights = dict(loaded.weights) | {"rope_freqs": factors}
+    elsewhere = Transformer(loaded.config, weights, device="meta")
+    assert elsewhere.rope_cos.device.type == "meta" and elsewhere.embed.weight.device.type == "meta"
+    scaled, plain = Transformer(loaded.config, weights), Transformer(loaded.config, loaded.weights)
+    assert not torch.equal(scaled.rope_cos, plain.rope_cos)  # the factors are applied

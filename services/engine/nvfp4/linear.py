@@ -188,14 +188,22 @@ class NVFP4Linear(torch.nn.Module):
 
 def weight_memory_bytes(module: torch.nn.Module) -> int:
     """Bytes of weights a model holds: NVFP4 layers count their packed form (plus caches), others their
-    parameters and buffers. For the engine's memory table next to perplexity."""
+    parameters and persistent buffers, each tensor once (a tied LM head is the embedding; the rotary tables,
+    non-persistent buffers, are derived, not weights). What the engine logs at start-up."""
     total = 0
+    seen: set[tuple[str, int]] = set()
     for sub in module.modules():
         if isinstance(sub, NVFP4Linear):
             total += sub.weight_bytes()
             if sub.bias is not None:
                 total += sub.bias.numel() * sub.bias.element_size()
             continue
-        for t in list(sub.parameters(recurse=False)) + list(sub.buffers(recurse=False)):
+        derived: set[str] = getattr(sub, "_non_persistent_buffers_set", set())
+        named = [*sub.named_parameters(recurse=False), *sub.named_buffers(recurse=False)]
+        for name, t in named:
+            key = (str(t.device), t.data_ptr())
+            if name in derived or (t.device.type != "meta" and key in seen):
+                continue
+            seen.add(key)
             total += t.numel() * t.element_size()
     return total

@@ -246,3 +246,16 @@ def test_w4a4_without_blackwell_is_a_clear_error():
     w = prepare_weight(quantize(torch.randn(16, 64, generator=gen(12))))
     with pytest.raises(BlackwellUnavailable, match="W4A4 GEMM unavailable"):
         w4a4_matmul(torch.randn(2, 64), w)
+
+
+@pytest.mark.parametrize("tie", [True, False])
+def test_the_weight_bytes_an_engine_logs_are_the_checkpoints_each_tensor_once(tie):
+    """The start-up log's weight bytes (weight_memory_bytes): a tied LM head is the embedding, not a second copy,
+    and the rotary tables are derived from the config, not weights. In fp32 they equal the checkpoint's bytes."""
+    from services.engine.model import Transformer
+    from services.engine.nvfp4 import weight_memory_bytes
+    from tests.conftest import tiny_llama
+
+    loaded = tiny_llama(tie=tie)
+    model = Transformer(loaded.config, loaded.weights)
+    assert weight_memory_bytes(model) == sum(t.numel() * 4 for t in loaded.weights.values())
