@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import re
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -124,3 +125,14 @@ def plan_kv_memory(
             "--kv-device-pull-bytes, or use a smaller model"
         )
     return plan
+
+
+def host_to_device(
+    values: Sequence[int] | Sequence[float], dtype: torch.dtype, device: torch.device
+) -> torch.Tensor:
+    """A host list as a tensor on `device`: on CUDA through pinned memory, asynchronously (the copy is queued on
+    the stream ahead of the kernels that read it, so the host never waits for the GPU to catch up, as it would for
+    a copy from ordinary memory); on the CPU the tensor itself."""
+    if device.type == "cpu":
+        return torch.tensor(values, dtype=dtype)
+    return torch.tensor(values, dtype=dtype, pin_memory=True).to(device, non_blocking=True)

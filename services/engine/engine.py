@@ -28,14 +28,14 @@ import torch
 
 from services.engine.block_hash import ROOT_HASH
 from services.engine.config import EngineConfig, ModelConfig, torch_dtype
-from services.engine.device import memory_in_use, plan_kv_memory, resolve_device
+from services.engine.device import host_to_device, memory_in_use, plan_kv_memory, resolve_device
 from services.engine.host_bytes import bytes_of, view_of
 from services.engine.kv_cache import BlockManager, KvEvent, NoFreeBlocksError
 from services.engine.kv_disk import DiskKvTier
 from services.engine.kv_tier import HostKvTier, TierStats, decode_entries
 from services.engine.loader import LoadedModel, load_model, model_fingerprint
 from services.engine.model import AttnMetadata, PagedKvCache, PrefillSegment, Transformer
-from services.engine.sampling import RowContext, Sampled, SamplingParams, sample_batch
+from services.engine.sampling import RowContext, Sampled, SamplingParams, sample_batch, worst_case_batch
 from services.engine.scheduler import Request, RequestStatus, RestoreGroup, Scheduler, SchedulerOutput
 from services.engine.structured import GrammarError, Grammars, Matcher
 
@@ -356,8 +356,9 @@ class LLMEngine:
 
     @torch.inference_mode()
     def _profile_activation_bytes(self, mc: ModelConfig, cfg: EngineConfig) -> int:
-        """Peak activation memory of the largest step: one prefill of max_num_batched_tokens tokens into a
-        throw-away cache, plus the logits and sampling buffers of a full batch. Leaves the allocator empty."""
+        """Peak memory of the largest step: one prefill of max_num_batched_tokens tokens into a throw-away cache,
+        then the logits of a full batch and the sampler over them with every processor on. Leaves the allocator
+        empty."""
         dev = self.device
         n = min(cfg.max_num_batched_tokens, self.max_model_len)
         nb = -(-n // cfg.block_size)
@@ -369,14 +370,18 @@ class LLMEngine:
         hidden = self.model(
             torch.zeros(n, dtype=torch.long, device=dev), torch.arange(n, device=dev), meta, scratch
         )
-        logits = self.model.logits(hidden[-min(n, cfg.max_num_seqs) :])
-        del hidden, logits
+        # then the sampler over a full batch's logits, every processor on (it keeps several fp32 and int64 copies
+        # of the logits alive at once: tens of bytes per logit, 2 GB at 256 sequences of a 128k vocabulary)
+        logits = self.model.logits(hidden[-1:].expand(cfg.max_num_seqs, -1).contiguous())
+        del hidden
+        params, indices, rows = worst_case_batch(cfg.max_num_seqs, mc.vocab_size)
+        sample_batch(logits, params, indices, rows)
+        del logits
         torch.cuda.synchronize(dev)
         peak = torch.cuda.max_memory_allocated(dev) - before
-        sampling = 3 * cfg.max_num_seqs * mc.vocab_size * 4  # processed logits, probabilities, noise (fp32)
         del scratch
         torch.cuda.empty_cache()
-        return peak + sampling
+        return peak
 
     # ------------------------------------------------------------------------------------------ requests
     def add_request(
@@ -527,11 +532,8 @@ class LLMEngine:
         return out
 
     def _h2d(self, values: list[int], dtype: torch.dtype = torch.long) -> torch.Tensor:
-        """A host list as a tensor on the engine's device: pinned and asynchronous on CUDA (the copy is queued on
-        the stream ahead of the kernels that read it, so the step never waits for it)."""
-        if self.device.type == "cpu":
-            return torch.tensor(values, dtype=dtype)
-        return torch.tensor(values, dtype=dtype, pin_memory=True).to(self.device, non_blocking=True)
+        """A host list as a tensor on the engine's device (device.host_to_device)."""
+        return host_to_device(values, dtype, self.device)
 
     @torch.inference_mode()
     def _execute(self, decision: SchedulerOutput) -> dict[str, Sampled]:
@@ -987,7 +989,14 @@ class LLMEngine:
         prefix). On a GPU the restore stream first waits for what this thread's stream was asked to do so far
         (with those blocks too)."""
         if self._restorer is None:
-            self._restorer = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="kv-restore")
+            # the engine's GPU is the thread's current device: a stream context entered on a fresh thread would
+            # otherwise touch device 0 (and create a CUDA context there) on an engine that runs on cuda:N
+            device = self.device
+            self._restorer = concurrent.futures.ThreadPoolExecutor(
+                1,
+                thread_name_prefix="kv-restore",
+                initializer=(lambda: torch.cuda.set_device(device)) if device.type == "cuda" else None,
+            )
         if self._restore_stream is not None:
             self._restore_stream.wait_stream(torch.cuda.current_stream(self.device))
         return self._restorer.submit(fn, *args)

@@ -23,6 +23,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from services.engine.device import host_to_device
+
 _MASK64 = (1 << 64) - 1
 MAX_LOGIT_BIAS = 100.0  # OpenAI's range for a logit_bias value
 MAX_PENALTY = 2.0  # OpenAI's range for presence/frequency penalties: [-2, 2]
@@ -140,20 +142,23 @@ def apply_processors(
     bias = [(r, t, b) for r, p in enumerate(params) for t, b in p.logit_bias if t < vocab]
     if bias:
         br, bc, bv = zip(*bias, strict=True)
-        idx = (torch.tensor(br, device=dev), torch.tensor(bc, device=dev))
-        x.index_put_(idx, torch.tensor(bv, device=dev, dtype=x.dtype), accumulate=True)
+        idx = (host_to_device(br, torch.long, dev), host_to_device(bc, torch.long, dev))
+        x.index_put_(idx, host_to_device(bv, x.dtype, dev), accumulate=True)
     nr = [r for r, c in enumerate(rows) for _ in c.banned]
     if nr:
         nc = [t for c in rows for t in c.banned]
-        x.index_put_((torch.tensor(nr, device=dev), torch.tensor(nc, device=dev)), torch.tensor(-math.inf))
+        idx = (host_to_device(nr, torch.long, dev), host_to_device(nc, torch.long, dev))
+        x.index_put_(idx, torch.tensor(-math.inf))
     pen = [r for r, p in enumerate(params) if p.penalised]
     if pen:
-        x[pen] = _penalise(x[pen], [params[r] for r in pen], [rows[r] for r in pen])
+        at = host_to_device(pen, torch.long, dev)
+        x[at] = _penalise(x[at], [params[r] for r in pen], [rows[r] for r in pen])
     masked = [r for r, c in enumerate(rows) if c.bitmask is not None]
     if masked:
         words = torch.stack([rows[r].bitmask for r in masked]).to(dev)  # type: ignore[misc]
         allowed = unpack_bitmask(words, vocab)
-        x[masked] = x[masked].masked_fill(~allowed, -math.inf)
+        at = host_to_device(masked, torch.long, dev)
+        x[at] = x[at].masked_fill(~allowed, -math.inf)
     return x
 
 
@@ -163,18 +168,19 @@ def _penalise(x: torch.Tensor, params: Sequence[SamplingParams], rows: Sequence[
     out_r = [r for r, c in enumerate(rows) for _ in c.output_ids]
     counts = torch.zeros(batch, vocab, device=dev, dtype=x.dtype)
     if out_r:
-        out_c = torch.tensor([t for c in rows for t in c.output_ids], device=dev)
-        counts.index_put_((torch.tensor(out_r, device=dev), out_c), torch.ones(len(out_r), device=dev), True)
-    rep = torch.tensor([p.repetition_penalty for p in params], device=dev, dtype=x.dtype)[:, None]
-    if (rep != 1).any():
+        out_c = host_to_device([t for c in rows for t in c.output_ids], torch.long, dev)
+        ones = torch.ones(len(out_r), device=dev, dtype=x.dtype)
+        counts.index_put_((host_to_device(out_r, torch.long, dev), out_c), ones, True)
+    if any(p.repetition_penalty != 1 for p in params):
+        rep = host_to_device([p.repetition_penalty for p in params], x.dtype, dev)[:, None]
         seen = counts > 0
         pr = [r for r, c in enumerate(rows) for _ in c.prompt_ids]
         if pr:
-            pc = torch.tensor([t for c in rows for t in c.prompt_ids], device=dev)
-            seen[torch.tensor(pr, device=dev), pc] = True
+            pc = host_to_device([t for c in rows for t in c.prompt_ids], torch.long, dev)
+            seen[host_to_device(pr, torch.long, dev), pc] = True
         x = torch.where(seen, torch.where(x > 0, x / rep, x * rep), x)
-    freq = torch.tensor([p.frequency_penalty for p in params], device=dev, dtype=x.dtype)[:, None]
-    pres = torch.tensor([p.presence_penalty for p in params], device=dev, dtype=x.dtype)[:, None]
+    freq = host_to_device([p.frequency_penalty for p in params], x.dtype, dev)[:, None]
+    pres = host_to_device([p.presence_penalty for p in params], x.dtype, dev)[:, None]
     return x - freq * counts - pres * (counts > 0).to(x.dtype)
 
 
@@ -189,18 +195,18 @@ def _argmax(x: torch.Tensor) -> torch.Tensor:
 def _sample_rows(x: torch.Tensor, params: Sequence[SamplingParams], indices: Sequence[int]) -> torch.Tensor:
     """The seeded draw for non-greedy rows of processed logits x [rows, vocab]."""
     dev, vocab = x.device, x.shape[1]
-    temp = torch.tensor([p.temperature for p in params], device=dev, dtype=x.dtype)[:, None]
+    temp = host_to_device([p.temperature for p in params], x.dtype, dev)[:, None]
     x = x / temp
     if any(p.min_p > 0 for p in params):
         probs = torch.softmax(x, -1)
-        min_p = torch.tensor([p.min_p for p in params], device=dev, dtype=x.dtype)[:, None]
+        min_p = host_to_device([p.min_p for p in params], x.dtype, dev)[:, None]
         x = x.masked_fill(probs < min_p * probs.amax(-1, keepdim=True), -math.inf)
     if any(0 < p.top_k < vocab for p in params):
-        k = torch.tensor([p.top_k if 0 < p.top_k < vocab else vocab for p in params], device=dev)
+        k = host_to_device([p.top_k if 0 < p.top_k < vocab else vocab for p in params], torch.long, dev)
         kth = torch.sort(x, -1, descending=True).values.gather(1, (k - 1)[:, None])
         x = x.masked_fill(x < kth, -math.inf)
     if any(p.top_p < 1.0 for p in params):
-        top_p = torch.tensor([p.top_p if p.top_p < 1 else 2.0 for p in params], device=dev, dtype=x.dtype)
+        top_p = host_to_device([p.top_p if p.top_p < 1 else 2.0 for p in params], x.dtype, dev)
         sorted_x, order = torch.sort(x, -1, descending=True)
         sm = torch.softmax(sorted_x, -1)
         drop = sm.cumsum(-1) - sm >= top_p[:, None]  # keep the smallest set reaching top_p
@@ -213,6 +219,19 @@ def _sample_rows(x: torch.Tensor, params: Sequence[SamplingParams], indices: Seq
         gen = torch.Generator(device=dev).manual_seed(draw_seed(p.seed, i))
         noise.append(torch.empty(vocab, device=dev, dtype=probs.dtype).exponential_(1.0, generator=gen))
     return _argmax(probs / torch.stack(noise))
+
+
+def worst_case_batch(rows: int, vocab: int) -> tuple[list[SamplingParams], list[int], list[RowContext]]:
+    """A batch that makes sample_batch use the most memory per row: every processor (penalties over prompt and
+    output, a logit bias, a grammar's bitmask), temperature with top-k, top-p and min-p, 20 logprobs. A GPU
+    engine samples it once when it profiles its peak, so the KV plan leaves the sampler what it really takes."""
+    params = SamplingParams(
+        max_tokens=2, temperature=0.8, top_k=50, top_p=0.9, min_p=0.05, seed=1, logprobs=20,
+        presence_penalty=0.5, frequency_penalty=0.5, repetition_penalty=1.1, logit_bias=((0, 1.0),),
+    )  # fmt: skip
+    allowed = torch.full((-(-vocab // 32),), -1, dtype=torch.int32)  # every token allowed
+    context = RowContext(prompt_ids=list(range(16)), output_ids=list(range(16)), bitmask=allowed)
+    return [params] * rows, [1] * rows, [context] * rows
 
 
 def sample_batch(
@@ -231,8 +250,9 @@ def sample_batch(
     tokens = _argmax(x).to(x.device)
     drawn = [r for r, p in enumerate(params) if not p.greedy]
     if drawn:
-        picked = _sample_rows(x[drawn], [params[r] for r in drawn], [indices[r] for r in drawn])
-        tokens[drawn] = picked.to(tokens.device)
+        at = host_to_device(drawn, torch.long, x.device)
+        picked = _sample_rows(x[at], [params[r] for r in drawn], [indices[r] for r in drawn])
+        tokens[at.to(tokens.device)] = picked.to(tokens.device)
     forced = [
         (r, p.forced_token_ids[indices[r]])
         for r, p in enumerate(params)
@@ -240,7 +260,9 @@ def sample_batch(
     ]
     if forced:
         fr, ft = zip(*forced, strict=True)
-        tokens[list(fr)] = torch.tensor(ft, device=tokens.device)
+        tokens[host_to_device(fr, torch.long, tokens.device)] = host_to_device(
+            ft, tokens.dtype, tokens.device
+        )
     k = max((p.logprobs for p in params if p.logprobs is not None), default=None)
     if k is None:
         return [Sampled(int(t)) for t in tokens.tolist()]

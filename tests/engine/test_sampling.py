@@ -237,3 +237,18 @@ def test_a_resumed_processed_request_continues_token_for_token(params: SamplingP
 def test_logit_bias_reaches_the_engine() -> None:
     forced = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True, logit_bias=((77, 100.0),))
     assert _engine().generate([[1, 2, 3]], forced)[0] == [77] * 6
+
+
+def test_the_batch_a_gpu_engine_profiles_its_sampler_with_runs_every_processor():
+    """A GPU engine sizes its KV cache after a profile of its largest step, the sampler over a full batch
+    included, with every processor on (the sampler keeps several copies of the logits alive, tens of bytes per
+    logit). That batch must be one the sampler takes: each row draws a token the grammar allows and returns 20
+    logprobs."""
+    from services.engine.sampling import worst_case_batch
+
+    vocab, rows = 1000, 8
+    params, indices, contexts = worst_case_batch(rows, vocab)
+    out = sample_batch(torch.randn(rows, vocab), params, indices, contexts)
+    assert len(out) == rows and all(0 <= s.token_id < vocab for s in out)
+    assert all(s.top_logprobs is not None and len(s.top_logprobs) == 20 for s in out)
+    assert all(not p.greedy and p.penalised and p.logit_bias for p in params)
