@@ -268,12 +268,15 @@ class KvSink:
             # stream, so a large copy does not queue ahead of the engine's steps, after the current stream (the
             # open made it wait for the producer's writes); waited for on that stream alone
             nbytes = remote.numel() * remote.element_size()
-            local = self._device_buffer(ticket.key, nbytes, lambda: torch.empty_like(remote, device=into))
-            side = torch.cuda.Stream(into)
-            side.wait_stream(torch.cuda.current_stream(into))
-            with torch.cuda.stream(side):
-                local.copy_(remote)  # device to device (peer to peer across GPUs); unmapped with `remote`
-            side.synchronize()
+            # `into` as this (pool) thread's current device: a stream context on a thread whose current device is
+            # still 0 would touch GPU 0, and create a CUDA context there, from a worker on another GPU
+            with torch.cuda.device(into):
+                local = self._device_buffer(ticket.key, nbytes, lambda: torch.empty_like(remote, device=into))
+                side = torch.cuda.Stream(into)
+                side.wait_stream(torch.cuda.current_stream(into))
+                with torch.cuda.stream(side):
+                    local.copy_(remote)  # device to device (peer to peer across GPUs); unmapped with `remote`
+                side.synchronize()
             return local
 
         async def move(sock: socket.socket, reply: Grant) -> Any:
