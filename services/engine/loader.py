@@ -48,7 +48,9 @@ _BIAS_TENSORS = ("q_proj", "k_proj", "v_proj")
 @dataclass
 class LoadedModel:
     config: ModelConfig
-    weights: Weights  # float32, canonical names: embed_tokens, layers.{i}.{name}[.bias], norm, lm_head?, rope_freqs?
+    # canonical names: embed_tokens, layers.{i}.{name}[.bias], norm, lm_head?, rope_freqs?; float32 from a GGUF
+    # (dequantized), as stored (bf16, fp16 or fp32) from safetensors; NVFP4 parts for a pre-quantized checkpoint
+    weights: Weights
     source: str  # path it was loaded from
     chat_template: str | None = None
     source_format: str = ""  # "gguf" | "hf" | "memory"
@@ -312,8 +314,10 @@ def load_hf_dir(path: str | os.PathLike[str]) -> LoadedModel:
         for f in files:
             for name, t in load_file(str(f)).items():
                 canon = _hf_to_canonical(name)
-                if canon is not None:
-                    weights[canon] = t.to(torch.float32).contiguous()
+                if canon is not None:  # 16-bit floats as stored: an 8B bf16 checkpoint is 16 GB of host memory,
+                    # not 32 in float32, and half the bytes to the GPU; every consumer converts where it computes
+                    keep = t.dtype in (torch.bfloat16, torch.float16, torch.float32)
+                    weights[canon] = (t if keep else t.to(torch.float32)).contiguous()
     if config.tie_embeddings:
         weights.pop("lm_head", None)
     _check_complete(config, weights, str(p))

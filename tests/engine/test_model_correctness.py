@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
@@ -54,22 +55,27 @@ def test_greedy_chat_answers_capital_of_france_then_eos(smollm2, gguf_path):
     assert req.finish_reason == "stop"
 
 
-def test_hf_safetensors_dir_loads_to_the_same_model_and_fingerprint(smollm2, hf_model, gguf_path, tmp_path):
+def write_hf_dir(hf_model, gguf_path, path, dtype: torch.dtype = torch.float32) -> None:
+    """The HF layout of the demo model, weights in `dtype` (transformers refuses save_pretrained on a GGUF-loaded
+    model, so it is written directly)."""
     from safetensors.torch import save_file
 
-    # transformers refuses save_pretrained on a GGUF-loaded model, so write the HF layout directly
     cfg = hf_model.config.to_dict()
     cfg.pop("quantization_config", None)
-    (tmp_path / "config.json").write_text(json.dumps(cfg))
-    state = {k: v.contiguous() for k, v in hf_model.state_dict().items() if k != "lm_head.weight"}
-    save_file(state, str(tmp_path / "model.safetensors"))
+    (path / "config.json").write_text(json.dumps(cfg))
+    state = {k: v.to(dtype).contiguous() for k, v in hf_model.state_dict().items() if k != "lm_head.weight"}
+    save_file(state, str(path / "model.safetensors"))
     tok = Tokenizer.from_gguf(gguf_path)
-    (tmp_path / "tokenizer.json").write_text(tok.to_json_str())
-    (tmp_path / "tokenizer_config.json").write_text(
+    (path / "tokenizer.json").write_text(tok.to_json_str())
+    (path / "tokenizer_config.json").write_text(
         json.dumps(
             {"chat_template": tok.chat_template, "bos_token": "<|im_start|>", "eos_token": "<|im_end|>"}
         )
     )
+
+
+def test_hf_safetensors_dir_loads_to_the_same_model_and_fingerprint(smollm2, hf_model, gguf_path, tmp_path):
+    write_hf_dir(hf_model, gguf_path, tmp_path)
     hf = load_hf_dir(tmp_path)
     assert hf.config.canonical_json() == smollm2.config.canonical_json()
     assert sorted(hf.weights) == sorted(smollm2.weights)
@@ -87,6 +93,25 @@ def test_hf_safetensors_dir_loads_to_the_same_model_and_fingerprint(smollm2, hf_
     ids = engine.tokenizer.encode_chat(FRANCE)  # type: ignore[attr-defined]
     [out] = engine.generate([ids], SamplingParams(max_tokens=12, temperature=0))
     assert engine.tokenizer.decode(out, skip_special_tokens=True) == "The capital of France is Paris."  # type: ignore[attr-defined]
+
+
+def test_a_bf16_checkpoint_stays_bf16_on_the_host_and_serves_as_its_float32_values(
+    hf_model, gguf_path, tmp_path
+):
+    """A bf16 safetensors checkpoint is held as stored (an 8B model: 16 GB of host memory, not 32 in float32);
+    every consumer converts where it computes, so the fingerprint and the tokens are those of its float32 values."""
+    write_hf_dir(hf_model, gguf_path, tmp_path, torch.bfloat16)
+    hf = load_hf_dir(tmp_path)
+    assert {t.dtype for t in hf.weights.values()} == {torch.bfloat16}
+    wide = dataclasses.replace(hf, weights={k: v.float() for k, v in hf.weights.items()})
+    assert model_fingerprint(hf.config, hf.weights) == model_fingerprint(wide.config, wide.weights)
+    prompt = Tokenizer.from_gguf(gguf_path).encode_chat(FRANCE)
+    params = SamplingParams(max_tokens=8, temperature=0)
+    for dtype in ("float32", "bfloat16"):
+        cfg = EngineConfig(dtype=dtype, num_kv_blocks=64)
+        assert LLMEngine(hf, cfg).generate([prompt], params) == LLMEngine(wide, cfg).generate(
+            [prompt], params
+        )
 
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
