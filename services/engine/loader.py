@@ -314,8 +314,9 @@ def load_hf_dir(path: str | os.PathLike[str]) -> LoadedModel:
         for f in files:
             for name, t in load_file(str(f)).items():
                 canon = _hf_to_canonical(name)
-                if canon is not None:  # 16-bit floats as stored: an 8B bf16 checkpoint is 16 GB of host memory,
-                    # not 32 in float32, and half the bytes to the GPU; every consumer converts where it computes
+                if canon is not None:
+                    # 16-bit floats as stored: an 8B bf16 checkpoint is 16 GB of host memory, not 32 in float32,
+                    # and half the bytes to the GPU; every consumer converts where it computes
                     keep = t.dtype in (torch.bfloat16, torch.float16, torch.float32)
                     weights[canon] = (t if keep else t.to(torch.float32)).contiguous()
     if config.tie_embeddings:
