@@ -232,7 +232,14 @@ def _w4a16_kernel(
         kb = k0 // 2 + tl.arange(0, BLOCK_K // 2)  # byte index along K, one byte = two elements
         kb_ok = (kb < NB * 8)[:, None] & n_ok[None, :]
         w_bytes = tl.load(w_cols + kb[:, None], mask=kb_ok, other=0).to(tl.int32)  # [BLOCK_K/2, BLOCK_N]
-        s = _e4m3_byte_to_f32(tl.load(s_cols + (kb // 8)[:, None], mask=kb_ok, other=0).to(tl.int32))
+        # one E4M3 scale per 16 elements (8 bytes): load each once, [BLOCK_K/16, BLOCK_N], and widen it to the
+        # bytes in registers (a load per byte read every scale 8 times, outside the pipelined loads)
+        sb = k0 // 16 + tl.arange(0, BLOCK_K // 16)
+        s_blk = tl.load(s_cols + sb[:, None], mask=(sb < NB)[:, None] & n_ok[None, :], other=0)
+        s_blk = _e4m3_byte_to_f32(s_blk.to(tl.int32))
+        s = tl.reshape(
+            tl.broadcast_to(s_blk[:, None, :], (BLOCK_K // 16, 8, BLOCK_N)), (BLOCK_K // 2, BLOCK_N)
+        )
         # E2M1 * E4M3 is exact in x's dtype, so the cast below loses nothing.
         w_even = (_e2m1_value(w_bytes & 15) * s).to(x.dtype)
         w_odd = (_e2m1_value(w_bytes >> 4) * s).to(x.dtype)
@@ -255,13 +262,26 @@ def _w4a16_kernel(
     )
 
 
-def _gemm_tiles(m: int, fp32: bool = False) -> tuple[int, int, int, int]:
+H100_SMS = 132  # the part the tiles are tuned for; the count where there is no GPU to ask (compile checks)
+
+
+def _sm_count(device: torch.device) -> int:
+    if device.type != "cuda":
+        return H100_SMS
+    return int(torch.cuda.get_device_properties(device).multi_processor_count)
+
+
+def _gemm_tiles(m: int, fp32: bool = False, n: int = 0, sms: int = H100_SMS) -> tuple[int, int, int, int]:
     """(BLOCK_M, BLOCK_N, BLOCK_K, num_warps) by batch size: decode-sized M wants narrow M tiles. fp32
     activations are twice as wide, and the dequantized weight tile is fp32 for them too: half the K tile keeps
     the tiles' bytes, and their registers. At the 16-bit K tile an fp32 program spills: 9 KB of stack per thread
-    at M=32 on sm_90, 760 B at M=2048; none at half (scripts/triton_compile_check.py)."""
+    at M=32 on sm_90, 760 B at M=2048; none at half (scripts/triton_compile_check.py). At decode sizes a
+    projection with fewer 64-column tiles than the GPU has SMs (an 8B's o_proj and down_proj, N = 4096: 64 on
+    132) takes 32-column tiles, so every SM streams weights."""
     if m <= 16:
         bm, bn, bk, warps = 16, 64, 128, 4
+        if 0 < n and triton.cdiv(n, 64) < sms:
+            bn = 32
     elif m <= 64:
         bm, bn, bk, warps = 64, 64, 128, 4
     else:
@@ -293,7 +313,7 @@ def w4a16_matmul(
     out = torch.empty((m, n), dtype=x.dtype, device=x.device)
     if m == 0 or n == 0:
         return out.reshape(*lead, n)
-    bm, bn, bk, warps = _gemm_tiles(m, fp32=x.dtype == torch.float32)
+    bm, bn, bk, warps = _gemm_tiles(m, fp32=x.dtype == torch.float32, n=n, sms=_sm_count(x.device))
     if tiles is not None:
         bm, bn, bk = tiles
     interpreting = bool(triton.knobs.runtime.interpret)
