@@ -213,7 +213,9 @@ class LLMEngine:
                 kw["method"] = cfg.nvfp4_method
                 quant_id += method_id(cfg.nvfp4_method)
         self.fingerprint = model_fingerprint(loaded.config, loaded.weights, quant_id)
-        self.attention_backend = _attention_backend(cfg.attention_backend, device)
+        self.attention_backend = _attention_backend(
+            cfg.attention_backend, device, loaded.config.head_dim, cfg.block_size
+        )
         self.model = Transformer(
             loaded.config,
             loaded.weights,
@@ -1158,12 +1160,22 @@ class ExportJob:
             return bytes_of(host), None
 
 
-def _attention_backend(wanted: str, device: torch.device) -> str:
-    """auto: the Triton paged kernel on CUDA (where Triton imports), torch ops elsewhere. "triton" on a CPU runs
-    Triton's interpreter (TRITON_INTERPRET=1) — for tests, far too slow to serve."""
+def _attention_backend(wanted: str, device: torch.device, head_dim: int, block_size: int) -> str:
+    """auto: the Triton paged kernel on CUDA (where Triton imports and takes the model's head_dim and the cache's
+    block size), torch ops elsewhere. "triton" on a CPU runs Triton's interpreter (TRITON_INTERPRET=1) — for
+    tests, far too slow to serve; asked for with a shape it cannot take, it is a start-up error naming it."""
     if wanted == "torch" or (wanted == "auto" and device.type != "cuda"):
         return "torch"
     import services.engine.triton_attention as triton_attention
+
+    why = triton_attention.unsupported_shape(head_dim, block_size)
+    if why:
+        if wanted == "triton":
+            raise ValueError(f"attention backend 'triton' cannot serve this model: {why}")
+        log.warning(
+            "the Triton attention kernels cannot serve this model (%s): attention runs on torch ops", why
+        )
+        return "torch"
 
     if not triton_attention.available():
         if wanted == "triton":

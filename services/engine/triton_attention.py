@@ -258,6 +258,16 @@ def choose_num_splits(batch: int, num_kv_heads: int, max_context: int) -> int:
     return 1 << (max(splits, 1).bit_length() - 1)  # a power of two, rounded down
 
 
+def unsupported_shape(head_dim: int, block_size: int) -> str:
+    """Why the kernels cannot take a model's head_dim or a cache's block_size ("" when they can): tiles are
+    powers of two, head_dim 16..256, block_size 8..128."""
+    if head_dim & (head_dim - 1) or not 16 <= head_dim <= 256:
+        return f"head_dim {head_dim} must be a power of two in 16..256"
+    if block_size & (block_size - 1) or not 8 <= block_size <= 128:
+        return f"block_size {block_size} must be a power of two in 8..128"
+    return ""
+
+
 def _check_cache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, num_kv_heads: int) -> None:
     if q.dtype not in (torch.float32, torch.bfloat16, torch.float16):
         raise ValueError(f"q dtype {q.dtype} not supported (fp32, bf16, fp16)")
@@ -272,10 +282,11 @@ def _check_cache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
     rows, block_size, head_dim = k_cache.shape
     if rows % num_kv_heads:
         raise ValueError(f"cache rows {rows} are not a multiple of num_kv_heads {num_kv_heads}")
-    if q.shape[-1] != head_dim or head_dim & (head_dim - 1) or not 16 <= head_dim <= 256:
-        raise ValueError(f"head_dim {head_dim} must match q and be a power of two in 16..256")
-    if block_size & (block_size - 1) or not 8 <= block_size <= 128:
-        raise ValueError(f"block_size {block_size} must be a power of two in 8..128")
+    if q.shape[-1] != head_dim:
+        raise ValueError(f"q's head_dim {q.shape[-1]} does not match the cache's {head_dim}")
+    why = unsupported_shape(head_dim, block_size)
+    if why:
+        raise ValueError(why)
     if q.shape[-2] % num_kv_heads:
         raise ValueError(f"num_heads {q.shape[-2]} is not a multiple of num_kv_heads {num_kv_heads}")
     for name, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache)):

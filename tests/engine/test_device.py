@@ -353,3 +353,16 @@ def test_a_llama3_gguf_with_rope_freqs_builds_on_another_device_than_the_cpu():
     assert elsewhere.rope_cos.device.type == "meta" and elsewhere.embed.weight.device.type == "meta"
     scaled, plain = Transformer(loaded.config, weights), Transformer(loaded.config, loaded.weights)
     assert not torch.equal(scaled.rope_cos, plain.rope_cos)  # the factors are applied
+
+
+def test_a_model_the_triton_kernels_cannot_take_runs_on_torch_ops_or_is_refused_when_triton_is_asked_for():
+    """The paged-attention kernels take power-of-two head_dims 16..256 and block sizes 8..128. On a GPU `auto`
+    gave them any model, which then failed at its first decode step; now such a model runs on torch ops (said in
+    the log), and asking for `triton` with it is a start-up error naming the shape."""
+    from services.engine.engine import _attention_backend
+
+    cuda = torch.device("cuda")  # only its type is read: no CUDA call is made
+    assert _attention_backend("auto", cuda, 96, 16) == "torch"
+    assert _attention_backend("auto", cuda, 128, 256) == "torch"
+    with pytest.raises(ValueError, match="block_size 256 must be a power of two in 8..128"):
+        LLMEngine(tiny_llama(), EngineConfig(num_kv_blocks=8, block_size=256, attention_backend="triton"))
