@@ -52,9 +52,11 @@ def available() -> bool:
     return torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1"
 
 
-def _jit(fn):  # type: ignore[no-untyped-def]
+def _jit(fn=None, **options):  # type: ignore[no-untyped-def]
     # Without triton the kernels stay plain (uncallable) functions, so importing this module never fails.
-    return triton.jit(fn) if triton is not None else fn
+    if fn is None:
+        return lambda f: _jit(f, **options)
+    return triton.jit(fn, **options) if triton is not None else fn
 
 
 # ------------------------------------------------------------------------------------------------ kernels
@@ -172,7 +174,9 @@ def _reduce_splits_kernel(
     tl.store(OUT + b.to(tl.int64) * stride_ob + h * stride_oh + offs_d, out.to(OUT.dtype.element_ty))
 
 
-@_jit
+# Triton compiles a kernel apart for an int argument equal to 1 or a multiple of 16: a chunk's length and start
+# vary per call, and each new combination would compile (seconds) while serving. They only bound loops and masks.
+@_jit(do_not_specialize=["num_tokens", "start_pos"])
 def _prefill_kernel(
     Q, K, V, TABLE, OUT,
     stride_qt, stride_qh, stride_kr, stride_kt, stride_vr, stride_vt, stride_ot, stride_oh,

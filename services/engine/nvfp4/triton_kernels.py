@@ -193,7 +193,9 @@ def quantize_triton(x: torch.Tensor, *, block_rows: int = 32, block_blocks: int 
 # ---------------------------------------------------------------------------------------------------------
 
 
-@triton.jit
+@triton.jit(
+    do_not_specialize=["M"]
+)  # the batch varies per step; it only masks rows (no compile per size class)
 def _w4a16_kernel(
     x_ptr,
     packed_ptr,
