@@ -441,9 +441,10 @@ class Attention(nn.Module):
                 # chunked prefill / prefix hit: the chunk's K/V are in the cache already; read the blocks in place
                 import services.engine.triton_attention as triton_attention
 
-                out[seg.start : seg.end] = triton_attention.paged_prefill_attention(
-                    q[seg.start : seg.end].contiguous(), k_cache, v_cache, seg.block_table, seg.start_pos,
-                    self.scale, self.n_kv,
+                # q's rows as they are (the kernel takes strides) and straight into out's: no copy either way
+                triton_attention.paged_prefill_attention(
+                    q[seg.start : seg.end], k_cache, v_cache, seg.block_table, seg.start_pos, self.scale, self.n_kv,
+                    out=out[seg.start : seg.end],
                 )  # fmt: skip
                 continue
             # SDPA takes its fast (and transformers-identical) CPU path only for 4-D inputs: [1, heads, n, hd]
