@@ -257,7 +257,6 @@ class LLMEngine:
         )  # fmt: skip
         self.tier2: HostKvTier | None = None
         if cfg.kv_tier2_bytes:
-            kv = self.kv
             self.tier2 = HostKvTier(
                 cfg.kv_tier2_bytes,
                 cfg.kv_tier2_codec,
@@ -269,7 +268,7 @@ class LLMEngine:
                     loaded.config.head_dim,
                 ),
                 self.dtype,
-                lambda b: kv.read_blocks(torch.tensor([b], device=device))[0],
+                self.kv.read_block,
                 pin_memory=device.type == "cuda",
             )
             log.info(
@@ -294,11 +293,9 @@ class LLMEngine:
                 "KV disk tier at %s: %.3f GiB, codec %s, %d blocks kept from before",
                 cfg.kv_disk_path, cfg.kv_disk_bytes / (1 << 30), cfg.kv_tier2_codec, len(self.disk),
             )  # fmt: skip
-        kv_ = self.kv
         self.blocks = BlockManager(
-            num_blocks, cfg.block_size, cfg.enable_prefix_caching, self.tier2, self.disk,
-            lambda b: kv_.read_blocks(torch.tensor([b], device=device))[0],
-        )  # fmt: skip
+            num_blocks, cfg.block_size, cfg.enable_prefix_caching, self.tier2, self.disk, self.kv.read_block
+        )
         self.scheduler = Scheduler(
             self.blocks, cfg.max_num_seqs, cfg.max_num_batched_tokens, async_restore=cfg.kv_async_restore
         )

@@ -216,8 +216,12 @@ def decode_entries(entries: list[TierEntry], dtype: torch.dtype, device: torch.d
         if isinstance(d, NVFP4Tensor):
             out.append(kv_codec.nvfp4_decode(d.to(device), dtype))
         elif isinstance(d, tuple):
-            scale, q = d
-            out.append(kv_codec.fp8_decode(scale.to(device), q.to(device), dtype))
+            scale, q = d  # from pinned memory on a GPU worker: queued, not waited for
+            out.append(
+                kv_codec.fp8_decode(
+                    scale.to(device, non_blocking=True), q.to(device, non_blocking=True), dtype
+                )
+            )
         else:
             out.append(d.to(device, non_blocking=True))
     return torch.stack(out)

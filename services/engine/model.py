@@ -128,6 +128,11 @@ class PagedKvCache:
         contiguous copies every byte twice: 1.8x the time on one CPU thread)."""
         return self.data.permute(3, 0, 1, 2, 4, 5).index_select(0, block_ids)
 
+    def read_block(self, block_id: int) -> torch.Tensor:
+        """One block's copy, [layers, 2, kv_heads, block_size, head_dim], contiguous: read_blocks for a block id
+        the host holds, with no index tensor to upload (on a GPU, that upload waited for every queued kernel)."""
+        return self.data[:, :, :, block_id].clone(memory_format=torch.contiguous_format)
+
     def write_blocks(self, block_ids: torch.Tensor, blocks: torch.Tensor) -> None:
         self.data.index_copy_(3, block_ids, blocks.permute(1, 2, 3, 0, 4, 5))
 
