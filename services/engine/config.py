@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -35,6 +36,18 @@ def torch_dtype(name: str) -> torch.dtype:
 
 class ModelLoadError(ValueError):
     """A model could not be loaded; the message names the file and what is wrong with it."""
+
+
+_DEVICE_SPEC = re.compile(r"^(auto|cpu|cuda)(?::(\d+))?$")
+
+
+def parse_device_spec(spec: str) -> tuple[str, int | None]:
+    """A device flag as (kind, index): auto | cpu | cuda | cuda:N, any case. Here, not in device.py, so that
+    `rackserve up` reads the flag without importing torch."""
+    m = _DEVICE_SPEC.match(spec.strip().lower())
+    if m is None or (m.group(2) is not None and m.group(1) != "cuda"):
+        raise ValueError(f"device must be auto, cpu, cuda or cuda:N, got {spec!r}")
+    return m.group(1), None if m.group(2) is None else int(m.group(2))
 
 
 @dataclass(frozen=True)
@@ -150,8 +163,6 @@ class EngineConfig:
             raise ValueError(
                 f"attention_backend must be one of {ATTENTION_BACKENDS}, got {self.attention_backend!r}"
             )
-        from services.engine.device import parse_device_spec
-
         parse_device_spec(self.device)  # a malformed spec fails here, before any weight is read
         if self.kv_tier2_codec not in TIER2_CODECS:
             raise ValueError(f"kv_tier2_codec must be one of {TIER2_CODECS}, got {self.kv_tier2_codec!r}")

@@ -8,27 +8,20 @@ names the device and what torch sees — a GPU pod must never fall back to CPU i
 from __future__ import annotations
 
 import logging
-import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 
+from services.engine.config import parse_device_spec
+
 log = logging.getLogger("rackserve.engine")
 
-_SPEC = re.compile(r"^(auto|cpu|cuda)(?::(\d+))?$")
 GIB = float(1 << 30)
 
 
 class DeviceUnavailableError(RuntimeError):
     """The configured device does not exist on this machine (or this torch build cannot use it)."""
-
-
-def parse_device_spec(spec: str) -> tuple[str, int | None]:
-    m = _SPEC.match(spec.strip().lower())
-    if m is None or (m.group(2) is not None and m.group(1) != "cuda"):
-        raise ValueError(f"device must be auto, cpu, cuda or cuda:N, got {spec!r}")
-    return m.group(1), None if m.group(2) is None else int(m.group(2))
 
 
 def resolve_device(spec: str) -> torch.device:
@@ -68,9 +61,8 @@ class MemoryPlan:
     other_bytes: int  # in use on the device when this engine began: other processes, this process's context
     kv_budget_bytes: int
     kv_blocks: int
-    reserved_bytes: int = (
-        0  # kept out of the KV cache for KV copies in transit (EngineConfig.kv_transit_bytes)
-    )
+    # kept out of the KV cache for KV copies in transit (EngineConfig.kv_transit_bytes)
+    reserved_bytes: int = 0
 
     def describe(self) -> str:
         return (

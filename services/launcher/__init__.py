@@ -23,7 +23,7 @@ from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from services.engine.config import SUPPORTED_DTYPES, TIER2_CODECS, EngineConfig
+from services.engine.config import SUPPORTED_DTYPES, TIER2_CODECS, EngineConfig, parse_device_spec
 from services.router.policy import DEFAULT_MODE, MODES
 from services.runtime.ports import free_port
 
@@ -217,14 +217,18 @@ def gpu_placement(
     a: argparse.Namespace, gpu_count: Callable[[], int] = _cuda_device_count
 ) -> GpuPlacement | None:
     """Where `up`'s workers go: None for CPU workers (--device cpu, or auto where no GPU is visible)."""
-    if a.device == "cpu":
+    try:
+        kind, index = parse_device_spec(a.device)
+    except ValueError as e:
+        raise SystemExit(f"rackserve up: --device: {e}") from e
+    if kind == "cpu":
         return None
-    if a.device.startswith("cuda:"):
-        gpus: tuple[int, ...] = (int(a.device.partition(":")[2]),)
+    if index is not None:
+        gpus: tuple[int, ...] = (index,)
     else:
         n = gpu_count()
         if n == 0:
-            if a.device == "auto":
+            if kind == "auto":
                 return None
             raise SystemExit(f"rackserve up: --device {a.device} but no GPU is visible here")
         gpus = tuple(range(n))

@@ -295,6 +295,8 @@ def test_rackserve_up_without_a_gpu_runs_cpu_workers_and_refuses_cuda_naming_it(
         up.close()
     with pytest.raises(SystemExit, match="--device cuda but no GPU is visible"):
         UpWorkers(["--device", "cuda"], gpus=0)
+    with pytest.raises(SystemExit, match="device must be auto, cpu, cuda or cuda:N"):
+        UpWorkers(["--device", "gpu0"], gpus=4)  # refused by `up` itself, before any worker starts
 
 
 def test_kv_copies_in_transit_come_out_of_the_cache_plan(monkeypatch):
