@@ -14,9 +14,7 @@ import concurrent.futures
 import json
 import logging
 import socket
-import threading
 import time
-import weakref
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any, TypeVar
@@ -70,8 +68,7 @@ class KvSink:
             str, list[tuple[socket.socket, float]]
         ] = {}  # producer endpoint -> (conn, idle since)
         self._device = DeviceBudget(config.device_pull_bytes)  # device-direct pulls not yet dropped
-        self._resident = {"host": 0, "device": 0}  # bytes of pulled payloads their consumers still hold
-        self._resident_lock = threading.Lock()
+        self._host = DeviceBudget(None)  # host payloads their consumers still hold: the same ledger, no cap
 
     @classmethod
     async def start(cls, config: TransferConfig | None = None) -> KvSink:
@@ -93,8 +90,8 @@ class KvSink:
     def resident_bytes(self, memory: str) -> int:
         """Bytes of payloads this sink pulled that are still alive ("host" or "device" memory): a decode worker's
         KV waiting for blocks or being written, outside its KV cache; back to 0 once the engine has written them
-        and let them go."""
-        return self._resident[memory]
+        and let them go. Device payloads are what the pull budget holds."""
+        return (self._device if memory == "device" else self._host).held
 
     def device_bytes_held(self) -> int:
         """Device memory counted against config.device_pull_bytes now."""
@@ -124,16 +121,13 @@ class KvSink:
         return local
 
     def _resident_while_alive(self, pulled: Pulled) -> Pulled:
-        """Count the payload as resident until its last holder drops it (the host view or the device tensor)."""
-        memory, nbytes = ("device" if pulled.device_direct else "host"), int(pulled.data.nbytes)
-        with self._resident_lock:
-            self._resident[memory] += nbytes
-        weakref.finalize(pulled.data, self._drop_resident, memory, nbytes)
+        """Count a host payload as resident until its last holder drops it (a device-direct one is counted by
+        the pull budget, from its allocation)."""
+        if not pulled.device_direct:
+            room = self._host.reserve(int(pulled.data.nbytes))
+            assert room is not None  # the ledger has no cap
+            room.give_with(pulled.data)
         return pulled
-
-    def _drop_resident(self, memory: str, nbytes: int) -> None:  # on whichever thread dropped it last
-        with self._resident_lock:
-            self._resident[memory] -= nbytes
 
     @property
     def supported(self) -> list[str]:
