@@ -312,9 +312,8 @@ def make_fused_linear(
     --quant nvfp4, one tensor scale); pre-quantized NVFP4 parts keep their bytes — fused when their tensor
     scales agree, side by side when they don't."""
     dense = [w for w in parts if isinstance(w, torch.Tensor)]
-    if len(dense) == len(
-        parts
-    ):  # one part as it is: a weight already on the device in its dtype is not copied
+    if len(dense) == len(parts):
+        # one part as it is: a weight already on the device in its dtype is not copied
         return make_linear(dense[0] if len(dense) == 1 else torch.cat(dense), bias, dtype, quant, **kw)
     if dense:
         raise ValueError("a fused projection mixes pre-quantized NVFP4 and dense parts")
@@ -477,9 +476,8 @@ class Attention(nn.Module):
 class FeedForward(nn.Module):
     def __init__(self, w: Weights, prefix: str, ffn: int, dtype: torch.dtype, quant: str, **kw):
         super().__init__()
-        self.ffn = (
-            ffn  # not read off gate_proj: through _OnDevice that would copy it to the device to learn a shape
-        )
+        # not read off gate_proj: through _OnDevice that would copy it to the device to learn a shape
+        self.ffn = ffn
         gate_up = [w[f"{prefix}.gate_proj"], w[f"{prefix}.up_proj"]]
         self.w_gate_up = make_fused_linear(gate_up, None, dtype, quant, **kw)
         self.w_down = make_fused_linear([w[f"{prefix}.down_proj"]], None, dtype, quant, **kw)

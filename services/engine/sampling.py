@@ -252,7 +252,7 @@ def sample_batch(
     if drawn:
         at = host_to_device(drawn, torch.long, x.device)
         picked = _sample_rows(x[at], [params[r] for r in drawn], [indices[r] for r in drawn])
-        tokens[at.to(tokens.device)] = picked.to(tokens.device)
+        tokens[at] = picked.to(tokens.device)
     forced = [
         (r, p.forced_token_ids[indices[r]])
         for r, p in enumerate(params)

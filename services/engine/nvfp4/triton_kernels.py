@@ -18,6 +18,8 @@ before this module is imported.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
@@ -193,9 +195,8 @@ def quantize_triton(x: torch.Tensor, *, block_rows: int = 32, block_blocks: int 
 # ---------------------------------------------------------------------------------------------------------
 
 
-@triton.jit(
-    do_not_specialize=["M"]
-)  # the batch varies per step; it only masks rows (no compile per size class)
+# the batch varies per step and only masks rows: M is not specialised on, so no compile per size class
+@triton.jit(do_not_specialize=["M"])
 def _w4a16_kernel(
     x_ptr,
     packed_ptr,
@@ -267,6 +268,7 @@ def _w4a16_kernel(
 H100_SMS = 132  # the part the tiles are tuned for; the count where there is no GPU to ask (compile checks)
 
 
+@functools.cache  # asked on every GEMM call, the answer never changes
 def _sm_count(device: torch.device) -> int:
     if device.type != "cuda":
         return H100_SMS
