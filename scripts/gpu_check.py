@@ -12,7 +12,8 @@ seeded random weights in the Llama layout (the SmolLM2-135M shape and the Llama-
    the fp32 reference, teacher-forced over the same sequences.
 3. Throughput side by side: decode tok/s at batch 1/16/64 and prefill tok/s of one 2,048-token prompt, bf16 and
    NVFP4, against transformers `generate` with a static cache on the same GPU and against the bound (bytes of
-   weights read per step / device-to-device copy bandwidth measured in this run).
+   weights read per step / device-to-device copy bandwidth measured in this run). Then bf16 prefill of a step of
+   64 fresh 32-token prompts, its attention in one varlen launch per layer vs one SDPA call per prompt, A/B/A/B.
 4. Two worker processes on the one GPU, prefill -> KV -> decode: tokens equal the aggregated run; transfer GB/s
    against an in-run device memcpy, over CUDA IPC handles (services/kvtransfer/cuda_ipc.py) and over the staged
    host path (export to host bytes, shared memory, import).
@@ -858,6 +859,33 @@ def engine_prefill_tps(engine, length: int, vocab: int, seed: int) -> float:
     return length / dt
 
 
+def varlen_prefill_ab(engine, prompts: int, length: int, vocab: int, rounds: int = 2) -> dict[str, float]:
+    """Prefill tok/s of a step of `prompts` fresh `length`-token prompts with their attention in one varlen launch
+    per layer (the engine's way) and with one SDPA call per prompt per layer (how it ran before), A/B/A/B on the
+    same engine; every round's prompts are new (no prefix hits). The first pair warms both up."""
+    import services.engine.engine as engine_module
+    from services.engine.sampling import SamplingParams
+
+    dev = engine_device(engine)
+    g = torch.Generator().manual_seed(prompts * length)
+    params = SamplingParams(max_tokens=1, temperature=0, ignore_eos=True)
+    default = engine_module.SDPA_FRESH_MIN_TOKENS
+    best = {"varlen": 0.0, "per_prompt": 0.0}
+    try:
+        for _ in range(rounds + 1):
+            for mode, threshold in (("varlen", default), ("per_prompt", 1)):
+                engine_module.SDPA_FRESH_MIN_TOKENS = threshold
+                batch = [torch.randint(0, vocab, (length,), generator=g).tolist() for _ in range(prompts)]
+                sync(dev)
+                t0 = time.perf_counter()
+                engine.generate(batch, params)
+                sync(dev)
+                best[mode] = max(best[mode], prompts * length / (time.perf_counter() - t0))
+    finally:
+        engine_module.SDPA_FRESH_MIN_TOKENS = default
+    return best
+
+
 @torch.no_grad()
 def hf_decode_tps(
     model, batch: int, prompt_len: int, steps: int, vocab: int, device: torch.device
@@ -1002,6 +1030,23 @@ def throughput(res: StepResult, plan: Plan, budget: Budget, models: Models) -> N
                 f"{fmt_name} {phase} {'batch' if phase == 'decode' else 'tokens'} {n}: engine {ours:.1f} tok/s, "
                 f"transformers bf16 {fmt(hf_cache[key], '.1f')} tok/s, bound {fmt(bound, '.0f')} tok/s"
             )
+        if (
+            quant == "none"
+            and engine.attention_backend == "triton"
+            and budget.allows(0 if plan.smoke else 20)
+        ):
+            try:
+                n_prompts, length = (8, 8) if plan.smoke else (64, 32)
+                ab = varlen_prefill_ab(engine, n_prompts, length, cfg.vocab_size)
+                res.data["varlen_prefill"] = dict(prompts=n_prompts, tokens=length, **ab)
+                res.say(
+                    f"bf16 prefill of {n_prompts} prompts of {length} tokens in one step: varlen launch "
+                    f"{ab['varlen']:.0f} tok/s, one SDPA call per prompt {ab['per_prompt']:.0f} tok/s "
+                    f"({ab['varlen'] / ab['per_prompt']:.2f}x)"
+                )
+            except Exception as exc:  # noqa: BLE001
+                traceback.print_exc()
+                res.fail(f"engine bf16 varlen prefill: {type(exc).__name__}: {exc}")
         models.engines.pop((shape, torch.bfloat16, "bfloat16", quant), None)
         del engine
         free_device_memory(dev)

@@ -15,7 +15,8 @@ Fails (exit 1) when a kernel does not compile or needs more shared memory than t
 Spills (a stack) are reported, not failed: they cost speed, not correctness. The cases are the shapes `make gpu-check`
 builds (docs/gpu.md): SmolLM2-135M (9 heads, 3 KV heads, head_dim 64) and Llama-3.1-8B (32 / 8, head_dim 128),
 16-token blocks, bf16 and fp32 (the correctness step's dtype), decode batches 1 / 16 / 64 at short and long
-contexts (single pass and split-K), prefill chunks of 8 and 2,048 tokens, and on Hopper the NVFP4 W4A16 GEMM at
+contexts (single pass and split-K), prefill chunks of 8 and 2,048 tokens and a step of 64 32-token prompts in one
+varlen launch, and on Hopper the NVFP4 W4A16 GEMM at
 decode and prefill batch sizes over the 8B's projections; NVFP4 activation quantization on both (Blackwell's FP4
 GEMM is torch's `_scaled_mm`, not Triton).
 """
@@ -169,6 +170,7 @@ def compile_only(arch: int, case: Callable[[], str]) -> Iterator[list[Compiled]]
 
 def _attention_cases(dtypes: tuple[torch.dtype, ...]) -> Iterator[tuple[str, Callable[[], object]]]:
     from services.engine import triton_attention as ta
+    from services.engine.varlen import PrefillChunk, plan_prefill
 
     for model, (heads, kv_heads, head_dim) in MODELS.items():
         for dtype in dtypes:
@@ -196,6 +198,19 @@ def _attention_cases(dtypes: tuple[torch.dtype, ...]) -> Iterator[tuple[str, Cal
                     return ta.paged_prefill_attention(q, k, v, table, 64, 0.125, kv_heads)
 
                 yield f"{model} {dt} prefill {n} tokens after 64 cached", prefill
+            # a step of 64 short prompts: one varlen launch over all their chunks
+            plan = plan_prefill(
+                [PrefillChunk(32 * i, 32, 0, [2 * i, 2 * i + 1]) for i in range(64)],
+                dtype,
+                BLOCK,
+                torch.device("cpu"),
+            )
+            q = torch.zeros(64 * 32, heads, head_dim, dtype=dtype)
+
+            def varlen(q=q, k=k, v=v, plan=plan, kv_heads=kv_heads) -> object:
+                return ta.paged_prefill_varlen(q, k, v, plan, 0.125, kv_heads, torch.empty_like(q))
+
+            yield f"{model} {dt} prefill 64 prompts of 32 tokens in one launch", varlen
 
 
 def _nvfp4_cases(arch: int, dtypes: tuple[torch.dtype, ...]) -> Iterator[tuple[str, Callable[[], object]]]:

@@ -38,6 +38,7 @@ from services.engine.model import AttnMetadata, PagedKvCache, PrefillSegment, Tr
 from services.engine.sampling import RowContext, Sampled, SamplingParams, sample_batch, worst_case_batch
 from services.engine.scheduler import Request, RequestStatus, RestoreGroup, Scheduler, SchedulerOutput
 from services.engine.structured import GrammarError, Grammars, Matcher
+from services.engine.varlen import SDPA_FRESH_MIN_TOKENS, PrefillChunk, plan_prefill
 
 if TYPE_CHECKING:
     from services.engine.cuda_graphs import DecodeGraphs
@@ -550,6 +551,8 @@ class LLMEngine:
         prefills: list[PrefillSegment] = []
         sample_rows: list[int] = []
         sample_reqs: list[Request] = []
+        triton = self.attention_backend == "triton"
+        varlen: list[PrefillChunk] = []  # triton: chunks attended in one launch per layer
         for chunk in decision.chunks:
             req = self.requests[chunk.request_id]
             row = len(tokens)
@@ -562,28 +565,28 @@ class LLMEngine:
                 decode_rows.append(row)
                 decode_tables.append(table)
                 decode_lens.append(b)
-            elif a == 0:
+            elif a == 0 and (not triton or chunk.num_tokens >= SDPA_FRESH_MIN_TOKENS):
                 prefills.append(PrefillSegment(row, row + chunk.num_tokens))
+            elif triton:  # the varlen kernel reads the blocks in place (its K/V are written first)
+                varlen.append(PrefillChunk(row, chunk.num_tokens, a, table))
             else:
                 ids = self._h2d(table)
                 qpos = torch.arange(a, b, device=self.device)
-                if self.attention_backend == "triton":  # the kernel reads blocks in place: no gather index
-                    seg = PrefillSegment(row, row + chunk.num_tokens, None, qpos, ids.to(torch.int32), a)
-                else:
-                    seg = PrefillSegment(row, row + chunk.num_tokens, self.kv.gather_index(ids), qpos)
-                prefills.append(seg)
+                prefills.append(PrefillSegment(row, row + chunk.num_tokens, self.kv.gather_index(ids), qpos))
             if chunk.samples:
                 sample_rows.append(row + chunk.num_tokens - 1)
                 sample_reqs.append(req)
         nb = max((len(t) for t in decode_tables), default=0)
         padded_tables = [t + [t[0]] * (nb - len(t)) for t in decode_tables]  # padding: any valid block id
         logits: torch.Tensor | None = None
-        if self.graphs is not None and not prefills and self.graphs.fits(len(tokens), nb):
+        if self.graphs is not None and not prefills and not varlen and self.graphs.fits(len(tokens), nb):
             logits = self.graphs.run(tokens, positions, slots, padded_tables, decode_lens)
             if len(sample_rows) != len(tokens):  # a prompt's one-token chunk before its end: a row, no sample
                 logits = logits[self._h2d(sample_rows)] if sample_rows else None
         else:
             meta = AttnMetadata(slot_mapping=self._h2d(slots), prefills=prefills)
+            if varlen:
+                meta.varlen = plan_prefill(varlen, self.dtype, bs, self.device)
             if decode_rows:
                 meta.decode_rows = self._h2d(decode_rows)
                 meta.decode_tables = self._h2d([x for t in padded_tables for x in t], torch.int32).view(

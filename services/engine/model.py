@@ -27,6 +27,7 @@ from services.engine.config import ModelConfig
 
 if TYPE_CHECKING:
     from services.engine.nvfp4 import NVFP4Tensor
+    from services.engine.varlen import VarlenPrefill
 
 # the loaded weights by canonical name (loader.Weights), or the same seen through _OnDevice
 Weights = Mapping[str, "torch.Tensor | NVFP4Tensor"]
@@ -152,17 +153,14 @@ class PrefillSegment:
 
     ctx_rows is None when the sequence has no earlier context: attention then runs on the fresh K/V directly.
     Otherwise it is the gather index (PagedKvCache.gather_index) of the sequence's blocks, new tokens included,
-    and positions are the queries' positions. On the Triton backend a segment with context carries its block_table
-    and start_pos instead of ctx_rows (the kernel reads the blocks in place).
+    and positions are the queries' positions. (On the Triton backend most chunks go in AttnMetadata.varlen
+    instead: one launch reads every sequence's blocks in place.)
     """
 
     start: int
     end: int
     ctx_rows: torch.Tensor | None = None
     positions: torch.Tensor | None = None
-    # for the Triton backend: the sequence's block table (int32) and the position of the chunk's first token
-    block_table: torch.Tensor | None = None
-    start_pos: int = 0
 
 
 @dataclass
@@ -171,7 +169,8 @@ class AttnMetadata:
     decode_rows: torch.Tensor | None = None  # [B] rows of the step that are single-token decodes
     decode_tables: torch.Tensor | None = None  # int32 [B, nb] their block tables, padded with block 0
     decode_lens: torch.Tensor | None = None  # int32 [B] their context lengths, the new token included
-    prefills: list[PrefillSegment] = field(default_factory=list)
+    prefills: list[PrefillSegment] = field(default_factory=list)  # run one by one (SDPA)
+    varlen: VarlenPrefill | None = None  # Triton backend: prefill chunks run in one launch per layer
     _gather: tuple[torch.Tensor, torch.Tensor] | None = field(default=None, init=False, repr=False)
 
     def decode_gather(self, k_cache: torch.Tensor, num_kv_heads: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -438,19 +437,17 @@ class Attention(nn.Module):
         v_cache: torch.Tensor,
         out: torch.Tensor,
     ) -> None:
-        """SDPA for each prefill segment of the step, into its rows of out ([T, heads, head_dim])."""
+        """The step's prefill chunks, into their rows of out ([T, heads, head_dim]): on the Triton backend those in
+        meta.varlen in one launch that reads every sequence's blocks in place, then SDPA for each segment of
+        meta.prefills."""
+        if meta.varlen is not None:
+            import services.engine.triton_attention as triton_attention
+
+            triton_attention.paged_prefill_varlen(
+                q, k_cache, v_cache, meta.varlen, self.scale, self.n_kv, out
+            )
         bs = k_cache.shape[1]
         for seg in meta.prefills:
-            if self.triton_decode and seg.block_table is not None:
-                # chunked prefill / prefix hit: the chunk's K/V are in the cache already; read the blocks in place
-                import services.engine.triton_attention as triton_attention
-
-                # q's rows as they are (the kernel takes strides) and straight into out's: no copy either way
-                triton_attention.paged_prefill_attention(
-                    q[seg.start : seg.end], k_cache, v_cache, seg.block_table, seg.start_pos, self.scale, self.n_kv,
-                    out=out[seg.start : seg.end],
-                )  # fmt: skip
-                continue
             # SDPA takes its fast (and transformers-identical) CPU path only for 4-D inputs: [1, heads, n, hd]
             qs = q[seg.start : seg.end].transpose(0, 1)[None]
             if seg.ctx_rows is None:

@@ -26,6 +26,9 @@ import os
 
 import torch
 
+from services.engine.device import host_to_device
+from services.engine.varlen import VarlenPrefill, prefill_block_m
+
 try:
     import triton
     import triton.language as tl
@@ -174,25 +177,34 @@ def _reduce_splits_kernel(
     tl.store(OUT + b.to(tl.int64) * stride_ob + h * stride_oh + offs_d, out.to(OUT.dtype.element_ty))
 
 
-# Triton compiles a kernel apart for an int argument equal to 1 or a multiple of 16: a chunk's length and start
-# vary per call, and each new combination would compile (seconds) while serving. They only bound loops and masks.
-@_jit(do_not_specialize=["num_tokens", "start_pos"])
+# Triton compiles a kernel apart for an int argument equal to 1 or a multiple of 16: a step's tile and sequence
+# counts and its tables' width vary per call, and each new combination would compile (seconds) while serving.
+@_jit(do_not_specialize=["stride_table", "num_tiles", "num_seqs"])
 def _prefill_kernel(
-    Q, K, V, TABLE, OUT,
-    stride_qt, stride_qh, stride_kr, stride_kt, stride_vr, stride_vt, stride_ot, stride_oh,
-    num_tokens, start_pos, num_blocks, qk_scale,
+    Q, K, V, TABLES, TILES, SEQS, OUT,
+    stride_qt, stride_qh, stride_kr, stride_kt, stride_vr, stride_vt, stride_ot, stride_oh, stride_table,
+    num_tiles, num_seqs, num_blocks, qk_scale,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_M: tl.constexpr,
     TILE: tl.constexpr, FP32: tl.constexpr, UPCAST: tl.constexpr,
 ):  # fmt: skip
-    """BLOCK_M queries of one head, causal over the cached prefix and the chunk (already in the cache)."""
-    mblk = tl.program_id(0)
+    """BLOCK_M queries of one head of one of the step's chunks (the tile map says which chunk and which of its
+    row tiles), causal over that sequence's cached prefix and the chunk itself (already in the cache)."""
+    tile = tl.program_id(0)
     h = tl.program_id(1)
+    seg = tl.load(TILES + tile)
+    mblk = tl.load(TILES + num_tiles + tile)
+    q_row = tl.load(SEQS + seg).to(tl.int64)  # the chunk's first row in the step's q and out
+    num_tokens = tl.load(SEQS + num_seqs + seg)
+    start_pos = tl.load(SEQS + 2 * num_seqs + seg)
+    table = TABLES + seg.to(tl.int64) * stride_table
     kvh = h // GROUP
     offs_m = mblk * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, HEAD_DIM)
     offs_t = tl.arange(0, TILE)
     q_valid = offs_m < num_tokens
     q_pos = start_pos + offs_m
+    Q += q_row * stride_qt
+    OUT += q_row * stride_ot
     q = tl.load(
         Q + offs_m[:, None].to(tl.int64) * stride_qt + h * stride_qh + offs_d[None, :],
         mask=q_valid[:, None],
@@ -207,7 +219,7 @@ def _prefill_kernel(
     for t0 in range(0, end, TILE):
         pos = t0 + offs_t
         valid = pos < end
-        block = tl.load(TABLE + pos // BLOCK_SIZE, mask=valid, other=0)
+        block = tl.load(table + pos // BLOCK_SIZE, mask=valid, other=0)
         row = head_row + block.to(tl.int64)
         tok = pos % BLOCK_SIZE
         k = tl.load(
@@ -373,6 +385,44 @@ def paged_decode_attention(
     return out
 
 
+def paged_prefill_varlen(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    plan: VarlenPrefill,
+    scale: float,
+    num_kv_heads: int,
+    out: torch.Tensor,
+) -> torch.Tensor:
+    """Every prefill chunk of a step in one launch: each chunk's queries (its rows of q, [T, num_heads,
+    head_dim]), whose K/V are already in the cache, attend causally over their sequence's blocks — the cached
+    prefix and the chunk itself. Writes the chunks' rows of `out` ([T, num_heads, head_dim]) and no other row;
+    q and out may be strided views (head_dim contiguous)."""
+    if triton is None:
+        raise RuntimeError("triton is not installed")
+    _check_cache(q, k_cache, v_cache, num_kv_heads)
+    T, num_heads, head_dim = q.shape
+    block_size = k_cache.shape[1]
+    if plan.block_size != block_size:
+        raise ValueError(
+            f"the plan was made for blocks of {plan.block_size} tokens, the cache has {block_size}"
+        )
+    if T < plan.rows_needed or out.shape[0] < plan.rows_needed:
+        raise ValueError(f"the plan reads rows up to {plan.rows_needed}, q has {T} and out {out.shape[0]}")
+    if out.shape[1:] != q.shape[1:] or out.dtype != q.dtype or out.stride(-1) != 1:
+        raise ValueError(f"out must be [T, {num_heads}, {head_dim}] {q.dtype}, contiguous in head_dim")
+    _prefill_kernel[(plan.num_tiles, num_heads)](
+        q, k_cache, v_cache, plan.tables, plan.tiles, plan.seqs, out,
+        q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
+        out.stride(0), out.stride(1), plan.tables.stride(0), plan.num_tiles, plan.seqs.shape[1],
+        k_cache.shape[0] // num_kv_heads, scale * LOG2E,
+        GROUP=num_heads // num_kv_heads, HEAD_DIM=head_dim, BLOCK_SIZE=block_size, BLOCK_M=plan.block_m,
+        TILE=_tile(head_dim, q.dtype), FP32=q.dtype == torch.float32, UPCAST=_upcast(q.dtype),
+        enable_fp_fusion=FP_FUSION,
+    )  # fmt: skip
+    return out
+
+
 def paged_prefill_attention(
     q: torch.Tensor,
     k_cache: torch.Tensor,
@@ -383,7 +433,8 @@ def paged_prefill_attention(
     num_kv_heads: int,
     out: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """One sequence's chunk of n new tokens, whose K/V are already in the cache, attending causally.
+    """One sequence's chunk of n new tokens, whose K/V are already in the cache, attending causally: the varlen
+    launch for a single chunk, its metadata made on the device from the table (nothing is read back).
 
     q: [n, num_heads, head_dim]; the queries sit at positions start_pos .. start_pos + n - 1 and see keys
     0 .. their own position, read from the blocks of block_table (int32 [>= ceil((start_pos + n) / block_size)]):
@@ -392,7 +443,7 @@ def paged_prefill_attention(
     if triton is None:
         raise RuntimeError("triton is not installed")
     _check_cache(q, k_cache, v_cache, num_kv_heads)
-    n, num_heads, head_dim = q.shape
+    n = q.shape[0]
     block_size = k_cache.shape[1]
     if block_table.dtype != torch.int32 or block_table.dim() != 1:
         raise ValueError("block_table must be a 1-D int32 tensor")
@@ -400,22 +451,22 @@ def paged_prefill_attention(
         raise ValueError(
             f"block_table covers {block_table.shape[0] * block_size} tokens, the chunk ends at {start_pos + n}"
         )
-    block_table = block_table.contiguous()
     if out is None:
         out = torch.empty_like(q, memory_format=torch.contiguous_format)
     elif out.shape != q.shape or out.dtype != q.dtype or out.stride(-1) != 1:
         raise ValueError(f"out must be {tuple(q.shape)} {q.dtype}, contiguous in head_dim")
     if n == 0:
         return out
-    # 64 query rows per program, fewer for short chunks and for fp32: at 64 fp32 rows a program spills its
-    # registers (7 KB of stack per thread at head_dim 128 on sm_90; none at 32: scripts/triton_compile_check.py)
-    block_m = 16 if n <= 16 else 32 if q.dtype == torch.float32 else 64
-    _prefill_kernel[(triton.cdiv(n, block_m), num_heads)](
-        q, k_cache, v_cache, block_table, out,
-        q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
-        out.stride(0), out.stride(1), n, start_pos, k_cache.shape[0] // num_kv_heads, scale * LOG2E,
-        GROUP=num_heads // num_kv_heads, HEAD_DIM=head_dim, BLOCK_SIZE=block_size, BLOCK_M=block_m,
-        TILE=_tile(head_dim, q.dtype), FP32=q.dtype == torch.float32, UPCAST=_upcast(q.dtype),
-        enable_fp_fusion=FP_FUSION,
-    )  # fmt: skip
-    return out
+    block_m = prefill_block_m(n, q.dtype)
+    nt = -(-n // block_m)
+    tiles = torch.zeros(2, nt, dtype=torch.int32, device=q.device)
+    tiles[1] = torch.arange(nt, dtype=torch.int32, device=q.device)
+    plan = VarlenPrefill(
+        tiles=tiles,
+        seqs=host_to_device([0, n, start_pos], torch.int32, q.device).view(3, 1),
+        tables=block_table.contiguous()[None],
+        block_m=block_m,
+        rows_needed=n,
+        block_size=block_size,
+    )
+    return paged_prefill_varlen(q, k_cache, v_cache, plan, scale, num_kv_heads, out)

@@ -118,6 +118,33 @@ def _child() -> None:
             replays = eng.graphs.replayed.count(16) if eng.graphs else 0  # type: ignore[attr-defined]
         result[backend]["crowd"] = [tokens[f"c{i}"] for i in range(15)] + [tokens["long"]]
         result[backend]["crowd_replayed"] = replays
+    # a step of six short prompts at once: on the Triton backend their attention is one launch per layer
+    import services.engine.triton_attention as triton_attention
+
+    launches: list[int] = []  # chunks per varlen launch
+    varlen = triton_attention.paged_prefill_varlen
+
+    def counted(*args, **kwargs):  # type: ignore[no-untyped-def]
+        launches.append(kwargs["plan"].seqs.shape[1] if "plan" in kwargs else args[3].seqs.shape[1])
+        return varlen(*args, **kwargs)
+
+    triton_attention.paged_prefill_varlen = counted  # type: ignore[assignment]
+    many = [list(range(20 + 7 * i, 23 + 9 * i)) for i in range(6)]  # 3 .. 13 tokens
+    for backend in ("torch", "triton"):
+        cfg = EngineConfig(dtype="float32", num_kv_blocks=48, block_size=16, max_num_batched_tokens=256,
+                           attention_backend=backend)  # fmt: skip
+        eng = LLMEngine(model, cfg)
+        eng.blocks.allocate(3)
+        for i, p in enumerate(many):
+            eng.add_request(f"m{i}", p, SamplingParams(max_tokens=6, temperature=0))
+        launches.clear()
+        first = eng.step()
+        result[backend]["many_first_step"] = {"launches": list(launches), "sampled": len(first)}
+        toks: dict[str, list[int]] = {o.request_id: list(o.new_token_ids) for o in first}
+        while eng.has_unfinished():
+            for o in eng.step():
+                toks.setdefault(o.request_id, []).extend(o.new_token_ids)
+        result[backend]["many"] = [toks[f"m{i}"] for i in range(6)]
     print(json.dumps(result))
 
 
@@ -138,6 +165,16 @@ def test_triton_decode_attention_in_the_engine_gives_the_torch_paths_tokens(res)
     assert res["triton"]["imported"] == res["torch"]["imported"]
     assert all(len(t) == 12 for t in res["triton"]["generate"])
     assert res["triton"]["hits"] > 0  # the shared prefix was served from the cache, not recomputed
+
+
+def test_a_step_of_six_prompts_attends_in_one_launch_per_layer_with_the_torch_paths_tokens(res):
+    """Six short prompts admitted together prefill in one step; on the Triton backend each of the model's two
+    layers attends over all six chunks in one launch (not one per prompt per layer), and every prompt's tokens
+    are the torch path's."""
+    assert res["triton"]["many_first_step"] == {"launches": [6, 6], "sampled": 6}
+    assert res["torch"]["many_first_step"]["launches"] == []
+    assert res["triton"]["many"] == res["torch"]["many"]
+    assert all(len(t) == 6 for t in res["triton"]["many"])
 
 
 def test_a_graph_step_carrying_a_prompts_one_token_chunk_samples_only_the_rows_that_end_a_chunk(res):

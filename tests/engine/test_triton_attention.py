@@ -27,6 +27,7 @@ triton = pytest.importorskip("triton")
 from services.engine import triton_attention as ta  # noqa: E402
 from services.engine.config import ModelConfig  # noqa: E402
 from services.engine.model import AttnMetadata, PagedKvCache, layer_rows  # noqa: E402
+from services.engine.varlen import PrefillChunk, plan_prefill  # noqa: E402
 from tests.support.markers import starts_processes  # noqa: E402
 from tests.support.paths import REPO  # noqa: E402
 
@@ -172,6 +173,33 @@ def prefill_cases() -> dict[str, dict]:
     }
 
 
+VARLEN_CHUNKS = [
+    (0, 37),
+    (50, 20),
+    (0, 1),
+    (17, 70),
+]  # (start_pos, tokens): fresh, after a prefix, 1, 2 tiles
+
+
+def varlen_case(seed: int, dtype: torch.dtype) -> dict:
+    """One layer of a step holding four prefill chunks of four sequences (SmolLM2's heads) between decode rows:
+    rows 0-2 and the last 3 belong to no chunk. q is a strided view (q beside k in one projection, as the model
+    has it), each sequence has its own scattered blocks, the chunks' own K/V already in them."""
+    heads, kv_heads, hd, bs = 9, 3, 64, 16
+    totals = [a + n for a, n in VARLEN_CHUNKS]
+    nbs = [math.ceil(t / bs) for t in totals]
+    num_blocks = sum(nbs) + 5
+    k, v = make_cache(seed, kv_heads, num_blocks, bs, hd, dtype)
+    tables = scattered_tables(seed + 1, totals, bs, num_blocks, max(nbs))
+    T = 3 + sum(n for _, n in VARLEN_CHUNKS) + 3
+    qk = torch.randn(T, heads + kv_heads, hd, generator=gen(seed + 2)).to(dtype)
+    chunks, row = [], 3
+    for i, (a, n) in enumerate(VARLEN_CHUNKS):
+        chunks.append((row, n, a, tables[i, : nbs[i]].tolist()))
+        row += n
+    return dict(q=qk[:, :heads], k_cache=k, v_cache=v, chunks=chunks, scale=1 / 8, num_kv_heads=kv_heads)
+
+
 def engine_step() -> dict:
     """Layer 1 of the engine's own PagedKvCache (SmolLM2's attention shape, bf16) with the inputs a step hands the
     kernels: decode tables padded with block 0 as engine.py pads them (block 0 is another sequence's here), and a
@@ -266,6 +294,14 @@ def run_interpreted(inputs_path: Path, outputs_path: Path) -> None:
     out["into_out"] = (wide, returned.data_ptr() == wide.data_ptr())
     for name, case in inputs["prefill"].items():
         out["prefill"][name] = triton_attention.paged_prefill_attention(**case)  # type: ignore[index]
+    out["varlen"] = {}
+    for name, case in inputs["varlen"].items():
+        case = dict(case)
+        plan = plan_prefill(
+            [PrefillChunk(*c) for c in case.pop("chunks")], case["q"].dtype, 16, torch.device("cpu")
+        )
+        sentinel = torch.full(case["q"].shape, 7.0, dtype=case["q"].dtype)
+        out["varlen"][name] = triton_attention.paged_prefill_varlen(**case, plan=plan, out=sentinel)
     step = inputs["engine"]
     out["engine"] = (
         triton_attention.paged_decode_attention(**step["decode"]),
@@ -278,7 +314,12 @@ def run_interpreted(inputs_path: Path, outputs_path: Path) -> None:
 @starts_processes
 def interpreted(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("triton_attention")
-    inputs = {"decode": decode_cases(), "prefill": prefill_cases(), "engine": engine_step()}
+    inputs = {
+        "decode": decode_cases(),
+        "prefill": prefill_cases(),
+        "varlen": {"bf16": varlen_case(70, torch.bfloat16), "fp32": varlen_case(71, torch.float32)},
+        "engine": engine_step(),
+    }
     torch.save(inputs, tmp / "inputs.pt")
     env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(REPO))
     proc = subprocess.run(
@@ -362,6 +403,30 @@ def test_prefill_matches_the_causal_torch_reference(interpreted, name):
     got = outputs["prefill"][name]
     assert got.shape == case["q"].shape and got.dtype == case["q"].dtype
     torch.testing.assert_close(got.float(), reference_prefill(**case), **tolerance(got.dtype))
+
+
+@pytest.mark.parametrize("name", ["bf16", "fp32"])
+def test_one_varlen_launch_gives_each_chunk_its_own_causal_attention_and_touches_no_other_row(
+    interpreted, name
+):
+    """Four sequences' chunks in one launch (a fresh prompt, a chunk after a cached prefix, a one-token prompt, a
+    chunk of two row tiles): each chunk's rows are what that sequence alone computes over its own blocks; the
+    rows of no chunk (a step's decode rows) keep what the caller had there."""
+    inputs, outputs = interpreted
+    case, got = inputs["varlen"][name], outputs["varlen"][name]
+    assert got.dtype == case["q"].dtype
+    for row, n, start, table in case["chunks"]:
+        want = reference_prefill(
+            case["q"][row : row + n], case["k_cache"], case["v_cache"], torch.tensor(table, dtype=torch.int32),
+            start, case["scale"], case["num_kv_heads"],
+        )  # fmt: skip
+        torch.testing.assert_close(got[row : row + n].float(), want, **tolerance(got.dtype))
+    assert (got[:3] == 7.0).all() and (got[-3:] == 7.0).all()
+
+
+def test_a_plan_whose_table_does_not_cover_its_chunk_is_refused():
+    with pytest.raises(ValueError, match="the table must cover it"):
+        plan_prefill([PrefillChunk(0, 20, 0, [3])], torch.float32, 16, torch.device("cpu"))
 
 
 def test_kernels_agree_with_the_engines_torch_path_on_its_own_cache_and_metadata(interpreted):
