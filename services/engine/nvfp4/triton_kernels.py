@@ -214,6 +214,7 @@ def _w4a16_kernel(
     BLOCK_K: tl.constexpr,
     INPUT_PRECISION: tl.constexpr,
     DOT_IN_FP32: tl.constexpr,
+    SCALE_TILE: tl.constexpr,
 ):
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
@@ -235,14 +236,19 @@ def _w4a16_kernel(
         kb = k0 // 2 + tl.arange(0, BLOCK_K // 2)  # byte index along K, one byte = two elements
         kb_ok = (kb < NB * 8)[:, None] & n_ok[None, :]
         w_bytes = tl.load(w_cols + kb[:, None], mask=kb_ok, other=0).to(tl.int32)  # [BLOCK_K/2, BLOCK_N]
-        # one E4M3 scale per 16 elements (8 bytes): load each once, [BLOCK_K/16, BLOCK_N], and widen it to the
-        # bytes in registers (a load per byte read every scale 8 times, outside the pipelined loads)
-        sb = k0 // 16 + tl.arange(0, BLOCK_K // 16)
-        s_blk = tl.load(s_cols + sb[:, None], mask=(sb < NB)[:, None] & n_ok[None, :], other=0)
-        s_blk = _e4m3_byte_to_f32(s_blk.to(tl.int32))
-        s = tl.reshape(
-            tl.broadcast_to(s_blk[:, None, :], (BLOCK_K // 16, 8, BLOCK_N)), (BLOCK_K // 2, BLOCK_N)
-        )
+        if SCALE_TILE:
+            # one E4M3 scale per 16 elements (8 bytes): load each once, [BLOCK_K/16, BLOCK_N], and widen it to the
+            # bytes in registers (a load per byte read every scale 8 times, outside the pipelined loads)
+            sb = k0 // 16 + tl.arange(0, BLOCK_K // 16)
+            s_blk = tl.load(s_cols + sb[:, None], mask=(sb < NB)[:, None] & n_ok[None, :], other=0)
+            s_blk = _e4m3_byte_to_f32(s_blk.to(tl.int32))
+            s = tl.reshape(
+                tl.broadcast_to(s_blk[:, None, :], (BLOCK_K // 16, 8, BLOCK_N)), (BLOCK_K // 2, BLOCK_N)
+            )
+        else:
+            # before Hopper the widening above spills (mma.sync keeps both operands in registers): one scale
+            # load per weight byte, the same scale for 8 bytes in a row
+            s = _e4m3_byte_to_f32(tl.load(s_cols + (kb // 8)[:, None], mask=kb_ok, other=0).to(tl.int32))
         # E2M1 * E4M3 is exact in x's dtype, so the cast below loses nothing.
         w_even = (_e2m1_value(w_bytes & 15) * s).to(x.dtype)
         w_odd = (_e2m1_value(w_bytes >> 4) * s).to(x.dtype)
@@ -275,32 +281,59 @@ def _sm_count(device: torch.device) -> int:
     return int(torch.cuda.get_device_properties(device).multi_processor_count)
 
 
-def _gemm_tiles(m: int, fp32: bool = False, n: int = 0, sms: int = H100_SMS) -> tuple[int, int, int, int]:
+@functools.cache
+def _cuda_arch(device: torch.device) -> int:
+    major, minor = torch.cuda.get_device_capability(device)
+    return 10 * major + minor
+
+
+def target_arch(device: torch.device) -> int:
+    """The compute capability (major * 10 + minor) a launch on `device` compiles for: the GPU's; off a GPU, the
+    target Triton's active driver names (scripts/triton_compile_check.py sets one per arch), else Hopper's."""
+    if device.type == "cuda":
+        return _cuda_arch(device)
+    active = getattr(triton.runtime.driver, "_active", None)
+    try:
+        return int(active.get_current_target().arch) if active is not None else 90
+    except Exception:  # noqa: BLE001 - an interpreter or CPU driver names no CUDA target
+        return 90
+
+
+def _gemm_tiles(
+    m: int, fp32: bool = False, n: int = 0, sms: int = H100_SMS, arch: int = 90
+) -> tuple[int, int, int, int]:
     """(BLOCK_M, BLOCK_N, BLOCK_K, num_warps) by batch size: decode-sized M wants narrow M tiles. fp32
     activations are twice as wide, and the dequantized weight tile is fp32 for them too: half the K tile keeps
     the tiles' bytes, and their registers. At the 16-bit K tile an fp32 program spills: 9 KB of stack per thread
     at M=32 on sm_90, 760 B at M=2048; none at half (scripts/triton_compile_check.py). At decode sizes a
     projection with fewer 64-column tiles than the GPU has SMs (an 8B's o_proj and down_proj, N = 4096: 64 on
-    132) takes 32-column tiles, so every SM streams weights."""
+    132) takes 32-column tiles, so every SM streams weights. Before Hopper (`arch` < 90) a 64 x 64 tile at four
+    warps spills (16-24 B of stack per thread on sm_80/89, where both dot operands live in registers): eight
+    warps there."""
     if m <= 16:
         bm, bn, bk, warps = 16, 64, 128, 4
         if 0 < n and triton.cdiv(n, 64) < sms:
             bn = 32
     elif m <= 64:
-        bm, bn, bk, warps = 64, 64, 128, 4
+        bm, bn, bk, warps = 64, 64, 128, 4 if arch >= 90 else 8
     else:
         bm, bn, bk, warps = 128, 128, 64, 8
     return bm, bn, bk // 2 if fp32 else bk, warps
 
 
 def w4a16_matmul(
-    x: torch.Tensor, w: NVFP4Tensor, *, tiles: tuple[int, int, int] | None = None
+    x: torch.Tensor,
+    w: NVFP4Tensor,
+    *,
+    tiles: tuple[int, int, int] | None = None,
+    scale_tile: bool | None = None,
 ) -> torch.Tensor:
     """x[..., K] @ W_hat^T -> [..., N] in x's dtype (fp32 accumulation). W is an NVFP4 [N, K] weight.
 
     fp32 activations use IEEE fp32 dot products (no TF32), so an fp32 caller gets fp32 accuracy.
     `tiles` = (BLOCK_M, BLOCK_N, BLOCK_K) overrides the size heuristic (tests use it to keep the
-    interpreter fast).
+    interpreter fast). `scale_tile` picks how block scales are loaded (once per block and widened in registers:
+    Hopper and later; once per weight byte: earlier parts, where the widening spills); None = by the target.
     """
     if len(w.shape) != 2:
         raise ValueError(f"w4a16_matmul: weight must be 2-D [N, K], got shape {w.shape}")
@@ -317,7 +350,8 @@ def w4a16_matmul(
     out = torch.empty((m, n), dtype=x.dtype, device=x.device)
     if m == 0 or n == 0:
         return out.reshape(*lead, n)
-    bm, bn, bk, warps = _gemm_tiles(m, fp32=x.dtype == torch.float32, n=n, sms=_sm_count(x.device))
+    arch = target_arch(x.device)
+    bm, bn, bk, warps = _gemm_tiles(m, fp32=x.dtype == torch.float32, n=n, sms=_sm_count(x.device), arch=arch)
     if tiles is not None:
         bm, bn, bk = tiles
     interpreting = bool(triton.knobs.runtime.interpret)
@@ -339,6 +373,7 @@ def w4a16_matmul(
         BLOCK_K=bk,
         INPUT_PRECISION="ieee" if x.dtype == torch.float32 or interpreting else "tf32",
         DOT_IN_FP32=interpreting,
+        SCALE_TILE=arch >= 90 if scale_tile is None else scale_tile,
         num_warps=warps,
         num_stages=3,
         enable_fp_fusion=False,  # as the quantizer: exact dequantization, whatever Triton's default

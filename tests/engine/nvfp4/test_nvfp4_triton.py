@@ -126,13 +126,16 @@ def run_interpreted(inputs_path: Path, outputs_path: Path) -> None:
     from services.engine.nvfp4.triton_kernels import quantize_triton, w4a16_matmul
 
     inputs = torch.load(inputs_path)
-    out: dict[str, object] = {"quantize": {}, "gemm": {}}
+    out: dict[str, object] = {"quantize": {}, "gemm": {}, "gemm_per_byte": {}}
     for name, x in inputs["quantize"].items():
         q = quantize_triton(x)
         out["quantize"][name] = (q.packed, q.scales, q.global_scale, q.shape)  # type: ignore[index]
     for name, (x, w) in inputs["gemm"].items():
         tiles = (16, 32, 64) if name == "ragged" else None  # partial tiles in M, N and K
-        out["gemm"][name] = w4a16_matmul(x, quantize(w), tiles=tiles)  # type: ignore[index]
+        out["gemm"][name] = w4a16_matmul(x, quantize(w), tiles=tiles, scale_tile=True)  # type: ignore[index]
+        # the pre-Hopper way of loading the block scales (one load per weight byte)
+        per_byte = w4a16_matmul(x, quantize(w), tiles=tiles, scale_tile=False)
+        out["gemm_per_byte"][name] = per_byte  # type: ignore[index]
     torch.save(out, outputs_path)
 
 
@@ -210,6 +213,29 @@ def test_triton_w4a16_reads_the_exact_dequantized_weight(interpreted):
     inputs, outputs = interpreted
     _, w = inputs["gemm"]["identity"]
     assert torch.equal(outputs["gemm"]["identity"], dequantize(quantize(w)).T)
+
+
+@pytest.mark.parametrize("name", list(gemm_cases()))
+def test_triton_w4a16_loads_scales_per_byte_before_hopper_with_the_same_bits(interpreted, name):
+    """sm_80/89 load each block scale per weight byte (widening a scale tile spills there): the same products,
+    so the same output bit for bit, in every case (partial tiles, bf16, 3-D)."""
+    _, outputs = interpreted
+    assert torch.equal(outputs["gemm_per_byte"][name], outputs["gemm"][name])
+
+
+@pytest.mark.parametrize(
+    "arch, m, want",
+    [
+        (90, 32, (64, 64, 128, 4)),
+        (80, 32, (64, 64, 128, 8)),
+        (89, 64, (64, 64, 128, 8)),
+        (80, 1, (16, 64, 128, 4)),
+    ],
+)
+def test_gemm_tiles_take_eight_warps_at_mid_batch_before_hopper(arch, m, want):
+    from services.engine.nvfp4.triton_kernels import _gemm_tiles
+
+    assert _gemm_tiles(m, n=16384, arch=arch) == want
 
 
 if __name__ == "__main__":
