@@ -147,10 +147,15 @@ def _quantize_kernel(
     )
 
 
-def quantize_triton(x: torch.Tensor, *, block_rows: int = 32, block_blocks: int = 16) -> NVFP4Tensor:
+def quantize_triton(
+    x: torch.Tensor, *, block_rows: int = 32, block_blocks: int = 16, finite_check: bool = True
+) -> NVFP4Tensor:
     """NVFP4-quantize x along its last dim on the GPU (or the interpreter); same bytes as recipe.quantize.
 
-    block_rows x block_blocks*16 elements per program; both must be powers of two.
+    block_rows x block_blocks*16 elements per program; both must be powers of two. A non-finite input raises
+    (its amax read on the host: a sync) unless finite_check is False — a model's activations on the serving
+    path, where a NaN propagates to the logits as it would through a 16-bit linear — or a CUDA graph is being
+    captured.
     """
     if x.dtype not in (torch.float32, torch.bfloat16, torch.float16):
         raise ValueError(f"quantize_triton: input must be float32, bfloat16 or float16, got {x.dtype}")
@@ -169,7 +174,7 @@ def quantize_triton(x: torch.Tensor, *, block_rows: int = 32, block_blocks: int 
     # the check reads amax on the host; while a CUDA graph is being captured (W4A4 activations in a decode
     # step) no host read is allowed, and a non-finite activation there is the model's to answer for
     capturing = x.is_cuda and torch.cuda.is_current_stream_capturing()
-    if not capturing and not bool(torch.isfinite(amax)):
+    if finite_check and not capturing and not bool(torch.isfinite(amax)):
         check_finite(x2)  # raises with the count of bad values
     g = global_scale_for_amax(amax).reshape(1)
 

@@ -130,6 +130,15 @@ def run_interpreted(inputs_path: Path, outputs_path: Path) -> None:
     for name, x in inputs["quantize"].items():
         q = quantize_triton(x)
         out["quantize"][name] = (q.packed, q.scales, q.global_scale, q.shape)  # type: ignore[index]
+    bad = torch.ones(4, 32)
+    bad[1, 3] = float("nan")
+    try:
+        quantize_triton(bad)
+        out["nan_checked"] = ""
+    except ValueError as e:
+        out["nan_checked"] = str(e)
+    unchecked = quantize_triton(bad, finite_check=False)  # the serving path's activations: no host read
+    out["nan_unchecked"] = unchecked.packed.shape
     for name, (x, w) in inputs["gemm"].items():
         tiles = (16, 32, 64) if name == "ragged" else None  # partial tiles in M, N and K
         out["gemm"][name] = w4a16_matmul(x, quantize(w), tiles=tiles, scale_tile=True)  # type: ignore[index]
@@ -213,6 +222,14 @@ def test_triton_w4a16_reads_the_exact_dequantized_weight(interpreted):
     inputs, outputs = interpreted
     _, w = inputs["gemm"]["identity"]
     assert torch.equal(outputs["gemm"]["identity"], dequantize(quantize(w)).T)
+
+
+def test_a_nan_input_is_refused_by_default_and_passed_through_on_the_activation_path(interpreted):
+    """Quantizing a NaN raises with its count (the check reads amax on the host); W4A4 activations skip the
+    check (no host sync per linear in eager steps) and quantize without raising."""
+    _, outputs = interpreted
+    assert "input has 1 non-finite value(s)" in outputs["nan_checked"]
+    assert tuple(outputs["nan_unchecked"]) == (4, 16)
 
 
 @pytest.mark.parametrize("name", list(gemm_cases()))
