@@ -107,7 +107,9 @@ class EngineConfig:
     num_kv_blocks: int = 0  # 0: size from kv_cache_bytes
     kv_cache_bytes: int = 0  # 0: 1 GiB on CPU; on CUDA what gpu_memory_utilization leaves (engine/device.py)
     max_num_seqs: int = 64  # admission limit: sequences in one batch
-    max_num_batched_tokens: int = 512  # token budget of one step (chunked prefill)
+    max_num_batched_tokens: int = (
+        0  # token budget of one step (chunked prefill); 0: by device (step_token_budget)
+    )
     max_model_len: int = 0  # 0: the model's context length
     enable_prefix_caching: bool = True
     num_threads: int = 0  # 0: leave torch's default
@@ -184,5 +186,5 @@ class EngineConfig:
             raise ValueError(
                 "kv_disk_bytes needs the prefix cache: the disk tier keeps evicted cached blocks"
             )
-        if self.max_num_batched_tokens < self.block_size:
-            raise ValueError("max_num_batched_tokens must be at least block_size")
+        if self.max_num_batched_tokens and self.max_num_batched_tokens < self.block_size:
+            raise ValueError("max_num_batched_tokens must be at least block_size (or 0: by device)")

@@ -74,6 +74,26 @@ class MemoryPlan:
         )
 
 
+# A step's token budget when --max-num-batched-tokens is 0, vLLM's defaults for an OpenAI server: on a CPU a
+# step of 512 tokens already takes long enough to stall the decodes beside it; a GPU runs 2,048 in about the time
+# of a decode step's weight reads, and a GPU of 70 GiB or more (H100, H200, B200) 8,192 (fewer, larger steps:
+# a long prompt prefills in fewer chunks).
+CPU_STEP_TOKENS = 512
+GPU_STEP_TOKENS = 2048
+BIG_GPU_STEP_TOKENS = 8192
+BIG_GPU_BYTES = 70 << 30
+
+
+def step_token_budget(configured: int, device: torch.device) -> int:
+    """--max-num-batched-tokens as given, or (0) the device's default."""
+    if configured:
+        return configured
+    if device.type != "cuda":
+        return CPU_STEP_TOKENS
+    total = torch.cuda.get_device_properties(device).total_memory
+    return BIG_GPU_STEP_TOKENS if total >= BIG_GPU_BYTES else GPU_STEP_TOKENS
+
+
 def memory_in_use(device: torch.device) -> int:
     """Bytes in use on the device now, by every process (and this one's CUDA context, created by the call)."""
     free, total = torch.cuda.mem_get_info(device)

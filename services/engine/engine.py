@@ -28,7 +28,13 @@ import torch
 
 from services.engine.block_hash import ROOT_HASH
 from services.engine.config import EngineConfig, ModelConfig, torch_dtype
-from services.engine.device import host_to_device, memory_in_use, plan_kv_memory, resolve_device
+from services.engine.device import (
+    host_to_device,
+    memory_in_use,
+    plan_kv_memory,
+    resolve_device,
+    step_token_budget,
+)
 from services.engine.host_bytes import bytes_of, view_of
 from services.engine.kv_cache import BlockManager, KvEvent, NoFreeBlocksError
 from services.engine.kv_disk import DiskKvTier
@@ -234,6 +240,13 @@ class LLMEngine:
         )  # fmt: skip
         self.tokenizer = tokenizer if tokenizer is not None else _load_tokenizer(loaded)
         self.max_model_len = min(cfg.max_model_len or loaded.config.max_context, loaded.config.max_context)
+        self.max_num_batched_tokens = step_token_budget(cfg.max_num_batched_tokens, device)
+        if self.max_num_batched_tokens < cfg.block_size:
+            raise ValueError(f"max_num_batched_tokens must be at least block_size ({cfg.block_size})")
+        log.info(
+            "step token budget %d%s", self.max_num_batched_tokens,
+            "" if cfg.max_num_batched_tokens else f" (the default on {device.type})",
+        )  # fmt: skip
 
         per_block = PagedKvCache.bytes_per_block(loaded.config, cfg.block_size, self.dtype)
         num_blocks = cfg.num_kv_blocks or max(1, (cfg.kv_cache_bytes or 1 << 30) // per_block)
@@ -298,7 +311,7 @@ class LLMEngine:
             num_blocks, cfg.block_size, cfg.enable_prefix_caching, self.tier2, self.disk, self.kv.read_block
         )
         self.scheduler = Scheduler(
-            self.blocks, cfg.max_num_seqs, cfg.max_num_batched_tokens, async_restore=cfg.kv_async_restore
+            self.blocks, cfg.max_num_seqs, self.max_num_batched_tokens, async_restore=cfg.kv_async_restore
         )
         # restores written beside the step: one worker thread (and a side stream on CUDA), jobs by request id
         self._restorer: concurrent.futures.ThreadPoolExecutor | None = None
@@ -360,7 +373,7 @@ class LLMEngine:
         then the logits of a full batch and the sampler over them with every processor on. Leaves the allocator
         empty."""
         dev = self.device
-        n = min(cfg.max_num_batched_tokens, self.max_model_len)
+        n = min(self.max_num_batched_tokens, self.max_model_len)
         nb = -(-n // cfg.block_size)
         scratch = PagedKvCache(mc, nb, cfg.block_size, self.dtype, dev)
         torch.cuda.synchronize(dev)

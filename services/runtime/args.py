@@ -123,7 +123,8 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     add_flag(g, "--kv-cache-bytes", 0, "memory for the paged KV cache (0: 1 GiB on CPU; on a GPU what "
              "--gpu-memory-utilization leaves after the weights and the activation peak)", int)  # fmt: skip
     add_flag(g, "--max-num-seqs", 64, "sequences in one batch", int)
-    add_flag(g, "--max-num-batched-tokens", 512, "token budget of one step (longer prompts are chunked)", int)
+    add_flag(g, "--max-num-batched-tokens", 0, "token budget of one step (longer prompts are chunked; 0: 512 on a "
+             "CPU, 2048 on a GPU, 8192 on one of 70 GiB or more)", int)  # fmt: skip
     add_flag(g, "--max-model-len", 0, "context length (0: the model's)", int)
     switch(g, "--no-prefix-caching", "turn the prefix cache off")
     add_flag(g, "--kv-tier2-bytes", 0, "host memory for KV tier 2: cached blocks evicted from the KV cache are "

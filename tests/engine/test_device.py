@@ -368,3 +368,35 @@ def test_a_model_the_triton_kernels_cannot_take_runs_on_torch_ops_or_is_refused_
     assert _attention_backend("auto", cuda, 128, 256) == "torch"
     with pytest.raises(ValueError, match="block_size 256 must be a power of two in 8..128"):
         LLMEngine(tiny_llama(), EngineConfig(num_kv_blocks=8, block_size=256, attention_backend="triton"))
+
+
+@pytest.mark.parametrize("total_gib, want", [(80, 8192), (141, 8192), (48, 2048), (24, 2048)])
+def test_the_step_token_budget_defaults_by_device_and_a_given_one_wins(monkeypatch, total_gib, want):
+    """0 (the flag's default) is vLLM's choice for an OpenAI server: 512 tokens a step on a CPU, 2,048 on a GPU,
+    8,192 on one of 70 GiB or more; a budget given is used as given."""
+    from types import SimpleNamespace
+
+    from services.engine.device import step_token_budget
+
+    props = SimpleNamespace(total_memory=total_gib << 30)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device=None: props)
+    assert step_token_budget(0, torch.device("cuda", 0)) == want
+    assert step_token_budget(0, torch.device("cpu")) == 512
+    assert step_token_budget(96, torch.device("cuda", 0)) == 96
+
+
+def test_a_cpu_engine_by_default_schedules_512_tokens_a_step():
+    """The scheduler gets the resolved budget, not the flag's 0 (which would schedule nothing, ever)."""
+    eng = LLMEngine(
+        tiny_llama(seed=1, layers=1), EngineConfig(dtype="float32", num_kv_blocks=96, block_size=16)
+    )
+    assert eng.max_num_batched_tokens == 512
+    eng.add_request("a", list(range(1, 251)) * 2, SamplingParams(max_tokens=2, temperature=0))
+    eng.add_request("b", list(range(3, 40)), SamplingParams(max_tokens=2, temperature=0))
+    first = eng.step()  # 500 + 12 of b's 37 tokens: a's prompt done, b chunked
+    assert [o.request_id for o in first] == ["a"]
+    steps = 1
+    while eng.has_unfinished() and steps < 10:
+        eng.step()
+        steps += 1
+    assert not eng.has_unfinished()
