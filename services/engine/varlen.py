@@ -86,17 +86,27 @@ def plan_prefill(
         seg_of += [i] * n
         tile_of += range(n)
     width = max(len(c.block_table) for c in chunks)
-    flat = seg_of + tile_of
+    nt, S = len(seg_of), len(chunks)
+    # each part starts 16-byte aligned: Triton specialises a pointer argument on its alignment, and parts at
+    # offsets that vary with the step's tile and chunk counts would compile up to four variants while serving
+    at_seqs = _align4(2 * nt)
+    at_tables = _align4(at_seqs + 3 * S)
+    flat = seg_of + tile_of + [0] * (at_seqs - 2 * nt)
     flat += [c.row for c in chunks] + [c.num_tokens for c in chunks] + [c.start_pos for c in chunks]
+    flat += [0] * (at_tables - at_seqs - 3 * S)
     for c in chunks:
         flat += [*c.block_table, *[c.block_table[0]] * (width - len(c.block_table))]
     buf = host_to_device(flat, torch.int32, device)
-    nt, S = len(seg_of), len(chunks)
     return VarlenPrefill(
         tiles=buf[: 2 * nt].view(2, nt),
-        seqs=buf[2 * nt : 2 * nt + 3 * S].view(3, S),
-        tables=buf[2 * nt + 3 * S :].view(S, width),
+        seqs=buf[at_seqs : at_seqs + 3 * S].view(3, S),
+        tables=buf[at_tables:].view(S, width),
         block_m=block_m,
         rows_needed=max(c.row + c.num_tokens for c in chunks),
         block_size=block_size,
     )
+
+
+def _align4(n: int) -> int:
+    """n int32s rounded up to a multiple of 4 (16 bytes)."""
+    return -(-n // 4) * 4

@@ -424,6 +424,19 @@ def test_one_varlen_launch_gives_each_chunk_its_own_causal_attention_and_touches
     assert (got[:3] == 7.0).all() and (got[-3:] == 7.0).all()
 
 
+@pytest.mark.parametrize("chunks", [1, 2, 3, 5, 7])
+def test_every_part_of_a_plan_starts_16_byte_aligned_whatever_the_steps_counts(chunks):
+    """Triton specialises pointers on 16-byte alignment: a part whose offset moved with the step's tile and chunk
+    counts would compile another kernel variant (seconds) in the middle of serving."""
+    plan = plan_prefill(
+        [PrefillChunk(9 * i, 9, 0, [i]) for i in range(chunks)], torch.float32, 16, torch.device("cpu")
+    )
+    for part in (plan.tiles, plan.seqs, plan.tables):
+        assert part.data_ptr() % 16 == 0
+    assert plan.seqs.tolist() == [[9 * i for i in range(chunks)], [9] * chunks, [0] * chunks]
+    assert plan.tables.tolist() == [[i] for i in range(chunks)]
+
+
 def test_a_plan_whose_table_does_not_cover_its_chunk_is_refused():
     with pytest.raises(ValueError, match="the table must cover it"):
         plan_prefill([PrefillChunk(0, 20, 0, [3])], torch.float32, 16, torch.device("cpu"))
