@@ -191,6 +191,7 @@ class LLMEngine:
         self.model_config: ModelConfig = loaded.config
         self.model_path = loaded.source
         self.dtype = torch_dtype(cfg.dtype)
+        self._nonfinite: torch.Tensor | None = None  # W4A4: set on the device by a NaN/Inf activation
         quant_id = "none"
         kw: dict[str, object] = {}
         if cfg.quant == "nvfp4" or loaded.quantization != "none":
@@ -200,7 +201,15 @@ class LLMEngine:
             kw = {"cache_dequantized": cfg.nvfp4_cache_dequantized and device.type == "cpu"}
             if device.type == "cuda":
                 # packed weights stay packed in HBM (no dequantized copy); FP4 tensor cores where the GPU has them
-                kw["w4a4"] = torch.cuda.get_device_capability(device) >= (10, 0)
+                # and a probe GEMM on them gives the recipe's product (blackwell.py)
+                from services.engine.nvfp4.blackwell import blackwell_unavailable_reason, nonfinite_flag
+
+                why = blackwell_unavailable_reason(device)
+                kw["w4a4"] = why is None
+                if why is None:
+                    self._nonfinite = nonfinite_flag(device)  # before any graph is captured
+                elif torch.cuda.get_device_capability(device) >= (10, 0):
+                    log.warning("NVFP4 W4A4 not used on %s: %s; W4A16 instead", device, why)
             if loaded.quantization != "none":
                 # a pre-quantized checkpoint runs as it was quantized: its bytes are never requantized
                 log.info(
@@ -369,20 +378,22 @@ class LLMEngine:
 
     @torch.inference_mode()
     def _profile_activation_bytes(self, mc: ModelConfig, cfg: EngineConfig) -> int:
-        """Peak memory of the largest step: one prefill of max_num_batched_tokens tokens into a throw-away cache,
+        """Peak memory of the largest step: a prefill of max_num_batched_tokens tokens into a throw-away cache,
         then the logits of a full batch and the sampler over them with every processor on. Leaves the allocator
         empty."""
         dev = self.device
-        n = min(self.max_num_batched_tokens, self.max_model_len)
+        # a full step: the whole budget, as sequences of at most max_model_len (a step of several shorter ones
+        # takes the budget, not one sequence's length)
+        n, seq = self.max_num_batched_tokens, min(self.max_num_batched_tokens, self.max_model_len)
         nb = -(-n // cfg.block_size)
         scratch = PagedKvCache(mc, nb, cfg.block_size, self.dtype, dev)
         torch.cuda.synchronize(dev)
         torch.cuda.reset_peak_memory_stats(dev)
         before = torch.cuda.memory_allocated(dev)
-        meta = AttnMetadata(slot_mapping=torch.arange(n, device=dev), prefills=[PrefillSegment(0, n)])
-        hidden = self.model(
-            torch.zeros(n, dtype=torch.long, device=dev), torch.arange(n, device=dev), meta, scratch
-        )
+        segments = [PrefillSegment(a, min(a + seq, n)) for a in range(0, n, seq)]
+        meta = AttnMetadata(slot_mapping=torch.arange(n, device=dev), prefills=segments)
+        positions = torch.arange(n, device=dev) % seq
+        hidden = self.model(torch.zeros(n, dtype=torch.long, device=dev), positions, meta, scratch)
         # then the sampler over a full batch's logits, every processor on (it keeps several fp32 and int64 copies
         # of the logits alive at once: tens of bytes per logit, 2 GB at 256 sequences of a 128k vocabulary)
         logits = self.model.logits(hidden[-1:].expand(cfg.max_num_seqs, -1).contiguous())
@@ -618,6 +629,10 @@ class LLMEngine:
             [len(r.output_ids) for r in sample_reqs],
             [self._row_context(r) for r in sample_reqs],
         )
+        if self._nonfinite is not None:  # read after sampling's own copy to the host: no extra wait
+            from services.engine.nvfp4.blackwell import raise_if_nonfinite
+
+            raise_if_nonfinite(self.device)
         return {r.request_id: s for r, s in zip(sample_reqs, picks, strict=True)}
 
     def _row_context(self, req: Request) -> RowContext:

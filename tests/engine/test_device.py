@@ -400,3 +400,34 @@ def test_a_cpu_engine_by_default_schedules_512_tokens_a_step():
         eng.step()
         steps += 1
     assert not eng.has_unfinished()
+
+
+def test_the_activation_profile_runs_a_whole_budget_even_past_the_context_length(monkeypatch):
+    """The KV plan leaves the activations of the largest step: a budget of 256 tokens with a 64-token context is
+    four 64-token sequences in one step, not one of 64 (which left a big GPU's 8,192-token steps 1/4 of their
+    memory with --max-model-len 2048)."""
+    eng = LLMEngine(
+        tiny_llama(seed=1, layers=1),
+        EngineConfig(
+            dtype="float32", num_kv_blocks=64, block_size=16, max_model_len=64, max_num_batched_tokens=256
+        ),
+    )
+    for name in ("synchronize", "reset_peak_memory_stats", "empty_cache"):
+        monkeypatch.setattr(torch.cuda, name, lambda *a, **k: None)
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda *a, **k: 0)
+    monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda *a, **k: 0)
+    seen = {}
+    forward = eng.model.forward
+
+    def spy(tokens, positions, meta, kv):  # type: ignore[no-untyped-def]
+        seen.update(tokens=tokens.shape[0], segments=[(s.start, s.end) for s in meta.prefills],
+                    max_position=int(positions.max()))  # fmt: skip
+        return forward(tokens, positions, meta, kv)
+
+    monkeypatch.setattr(eng.model, "forward", spy)
+    eng._profile_activation_bytes(eng.model_config, eng.config)
+    assert seen == {
+        "tokens": 256,
+        "segments": [(0, 64), (64, 128), (128, 192), (192, 256)],
+        "max_position": 63,
+    }

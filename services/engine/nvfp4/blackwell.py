@@ -1,7 +1,13 @@
 """W4A4 on Blackwell: both operands NVFP4, multiplied on block-scaled FP4 tensor cores via torch._scaled_mm.
 
-This path changes numerics relative to W4A16: activations are quantized to NVFP4 on every call. It is only
-ever used when a caller asks for it, and only on GPUs with compute capability >= 10.0.
+This path changes numerics relative to W4A16: activations are quantized to NVFP4 on every call. It is used when
+a caller asks for it (NVFP4Linear(w4a4=True); the engine asks on every GPU of compute capability >= 10.0) and the
+device passes a probe: one small FP4 GEMM checked against the recipe's dequantized product, once per device, so a
+torch or cuBLASLt build (or a part) without NVFP4 block-scaled GEMMs falls back to W4A16 at load, with the reason.
+
+A non-finite activation cannot be quantized. Reading each linear's amax on the host to refuse one would
+synchronise every linear of every eager step, so the check runs on the device into a flag (`nonfinite_flag`) the
+engine reads once per step, after its one device-to-host copy (`raise_if_nonfinite`).
 
 torch._scaled_mm takes the two operands as float4_e2m1fn_x2 (A [M, K/2] row-major, B [K/2, N] column-major,
 i.e. the transpose of our [N, K/2] weight), their E4M3 block scales in the 128x4 swizzled layout, and computes
@@ -23,16 +29,71 @@ class BlackwellUnavailable(RuntimeError):
     """The FP4 tensor-core GEMM needs a CUDA GPU of compute capability 10.0 or newer."""
 
 
+_PROBED: dict[int, str | None] = {}  # device index -> why W4A4 cannot run there (None: it can)
+
+
 def blackwell_unavailable_reason(device: torch.device | None = None) -> str | None:
-    """Why W4A4 cannot run on `device` (default: the current CUDA device), or None if it can."""
+    """Why W4A4 cannot run on `device` (default: the current CUDA device), or None if it can. The first ask for a
+    GPU of compute capability >= 10 runs the probe (outside a CUDA graph capture; the engine asks at start-up)."""
     if not torch.cuda.is_available():
         return "no CUDA device is visible"
     if not hasattr(torch, "float4_e2m1fn_x2"):
         return f"torch {torch.__version__} has no float4_e2m1fn_x2 dtype"
-    major, minor = torch.cuda.get_device_capability(device)
+    index = torch.device("cuda", torch.cuda.current_device()) if device is None else torch.device(device)
+    at = index.index if index.index is not None else torch.cuda.current_device()
+    if at in _PROBED:
+        return _PROBED[at]
+    major, minor = torch.cuda.get_device_capability(at)
     if major < 10:
-        return f"compute capability {major}.{minor} < 10.0 has no block-scaled FP4 tensor cores"
+        reason: str | None = f"compute capability {major}.{minor} < 10.0 has no block-scaled FP4 tensor cores"
+    elif torch.cuda.is_current_stream_capturing():
+        return "not probed before a CUDA graph capture"  # not cached: the next eager ask probes
+    else:
+        reason = _probe(torch.device("cuda", at))
+    _PROBED[at] = reason
+    return reason
+
+
+def _probe(device: torch.device) -> str | None:
+    """One FP4 GEMM of the shapes that pad (M = 130 rows over two 128-row scale tiles, N = 48, K = 64) against
+    the recipe's dequantized product: a failed call or a wrong answer (scales or codes laid out otherwise than
+    this build's cuBLASLt reads them) is the reason W4A4 is not used."""
+    from .recipe import dequantize
+
+    try:
+        g = torch.Generator(device="cpu").manual_seed(7)
+        x = quantize(torch.randn(130, 64, generator=g).to(device))
+        w = quantize(torch.randn(48, 64, generator=g).to(device))
+        got = scaled_mm_nvfp4(x, prepare_weight(w), torch.float32)
+        want = dequantize(x) @ dequantize(w).T
+        err = float((got - want).abs().max() / want.abs().max().clamp_min(1e-30))
+    except Exception as exc:  # noqa: BLE001 - whatever this build or part cannot do, W4A16 still can
+        return f"a probe FP4 GEMM failed: {type(exc).__name__}: {str(exc)[:300]}"
+    if not err <= 2.0**-7:  # cuBLAS rounds its output to bf16 (the largest error one rounding makes)
+        return f"a probe FP4 GEMM gave a wrong product (max error {err:.3g} of the largest value)"
     return None
+
+
+_NONFINITE: dict[torch.device, torch.Tensor] = {}
+
+
+def nonfinite_flag(device: torch.device) -> torch.Tensor:
+    """The device bool W4A4 activation quantization sets when an activation is NaN or Inf. Made before any CUDA
+    graph is captured (the engine makes it at start-up): a capture may not allocate it."""
+    flag = _NONFINITE.get(device)
+    if flag is None:
+        flag = _NONFINITE[device] = torch.zeros((), dtype=torch.bool, device=device)
+    return flag
+
+
+def raise_if_nonfinite(device: torch.device) -> None:
+    """Once per step, after the step's own device-to-host copy: refuse a step whose activations held NaN or Inf."""
+    flag = _NONFINITE.get(device)
+    if flag is not None and bool(flag):
+        flag.zero_()
+        raise ValueError(
+            "NVFP4 W4A4: an activation of this step was NaN or Inf, which NVFP4 cannot represent"
+        )
 
 
 @dataclass(frozen=True)
@@ -51,8 +112,8 @@ def prepare_weight(w: NVFP4Tensor) -> BlackwellWeight:
     if len(w.shape) != 2:
         raise ValueError(f"prepare_weight: weight must be 2-D [N, K], got shape {w.shape}")
     n, k = w.shape
-    if k % 32 != 0:
-        raise ValueError(f"prepare_weight: the FP4 GEMM needs K % 32 == 0, got K={k}")
+    if k % 32 != 0 or n % 16 != 0:
+        raise ValueError(f"prepare_weight: the FP4 GEMM needs K % 32 == 0 and N % 16 == 0, got N={n}, K={k}")
     return BlackwellWeight(
         packed=w.packed.contiguous(),
         scales_swizzled=swizzle_scales(w.scales).view(torch.float8_e4m3fn),
@@ -89,10 +150,10 @@ def w4a4_matmul(x: torch.Tensor, w: BlackwellWeight) -> torch.Tensor:
 
 
 def _quantize_activations(x2: torch.Tensor) -> NVFP4Tensor:
-    """One linear's activations: no finiteness check (a host sync per linear in every eager step — each prefill's
-    ~7 per layer; a NaN reaches the logits as through a 16-bit linear, and graphs could not check anyway)."""
+    """One linear's activations, checked for NaN/Inf on the device (nonfinite_flag), not on the host: a host
+    read per linear would synchronise every eager step ~7 times a layer, and a graph could not read at all."""
     try:
         from .triton_kernels import quantize_triton
     except ImportError:  # Triton missing from the image: the torch recipe gives the same bytes, only slower
         return quantize(x2)
-    return quantize_triton(x2, finite_check=False)
+    return quantize_triton(x2, nonfinite=nonfinite_flag(x2.device))

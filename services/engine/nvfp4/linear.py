@@ -5,8 +5,9 @@ defines it, with the best kernel the machine offers:
 
 - CUDA + Triton:  the fused W4A16 dequant-GEMM (weights stay packed, fp32 accumulation);
 - otherwise:      dequantize to x's dtype + torch matmul (optionally caching the dequantized weight);
-- opt-in W4A4:    on Blackwell, activations quantized to NVFP4 and multiplied on FP4 tensor cores — different
-                  numerics, so only when the caller passes w4a4=True.
+- W4A4:           on Blackwell, activations quantized to NVFP4 and multiplied on FP4 tensor cores — different
+                  numerics, so only when the caller passes w4a4=True (the engine does on GPUs of compute
+                  capability >= 10 whose probe GEMM passes: blackwell.py).
 
 The kernel chosen is logged once per (kernel, device type, dtype), so a change of numerics is never silent.
 """
@@ -133,8 +134,11 @@ class NVFP4Linear(torch.nn.Module):
 
     def _forward_w4a4(self, x: torch.Tensor) -> torch.Tensor | None:
         reason = blackwell_unavailable_reason(x.device)
-        if reason is None and self.in_features % 32 != 0:
-            reason = f"in_features={self.in_features} is not a multiple of 32"
+        if reason is None and (self.in_features % 32 or self.out_features % 16):
+            reason = (
+                f"the FP4 GEMM needs in_features % 32 == 0 and out_features % 16 == 0, got {self.in_features}"
+            )
+            reason += f" and {self.out_features}"
         if reason is not None:
             _announce("W4A4 unavailable, falling back to W4A16", x, reason)
             return None

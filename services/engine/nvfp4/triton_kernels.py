@@ -148,14 +148,18 @@ def _quantize_kernel(
 
 
 def quantize_triton(
-    x: torch.Tensor, *, block_rows: int = 32, block_blocks: int = 16, finite_check: bool = True
+    x: torch.Tensor,
+    *,
+    block_rows: int = 32,
+    block_blocks: int = 16,
+    nonfinite: torch.Tensor | None = None,
 ) -> NVFP4Tensor:
     """NVFP4-quantize x along its last dim on the GPU (or the interpreter); same bytes as recipe.quantize.
 
     block_rows x block_blocks*16 elements per program; both must be powers of two. A non-finite input raises
-    (its amax read on the host: a sync) unless finite_check is False — a model's activations on the serving
-    path, where a NaN propagates to the logits as it would through a 16-bit linear — or a CUDA graph is being
-    captured.
+    (its amax read on the host: a sync), or, with `nonfinite` (a bool tensor on x's device), sets it on the
+    device for the caller to read later (a model's activations: blackwell.nonfinite_flag). While a CUDA graph is
+    being captured there is no host read: only `nonfinite` can tell.
     """
     if x.dtype not in (torch.float32, torch.bfloat16, torch.float16):
         raise ValueError(f"quantize_triton: input must be float32, bfloat16 or float16, got {x.dtype}")
@@ -174,7 +178,9 @@ def quantize_triton(
     # the check reads amax on the host; while a CUDA graph is being captured (W4A4 activations in a decode
     # step) no host read is allowed, and a non-finite activation there is the model's to answer for
     capturing = x.is_cuda and torch.cuda.is_current_stream_capturing()
-    if finite_check and not capturing and not bool(torch.isfinite(amax)):
+    if nonfinite is not None:
+        nonfinite |= ~torch.isfinite(amax).reshape(nonfinite.shape)
+    elif not capturing and not bool(torch.isfinite(amax)):
         check_finite(x2)  # raises with the count of bad values
     g = global_scale_for_amax(amax).reshape(1)
 

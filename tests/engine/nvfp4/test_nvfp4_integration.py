@@ -3,6 +3,7 @@ Blackwell W4A4 call checked for shapes and dtypes on torch's meta device (no GPU
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 
 import pytest
@@ -259,3 +260,51 @@ def test_the_weight_bytes_an_engine_logs_are_the_checkpoints_each_tensor_once(ti
     loaded = tiny_llama(tie=tie)
     model = Transformer(loaded.config, loaded.weights)
     assert weight_memory_bytes(model) == sum(t.numel() * 4 for t in loaded.weights.values())
+
+
+def test_prepare_weight_needs_n_multiple_of_16():
+    """cuBLAS's FP4 GEMM needs both of the weight's dimensions aligned; a layer that is not falls back."""
+    with pytest.raises(ValueError, match="N % 16"):
+        prepare_weight(quantize(torch.randn(200, 64, generator=gen(13))))
+
+
+def _emulated_fp4_gemm(a, w, out_dtype):  # type: ignore[no-untyped-def]
+    """What cuBLAS computes from _scaled_mm's operands: the weight's scales read back out of the swizzled layout,
+    the product rounded to bf16, then the tensor scales."""
+    from services.engine.nvfp4 import dequantize
+    from services.engine.nvfp4.layouts import unswizzle_scales
+
+    scales = unswizzle_scales(w.scales_swizzled.view(torch.uint8), w.n, w.k // 16)
+    w_hat = dequantize(NVFP4Tensor(w.packed, scales, w.global_scale, (w.n, w.k)))
+    return (dequantize(a) @ w_hat.T).to(torch.bfloat16).to(out_dtype)
+
+
+def test_the_w4a4_probe_takes_a_right_product_and_refuses_a_failing_or_wrong_one(monkeypatch):
+    """At start-up one FP4 GEMM decides whether W4A4 runs: a build whose _scaled_mm cannot (here: the CPU) or
+    whose product is wrong (scales read in another layout) gives the reason the engine logs before W4A16."""
+    from services.engine.nvfp4 import blackwell
+
+    cpu = torch.device("cpu")
+    assert blackwell._probe(cpu).startswith("a probe FP4 GEMM failed")
+    monkeypatch.setattr(blackwell, "scaled_mm_nvfp4", _emulated_fp4_gemm)
+    assert blackwell._probe(cpu) is None
+
+    def transposed_scales(a, w, out_dtype):  # type: ignore[no-untyped-def]
+        flipped = w.scales_swizzled.view(torch.uint8).flip(0).view(torch.float8_e4m3fn)
+        return _emulated_fp4_gemm(a, dataclasses.replace(w, scales_swizzled=flipped), out_dtype)
+
+    monkeypatch.setattr(blackwell, "scaled_mm_nvfp4", transposed_scales)
+    assert "wrong product" in blackwell._probe(cpu)
+
+
+def test_a_step_whose_activations_held_nan_is_refused_once_and_the_flag_cleared():
+    from services.engine.nvfp4.blackwell import nonfinite_flag, raise_if_nonfinite
+
+    dev = torch.device("cpu")
+    flag = nonfinite_flag(dev)
+    assert nonfinite_flag(dev) is flag  # one per device, made once
+    raise_if_nonfinite(dev)  # nothing set: nothing raised
+    flag |= torch.tensor(True)
+    with pytest.raises(ValueError, match="NaN or Inf"):
+        raise_if_nonfinite(dev)
+    raise_if_nonfinite(dev)  # cleared: the next step runs

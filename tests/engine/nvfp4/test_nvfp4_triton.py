@@ -137,8 +137,15 @@ def run_interpreted(inputs_path: Path, outputs_path: Path) -> None:
         out["nan_checked"] = ""
     except ValueError as e:
         out["nan_checked"] = str(e)
-    unchecked = quantize_triton(bad, finite_check=False)  # the serving path's activations: no host read
-    out["nan_unchecked"] = unchecked.packed.shape
+    flag = torch.zeros((), dtype=torch.bool)
+    quantize_triton(torch.ones(4, 32), nonfinite=flag)
+    out["flag_after_finite"] = bool(flag)
+    quantize_triton(
+        bad, nonfinite=flag
+    )  # the serving path's activations: flagged on the device, no host read
+    out["flag_after_nan"] = bool(flag)
+    quantize_triton(torch.ones(4, 32), nonfinite=flag)
+    out["flag_stays"] = bool(flag)
     for name, (x, w) in inputs["gemm"].items():
         tiles = (16, 32, 64) if name == "ragged" else None  # partial tiles in M, N and K
         out["gemm"][name] = w4a16_matmul(x, quantize(w), tiles=tiles, scale_tile=True)  # type: ignore[index]
@@ -224,12 +231,16 @@ def test_triton_w4a16_reads_the_exact_dequantized_weight(interpreted):
     assert torch.equal(outputs["gemm"]["identity"], dequantize(quantize(w)).T)
 
 
-def test_a_nan_input_is_refused_by_default_and_passed_through_on_the_activation_path(interpreted):
-    """Quantizing a NaN raises with its count (the check reads amax on the host); W4A4 activations skip the
-    check (no host sync per linear in eager steps) and quantize without raising."""
+def test_a_nan_input_is_refused_by_default_and_flagged_on_the_device_on_the_activation_path(interpreted):
+    """Quantizing a NaN raises with its count (the check reads amax on the host); W4A4 activations set a device
+    flag instead (no host sync per linear), which a finite call never sets and never clears."""
     _, outputs = interpreted
     assert "input has 1 non-finite value(s)" in outputs["nan_checked"]
-    assert tuple(outputs["nan_unchecked"]) == (4, 16)
+    assert (outputs["flag_after_finite"], outputs["flag_after_nan"], outputs["flag_stays"]) == (
+        False,
+        True,
+        True,
+    )
 
 
 @pytest.mark.parametrize("name", list(gemm_cases()))
