@@ -859,6 +859,21 @@ def engine_prefill_tps(engine, length: int, vocab: int, seed: int) -> float:
     return length / dt
 
 
+def compiled_variants() -> dict[str, int]:
+    """Compiled variants of each Triton kernel a worker launches, from Triton's per-device kernel caches: what a
+    step compiled (seconds, inside the step) shows as growth between two calls."""
+    from services.engine import triton_attention as ta
+    from services.engine.nvfp4 import triton_kernels as tk
+
+    out = {}
+    for fn in (ta._prefill_kernel, ta._decode_kernel, ta._reduce_splits_kernel, tk._w4a16_kernel):
+        try:
+            out[fn.fn.__name__] = sum(len(c[0]) for c in fn.device_caches.values())
+        except (AttributeError, TypeError, IndexError):  # another Triton's cache layout: nothing to report
+            pass
+    return out
+
+
 def varlen_prefill_ab(engine, prompts: int, length: int, vocab: int, rounds: int = 2) -> dict[str, float]:
     """Prefill tok/s of a step of `prompts` fresh `length`-token prompts with their attention in one varlen launch
     per layer (the engine's way) and with one SDPA call per prompt per layer (how it ran before), A/B/A/B on the
@@ -992,6 +1007,7 @@ def throughput(res: StepResult, plan: Plan, budget: Budget, models: Models) -> N
             res.fail(
                 f"{fmt_name}: CUDA graphs not captured ({engine.graphs_error}); its decode rows are eager"
             )
+        variants = compiled_variants()  # after the engine's start-up: its warm-up and graph capture
         cases = [("decode", b) for b in plan.decode_batches] + [("prefill", plan.prefill_len)]
         for phase, n in cases:
             if not budget.allows(0 if plan.smoke else 15):
@@ -1047,6 +1063,9 @@ def throughput(res: StepResult, plan: Plan, budget: Budget, models: Models) -> N
             except Exception as exc:  # noqa: BLE001
                 traceback.print_exc()
                 res.fail(f"engine bf16 varlen prefill: {type(exc).__name__}: {exc}")
+        grown = {k: v - variants.get(k, 0) for k, v in compiled_variants().items() if v > variants.get(k, 0)}
+        res.data.setdefault("compiled_while_serving", {})[fmt_name] = grown
+        res.say(f"{fmt_name}: Triton kernels compiled after start-up, while serving: {grown or 'none'}")
         models.engines.pop((shape, torch.bfloat16, "bfloat16", quant), None)
         del engine
         free_device_memory(dev)

@@ -272,6 +272,15 @@ class LLMEngine:
             )  # fmt: skip
             num_blocks = plan.kv_blocks
             log.info("%s", plan.describe())
+        if device.type == "cuda" and self.attention_backend == "triton":
+            import services.engine.triton_attention as triton_attention
+
+            t0 = time.perf_counter()
+            mc = loaded.config
+            heights = triton_attention.warm_up_prefill(
+                mc.num_heads, mc.num_kv_heads, mc.head_dim, cfg.block_size, self.dtype, device
+            )
+            log.info("prefill kernel compiled for %s-row tiles in %.1f s", heights, time.perf_counter() - t0)
         scratch = 1 if device.type == "cuda" else 0
         self.kv = PagedKvCache(loaded.config, num_blocks, cfg.block_size, self.dtype, device, scratch)
         log.info(

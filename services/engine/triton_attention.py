@@ -27,7 +27,7 @@ import os
 import torch
 
 from services.engine.device import host_to_device
-from services.engine.varlen import VarlenPrefill, prefill_block_m
+from services.engine.varlen import PrefillChunk, VarlenPrefill, plan_prefill, prefill_block_m
 
 try:
     import triton
@@ -470,3 +470,25 @@ def paged_prefill_attention(
         block_size=block_size,
     )
     return paged_prefill_varlen(q, k_cache, v_cache, plan, scale, num_kv_heads, out)
+
+
+def warm_up_prefill(
+    num_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    block_size: int,
+    dtype: torch.dtype,
+    device: torch.device,
+) -> list[int]:
+    """Compile the prefill kernel's variants a worker launches (one per query-tile height: prefill_block_m's
+    answers for a chunk of up to 16 tokens and for a longer one) on a scratch cache of four blocks, before the
+    first request: else each compiles (seconds) inside a step while serving, stalling every sequence in it.
+    Returns the tile heights compiled."""
+    k = torch.zeros(num_kv_heads * 4, block_size, head_dim, dtype=dtype, device=device)
+    heights = []
+    for n in (16, 4 * block_size):
+        plan = plan_prefill([PrefillChunk(0, n, 0, [0, 1, 2, 3])], dtype, block_size, device)
+        q = torch.zeros(n, num_heads, head_dim, dtype=dtype, device=device)
+        paged_prefill_varlen(q, k, k, plan, 1.0, num_kv_heads, torch.empty_like(q))
+        heights.append(plan.block_m)
+    return heights

@@ -294,6 +294,10 @@ def run_interpreted(inputs_path: Path, outputs_path: Path) -> None:
     out["into_out"] = (wide, returned.data_ptr() == wide.data_ptr())
     for name, case in inputs["prefill"].items():
         out["prefill"][name] = triton_attention.paged_prefill_attention(**case)  # type: ignore[index]
+    out["warm"] = {
+        str(dt): triton_attention.warm_up_prefill(9, 3, 64, 16, dt, torch.device("cpu"))
+        for dt in (torch.bfloat16, torch.float32)
+    }
     out["varlen"] = {}
     for name, case in inputs["varlen"].items():
         case = dict(case)
@@ -435,6 +439,15 @@ def test_every_part_of_a_plan_starts_16_byte_aligned_whatever_the_steps_counts(c
         assert part.data_ptr() % 16 == 0
     assert plan.seqs.tolist() == [[9 * i for i in range(chunks)], [9] * chunks, [0] * chunks]
     assert plan.tables.tolist() == [[i] for i in range(chunks)]
+
+
+def test_the_warm_up_compiles_every_tile_height_a_step_can_pick(interpreted):
+    """A worker compiles the prefill kernel before its first request: both heights prefill_block_m gives (a step
+    whose chunks are all short, and any other), per dtype."""
+    _, outputs = interpreted
+    for dt in (torch.bfloat16, torch.float32):
+        want = sorted({ta.prefill_block_m(n, dt) for n in range(1, 4096)})
+        assert sorted(outputs["warm"][str(dt)]) == want
 
 
 def test_a_plan_whose_table_does_not_cover_its_chunk_is_refused():
