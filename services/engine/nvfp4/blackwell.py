@@ -133,6 +133,10 @@ def scaled_mm_nvfp4(a: NVFP4Tensor, w: BlackwellWeight, out_dtype: torch.dtype) 
     # bf16 is the output every cuBLAS FP4 kernel supports; alpha is applied in fp32 on top.
     out = torch._scaled_mm(a_fp4, w_fp4, a_scales, w.scales_swizzled, out_dtype=torch.bfloat16)
     alpha = torch.reciprocal(a.global_scale * w.global_scale)
+    if out_dtype == torch.bfloat16:
+        # in place: a bf16 tensor times an fp32 0-dim tensor is computed in fp32 and rounded once, the bits of
+        # the line below without its [M, N] fp32 temporary (1.9 GB for a 70B gate/up at 8,192 tokens)
+        return out.mul_(alpha)
     return (out.float() * alpha).to(out_dtype)
 
 

@@ -83,7 +83,10 @@ class NVFP4Linear(torch.nn.Module):
         self.cache_dequantized = cache_dequantized
         self.w4a4 = w4a4
         self._dequantized: torch.Tensor | None = None  # x-dtype W_hat, CPU path with cache_dequantized only
-        self._blackwell_weight: BlackwellWeight | None = None  # swizzled scales, built on first W4A4 call
+        self._blackwell_weight: BlackwellWeight | None = None  # swizzled scales for W4A4
+        if w4a4 and self.packed.is_cuda and self._fp4_shape_ok():
+            # built with the weights, so the start-up log counts them as weights, not as activation peak
+            self._blackwell_weight = prepare_weight(self.weight_nvfp4)
 
     @classmethod
     def from_weight(
@@ -134,11 +137,9 @@ class NVFP4Linear(torch.nn.Module):
 
     def _forward_w4a4(self, x: torch.Tensor) -> torch.Tensor | None:
         reason = blackwell_unavailable_reason(x.device)
-        if reason is None and (self.in_features % 32 or self.out_features % 16):
-            reason = (
-                f"the FP4 GEMM needs in_features % 32 == 0 and out_features % 16 == 0, got {self.in_features}"
-            )
-            reason += f" and {self.out_features}"
+        if reason is None and not self._fp4_shape_ok():
+            reason = "the FP4 GEMM needs in_features % 32 == 0 and out_features % 16 == 0, got "
+            reason += f"{self.in_features} and {self.out_features}"
         if reason is not None:
             _announce("W4A4 unavailable, falling back to W4A16", x, reason)
             return None
@@ -146,6 +147,9 @@ class NVFP4Linear(torch.nn.Module):
             self._blackwell_weight = prepare_weight(self.weight_nvfp4)
         _announce("blackwell-w4a4 (torch._scaled_mm)", x, "activations quantized to NVFP4 per call")
         return w4a4_matmul(x, self._blackwell_weight)
+
+    def _fp4_shape_ok(self) -> bool:
+        return self.in_features % 32 == 0 and self.out_features % 16 == 0
 
     def _forward_triton(self, x: torch.Tensor) -> torch.Tensor | None:
         try:

@@ -308,3 +308,20 @@ def test_a_step_whose_activations_held_nan_is_refused_once_and_the_flag_cleared(
     with pytest.raises(ValueError, match="NaN or Inf"):
         raise_if_nonfinite(dev)
     raise_if_nonfinite(dev)  # cleared: the next step runs
+
+
+@pytest.mark.parametrize("out_dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_the_fp4_gemm_output_is_rescaled_in_place_in_bf16_with_the_bits_of_the_fp32_route(
+    monkeypatch, out_dtype
+):
+    """cuBLAS writes bf16; the tensor scales are applied after. In bf16 that is one in-place multiply (no [M, N]
+    fp32 temporary), which must give the bits the fp32 route gives; other dtypes take the fp32 route."""
+    from services.engine.nvfp4 import blackwell
+
+    raw = (torch.randn(33, 48, generator=gen(14)) * 50).to(torch.bfloat16)
+    monkeypatch.setattr(blackwell.torch, "_scaled_mm", lambda *a, **k: raw.clone())
+    x = quantize(torch.randn(33, 64, generator=gen(15)))
+    w = prepare_weight(quantize(torch.randn(48, 64, generator=gen(16))))
+    got = blackwell.scaled_mm_nvfp4(x, w, out_dtype)
+    want = (raw.float() * torch.reciprocal(x.global_scale * w.global_scale)).to(out_dtype)
+    assert got.dtype == out_dtype and torch.equal(got, want)
