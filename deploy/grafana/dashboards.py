@@ -251,6 +251,14 @@ def overview() -> Board:
         "hit (--kv-tier2-bytes; absent when off); tier=disk: the local-disk tier below it (--kv-disk-bytes)",
     )
     b.panel(
+        "Engine memory: weights, KV cache, GPU plan",
+        [q("max by (role, part) (rackserve_engine_memory_bytes)", "{{role}} {{part}}")],
+        "bytes",
+        description="Per worker role, the largest: weights (NVFP4 packed) and the KV cache; on GPU workers also "
+        "the start-up plan: device_total, before_engine (other processes), activation_peak (the profiled "
+        "largest step), kv_in_transit (set aside for device-direct KV copies)",
+    )
+    b.panel(
         "Tier-2 hit rate (blocks) and restore p90",
         [
             q(

@@ -29,6 +29,7 @@ import torch
 from services.engine.block_hash import ROOT_HASH
 from services.engine.config import EngineConfig, ModelConfig, torch_dtype
 from services.engine.device import (
+    MemoryPlan,
     host_to_device,
     memory_in_use,
     plan_kv_memory,
@@ -165,6 +166,8 @@ class EngineStats:
     block_bytes: int = 0  # bytes of one primary block
     tier2: TierStats | None = None  # the host tier, when it is on
     disk: TierStats | None = None  # the disk tier, when it is on
+    weight_bytes: int = 0  # the model's weights as held (NVFP4 packed), each tensor once
+    memory_plan: MemoryPlan | None = None  # a GPU worker's start-up plan (device.plan_kv_memory)
 
 
 class LLMEngine:
@@ -192,6 +195,7 @@ class LLMEngine:
         self.model_path = loaded.source
         self.dtype = torch_dtype(cfg.dtype)
         self._nonfinite: torch.Tensor | None = None  # W4A4: set on the device by a NaN/Inf activation
+        self.memory_plan: MemoryPlan | None = None  # how a GPU's memory was shared out at start-up
         quant_id = "none"
         kw: dict[str, object] = {}
         if cfg.quant == "nvfp4" or loaded.quantization != "none":
@@ -271,6 +275,7 @@ class LLMEngine:
                 cfg.kv_transit_bytes,
             )  # fmt: skip
             num_blocks = plan.kv_blocks
+            self.memory_plan = plan
             log.info("%s", plan.describe())
         if device.type == "cuda" and self.attention_backend == "triton":
             import services.engine.triton_attention as triton_attention
@@ -692,6 +697,8 @@ class LLMEngine:
             block_bytes=self.kv.block_bytes,
             tier2=self.tier2.stats() if self.tier2 is not None else None,
             disk=self.disk.stats() if self.disk is not None else None,
+            weight_bytes=self.weight_bytes,
+            memory_plan=self.memory_plan,
         )
 
     # ------------------------------------------------------------------------------------------ KV export/import

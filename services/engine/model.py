@@ -243,7 +243,8 @@ class PackedLinear(nn.Module):
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None):
         super().__init__()
         self.out_features = weight.shape[0]
-        self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.contiguous())
+        # a buffer, so the model's weight bytes (the start-up log, rackserve_engine_memory_bytes) count it
+        self.register_buffer("packed", torch.ops.mkldnn._reorder_linear_weight(weight.contiguous()))
         self.bias = bias
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -321,6 +321,7 @@ KV_TIER_BLOCKS = "rackserve_kv_tier_blocks"
 KV_TIER_HITS = "rackserve_kv_tier_hits"  # counters: exported with the _total suffix
 KV_TIER_MISSES = "rackserve_kv_tier_misses"
 KV_TIER_RESTORES_OVERLAPPED = "rackserve_kv_tier_restores_overlapped"
+ENGINE_MEMORY_BYTES = "rackserve_engine_memory_bytes"
 
 
 class EngineCollector(Collector):
@@ -351,7 +352,34 @@ class EngineCollector(Collector):
         )
         preempted.add_metric([self.role], float(s.preemptions))
         yield preempted
+        yield self._memory(s)
         yield from self._tiers(s)
+
+    def _memory(self, s: Any) -> GaugeMetricFamily:
+        """How the engine's memory is shared out: weights and KV cache on every worker; on a GPU worker also its
+        start-up plan (device total, what was in use before the engine, the profiled activation peak, KV copies
+        in transit set aside)."""
+        family = GaugeMetricFamily(
+            ENGINE_MEMORY_BYTES,
+            "Engine memory by part: weights, kv_cache; on a GPU also device_total, before_engine, "
+            "activation_peak, kv_in_transit (the start-up plan)",
+            labels=["role", "part"],
+        )
+        parts = [
+            ("weights", getattr(s, "weight_bytes", 0)),
+            ("kv_cache", s.total_blocks * getattr(s, "block_bytes", 0)),
+        ]
+        plan = getattr(s, "memory_plan", None)
+        if plan is not None:
+            parts += [
+                ("device_total", plan.total_bytes),
+                ("before_engine", plan.other_bytes),
+                ("activation_peak", plan.activation_peak_bytes),
+                ("kv_in_transit", plan.reserved_bytes),
+            ]
+        for part, value in parts:
+            family.add_metric([self.role, part], float(value))
+        return family
 
     def _tiers(self, s: Any) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
         """Per KV tier: capacity and occupancy; hits and misses of tier 2 (the primary pool's hits are

@@ -153,6 +153,15 @@ def test_a_worker_restores_an_evicted_prefix_from_tier_2_with_the_cold_runs_toke
     assert metric(metrics_ep, "rackserve_kv_tier_restore_seconds_count", tier="host") == 1
     assert metric(metrics_ep, "rackserve_kv_tier_capacity_bytes", tier="host") == 64 << 20
     assert metric(metrics_ep, "rackserve_kv_tier_capacity_bytes", tier="primary") == POOL * BLOCK_BYTES
+    # the engine's memory by part: the same KV cache, and the weights: 134.5M bf16 parameters (269 MB), and where
+    # oneDNN packs the projections the LM head packed apart from the tied embedding (28.3M more: 326 MB). Before,
+    # oneDNN's packed weights went uncounted (57 MB, the embedding alone). No GPU plan on a CPU worker.
+    assert metric(metrics_ep, "rackserve_engine_memory_bytes", part="kv_cache") == POOL * BLOCK_BYTES
+    assert 268e6 < metric(metrics_ep, "rackserve_engine_memory_bytes", part="weights") < 327e6
+    text = httpx.get(f"http://{metrics_ep}/metrics", timeout=10).text
+    parts = {s.labels["part"] for f in text_string_to_metric_families(text) for s in f.samples
+             if s.name == "rackserve_engine_memory_bytes"}  # fmt: skip
+    assert parts == {"weights", "kv_cache"}
     # A is back in the pool (its restored blocks and its recomputed last one, whose tier-2 copy was dropped), B in
     # tier 2: the router's index says the same
     router_sees(cluster, a, cached=len(a) // BS * BS, indexed=full_a + full_b)

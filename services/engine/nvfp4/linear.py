@@ -209,7 +209,10 @@ def weight_memory_bytes(module: torch.nn.Module) -> int:
         derived: set[str] = getattr(sub, "_non_persistent_buffers_set", set())
         named = [*sub.named_parameters(recurse=False), *sub.named_buffers(recurse=False)]
         for name, t in named:
-            key = (str(t.device), t.data_ptr())
+            try:
+                key = (str(t.device), t.data_ptr())
+            except RuntimeError:  # an opaque tensor (oneDNN's packed bf16 weights) has no storage to share
+                key = ("opaque", id(t))
             if name in derived or (t.device.type != "meta" and key in seen):
                 continue
             seen.add(key)
