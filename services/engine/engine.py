@@ -438,11 +438,18 @@ class LLMEngine:
         prompt = list(prompt_ids)
         if not prompt:
             raise ValueError("the prompt is empty")
-        bad = [t for t in prompt + list(output_ids) if not 0 <= t < self.model_config.vocab_size]
+        vocab = self.model_config.vocab_size
+        bad = [t for t in prompt + list(output_ids) if not 0 <= t < vocab]
         if bad:
-            raise ValueError(
-                f"token id {bad[0]} is outside the vocabulary (size {self.model_config.vocab_size})"
-            )
+            raise ValueError(f"token id {bad[0]} is outside the vocabulary (size {vocab})")
+        # ids the sampler indexes the logits with: out of range, on a GPU a device-side assert ends the worker
+        for name, ids in (
+            ("stop_token_ids", params.stop_token_ids),
+            ("forced_token_ids", params.forced_token_ids),
+        ):
+            bad = [t for t in ids if not 0 <= t < vocab]
+            if bad:
+                raise ValueError(f"{name} holds {bad[0]}, outside the vocabulary (size {vocab})")
         total = len(prompt) + len(output_ids)
         if total >= self.max_model_len:
             raise PromptTooLongError(

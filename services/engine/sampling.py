@@ -16,6 +16,7 @@ seeded exponential race. Logprobs are of the raw logits (vLLM's default), before
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import random
 from collections.abc import Sequence
@@ -148,14 +149,16 @@ def apply_processors(
     if nr:
         nc = [t for c in rows for t in c.banned]
         idx = (host_to_device(nr, torch.long, dev), host_to_device(nc, torch.long, dev))
-        x.index_put_(idx, torch.tensor(-math.inf))
+        x.index_put_(idx, x.new_full((len(nr),), -math.inf))  # a device value: a CPU scalar would sync
     pen = [r for r, p in enumerate(params) if p.penalised]
     if pen:
         at = host_to_device(pen, torch.long, dev)
         x[at] = _penalise(x[at], [params[r] for r in pen], [rows[r] for r in pen])
     masked = [r for r, c in enumerate(rows) if c.bitmask is not None]
     if masked:
-        words = torch.stack([rows[r].bitmask for r in masked]).to(dev)  # type: ignore[misc]
+        words = torch.stack([rows[r].bitmask for r in masked])  # type: ignore[misc]
+        if dev.type == "cuda":  # from pinned memory, queued: from ordinary memory the copy waits for the GPU
+            words = words.pin_memory().to(dev, non_blocking=True)
         allowed = unpack_bitmask(words, vocab)
         at = host_to_device(masked, torch.long, dev)
         x[at] = x[at].masked_fill(~allowed, -math.inf)
@@ -177,7 +180,8 @@ def _penalise(x: torch.Tensor, params: Sequence[SamplingParams], rows: Sequence[
         pr = [r for r, c in enumerate(rows) for _ in c.prompt_ids]
         if pr:
             pc = host_to_device([t for c in rows for t in c.prompt_ids], torch.long, dev)
-            seen[host_to_device(pr, torch.long, dev), pc] = True
+            ones = torch.ones(len(pr), dtype=torch.bool, device=dev)  # a device value: True would sync
+            seen.index_put_((host_to_device(pr, torch.long, dev), pc), ones)
         x = torch.where(seen, torch.where(x > 0, x / rep, x * rep), x)
     freq = host_to_device([p.frequency_penalty for p in params], x.dtype, dev)[:, None]
     pres = host_to_device([p.presence_penalty for p in params], x.dtype, dev)[:, None]
@@ -202,8 +206,10 @@ def _sample_rows(x: torch.Tensor, params: Sequence[SamplingParams], indices: Seq
         min_p = host_to_device([p.min_p for p in params], x.dtype, dev)[:, None]
         x = x.masked_fill(probs < min_p * probs.amax(-1, keepdim=True), -math.inf)
     if any(0 < p.top_k < vocab for p in params):
-        k = host_to_device([p.top_k if 0 < p.top_k < vocab else vocab for p in params], torch.long, dev)
-        kth = torch.sort(x, -1, descending=True).values.gather(1, (k - 1)[:, None])
+        ks = [p.top_k if 0 < p.top_k < vocab else vocab for p in params]
+        k = host_to_device(ks, torch.long, dev)
+        # the k-th largest value per row: topk of the largest k asked (not a sort of the whole vocabulary)
+        kth = torch.topk(x, max(ks), dim=-1).values.gather(1, (k - 1)[:, None])
         x = x.masked_fill(x < kth, -math.inf)
     if any(p.top_p < 1.0 for p in params):
         top_p = host_to_device([p.top_p if p.top_p < 1 else 2.0 for p in params], x.dtype, dev)
@@ -213,12 +219,12 @@ def _sample_rows(x: torch.Tensor, params: Sequence[SamplingParams], indices: Seq
         x = x.masked_fill(torch.zeros_like(drop).scatter(1, order, drop), -math.inf)
     probs = torch.softmax(x, -1)
     # exponential race: argmax(p / E) with E ~ Exp(1) draws from p, from one seeded generator per index
-    noise = []
-    for p, i in zip(params, indices, strict=True):
+    noise = torch.empty_like(probs)  # each row filled in place: no list of rows and no stacked copy of them
+    for row, (p, i) in enumerate(zip(params, indices, strict=True)):
         assert p.seed is not None, "the engine assigns a seed before sampling"
         gen = torch.Generator(device=dev).manual_seed(draw_seed(p.seed, i))
-        noise.append(torch.empty(vocab, device=dev, dtype=probs.dtype).exponential_(1.0, generator=gen))
-    return _argmax(probs / torch.stack(noise))
+        noise[row].exponential_(1.0, generator=gen)
+    return _argmax(probs.div_(noise))
 
 
 def worst_case_batch(rows: int, vocab: int) -> tuple[list[SamplingParams], list[int], list[RowContext]]:
@@ -230,8 +236,9 @@ def worst_case_batch(rows: int, vocab: int) -> tuple[list[SamplingParams], list[
         presence_penalty=0.5, frequency_penalty=0.5, repetition_penalty=1.1, logit_bias=((0, 1.0),),
     )  # fmt: skip
     allowed = torch.full((-(-vocab // 32),), -1, dtype=torch.int32)  # every token allowed
-    context = RowContext(prompt_ids=list(range(16)), output_ids=list(range(16)), bitmask=allowed)
-    return [params] * rows, [1] * rows, [context] * rows
+    context = RowContext(prompt_ids=list(range(16)), output_ids=list(range(16)), banned=[0], bitmask=allowed)
+    forced = dataclasses.replace(params, forced_token_ids=(1, 1))  # one row teacher-forced (echo)
+    return [forced] + [params] * (rows - 1), [1] * rows, [context] * rows
 
 
 def sample_batch(

@@ -315,3 +315,20 @@ def test_batched_decode_over_scattered_blocks_equals_full_prefill_of_each_sequen
         full = AttnMetadata(slot_mapping=torch.arange(n), prefills=[PrefillSegment(0, n)])
         ref = model(torch.tensor(seq), torch.arange(n), full, fresh)[-1]
         torch.testing.assert_close(decoded[i], ref, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize(
+    "params, named",
+    [
+        (SamplingParams(max_tokens=2, stop_token_ids=(3, 256)), "stop_token_ids holds 256"),
+        (SamplingParams(max_tokens=2, forced_token_ids=(-1,)), "forced_token_ids holds -1"),
+    ],
+)
+def test_ids_the_sampler_indexes_with_are_refused_at_admission_when_outside_the_vocabulary(params, named):
+    """A stop id past the vocabulary (banned until min_tokens) or a forced id indexes the logits: on a GPU a
+    device-side assert that ends the worker and every request on it. The engine refuses the request instead,
+    naming the field, and keeps serving."""
+    e = engine()
+    with pytest.raises(ValueError, match=named):
+        e.add_request("bad", [1, 2, 3], params)
+    assert e.generate([[1, 2, 3]], GREEDY)[0]  # the engine still serves
