@@ -122,7 +122,10 @@ class Grant:
     serial: str
     shm: str | None = None  # the shared-memory segment's name
     nixl: NixlRegion | None = None
-    cuda_ipc: bool = False  # the device copy is pinned (its IPC handle travelled in the ticket)
+    cuda_ipc: bool = False  # the device copy is pinned for this reader
+    # cuda_ipc: the device copy's description (cuda_ipc.describe, JSON), shared for this reader alone: torch
+    # counts each share until a reader's mapping goes, so a share nobody opens would keep the copy forever
+    device_handle: str | None = None
 
     ok = True
 
@@ -140,6 +143,8 @@ class Grant:
             msg["nixl"] = self.nixl.to_wire()
         if self.cuda_ipc:
             msg["cuda_ipc"] = True
+        if self.device_handle is not None:
+            msg["device_handle"] = self.device_handle
         return msg
 
     @classmethod
@@ -152,6 +157,9 @@ class Grant:
         shm = msg.get("shm")
         if shm is not None and not isinstance(shm, str):
             raise ControlMessageError(f"reply: 'shm' must be str, got {shm!r}")
+        handle = msg.get("device_handle")
+        if handle is not None and not isinstance(handle, str):
+            raise ControlMessageError(f"reply: 'device_handle' must be str, got {handle!r}")
         return cls(
             size=_field(msg, "reply", "size", int),
             checksum=_field(msg, "reply", "checksum", str),
@@ -160,6 +168,7 @@ class Grant:
             shm=shm,
             nixl=None if nixl is None else NixlRegion.from_wire(nixl),
             cuda_ipc=_field(msg, "reply", "cuda_ipc", bool, False),
+            device_handle=handle,
         )
 
 

@@ -250,14 +250,18 @@ class KvSink:
         caller's cache, when on a GPU), not on the producer's GPU, where this process has no memory to spend."""
         from services.kvtransfer import cuda_ipc
 
-        if not ticket.device_handle:
-            raise TransferUnavailable(f"{ticket.key}: the producer offered no device copy for cuda_ipc")
+        if device is None or not device.startswith("cuda"):
+            # a CPU worker (on a node with GPUs) would copy onto the producer's GPU, outside both memory plans,
+            # and then down again: the host bytes are the direct way
+            raise TransferUnavailable(
+                f"{ticket.key}: cuda_ipc is for a GPU reader; this one's KV is on {device}"
+            )
 
-        def copy() -> Any:
+        def copy(description: str) -> Any:
             import torch
 
-            remote = cuda_ipc.open_described(json.loads(ticket.device_handle))
-            into = torch.device(device) if device is not None and device.startswith("cuda") else remote.device
+            remote = cuda_ipc.open_described(json.loads(description))
+            into = torch.device(device)
             # allocated on the current stream (the engine's, which frees it after its import); copied on a side
             # stream, so a large copy does not queue ahead of the engine's steps, after the current stream (the
             # open made it wait for the producer's writes); waited for on that stream alone
@@ -274,10 +278,18 @@ class KvSink:
             return local
 
         async def move(sock: socket.socket, reply: Grant) -> Any:
+            if not reply.device_handle:
+                raise TransferUnavailable(
+                    f"{ticket.key}: the producer granted cuda_ipc without a device copy"
+                )
             try:
-                return await asyncio.to_thread(copy)
+                return await asyncio.to_thread(copy, reply.device_handle)
             except cuda_ipc.CudaIpcUnavailable as exc:
                 raise TransferUnavailable(f"{ticket.key}: cuda_ipc: {exc}") from exc
+            except (
+                RuntimeError
+            ) as exc:  # the driver's open or the copy failed (IPC namespace, MIG, peer limits)
+                raise TransferUnavailable(f"{ticket.key}: cuda_ipc: {type(exc).__name__}: {exc}") from exc
 
         t0 = time.perf_counter()
         try:
@@ -346,11 +358,18 @@ class KvSink:
         try:
             async with asyncio.timeout(deadline_s):
                 await self._exchange(ticket, NIXL, move, device=True)
-        except TimeoutError as exc:
-            raise TransferTimeout(
-                f"pull of {ticket.key} ({ticket.raw_size} bytes of device memory over nixl) missed its "
-                f"{deadline_s}s deadline"
-            ) from exc
+        except BaseException as exc:
+            # a READ cut short (deadline, cancel, error) may still be writing: UCX's cuda_ipc copies on streams
+            # of its own that a cancel does not stop. Wait for this device's streams before `local` goes back
+            # to the allocator, or the next allocation there could receive memory a copy is still filling
+            if local.is_cuda:
+                await asyncio.shield(asyncio.to_thread(torch.cuda.synchronize, local.device))
+            if isinstance(exc, TimeoutError):
+                raise TransferTimeout(
+                    f"pull of {ticket.key} ({ticket.raw_size} bytes of device memory over nixl) missed its "
+                    f"{deadline_s}s deadline"
+                ) from exc
+            raise
         seconds = time.perf_counter() - t0
         log.debug(
             "pulled %s: %d bytes device to device over nixl in %.4fs", ticket.key, ticket.raw_size, seconds

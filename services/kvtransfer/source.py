@@ -99,6 +99,7 @@ class KvSource:
         self._progress: asyncio.Task[None] | None = None
         self._closed = False
         self._warned_device = False
+        self._warned_share = False
         # held by publications' device copies, and reserved for copies being made
         self._device = DeviceBudget(config.device_copy_bytes)
         self._serials = (f"{uuid.uuid4().hex[:12]}-{n}" for n in itertools.count(1))
@@ -269,7 +270,7 @@ class KvSource:
         )  # expiry: on the loop
         try:
             pub.checksum = checksum_of(view, self.config.checksum)
-            backends, device_handle, nixl_device = self._register(pub, device_payload, device_room)
+            backends, nixl_device = self._register(pub, device_payload, device_room)
         except BaseException:
             self._free(pub)
             raise
@@ -285,15 +286,14 @@ class KvSource:
             serial=pub.serial,
             nixl_addr=pub.addr if pub.nixl_reg is not None else 0,
             agent_metadata=pub.nixl_md,
-            device_handle=device_handle,
             nixl_device=nixl_device,
         )
         return pub, ticket
 
     def _register(
         self, pub: _Publication, device_payload: Any, device_room: DeviceRoom | None = None
-    ) -> tuple[dict[str, str], str, str]:
-        """Offer the publication on every backend that can serve it: (backends, cuda_ipc handle, NIXL device)."""
+    ) -> tuple[dict[str, str], str]:
+        """Offer the publication on every backend that can serve it: (backends, the NIXL device copy's device)."""
         key, view = pub.key, pub.view
         backends = {TCP: self.endpoint}
         if pub.segment is not None:
@@ -302,11 +302,11 @@ class KvSource:
             pub.addr = buffers.address_of(view)
             pub.nixl_reg, pub.nixl_md = self._nixl.submit(self._nixl.register, pub.addr, len(view)).result()
             backends[NIXL] = self._nixl.name
-        device_handle = nixl_device = ""
+        nixl_device = ""
         if device_payload is None or device_payload.numel() == 0:
             if device_room is not None:
                 device_room.give()
-            return backends, device_handle, nixl_device
+            return backends, nixl_device
         if not device_payload.is_contiguous():
             raise ValueError(f"{key}: device_payload must be contiguous")
         nbytes = device_payload.numel() * device_payload.element_size()
@@ -316,7 +316,7 @@ class KvSource:
         if not (ipc or self._nixl is not None):
             if device_room is not None:
                 device_room.give()
-            return backends, device_handle, nixl_device
+            return backends, nixl_device
         room = (
             device_room
             if device_room is not None and device_room.nbytes == nbytes
@@ -326,12 +326,9 @@ class KvSource:
             device_room.give()
         if room is None:  # past the budget: readers get the host bytes
             log.debug("%s: no room for its %d-byte device copy; offered as host bytes", key, nbytes)
-            return backends, device_handle, nixl_device
+            return backends, nixl_device
         pub.device_room = room
-        if ipc:
-            from services.kvtransfer import cuda_ipc
-
-            device_handle = json.dumps(cuda_ipc.describe(device_payload), separators=(",", ":"))
+        if ipc:  # shared (described) per reader when one opens it: _serve_one
             pub.device_copy = device_payload
             backends[CUDA_IPC] = self.node_id
         if self._nixl is not None:
@@ -351,7 +348,22 @@ class KvSource:
         if pub.device_copy is None:  # nothing keeps it: its room goes back
             room.give()
             pub.device_room = None
-        return backends, device_handle, nixl_device
+        return backends, nixl_device
+
+    def _share(self, device_copy: Any) -> str:
+        """A cuda_ipc description of the device copy for one reader. torch counts every share until that
+        reader's mapping is gone (and keeps the memory until then), so it is made only for a reader that opens;
+        made at publication, the copies nobody read over cuda_ipc (remote and host readers, expiries) stayed on
+        the GPU for good. A failure is logged once and refuses the open: the reader takes the host bytes."""
+        from services.kvtransfer import cuda_ipc
+
+        try:
+            return json.dumps(cuda_ipc.describe(device_copy), separators=(",", ":"))
+        except Exception as exc:
+            if not self._warned_share:
+                log.warning("cannot share a KV device copy over cuda_ipc (%s); readers get host bytes", exc)
+                self._warned_share = True
+            raise
 
     def retract(self, key: str) -> None:
         """Stop serving `key` (the consumer acknowledged, or the request ended); memory is freed once no reader
@@ -470,9 +482,12 @@ class KvSource:
                 md = None if open_.eager else pub.nixl_md  # an eager reader took the metadata from its ticket
                 reply = dataclasses.replace(reply, nixl=NixlRegion(pub.addr, self._nixl.name, md))
             elif backend == CUDA_IPC and pub.device_copy is not None and CUDA_IPC in self.config.backends:
-                reply = dataclasses.replace(
-                    reply, cuda_ipc=True
-                )  # the handle came in the ticket; the open pins it
+                try:  # this reader's own share of the copy (the open pins it)
+                    handle = self._share(pub.device_copy)
+                except Exception as exc:  # noqa: BLE001 - e.g. an allocator that cannot share: the host bytes
+                    await protocol.send_message(conn, Refusal(UNAVAILABLE, f"{backend}: cannot share: {exc}"))
+                    return True
+                reply = dataclasses.replace(reply, cuda_ipc=True, device_handle=handle)
             elif backend != TCP:
                 await protocol.send_message(conn, Refusal(UNAVAILABLE, backend))
                 return True

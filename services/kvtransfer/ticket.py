@@ -142,9 +142,6 @@ class TransferTicket:
     # again gets a new serial, so a reader holding the old ticket is refused instead of reading the new bytes.
     serial: str = ""
     nixl_addr: int = 0  # the registered payload's address in the producer (0: not registered with NIXL)
-    # cuda_ipc: the producer's device copy of the payload (kvtransfer/cuda_ipc.describe, as JSON); "" when the
-    # producer's KV is not on a GPU
-    device_handle: str = ""
     # NIXL: the producer's device copy of the payload is registered too (raw, never encoded), on this torch
     # device ("cuda:0"); a reader whose KV lives on the same kind of device READs it device to device.
     # "" when there is none (a CPU producer, or NIXL off)

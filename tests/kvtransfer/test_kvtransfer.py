@@ -33,7 +33,7 @@ from services.kvtransfer import (
 from services.kvtransfer import shm as shm_mod
 from services.kvtransfer import source as source_mod
 from services.kvtransfer.nixl import load_nixl
-from services.kvtransfer.ticket import Checksum, checksum_of
+from services.kvtransfer.ticket import CUDA_IPC, Checksum, checksum_of
 from tests.support.markers import starts_processes
 
 try:
@@ -855,7 +855,7 @@ def test_device_room_is_reserved_before_the_copy_and_goes_back_once_whatever_hap
             assert room is not None
             host_only = torch.zeros(2 * MiB, dtype=torch.uint8)  # no reader here reads host memory directly
             ticket = await src.publish("k", bytes(2 * MiB), 10.0, device_payload=host_only, device_room=room)
-            assert ticket.device_handle == "" and src.device_bytes_held() == 0
+            assert "cuda_ipc" not in ticket.backends and src.device_bytes_held() == 0
             room.give()  # a caller's give after the publication gave it: nothing more
             assert src.device_bytes_held() == 0
         finally:
@@ -942,3 +942,65 @@ def test_a_segment_holds_the_payload_whichever_way_the_kernel_wants_it_filled(
         finally:
             seg.close()
         assert not os.path.exists(seg.path)
+
+
+class _FakeDeviceCopy:
+    """What KvSource reads of a device payload before a cuda_ipc reader opens it (no GPU here: the share and the
+    consumer's mapping below are stand-ins; the source, sink, sockets and protocol are the real ones)."""
+
+    is_cuda = True
+
+    def __init__(self, nbytes: int) -> None:
+        self.nbytes = nbytes
+
+    def numel(self) -> int:
+        return self.nbytes
+
+    def element_size(self) -> int:
+        return 1
+
+    def is_contiguous(self) -> bool:
+        return True
+
+
+@pytest.mark.parametrize("failure", ["consumer_open", "producer_share", "cpu_reader"])
+def test_a_cuda_ipc_share_is_made_per_reader_at_its_open_and_any_failure_falls_back_to_host_bytes(
+    monkeypatch: pytest.MonkeyPatch, failure: str
+) -> None:
+    """torch counts every cuda_ipc share until a reader's mapping of it goes, keeping the device copy until
+    then: a share made at publication stayed on the GPU for good whenever no cuda_ipc reader came. Now nothing is
+    shared at publication, one share goes in each cuda_ipc reader's grant, and a share that fails, a driver error
+    in the reader's open, or a reader whose KV is on the CPU all end in the host bytes, whole."""
+    from services.kvtransfer import cuda_ipc
+    from services.kvtransfer import sink as sink_mod
+
+    shares: list[int] = []
+
+    def describe(copy: Any) -> dict[str, Any]:
+        if failure == "producer_share":
+            raise RuntimeError("cudaMallocAsync does not yet support shareIpcHandle")
+        shares.append(copy.nbytes)
+        return {"fake": True}
+
+    def open_described(desc: dict[str, Any]) -> Any:
+        raise RuntimeError("CUDA error: invalid device context")  # what a failing cudaIpcOpenMemHandle raises
+
+    monkeypatch.setattr(cuda_ipc, "describe", describe)
+    monkeypatch.setattr(cuda_ipc, "open_described", open_described)
+    monkeypatch.setattr(sink_mod, "_cuda_visible", lambda: True)
+    data = payload(MiB, 31)
+
+    async def go() -> None:
+        src = await KvSource.start(TransferConfig(backends=(TCP, CUDA_IPC), device_copy_bytes=4 * MiB))
+        sink = await KvSink.start(TransferConfig(backends=(TCP, CUDA_IPC)))
+        try:
+            ticket = await src.publish("ipc", data, 10.0, device_payload=_FakeDeviceCopy(MiB))
+            assert ticket.backends[CUDA_IPC] and shares == []  # offered, not yet shared
+            got = await sink.pull(ticket, 10.0, device="cpu" if failure == "cpu_reader" else "cuda:0")
+            assert got.backend == TCP and not got.device_direct and bytes(got.data) == data
+            assert shares == ([MiB] if failure == "consumer_open" else [])
+        finally:
+            await sink.close()
+            await src.close()
+
+    asyncio.run(go())
