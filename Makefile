@@ -73,6 +73,7 @@ bench: setup
 	$(BIN)/python -m bench.kv_import_bench
 	$(BIN)/python -m bench.kv_publish_bench
 	$(BIN)/python -m bench.kv_pull_resident_bench
+	$(BIN)/python -m bench.sampler_bench
 	$(BIN)/python -m bench.disagg_bench
 	$(BIN)/python -m bench.router_bench
 	$(BIN)/python -m bench.soak_bench

