@@ -2,7 +2,7 @@
 
 The contract that recovery relies on: the token chosen at output index i depends only on (seed, i, the logits
 after the request's own processors, the tokens emitted so far). There is no RNG state carried from step to
-step — each draw seeds its own generator from (seed, i) — and every processor (penalties, logit_bias, the
+step — each draw takes its one uniform from a hash of (seed, i) — and every processor (penalties, logit_bias, the
 grammar's bitmask) is a function of the prompt and the emitted tokens, so a request resumed on another worker
 with its emitted tokens continues with the same tokens.
 
@@ -11,7 +11,7 @@ argmax over the batch, and a single device→host copy at the end.
 
 Processor order (vLLM's): logit_bias, the min_tokens ban on end-of-sequence, repetition / frequency /
 presence penalties, the grammar bitmask; then, for sampled rows, temperature, min_p, top_k, top_p, and the
-seeded exponential race. Logprobs are of the raw logits (vLLM's default), before any processor.
+seeded inverse-CDF draw. Logprobs are of the raw logits (vLLM's default), before any processor.
 """
 
 from __future__ import annotations
@@ -233,13 +233,17 @@ def _sample_rows(x: torch.Tensor, params: Sequence[SamplingParams], indices: Seq
         drop = sm.cumsum(-1) - sm >= top_p[:, None]  # keep the smallest set reaching top_p
         x = x.masked_fill(torch.zeros_like(drop).scatter(1, order, drop), -math.inf)
     probs = torch.softmax(x, -1)
-    # exponential race: argmax(p / E) with E ~ Exp(1) draws from p, from one seeded generator per index
-    noise = torch.empty_like(probs)  # each row filled in place: no list of rows and no stacked copy of them
-    for row, (p, i) in enumerate(zip(params, indices, strict=True)):
+    # inverse CDF: one uniform per row, the top 53 bits of draw_seed(seed, index), made on the host (the same on
+    # every device); the token is the first whose cumulative probability passes u x the row's total. A token of
+    # probability 0 (masked) adds nothing to the sum, so it is never the first to pass. One cumsum instead of a
+    # seeded generator and `vocab` exponentials per row (62 ms of a 175 ms batch-64 step on one CPU thread)
+    u = []
+    for p, i in zip(params, indices, strict=True):
         assert p.seed is not None, "the engine assigns a seed before sampling"
-        gen = torch.Generator(device=dev).manual_seed(draw_seed(p.seed, i))
-        noise[row].exponential_(1.0, generator=gen)
-    return _argmax(probs.div_(noise))
+        u.append((draw_seed(p.seed, i) >> 10) * 2.0**-53)
+    cdf = probs.cumsum_(-1)
+    target = host_to_device(u, cdf.dtype, dev)[:, None] * cdf[:, -1:]
+    return torch.searchsorted(cdf, target, right=True).squeeze(1).clamp_(max=vocab - 1)
 
 
 def worst_case_batch(rows: int, vocab: int) -> tuple[list[SamplingParams], list[int], list[RowContext]]:

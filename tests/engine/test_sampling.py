@@ -7,6 +7,7 @@ from __future__ import annotations
 import math
 import random
 
+import numpy as np
 import pytest
 import torch
 
@@ -159,15 +160,33 @@ def test_a_row_samples_the_same_alone_as_in_any_batch() -> None:
             assert alone == together[r]
 
 
-def test_the_draw_is_the_exponential_race_seeded_by_seed_and_index() -> None:
-    """The per-index draw every worker reproduces: argmax(p / E), E ~ Exp(1) from draw_seed(seed, index)."""
+def test_the_draw_is_the_inverse_cdf_at_a_uniform_hashed_from_seed_and_index() -> None:
+    """The per-index draw every worker reproduces, whatever its device: u = the top 53 bits of
+    draw_seed(seed, index) / 2^53; the token is the first whose cumulative probability passes u x the total
+    (here computed apart, in float64)."""
     logits = _logits(1, seed=8)
     p = SamplingParams(temperature=0.8, seed=12345)
-    for index in range(10):
-        probs = torch.softmax(logits[0] / 0.8, -1)
-        gen = torch.Generator().manual_seed(draw_seed(12345, index))
-        want = int(torch.argmax(probs / torch.empty_like(probs).exponential_(1.0, generator=gen)))
+    cdf = np.cumsum(torch.softmax(logits[0].double() / 0.8, -1).numpy())
+    for index in range(50):
+        u = (draw_seed(12345, index) >> 10) * 2.0**-53
+        want = int(np.searchsorted(cdf, u * cdf[-1], side="right"))
         assert sample_batch(logits, [p], [index])[0].token_id == want
+
+
+def test_draws_over_many_indices_follow_the_distribution_and_never_pick_a_masked_token() -> None:
+    """20,000 seeded draws from one row (a fixed outcome: the seeds are fixed): each token's share is its
+    probability within sampling error (chi-square), and the tokens top-k masks out never come."""
+    logits = torch.tensor([[2.0, 1.0, 0.5, 0.0, -1.0, -3.0, 3.0, -0.5]])
+    p = SamplingParams(temperature=1.0, top_k=6, seed=7)
+    n = 20_000
+    picks = [s.token_id for s in sample_batch(logits.expand(n, -1), [p] * n, list(range(n)))]
+    counts = np.bincount(picks, minlength=8)
+    kept = torch.topk(logits[0], 6).indices.tolist()
+    assert all(counts[t] == 0 for t in range(8) if t not in kept)
+    probs = torch.softmax(logits[0][kept], -1).numpy()
+    observed = counts[kept]
+    chi2 = float((((observed - n * probs) ** 2) / (n * probs)).sum())
+    assert chi2 < 20.5  # 5 degrees of freedom: p = 0.001
 
 
 def test_logprobs_are_the_raw_log_softmax_in_one_copy() -> None:
