@@ -228,10 +228,7 @@ def _sample_rows(x: torch.Tensor, params: Sequence[SamplingParams], indices: Seq
         x = x.masked_fill(x < kth, -math.inf)
     if any(p.top_p < 1.0 for p in params):
         top_p = host_to_device([p.top_p if p.top_p < 1 else 2.0 for p in params], x.dtype, dev)
-        sorted_x, order = torch.sort(x, -1, descending=True)
-        sm = torch.softmax(sorted_x, -1)
-        drop = sm.cumsum(-1) - sm >= top_p[:, None]  # keep the smallest set reaching top_p
-        x = x.masked_fill(torch.zeros_like(drop).scatter(1, order, drop), -math.inf)
+        x = _top_p(x, top_p)
     probs = torch.softmax(x, -1)
     # inverse CDF: one uniform per row, the top 53 bits of draw_seed(seed, index), made on the host (the same on
     # every device); the token is the first whose cumulative probability passes u x the row's total. A token of
@@ -244,6 +241,39 @@ def _sample_rows(x: torch.Tensor, params: Sequence[SamplingParams], indices: Seq
     cdf = probs.cumsum_(-1)
     target = host_to_device(u, cdf.dtype, dev)[:, None] * cdf[:, -1:]
     return torch.searchsorted(cdf, target, right=True).squeeze(1).clamp_(max=vocab - 1)
+
+
+TOP_P_CANDIDATES = 1024  # on a CPU the nucleus is looked for among a row's most probable tokens first
+
+
+def _top_p(x: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """x with every token outside its row's nucleus at -inf: the smallest set of most probable tokens whose mass
+    reaches the row's top_p (2.0: the whole row). On a GPU, one sort of the vocabulary. On a CPU, where that sort
+    was most of a sampled step (230 ms of it at 64 rows of 49,152 logits on one thread), the nucleus is found
+    among each row's TOP_P_CANDIDATES most probable tokens, the same set wherever it lies within them, and rows
+    whose nucleus is larger (or that keep everything) are sorted whole."""
+    if x.device.type == "cpu" and x.shape[1] > TOP_P_CANDIDATES:
+        vals, idx = torch.topk(x, TOP_P_CANDIDATES, dim=-1)  # sorted, most probable first
+        p = torch.exp(vals - torch.logsumexp(x, -1, keepdim=True))
+        found = p.sum(-1) >= top_p  # the nucleus ends within the candidates
+        if bool(found.all()):
+            keep = p.cumsum(-1) - p < top_p[:, None]
+            return torch.full_like(x, -math.inf).scatter_(1, idx, vals.masked_fill(~keep, -math.inf))
+        if bool(found.any()):
+            rest = (~found).nonzero().squeeze(1)
+            out = _top_p(x[found], top_p[found])
+            full = torch.empty_like(x)
+            full[found] = out
+            full[rest] = _sorted_top_p(x[rest], top_p[rest])
+            return full
+    return _sorted_top_p(x, top_p)
+
+
+def _sorted_top_p(x: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    sorted_x, order = torch.sort(x, -1, descending=True)
+    sm = torch.softmax(sorted_x, -1)
+    drop = sm.cumsum(-1) - sm >= top_p[:, None]  # keep the smallest set reaching top_p
+    return x.masked_fill(torch.zeros_like(drop).scatter(1, order, drop), -math.inf)
 
 
 def worst_case_batch(rows: int, vocab: int) -> tuple[list[SamplingParams], list[int], list[RowContext]]:

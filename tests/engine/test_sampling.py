@@ -271,3 +271,24 @@ def test_the_batch_a_gpu_engine_profiles_its_sampler_with_runs_every_processor()
     assert len(out) == rows and all(0 <= s.token_id < vocab for s in out)
     assert all(s.top_logprobs is not None and len(s.top_logprobs) == 20 for s in out)
     assert all(not p.greedy and p.penalised and p.logit_bias for p in params)
+
+
+def test_top_p_on_a_cpu_finds_the_nucleus_the_full_sort_finds() -> None:
+    """On a CPU the nucleus is looked for among a row's 1,024 most probable tokens before any sort of the whole
+    vocabulary: peaked rows (nucleus inside them), flat rows (nucleus past them: sorted whole), rows that keep
+    everything (2.0), rows with tokens already masked — every row keeps exactly the full sort's set."""
+    from services.engine.sampling import _sorted_top_p, _top_p
+
+    g = torch.Generator().manual_seed(21)
+    vocab = 8192
+    scale = torch.tensor([12.0, 6.0, 0.3, 8.0, 0.01, 5.0])[:, None]  # peaked ... almost flat
+    x = torch.randn(6, vocab, generator=g) * scale
+    x[3, ::3] = -math.inf  # already masked by top-k / min-p / a grammar
+    top_p = torch.tensor([0.9, 0.5, 0.95, 0.7, 0.9, 2.0])
+    got, want = _top_p(x, top_p), _sorted_top_p(x, top_p)
+    assert torch.equal(got.isfinite(), want.isfinite())
+    assert torch.equal(got[got.isfinite()], want[want.isfinite()])
+    kept = got.isfinite().sum(-1).tolist()
+    assert (
+        kept[0] < 1024 < kept[2] and kept[5] == vocab
+    )  # both paths ran: inside the candidates, and past them
