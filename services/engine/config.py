@@ -107,9 +107,8 @@ class EngineConfig:
     num_kv_blocks: int = 0  # 0: size from kv_cache_bytes
     kv_cache_bytes: int = 0  # 0: 1 GiB on CPU; on CUDA what gpu_memory_utilization leaves (engine/device.py)
     max_num_seqs: int = 64  # admission limit: sequences in one batch
-    max_num_batched_tokens: int = (
-        0  # token budget of one step (chunked prefill); 0: by device (step_token_budget)
-    )
+    # token budget of one step (chunked prefill); 0: by device (device.step_token_budget)
+    max_num_batched_tokens: int = 0
     max_model_len: int = 0  # 0: the model's context length
     enable_prefix_caching: bool = True
     num_threads: int = 0  # 0: leave torch's default

@@ -148,3 +148,9 @@ def host_to_device(
     if device.type == "cpu":
         return torch.tensor(values, dtype=dtype)
     return torch.tensor(values, dtype=dtype, pin_memory=True).to(device, non_blocking=True)
+
+
+def host_tensor_to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A host tensor on `device`, as host_to_device moves a list: on CUDA from pinned memory (torch's caching host
+    allocator; reused once the queued copy is done), asynchronously; on the CPU the tensor itself."""
+    return t if device.type == "cpu" else t.pin_memory().to(device, non_blocking=True)

@@ -30,6 +30,7 @@ from services.engine.block_hash import ROOT_HASH
 from services.engine.config import EngineConfig, ModelConfig, torch_dtype
 from services.engine.device import (
     MemoryPlan,
+    host_tensor_to_device,
     host_to_device,
     memory_in_use,
     plan_kv_memory,
@@ -1099,9 +1100,7 @@ class LLMEngine:
             chunk = rows[lo : lo + per]
             run = chunk == list(range(chunk[0], chunk[0] + len(chunk)))
             host = src[chunk[0] : chunk[0] + len(chunk)] if run else src[torch.tensor(chunk)]
-            if self.device.type == "cuda":  # pinned from torch's host cache, reused once this upload is done
-                host = host.pin_memory().to(self.device, non_blocking=True)
-            self.kv.write_blocks(self._h2d(ids[lo : lo + per]), host)
+            self.kv.write_blocks(self._h2d(ids[lo : lo + per]), host_tensor_to_device(host, self.device))
 
 
 # a GPU's KV goes to the host (an export's staging) and comes from it (an import's upload) this much at a time

@@ -26,8 +26,7 @@ import os
 
 import torch
 
-from services.engine.device import host_to_device
-from services.engine.varlen import PrefillChunk, VarlenPrefill, plan_prefill, prefill_block_m
+from services.engine.varlen import PrefillChunk, VarlenPrefill, plan_prefill
 
 try:
     import triton
@@ -434,7 +433,7 @@ def paged_prefill_attention(
     out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """One sequence's chunk of n new tokens, whose K/V are already in the cache, attending causally: the varlen
-    launch for a single chunk, its metadata made on the device from the table (nothing is read back).
+    launch for a single chunk (tests and the compile check; the table is read back to the host to plan it).
 
     q: [n, num_heads, head_dim]; the queries sit at positions start_pos .. start_pos + n - 1 and see keys
     0 .. their own position, read from the blocks of block_table (int32 [>= ceil((start_pos + n) / block_size)]):
@@ -457,18 +456,7 @@ def paged_prefill_attention(
         raise ValueError(f"out must be {tuple(q.shape)} {q.dtype}, contiguous in head_dim")
     if n == 0:
         return out
-    block_m = prefill_block_m(n, q.dtype)
-    nt = -(-n // block_m)
-    tiles = torch.zeros(2, nt, dtype=torch.int32, device=q.device)
-    tiles[1] = torch.arange(nt, dtype=torch.int32, device=q.device)
-    plan = VarlenPrefill(
-        tiles=tiles,
-        seqs=host_to_device([0, n, start_pos], torch.int32, q.device).view(3, 1),
-        tables=block_table.contiguous()[None],
-        block_m=block_m,
-        rows_needed=n,
-        block_size=block_size,
-    )
+    plan = plan_prefill([PrefillChunk(0, n, start_pos, block_table.tolist())], q.dtype, block_size, q.device)
     return paged_prefill_varlen(q, k_cache, v_cache, plan, scale, num_kv_heads, out)
 
 

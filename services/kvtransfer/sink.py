@@ -286,9 +286,8 @@ class KvSink:
                 return await asyncio.to_thread(copy, reply.device_handle)
             except cuda_ipc.CudaIpcUnavailable as exc:
                 raise TransferUnavailable(f"{ticket.key}: cuda_ipc: {exc}") from exc
-            except (
-                RuntimeError
-            ) as exc:  # the driver's open or the copy failed (IPC namespace, MIG, peer limits)
+            # the driver's open or the copy failed (IPC namespace, MIG, peer limits)
+            except RuntimeError as exc:
                 raise TransferUnavailable(f"{ticket.key}: cuda_ipc: {type(exc).__name__}: {exc}") from exc
 
         t0 = time.perf_counter()

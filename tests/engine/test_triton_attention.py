@@ -27,7 +27,7 @@ triton = pytest.importorskip("triton")
 from services.engine import triton_attention as ta  # noqa: E402
 from services.engine.config import ModelConfig  # noqa: E402
 from services.engine.model import AttnMetadata, PagedKvCache, layer_rows  # noqa: E402
-from services.engine.varlen import PrefillChunk, plan_prefill  # noqa: E402
+from services.engine.varlen import PrefillChunk, plan_prefill, prefill_block_m  # noqa: E402
 from tests.support.markers import starts_processes  # noqa: E402
 from tests.support.paths import REPO  # noqa: E402
 
@@ -446,7 +446,7 @@ def test_the_warm_up_compiles_every_tile_height_a_step_can_pick(interpreted):
     whose chunks are all short, and any other), per dtype."""
     _, outputs = interpreted
     for dt in (torch.bfloat16, torch.float32):
-        want = sorted({ta.prefill_block_m(n, dt) for n in range(1, 4096)})
+        want = sorted({prefill_block_m(n, dt) for n in range(1, 4096)})
         assert sorted(outputs["warm"][str(dt)]) == want
 
 
