@@ -22,6 +22,8 @@ Writes a markdown report to stdout and bench/results/nvfp4_quality[.<dtype>][.qu
   layer's output sees it on the calibration inputs, sqrt(tr(D H D^T) / tr(W H W^T)), which gptq minimizes.
 - Quantize time of the whole model per method, A/B interleaved (rtn, four_over_six, mse, rtn, ...) over
   rounds; ratio to rtn. gptq once, with its calibration pass timed apart.
+- W4A4 rows: rtn, four_over_six and gptq weights again with `--nvfp4-gemm w4a4` (activations quantized too,
+  emulated on the CPU with the recipe): what an engine on FP4 tensor cores serves by default.
 This benchmark never asserts; it reports.
 """
 
@@ -55,6 +57,8 @@ from services.engine.tokenizer import Tokenizer
 
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
 WINDOW_TOKENS = 512
+# quantized with these, also run W4A4 (what auto serves on FP4 tensor cores; emulated on a CPU)
+W4A4_METHODS = ("rtn", "four_over_six", "gptq")
 AGREEMENT_TOKENS = 64
 PROJ_TYPES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 HESSIAN_OF = {"q_proj": "attn.wqkv", "k_proj": "attn.wqkv", "v_proj": "attn.wqkv", "o_proj": "attn.wo",
@@ -137,7 +141,7 @@ def main() -> None:
     quantized["gptq"] = quantize_model(loaded, "gptq", hessians)
     gptq_s = time.perf_counter() - t
 
-    def engine_for(method: str | None, dtype: str) -> LLMEngine:
+    def engine_for(method: str | None, dtype: str, gemm: str = "w4a16") -> LLMEngine:
         # every method through the pre-quantized path with quantize_model's bytes, which are the bytes
         # `--quant nvfp4 --nvfp4-method m` quantizes at load (tests/engine/nvfp4/test_nvfp4_methods.py): no second
         # quantize
@@ -150,7 +154,7 @@ def main() -> None:
             source_format="memory",
             quantization=f"nvfp4:{method}",
         )
-        cfg = EngineConfig(dtype=dtype, num_kv_blocks=96, nvfp4_cache_dequantized=True)
+        cfg = EngineConfig(dtype=dtype, num_kv_blocks=96, nvfp4_cache_dequantized=True, nvfp4_gemm=gemm)
         return LLMEngine(pre, cfg, tokenizer=tok)
 
     errors = {m: weight_errors(loaded, quantized[m], hessians) for m in METHODS}
@@ -158,6 +162,7 @@ def main() -> None:
     ref = evaluate(engine_for(None, args.dtype), windows, chat)
     bf16 = evaluate(engine_for(None, "bfloat16"), windows, chat) if args.dtype == "float32" else None
     results = {m: evaluate(engine_for(m, args.dtype), windows, chat) for m in METHODS}
+    w4a4 = {m: evaluate(engine_for(m, args.dtype, "w4a4"), windows, chat) for m in W4A4_METHODS}
     eval_s = time.perf_counter() - t
 
     commit = subprocess.run(
@@ -184,6 +189,7 @@ def main() -> None:
     if bf16 is not None:
         rows.append(("bf16 weights + activations", bf16))
     rows += [(f"NVFP4 `{m}`", results[m]) for m in METHODS]
+    rows += [(f"NVFP4 `{m}`, W4A4 (activations NVFP4 too)", w4a4[m]) for m in W4A4_METHODS]
     for label, r in rows:
         top1 = float((r["argmax"] == ref["argmax"]).float().mean())
         agr = [agreement(a, b) for a, b in zip(ref["greedy"], r["greedy"], strict=True)]
@@ -193,7 +199,10 @@ def main() -> None:
             f"\n| {label} | {r['ppl']:.3f} | {r['ppl'] / ref['ppl']:.4f}x | {top1:.4f} | {prefix:.3f} | {pos:.3f} |"
         )
     out.append(
-        f"Greedy: {len(chat)} chat prompts x {AGREEMENT_TOKENS} tokens, against the reference's continuation."
+        f"Greedy: {len(chat)} chat prompts x {AGREEMENT_TOKENS} tokens, against the reference's continuation. "
+        "NVFP4 rows multiply 16-bit activations (W4A16) unless marked W4A4: each projection's input quantized "
+        "with the recipe per call (one tensor scale), as Blackwell's FP4 GEMM takes it (`--nvfp4-gemm w4a4`, "
+        "emulated on this CPU: dequantized, then the matmul)."
     )
     out.append("## Weight error per projection type, all layers")
     out.append(

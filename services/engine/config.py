@@ -21,6 +21,10 @@ ATTENTION_BACKENDS = ("auto", "torch", "triton")  # auto: Triton paged attention
 # the data-free NVFP4 methods, quantized at load (services/engine/nvfp4/methods.py); gptq is offline only
 NVFP4_LOAD_METHODS = ("rtn", "four_over_six", "mse")
 NVFP4_METHODS = (*NVFP4_LOAD_METHODS, "gptq")  # all of them: `rackserve quantize --method`
+# how NVFP4 weights are multiplied (nvfp4/blackwell.py: choose_gemm): auto = W4A4 where the GPU has FP4 tensor cores
+# and the checkpoint does not declare 16-bit activations; w4a16 = activations never quantized; w4a4 = always
+# (emulated on a CPU, refused on a GPU without FP4 tensor cores)
+NVFP4_GEMMS = ("auto", "w4a16", "w4a4")
 TIER2_CODECS = ("bf16", "fp8", "nvfp4")  # how KV tier 2 keeps a block (engine/kv_tier.py)
 
 
@@ -125,6 +129,7 @@ class EngineConfig:
     enforce_eager: bool = False  # True: no CUDA graphs for decode steps
     attention_backend: str = "auto"  # one of ATTENTION_BACKENDS
     nvfp4_method: str = "rtn"  # how --quant nvfp4 picks scales and codes at load (nvfp4/methods.py)
+    nvfp4_gemm: str = "auto"  # one of NVFP4_GEMMS: whether NVFP4 layers also quantize their activations
     # tier 2 of the KV cache (engine/kv_tier.py): host bytes for blocks evicted from the pool; 0 = off
     kv_tier2_bytes: int = 0
     kv_tier2_codec: str = "bf16"  # one of TIER2_CODECS: bf16 (lossless) | fp8 | nvfp4 (docs/kv-tiers.md)
@@ -154,6 +159,8 @@ class EngineConfig:
             raise ValueError(
                 f"nvfp4_method={self.nvfp4_method!r} needs quant='nvfp4', got quant={self.quant!r}"
             )
+        if self.nvfp4_gemm not in NVFP4_GEMMS:
+            raise ValueError(f"nvfp4_gemm must be one of {NVFP4_GEMMS}, got {self.nvfp4_gemm!r}")
         if self.block_size <= 0 or self.block_size & (self.block_size - 1):
             raise ValueError(f"block_size must be a positive power of two, got {self.block_size}")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:

@@ -204,17 +204,22 @@ class LLMEngine:
 
             quant_id = QUANT_RECIPE_ID
             kw = {"cache_dequantized": cfg.nvfp4_cache_dequantized and device.type == "cpu"}
-            if device.type == "cuda":
-                # packed weights stay packed in HBM (no dequantized copy); FP4 tensor cores where the GPU has them
-                # and a probe GEMM on them gives the recipe's product (blackwell.py)
-                from services.engine.nvfp4.blackwell import blackwell_unavailable_reason, nonfinite_flag
+            # packed weights stay packed in HBM (no dequantized copy); FP4 tensor cores where the GPU has them, a
+            # probe GEMM on them gives the recipe's product and --nvfp4-gemm allows (blackwell.py: choose_gemm)
+            from services.engine.nvfp4.blackwell import choose_gemm, nonfinite_flag
 
-                why = blackwell_unavailable_reason(device)
-                kw["w4a4"] = why is None
-                if why is None:
-                    self._nonfinite = nonfinite_flag(device)  # before any graph is captured
-                elif torch.cuda.get_device_capability(device) >= (10, 0):
-                    log.warning("NVFP4 W4A4 not used on %s: %s; W4A16 instead", device, why)
+            w4a4, why = choose_gemm(cfg.nvfp4_gemm, device, loaded.nvfp4_activations)
+            kw["w4a4"] = w4a4
+            log.info("NVFP4 GEMM on %s: %s (%s)", device, "W4A4" if w4a4 else "W4A16", why)
+            if w4a4 and device.type == "cuda":
+                self._nonfinite = nonfinite_flag(device)  # before any graph is captured
+            elif (
+                device.type == "cuda"
+                and cfg.nvfp4_gemm == "auto"
+                and loaded.nvfp4_activations != "16bit"
+                and torch.cuda.get_device_capability(device) >= (10, 0)
+            ):
+                log.warning("NVFP4 W4A4 not used on %s: %s; W4A16 instead", device, why)
             if loaded.quantization != "none":
                 # a pre-quantized checkpoint runs as it was quantized: its bytes are never requantized
                 log.info(
@@ -233,6 +238,13 @@ class LLMEngine:
 
                 kw["method"] = cfg.nvfp4_method
                 quant_id += method_id(cfg.nvfp4_method)
+            if w4a4:
+                # quantized activations make another function of the same weights: its KV is another model's
+                quant_id += ":w4a4"
+        elif cfg.nvfp4_gemm != "auto":
+            raise ValueError(
+                f"nvfp4_gemm={cfg.nvfp4_gemm!r} needs NVFP4 weights (--quant nvfp4 or an NVFP4 checkpoint)"
+            )
         self.fingerprint = model_fingerprint(loaded.config, loaded.weights, quant_id)
         self.attention_backend = _attention_backend(
             cfg.attention_backend, device, loaded.config.head_dim, cfg.block_size

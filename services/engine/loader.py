@@ -55,6 +55,8 @@ class LoadedModel:
     chat_template: str | None = None
     source_format: str = ""  # "gguf" | "hf" | "memory"
     quantization: str = "none"  # "none", or "nvfp4:<layout>" for a pre-quantized checkpoint (kept packed)
+    # what a pre-quantized checkpoint declares of its activations: "16bit" (W4A16), "nvfp4" (W4A4), "" (nothing)
+    nvfp4_activations: str = ""
 
 
 def required_tensor_names(config: ModelConfig) -> list[str]:
@@ -298,7 +300,7 @@ def load_hf_dir(path: str | os.PathLike[str]) -> LoadedModel:
     if not files:
         raise ModelLoadError(f"{p}: no *.safetensors files")
     weights: Weights = {}
-    quantization = "none"
+    quantization, activations = "none", ""
     if quant_method in _PREQUANTIZED:
         from services.engine.nvfp4 import load_prequantized_weights
 
@@ -310,6 +312,7 @@ def load_hf_dir(path: str | os.PathLike[str]) -> LoadedModel:
         except ValueError as e:
             raise ModelLoadError(f"{p}: {e}") from e
         quantization = f"nvfp4:{quant_method}"
+        activations = _declared_activations(cfg.get("quantization_config") or {}, p)
     else:
         for f in files:
             for name, t in load_file(str(f)).items():
@@ -335,7 +338,26 @@ def load_hf_dir(path: str | os.PathLike[str]) -> LoadedModel:
         chat_template=template,
         source_format="hf",
         quantization=quantization,
+        nvfp4_activations=activations,
     )
+
+
+def _declared_activations(qcfg: dict[str, Any], p: Path) -> str:
+    """What an NVFP4 checkpoint's quantization config says of its activations: compressed-tensors names them
+    per config group (`input_activations`: null is NVFP4A16, 4-bit floats is NVFP4 W4A4); ModelOpt's
+    `quant_algo` NVFP4 is its W4A4 scheme (config.json, or hf_quant_config.json in older exports)."""
+    if qcfg.get("quant_method") == "compressed-tensors":
+        inputs = [g.get("input_activations") for g in (qcfg.get("config_groups") or {}).values()]
+        if inputs and all(a is None for a in inputs):
+            return "16bit"
+        if any(isinstance(a, dict) and a.get("num_bits") == 4 and a.get("type") == "float" for a in inputs):
+            return "nvfp4"
+        return ""
+    algo = qcfg.get("quant_algo")
+    hf_quant = p / "hf_quant_config.json"
+    if algo is None and hf_quant.exists():
+        algo = (json.loads(hf_quant.read_text()).get("quantization") or {}).get("quant_algo")
+    return "nvfp4" if algo == "NVFP4" else ""
 
 
 # ------------------------------------------------------------------------------------------- fingerprint

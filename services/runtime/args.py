@@ -16,6 +16,7 @@ from typing import Any
 
 from services.engine.config import (
     ATTENTION_BACKENDS,
+    NVFP4_GEMMS,
     NVFP4_LOAD_METHODS,
     SUPPORTED_DTYPES,
     SUPPORTED_QUANT,
@@ -119,6 +120,9 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     add_flag(g, "--quant", "none", "weight quantization", choices=SUPPORTED_QUANT)
     add_flag(g, "--nvfp4-method", "rtn", "how --quant nvfp4 picks block scales and codes at load "
              "(docs/nvfp4-quality.md)", choices=NVFP4_LOAD_METHODS)  # fmt: skip
+    add_flag(g, "--nvfp4-gemm", "auto", "NVFP4 layers: w4a16 keeps activations 16-bit; w4a4 quantizes them too "
+             "(FP4 tensor cores; emulated on a CPU); auto: w4a4 where the GPU has FP4 tensor cores and the "
+             "checkpoint does not declare 16-bit activations (docs/nvfp4-quality.md)", choices=NVFP4_GEMMS)  # fmt: skip
     add_flag(g, "--block-size", 16, "tokens per KV block", int)
     add_flag(g, "--kv-cache-bytes", 0, "memory for the paged KV cache (0: 1 GiB on CPU; on a GPU what "
              "--gpu-memory-utilization leaves after the weights and the activation peak)", int)  # fmt: skip
@@ -233,6 +237,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         dtype=args.dtype,
         quant=args.quant,
         nvfp4_method=args.nvfp4_method,
+        nvfp4_gemm=args.nvfp4_gemm,
         block_size=args.block_size,
         kv_cache_bytes=args.kv_cache_bytes,
         max_num_seqs=args.max_num_seqs,

@@ -25,6 +25,37 @@ from .layouts import swizzle_scales
 from .recipe import NVFP4Tensor, quantize
 
 
+def choose_gemm(asked: str, device: torch.device, declared: str = "") -> tuple[bool, str]:
+    """Whether an engine on `device` runs its NVFP4 layers as W4A4, and why (logged once at start-up).
+
+    `asked` is EngineConfig.nvfp4_gemm; `declared` is what a pre-quantized checkpoint says of its activations
+    (LoadedModel.nvfp4_activations: "16bit", "nvfp4", or "" when it says nothing or was quantized at load).
+    - w4a16: never quantize activations.
+    - w4a4: always. On a CPU the step is emulated (activations quantized and dequantized with the recipe, then
+      the 16-bit matmul: the numerics of the FP4 GEMM up to its bf16 output rounding, for evaluating them); on a
+      GPU without FP4 tensor cores, or whose probe GEMM fails, it is refused with the reason: never silently
+      W4A16.
+    - auto: W4A4 where the GPU has FP4 tensor cores and the checkpoint does not declare 16-bit activations; a
+      W4A16 checkpoint (compressed-tensors' NVFP4A16: `input_activations: null`) was calibrated for them.
+    """
+    if asked == "w4a16":
+        return False, "--nvfp4-gemm w4a16"
+    if device.type != "cuda":
+        if asked == "w4a4":
+            return True, f"--nvfp4-gemm w4a4, emulated on {device.type}: activations quantized, 16-bit matmul"
+        return False, f"{device.type} runs W4A16 (--nvfp4-gemm w4a4 emulates W4A4)"
+    why = blackwell_unavailable_reason(device)
+    if asked == "w4a4":
+        if why is not None:
+            raise ValueError(f"--nvfp4-gemm w4a4 on {device}: {why}; use auto or w4a16")
+        return True, "--nvfp4-gemm w4a4"
+    if declared == "16bit":
+        return False, "the checkpoint declares 16-bit activations (W4A16)"
+    if why is not None:
+        return False, why
+    return True, "FP4 tensor cores (auto)"
+
+
 class BlackwellUnavailable(RuntimeError):
     """The FP4 tensor-core GEMM needs a CUDA GPU of compute capability 10.0 or newer."""
 

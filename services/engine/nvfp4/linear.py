@@ -7,7 +7,8 @@ defines it, with the best kernel the machine offers:
 - otherwise:      dequantize to x's dtype + torch matmul (optionally caching the dequantized weight);
 - W4A4:           on Blackwell, activations quantized to NVFP4 and multiplied on FP4 tensor cores — different
                   numerics, so only when the caller passes w4a4=True (the engine does on GPUs of compute
-                  capability >= 10 whose probe GEMM passes: blackwell.py).
+                  capability >= 10 whose probe GEMM passes, as --nvfp4-gemm allows: blackwell.choose_gemm);
+                  off a GPU w4a4=True emulates it (activations quantized and dequantized, then the matmul).
 
 The kernel chosen is logged once per (kernel, device type, dtype), so a change of numerics is never silent.
 """
@@ -133,7 +134,17 @@ class NVFP4Linear(torch.nn.Module):
             out = self._forward_triton(x)
             if out is not None:
                 return out if self.bias is None else out + self.bias.to(out.dtype)
+        elif self.w4a4:
+            x = self._emulate_w4a4_activations(x)
         return self._forward_dequantized(x)
+
+    def _emulate_w4a4_activations(self, x: torch.Tensor) -> torch.Tensor:
+        """W4A4 off a GPU: the call's activations quantized with the recipe (one tensor scale, as the FP4 GEMM
+        takes them) and dequantized, for the 16-bit matmul after. The FP4 GEMM's product up to its roundings
+        (its bf16 output; here the dequantized activations in x's dtype), so a CPU can evaluate W4A4's numerics."""
+        _announce("W4A4 emulated", x, "activations NVFP4-quantized and dequantized, then the 16-bit matmul")
+        x2 = x.reshape(-1, self.in_features)
+        return dequantize(quantize(x2)).to(x.dtype).reshape(x.shape)
 
     def _forward_w4a4(self, x: torch.Tensor) -> torch.Tensor | None:
         reason = blackwell_unavailable_reason(x.device)
