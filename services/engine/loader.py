@@ -345,7 +345,11 @@ def load_hf_dir(path: str | os.PathLike[str]) -> LoadedModel:
 def _declared_activations(qcfg: dict[str, Any], p: Path) -> str:
     """What an NVFP4 checkpoint's quantization config says of its activations: compressed-tensors names them
     per config group (`input_activations`: null is NVFP4A16, 4-bit floats is NVFP4 W4A4); ModelOpt's
-    `quant_algo` NVFP4 is its W4A4 scheme (config.json, or hf_quant_config.json in older exports)."""
+    `quant_algo` NVFP4 is its W4A4 scheme (config.json, or hf_quant_config.json in older exports). What
+    `rackserve quantize` wrote says so itself (`rackserve.activations`), in either layout."""
+    ours = (qcfg.get("rackserve") or {}).get("activations")
+    if ours in ("16bit", "nvfp4"):
+        return str(ours)
     if qcfg.get("quant_method") == "compressed-tensors":
         inputs = [g.get("input_activations") for g in (qcfg.get("config_groups") or {}).values()]
         if inputs and all(a is None for a in inputs):

@@ -6,8 +6,9 @@ Layouts (checkpoint.py owns the tensor names and scale conventions):
   symmetric, no activation quantization; `lm_head` ignored). vLLM reads it; so does the compressed-tensors
   library's own decompressor (tests/engine/nvfp4/test_nvfp4_methods.py checks it decodes to our weights).
 - `modelopt`: `quant_method: modelopt`, `quant_algo: NVFP4`, plus hf_quant_config.json, as ModelOpt exports.
-  rackserve runs NVFP4 weights with 16-bit activations (W4A16), so no static `input_scale` is written;
-  a W4A4 consumer (TensorRT-LLM's NVFP4 GEMMs) needs activation scales that this export does not calibrate.
+  rackserve quantizes for 16-bit activations (W4A16), so no static `input_scale` is written; a W4A4 consumer
+  (TensorRT-LLM's NVFP4 GEMMs) needs activation scales that this export does not calibrate. Both layouts record
+  `"rackserve": {"activations": "16bit"}`, so rackserve's `--nvfp4-gemm auto` serves them W4A16 on any GPU.
 
 Only the block projections are quantized (q/k/v/o, gate/up/down); embeddings, norms and an untied LM head
 are written as float32, the loader's own dtype, so that loading the directory back gives exactly the model
@@ -88,7 +89,9 @@ def quantization_config(
 ) -> dict[str, Any]:
     """config.json's `quantization_config` for `layout`; `rackserve` records the method and recipe it used
     (and gptq's options: act order, scale rule, damping, calibration size)."""
-    provenance: dict[str, Any] = {"method": method, "recipe": QUANT_RECIPE_ID}
+    # "activations": what the weights were quantized for (gptq calibrates on 16-bit inputs); the loader reads it
+    # before quant_algo, which for ModelOpt's NVFP4 names its W4A4 scheme
+    provenance: dict[str, Any] = {"method": method, "recipe": QUANT_RECIPE_ID, "activations": "16bit"}
     if method == "gptq":
         provenance["gptq"] = dict(gptq_options or {})
     if layout == "modelopt":

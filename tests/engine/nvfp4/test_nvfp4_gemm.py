@@ -166,3 +166,19 @@ def test_a_modelopt_nvfp4_checkpoint_declares_w4a4(tmp_path, where):
     else:
         (tmp_path / where).write_text(json.dumps({"quantization": {"quant_algo": "NVFP4"}}))
     assert load_model(tmp_path).nvfp4_activations == "nvfp4"
+
+
+@pytest.mark.slow  # writes and loads a checkpoint
+@pytest.mark.parametrize("layout", ["compressed-tensors", "modelopt"])
+def test_what_rackserve_quantize_writes_is_served_w4a16_by_auto(tmp_path, layout, monkeypatch):
+    """Its weights were quantized for 16-bit activations (gptq calibrates on them): the checkpoint says so in
+    either layout, though ModelOpt's quant_algo NVFP4 alone would mean W4A4, and auto on FP4 tensor cores obeys."""
+    from services.engine.nvfp4.calibration import quantize_model
+    from services.engine.nvfp4.export import write_checkpoint
+
+    model = tiny_llama()
+    write_checkpoint(model, quantize_model(model, "rtn"), tmp_path, layout, "rtn")
+    declared = load_model(tmp_path).nvfp4_activations
+    assert declared == "16bit"
+    monkeypatch.setattr(blackwell, "blackwell_unavailable_reason", lambda device=None: None)
+    assert choose_gemm("auto", CUDA0, declared)[0] is False
