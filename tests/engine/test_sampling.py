@@ -292,3 +292,42 @@ def test_top_p_on_a_cpu_finds_the_nucleus_the_full_sort_finds() -> None:
     assert (
         kept[0] < 1024 < kept[2] and kept[5] == vocab
     )  # both paths ran: inside the candidates, and past them
+
+
+def test_a_cpu_penalises_only_the_seen_tokens_and_gets_the_dense_forms_bits() -> None:
+    """On a CPU the penalties touch only each row's seen tokens (sampling._penalise_seen); the dense form the GPU
+    runs (sampling._penalise) must give the same bits for every logit, over random batches mixing every penalty
+    with unpenalised rows, repeated tokens, prompt-only tokens, -inf logits and rows with nothing seen."""
+    from services.engine import sampling
+
+    rng = random.Random(11)
+    for trial in range(30):
+        batch = rng.randrange(1, 9)
+        params, rows = [], []
+        for _ in range(batch):
+            kind = rng.randrange(5)
+            params.append(
+                SamplingParams(
+                    repetition_penalty=rng.choice([1.0, 1.0, 1.25, 0.7]) if kind else 1.0,
+                    frequency_penalty=rng.choice([0.0, 0.5, -0.3]) if kind else 0.0,
+                    presence_penalty=rng.choice([0.0, 1.5, -0.8]) if kind else 0.0,
+                )
+            )
+            prompt = [rng.randrange(VOCAB) for _ in range(rng.randrange(0, 20))]
+            out = [rng.randrange(8) for _ in range(rng.randrange(0, 30))]  # few distinct: repeats
+            rows.append(RowContext(prompt, out))
+        logits = _logits(batch, seed=trial)
+        logits[0, 3] = -math.inf
+        got = apply_processors(logits, params, rows)
+        pen = [r for r, p in enumerate(params) if p.penalised]
+        want = logits.clone()
+        if pen:
+            want[pen] = sampling._penalise(want[pen], [params[r] for r in pen], [rows[r] for r in pen])
+        assert torch.equal(got, want), trial
+
+
+def test_a_penalised_token_id_outside_the_vocabulary_raises_rather_than_reaching_another_row() -> None:
+    with pytest.raises(IndexError, match="outside the vocabulary"):
+        apply_processors(
+            _logits(2), [SamplingParams(presence_penalty=1.0)] * 2, [RowContext([], [VOCAB + 1])] * 2
+        )
