@@ -347,9 +347,9 @@ def _declared_activations(qcfg: dict[str, Any], p: Path) -> str:
     per config group (`input_activations`: null is NVFP4A16, 4-bit floats is NVFP4 W4A4); ModelOpt's
     `quant_algo` NVFP4 is its W4A4 scheme (config.json, or hf_quant_config.json in older exports). What
     `rackserve quantize` wrote says so itself (`rackserve.activations`), in either layout."""
-    ours = (qcfg.get("rackserve") or {}).get("activations")
-    if ours in ("16bit", "nvfp4"):
-        return str(ours)
+    if "rackserve" in qcfg:  # ours: quantized for 16-bit activations (exports before the key was written too)
+        ours = (qcfg.get("rackserve") or {}).get("activations", "16bit")
+        return str(ours) if ours in ("16bit", "nvfp4") else ""
     if qcfg.get("quant_method") == "compressed-tensors":
         inputs = [g.get("input_activations") for g in (qcfg.get("config_groups") or {}).values()]
         if inputs and all(a is None for a in inputs):
@@ -360,7 +360,10 @@ def _declared_activations(qcfg: dict[str, Any], p: Path) -> str:
     algo = qcfg.get("quant_algo")
     hf_quant = p / "hf_quant_config.json"
     if algo is None and hf_quant.exists():
-        algo = (json.loads(hf_quant.read_text()).get("quantization") or {}).get("quant_algo")
+        try:
+            algo = (json.loads(hf_quant.read_text()).get("quantization") or {}).get("quant_algo")
+        except (json.JSONDecodeError, AttributeError) as e:
+            raise ModelLoadError(f"{hf_quant}: not a ModelOpt quantization config: {e}") from e
     return "nvfp4" if algo == "NVFP4" else ""
 
 

@@ -138,7 +138,7 @@ def apply_processors(
     logits: torch.Tensor, params: Sequence[SamplingParams], rows: Sequence[RowContext]
 ) -> torch.Tensor:
     """The logits after each row's own processors (a new float32 tensor; `logits` is not changed)."""
-    x = logits.float().clone()
+    x = logits.float().clone(memory_format=torch.contiguous_format)  # the CPU penalties view it flat
     dev, vocab = x.device, x.shape[1]
     # logit_bias and the min_tokens ban: one sparse scatter each
     bias = [(r, t, b) for r, p in enumerate(params) for t, b in p.logit_bias if t < vocab]
@@ -192,28 +192,29 @@ def _penalise_seen(
     x: torch.Tensor, pen: Sequence[int], params: Sequence[SamplingParams], rows: Sequence[RowContext]
 ) -> None:
     """_penalise's arithmetic in place on a CPU, on the logits of the tokens each penalised row has seen, and on
-    no other: every other logit of those rows is x - 0 - 0 = x there. The dense form (a [rows, vocab] float count
-    matrix, a seen mask, whole-row passes of torch ops) took ~70-85 ms at 64 rows of 49,152 logits on one thread,
-    whatever the context; here numpy counts the seen (row, token) pairs (bincount over row * vocab + token) and
-    torch changes just those: ~8 ms at 640 tokens a row, ~28 ms at 10,000."""
+    no other: every other logit of those rows is x - 0 - 0 = x there (the same values; the dense form turns a
+    -0.0 into +0.0 under a negative penalty, which no sampler step can tell apart). The dense form (a [rows,
+    vocab] float count matrix, a seen mask, whole-row passes of torch ops) took ~40-85 ms at 64 rows of 49,152
+    logits on one thread, whatever the context; here numpy counts the seen (row, token) pairs (bincount over
+    i * vocab + token, i the row's place among the penalised ones) and torch changes just those."""
     vocab = x.shape[1]
     rep = [params[r].repetition_penalty for r in pen]
-    counts = np.bincount(_keys([rows[r].output_ids for r in pen], pen, vocab), minlength=x.numel())
+    size = len(pen) * vocab
+    counts = np.bincount(_keys([rows[r].output_ids for r in pen], vocab), minlength=size)
     if any(v != 1 for v in rep):  # repetition_penalty also reaches the prompt's tokens
         seen = counts > 0
-        seen[_keys([rows[r].prompt_ids for r in pen], pen, vocab)] = True
+        seen[_keys([rows[r].prompt_ids for r in pen], vocab)] = True
         keys = np.flatnonzero(seen)
     else:
         keys = np.flatnonzero(counts)
     if not len(keys):
         return
-    at = torch.from_numpy(keys)
-    row = torch.from_numpy(keys // vocab)
+    place = keys // vocab  # each pair's row among the penalised ones
+    at = torch.from_numpy(np.asarray(pen, dtype=np.int64)[place] * vocab + keys % vocab)
+    place_t = torch.from_numpy(place)
 
     def per_row(values: list[float]) -> torch.Tensor:  # each pair's own row's value, in x's dtype
-        full = np.zeros(x.shape[0])
-        full[np.asarray(pen)] = values  # every pair's row is penalised: the zeros are never read
-        return torch.from_numpy(full).to(x.dtype)[row]
+        return torch.tensor(values, dtype=x.dtype)[place_t]
 
     flat = x.view(-1)
     v = flat[at]
@@ -226,10 +227,10 @@ def _penalise_seen(
     flat[at] = v - freq * n - pres * (n > 0).to(x.dtype)
 
 
-def _keys(ids: Sequence[Sequence[int]], at_rows: Sequence[int], vocab: int) -> np.ndarray:
-    """row * vocab + token for every token of `ids`, whose lists belong to rows `at_rows` of the batch."""
+def _keys(ids: Sequence[Sequence[int]], vocab: int) -> np.ndarray:
+    """i * vocab + token for every token of ids[i]."""
     r, c = _flat_np(ids, vocab)
-    return np.asarray(at_rows, dtype=np.int64)[r] * vocab + c
+    return r * vocab + c
 
 
 def _flat_np(ids: Sequence[Sequence[int]], vocab: int | None = None) -> tuple[np.ndarray, np.ndarray]:

@@ -1,7 +1,7 @@
 """W4A4 on Blackwell: both operands NVFP4, multiplied on block-scaled FP4 tensor cores via torch._scaled_mm.
 
 This path changes numerics relative to W4A16: activations are quantized to NVFP4 on every call. It is used when
-a caller asks for it (NVFP4Linear(w4a4=True); the engine asks on every GPU of compute capability >= 10.0) and the
+a caller asks for it (NVFP4Linear(w4a4=True); the engine asks as --nvfp4-gemm says: `choose_gemm`) and the
 device passes a probe: one small FP4 GEMM checked against the recipe's dequantized product, once per device, so a
 torch or cuBLASLt build (or a part) without NVFP4 block-scaled GEMMs falls back to W4A16 at load, with the reason.
 

@@ -134,8 +134,10 @@ class NVFP4Linear(torch.nn.Module):
             out = self._forward_triton(x)
             if out is not None:
                 return out if self.bias is None else out + self.bias.to(out.dtype)
-        elif self.w4a4:
+        elif self.w4a4 and self._fp4_shape_ok():  # the shapes a GPU runs W4A4 (others fall back there too)
             x = self._emulate_w4a4_activations(x)
+        elif self.w4a4:
+            _announce("W4A4 not emulated, W4A16", x, self._fp4_shape_reason())
         return self._forward_dequantized(x)
 
     def _emulate_w4a4_activations(self, x: torch.Tensor) -> torch.Tensor:
@@ -149,8 +151,7 @@ class NVFP4Linear(torch.nn.Module):
     def _forward_w4a4(self, x: torch.Tensor) -> torch.Tensor | None:
         reason = blackwell_unavailable_reason(x.device)
         if reason is None and not self._fp4_shape_ok():
-            reason = "the FP4 GEMM needs in_features % 32 == 0 and out_features % 16 == 0, got "
-            reason += f"{self.in_features} and {self.out_features}"
+            reason = self._fp4_shape_reason()
         if reason is not None:
             _announce("W4A4 unavailable, falling back to W4A16", x, reason)
             return None
@@ -161,6 +162,12 @@ class NVFP4Linear(torch.nn.Module):
 
     def _fp4_shape_ok(self) -> bool:
         return self.in_features % 32 == 0 and self.out_features % 16 == 0
+
+    def _fp4_shape_reason(self) -> str:
+        return (
+            "the FP4 GEMM needs in_features % 32 == 0 and out_features % 16 == 0, got "
+            f"{self.in_features} and {self.out_features}"
+        )
 
     def _forward_triton(self, x: torch.Tensor) -> torch.Tensor | None:
         try:

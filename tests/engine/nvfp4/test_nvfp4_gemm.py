@@ -74,7 +74,8 @@ def test_an_emulated_w4a4_engine_gives_the_tokens_of_its_activations_quantized_b
     w4a16 = _engine(model, quant="nvfp4", nvfp4_gemm="w4a16")
     assert w4a16.fingerprint == _engine(model, quant="nvfp4").fingerprint  # auto on a CPU is W4A16
     assert w4a4.fingerprint != w4a16.fingerprint
-    assert all(m.w4a4 for m in w4a4.model.modules() if isinstance(m, NVFP4Linear))
+    layers = [m for m in w4a4.model.modules() if isinstance(m, NVFP4Linear)]
+    assert layers and all(m.w4a4 for m in layers)
 
     # reference: dense weights = the fused projections' dequantized NVFP4, inputs quantized by forward hooks
     dense = dict(model.weights)
@@ -99,11 +100,23 @@ def test_an_emulated_w4a4_engine_gives_the_tokens_of_its_activations_quantized_b
     want = ref.generate(PROMPTS, GREEDY)
     assert seen  # the hooks ran
     assert w4a4.generate(PROMPTS, GREEDY) == want
+    ids = torch.tensor(PROMPTS[2])
+    assert torch.equal(_prefill_logits(w4a4, ids), _prefill_logits(ref, ids))  # float32: the same ops
     for h in hooks:
         h.remove()
-
-    ids = torch.tensor(PROMPTS[2])
     assert not torch.equal(_prefill_logits(w4a4, ids), _prefill_logits(w4a16, ids))
+
+
+def test_a_layer_a_gpu_would_run_w4a16_is_not_emulated_as_w4a4():
+    """The FP4 GEMM needs in_features % 32 and out_features % 16; a GPU runs other layers W4A16, so the CPU's
+    emulation does too, and the two compute the same function under the same fingerprint."""
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(4, 48, generator=g)
+    odd = quantize(torch.randn(24, 48, generator=g))
+    assert torch.equal(NVFP4Linear(odd, w4a4=True)(x), NVFP4Linear(odd)(x))
+    even = quantize(torch.randn(32, 64, generator=g))
+    x = torch.randn(4, 64, generator=g)
+    assert not torch.equal(NVFP4Linear(even, w4a4=True)(x), NVFP4Linear(even)(x))
 
 
 def _prefill_logits(engine: LLMEngine, ids: torch.Tensor) -> torch.Tensor:
@@ -180,5 +193,10 @@ def test_what_rackserve_quantize_writes_is_served_w4a16_by_auto(tmp_path, layout
     write_checkpoint(model, quantize_model(model, "rtn"), tmp_path, layout, "rtn")
     declared = load_model(tmp_path).nvfp4_activations
     assert declared == "16bit"
+    # exports written before the key existed were quantized for 16-bit activations as well
+    cfg = json.loads((tmp_path / "config.json").read_text())
+    del cfg["quantization_config"]["rackserve"]["activations"]
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    assert load_model(tmp_path).nvfp4_activations == "16bit"
     monkeypatch.setattr(blackwell, "blackwell_unavailable_reason", lambda device=None: None)
     assert choose_gemm("auto", CUDA0, declared)[0] is False
