@@ -1,0 +1,186 @@
+"""W4A4 on SmolLM2-135M: where quantizing the activations costs quality, and what did not win it back.
+
+    python -m bench.nvfp4_w4a4_bench [--windows N] [--threads T]
+
+Every row is the engine's NVFP4 model (rtn weights, float32 activations before quantization), scored by
+teacher-forced perplexity on the first N 512-token windows of /usr/share/common-licenses/GPL-3 (as
+nvfp4_quality_bench does) against the unquantized float32 model, with its top-1 agreement. W4A4 is the engine's
+CPU emulation (`--nvfp4-gemm w4a4`: each projection's input quantized and dequantized with the recipe, one tensor
+scale per call, then the matmul), which gives the FP4 GEMM's product up to its bf16 output rounding.
+
+1. W4A16 and W4A4, and W4A4 on one kind of projection at a time (the rest W4A16), and on all but down.
+2. Other ways to quantize the activations, each a valid NVFP4 encoding a GPU kernel could compute:
+   one tensor scale per token instead of per call; block scales chosen by `four_over_six` or `mse`
+   (services/engine/nvfp4/methods.py) instead of the recipe's.
+3. Block-diagonal Hadamard rotations (QuaRot-style): x W^T = (x H)(W H)^T for orthogonal H, so the weights are
+   quantized as W H and the activations as x H, H a Hadamard matrix on each run of 16, 32 or 64 columns.
+Writes bench/results/nvfp4_w4a4.md. Benchmarks never assert; this one reports.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import cast
+
+import torch
+import torch.nn.functional as F
+
+from bench.nvfp4_model_bench import prompt_logits
+from bench.report import publish
+from services.engine.engine import EngineConfig, LLMEngine
+from services.engine.loader import load_gguf
+from services.engine.model import Block, Transformer
+from services.engine.model_files import smollm2_gguf_path
+from services.engine.nvfp4 import NVFP4Linear, dequantize, quantize
+from services.engine.nvfp4.calibration import EVALUATION_TEXT
+from services.engine.nvfp4.methods import quantize_with
+from services.engine.tokenizer import Tokenizer
+
+WINDOW_TOKENS = 512
+KINDS: dict[str, Callable[[Block], torch.nn.Module]] = {
+    "q/k/v": lambda b: b.attn.wqkv,
+    "o": lambda b: b.attn.wo,
+    "gate/up": lambda b: b.ffn.w_gate_up,
+    "down": lambda b: b.ffn.w_down,
+}
+FUSED = {"q/k/v": ("q_proj", "k_proj", "v_proj"), "o": ("o_proj",), "gate/up": ("gate_proj", "up_proj"),
+         "down": ("down_proj",)}  # fmt: skip
+
+
+def score(model: Transformer, windows: list[torch.Tensor]) -> tuple[float, torch.Tensor]:
+    nll, count, argmax = 0.0, 0, []
+    for ids in windows:
+        logits = prompt_logits(model, ids).float()
+        nll += float(F.cross_entropy(logits[:-1], ids[1:], reduction="sum"))
+        count += len(ids) - 1
+        argmax.append(logits[:-1].argmax(-1))
+    return math.exp(nll / count), torch.cat(argmax)
+
+
+def blocks(model: Transformer) -> list[Block]:
+    return cast(list[Block], list(model.blocks))
+
+
+def w4a4_on(model: Transformer, kinds: tuple[str, ...]) -> None:
+    """W4A4 on the projections of `kinds`, W4A16 on the others."""
+    for b in blocks(model):
+        for kind, proj in KINDS.items():
+            for m in proj(b).modules():
+                if isinstance(m, NVFP4Linear):
+                    m.w4a4 = kind in kinds
+
+
+@contextmanager
+def activations_quantized_by(fn: Callable[[torch.Tensor], torch.Tensor]) -> Iterator[None]:
+    """Every W4A4 projection quantizes its [M, K] input with `fn` (quantize + dequantize) instead of the recipe."""
+    original = NVFP4Linear._emulate_w4a4_activations
+
+    def emulate(self: NVFP4Linear, x: torch.Tensor) -> torch.Tensor:
+        return fn(x.reshape(-1, self.in_features)).to(x.dtype).reshape(x.shape)
+
+    NVFP4Linear._emulate_w4a4_activations = emulate  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        NVFP4Linear._emulate_w4a4_activations = original  # type: ignore[method-assign]
+
+
+def per_token(x: torch.Tensor) -> torch.Tensor:
+    return torch.cat([dequantize(quantize(row[None])) for row in x]) if len(x) else x
+
+
+def hadamard(n: int) -> torch.Tensor:
+    h = torch.ones(1, 1)
+    while h.shape[0] < n:
+        h = torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)], 0)
+    return h / math.sqrt(n)
+
+
+class Rotated(torch.nn.Module):
+    """x W^T computed as (x H)(W H)^T with both factors NVFP4-quantized (the activations per call)."""
+
+    def __init__(self, weight: torch.Tensor, n: int) -> None:
+        super().__init__()
+        self.h, self.n = hadamard(n), n
+        self.w_hat = dequantize(quantize(self.rotate(weight)))
+
+    def rotate(self, t: torch.Tensor) -> torch.Tensor:
+        return (t.reshape(-1, t.shape[-1] // self.n, self.n) @ self.h).reshape(t.shape)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x2 = dequantize(quantize(self.rotate(x.reshape(-1, x.shape[-1]))))
+        return (x2 @ self.w_hat.T).reshape(*x.shape[:-1], -1)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--windows", type=int, default=8, help="512-token windows of GPL-3 to score")
+    ap.add_argument("--threads", type=int, default=2, help="torch CPU threads")
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    t_start = time.perf_counter()
+    loaded = load_gguf(smollm2_gguf_path())
+    corpus = Tokenizer.from_gguf(smollm2_gguf_path()).encode(EVALUATION_TEXT.read_text())
+    windows = [torch.tensor(corpus[i * WINDOW_TOKENS : (i + 1) * WINDOW_TOKENS]) for i in range(args.windows)]
+    ref_ppl, ref_top = score(LLMEngine(loaded, EngineConfig(dtype="float32")).model, windows)
+    cfg = EngineConfig(dtype="float32", quant="nvfp4", nvfp4_gemm="w4a4", nvfp4_cache_dequantized=True)
+    model = LLMEngine(loaded, cfg).model
+    rows: list[tuple[str, float, torch.Tensor]] = []
+
+    def run(label: str, m: Transformer) -> None:
+        ppl, top = score(m, windows)
+        rows.append((label, ppl, top))
+        print(f"{label}: {ppl / ref_ppl:.4f}x", flush=True)
+
+    w4a4_on(model, ())
+    run("W4A16", model)
+    w4a4_on(model, tuple(KINDS))
+    run("**W4A4** (the recipe, one tensor scale per call)", model)
+    for kind in KINDS:
+        w4a4_on(model, (kind,))
+        run(f"W4A4 on {kind} only", model)
+    w4a4_on(model, tuple(k for k in KINDS if k != "down"))
+    run("W4A4 on all but down", model)
+    w4a4_on(model, tuple(KINDS))
+    variants: list[tuple[str, Callable[[torch.Tensor], torch.Tensor]]] = [
+        ("W4A4, one tensor scale per token", per_token),
+        ("W4A4, activation block scales by `four_over_six`", lambda x: dequantize(quantize_with(x, "four_over_six"))),
+        ("W4A4, activation block scales by `mse`", lambda x: dequantize(quantize_with(x, "mse"))),
+    ]  # fmt: skip
+    for label, fn in variants:
+        with activations_quantized_by(fn):
+            run(label, model)
+
+    dense = LLMEngine(loaded, EngineConfig(dtype="float32")).model
+    weights = loaded.weights
+    for n in (16, 32, 64):
+        for i, b in enumerate(blocks(dense)):
+            for kind, names in FUSED.items():
+                w = torch.cat([cast(torch.Tensor, weights[f"layers.{i}.{p}"]) for p in names]).float()
+                parent, attr = (b.attn, "wqkv") if kind == "q/k/v" else (b.attn, "wo") if kind == "o" else (
+                    (b.ffn, "w_gate_up") if kind == "gate/up" else (b.ffn, "w_down"))  # fmt: skip
+                setattr(parent, attr, Rotated(w, n))
+        run(f"W4A4, weights and activations Hadamard-rotated in runs of {n}", dense)
+
+    lines = [
+        "# W4A4 on SmolLM2-135M-Instruct",
+        "",
+        f"`python -m bench.nvfp4_w4a4_bench --windows {args.windows} --threads {args.threads}` — torch "
+        f"{torch.__version__}; {args.windows} x {WINDOW_TOKENS}-token windows of {EVALUATION_TEXT}; rtn weights; "
+        f"reference: the unquantized model in float32 (perplexity {ref_ppl:.3f}); "
+        f"{time.perf_counter() - t_start:.0f} s.",
+        "",
+        "| weights NVFP4 (rtn), activations | perplexity | ratio | top-1 agreement |",
+        "|---|---|---|---|",
+        *(f"| {label} | {ppl:.3f} | {ppl / ref_ppl:.4f}x | {float((top == ref_top).float().mean()):.4f} |"
+          for label, ppl, top in rows),
+    ]  # fmt: skip
+    publish(lines, "nvfp4_w4a4.md")
+
+
+if __name__ == "__main__":
+    main()
