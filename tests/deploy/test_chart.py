@@ -345,6 +345,7 @@ def test_engine_values_carry_the_cli_flag_names() -> None:
     ("overrides", "complaint"),
     [
         (["--set", "engine.quant=fp4"], "/engine/quant"),
+        (["--set", "decode.engine.nvfp4-gemm=w4a8"], "/decode/engine/nvfp4-gemm"),
         (["--set", "router.replicas=1"], "/router/replicas"),
         (["--set", "etcd.replicas=2"], "/etcd/replicas"),
         (["--set", "decode.flags.kv-backends=rdma"], "/decode/flags/kv-backends"),
