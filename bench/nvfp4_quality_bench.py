@@ -44,6 +44,7 @@ import torch.nn.functional as F
 from bench.nvfp4_model_bench import PROMPTS, agreement, prompt_logits
 from services.engine.engine import EngineConfig, LLMEngine, SamplingParams
 from services.engine.loader import LoadedModel, load_gguf
+from services.engine.model import Transformer
 from services.engine.model_files import smollm2_gguf_path
 from services.engine.nvfp4 import dequantize
 from services.engine.nvfp4.calibration import (
@@ -65,18 +66,23 @@ HESSIAN_OF = {"q_proj": "attn.wqkv", "k_proj": "attn.wqkv", "v_proj": "attn.wqkv
               "gate_proj": "ffn.w_gate_up", "up_proj": "ffn.w_gate_up", "down_proj": "ffn.w_down"}  # fmt: skip
 
 
-def evaluate(engine: LLMEngine, windows: list[torch.Tensor], chat: list[list[int]]) -> dict:
-    model = engine.model
+def score(model: Transformer, windows: list[torch.Tensor]) -> tuple[float, torch.Tensor]:
+    """Teacher-forced perplexity over the windows (each on its own) and the argmax at every predicted position."""
     nll, count, argmax = 0.0, 0, []
     for ids in windows:
         logits = prompt_logits(model, ids).float()
         nll += float(F.cross_entropy(logits[:-1], ids[1:], reduction="sum"))
         count += len(ids) - 1
         argmax.append(logits[:-1].argmax(-1))
+    return math.exp(nll / count), torch.cat(argmax)
+
+
+def evaluate(engine: LLMEngine, windows: list[torch.Tensor], chat: list[list[int]]) -> dict:
+    ppl, argmax = score(engine.model, windows)
     params = SamplingParams(max_tokens=AGREEMENT_TOKENS, temperature=0, ignore_eos=True)
     return {
-        "ppl": math.exp(nll / count),
-        "argmax": torch.cat(argmax),
+        "ppl": ppl,
+        "argmax": argmax,
         "greedy": engine.generate(chat, params),
     }
 

@@ -27,9 +27,8 @@ from contextlib import contextmanager
 from typing import cast
 
 import torch
-import torch.nn.functional as F
 
-from bench.nvfp4_model_bench import prompt_logits
+from bench.nvfp4_quality_bench import WINDOW_TOKENS, score
 from bench.report import publish
 from services.engine.engine import EngineConfig, LLMEngine
 from services.engine.loader import load_gguf
@@ -40,7 +39,6 @@ from services.engine.nvfp4.calibration import EVALUATION_TEXT
 from services.engine.nvfp4.methods import quantize_with
 from services.engine.tokenizer import Tokenizer
 
-WINDOW_TOKENS = 512
 KINDS: dict[str, Callable[[Block], torch.nn.Module]] = {
     "q/k/v": lambda b: b.attn.wqkv,
     "o": lambda b: b.attn.wo,
@@ -49,16 +47,6 @@ KINDS: dict[str, Callable[[Block], torch.nn.Module]] = {
 }
 FUSED = {"q/k/v": ("q_proj", "k_proj", "v_proj"), "o": ("o_proj",), "gate/up": ("gate_proj", "up_proj"),
          "down": ("down_proj",)}  # fmt: skip
-
-
-def score(model: Transformer, windows: list[torch.Tensor]) -> tuple[float, torch.Tensor]:
-    nll, count, argmax = 0.0, 0, []
-    for ids in windows:
-        logits = prompt_logits(model, ids).float()
-        nll += float(F.cross_entropy(logits[:-1], ids[1:], reduction="sum"))
-        count += len(ids) - 1
-        argmax.append(logits[:-1].argmax(-1))
-    return math.exp(nll / count), torch.cat(argmax)
 
 
 def blocks(model: Transformer) -> list[Block]:
