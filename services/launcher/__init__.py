@@ -23,7 +23,15 @@ from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from services.engine.config import SUPPORTED_DTYPES, TIER2_CODECS, EngineConfig, parse_device_spec
+from services.engine.config import (
+    NVFP4_GEMMS,
+    NVFP4_LOAD_METHODS,
+    SUPPORTED_DTYPES,
+    SUPPORTED_QUANT,
+    TIER2_CODECS,
+    EngineConfig,
+    parse_device_spec,
+)
 from services.router.policy import DEFAULT_MODE, MODES
 from services.runtime.ports import free_port
 
@@ -43,6 +51,18 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--model", default="", help="a .gguf file or a Hugging Face directory (default: SmolLM2-135M)"
     )
     p.add_argument("--dtype", default=EngineConfig.dtype, choices=SUPPORTED_DTYPES)
+    p.add_argument(
+        "--quant", default=EngineConfig.quant, choices=SUPPORTED_QUANT, help="workers' weight quantization"
+    )
+    p.add_argument(
+        "--nvfp4-method", default=EngineConfig.nvfp4_method, choices=NVFP4_LOAD_METHODS,
+        help="how --quant nvfp4 picks block scales and codes at load (docs/nvfp4-quality.md)",
+    )  # fmt: skip
+    p.add_argument(
+        "--nvfp4-gemm", default=EngineConfig.nvfp4_gemm, choices=NVFP4_GEMMS,
+        help="NVFP4 layers: w4a16 keeps activations 16-bit, w4a4 quantizes them too; auto: w4a4 on FP4 tensor "
+        "cores unless the checkpoint declares 16-bit activations (docs/nvfp4-quality.md)",
+    )  # fmt: skip
     p.add_argument(
         "--device", default="auto",
         help="workers' device: auto (CUDA when visible), cpu, cuda (the workers spread over every visible GPU, "
@@ -455,6 +475,12 @@ CPU_KV_CACHE_BYTES = 256 << 20  # per worker: the demo cluster's workers share a
 def engine_flags(a: argparse.Namespace, placement: GpuPlacement | None) -> list[str]:
     """The engine flags `up` gives every worker (its device flags are its own: GpuPlacement.flags)."""
     engine = ["--dtype", a.dtype, "--threads", str(a.threads)]
+    # every worker the same: a prefill and a decode worker of another quantization have other fingerprints
+    try:
+        EngineConfig(dtype=a.dtype, quant=a.quant, nvfp4_method=a.nvfp4_method, nvfp4_gemm=a.nvfp4_gemm)
+    except ValueError as e:  # refused here, not by every worker at its start
+        raise SystemExit(f"rackserve up: {e}") from e
+    engine += ["--quant", a.quant, "--nvfp4-method", a.nvfp4_method, "--nvfp4-gemm", a.nvfp4_gemm]
     kv_bytes = a.kv_cache_bytes
     if kv_bytes is None and placement is None:
         kv_bytes = CPU_KV_CACHE_BYTES

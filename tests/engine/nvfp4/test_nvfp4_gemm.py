@@ -144,6 +144,22 @@ def test_the_flag_reaches_the_engine_config():
         parser.parse_args(["--nvfp4-gemm", "fp8"])
 
 
+def test_rackserve_up_gives_every_worker_its_quantization_flags():
+    from services.launcher import add_arguments, engine_flags
+
+    worker = argparse.ArgumentParser()
+    add_engine_arguments(worker)
+    up = argparse.ArgumentParser()
+    add_arguments(up)
+    argv = ["--quant", "nvfp4", "--nvfp4-method", "four_over_six", "--nvfp4-gemm", "w4a4"]
+    cfg = engine_config(worker.parse_args(engine_flags(up.parse_args(argv), None)))
+    assert (cfg.quant, cfg.nvfp4_method, cfg.nvfp4_gemm) == ("nvfp4", "four_over_six", "w4a4")
+    plain = engine_config(worker.parse_args(engine_flags(up.parse_args([]), None)))
+    assert (plain.quant, plain.nvfp4_method, plain.nvfp4_gemm) == ("none", "rtn", "auto")
+    with pytest.raises(SystemExit, match="rackserve up: nvfp4_method='mse' needs quant='nvfp4'"):
+        engine_flags(up.parse_args(["--nvfp4-method", "mse"]), None)
+
+
 @pytest.mark.slow  # writes and loads a checkpoint
 @pytest.mark.parametrize(
     ("qcfg", "declared"),
