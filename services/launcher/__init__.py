@@ -23,15 +23,8 @@ from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from services.engine.config import (
-    NVFP4_GEMMS,
-    NVFP4_LOAD_METHODS,
-    SUPPORTED_DTYPES,
-    SUPPORTED_QUANT,
-    TIER2_CODECS,
-    EngineConfig,
-    parse_device_spec,
-)
+from services.engine import config as engine_cfg
+from services.engine.config import EngineConfig, parse_device_spec
 from services.router.policy import DEFAULT_MODE, MODES
 from services.runtime.ports import free_port
 
@@ -50,16 +43,19 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--model", default="", help="a .gguf file or a Hugging Face directory (default: SmolLM2-135M)"
     )
-    p.add_argument("--dtype", default=EngineConfig.dtype, choices=SUPPORTED_DTYPES)
+    p.add_argument("--dtype", default=EngineConfig.dtype, choices=engine_cfg.SUPPORTED_DTYPES)
     p.add_argument(
-        "--quant", default=EngineConfig.quant, choices=SUPPORTED_QUANT, help="workers' weight quantization"
+        "--quant",
+        default=EngineConfig.quant,
+        choices=engine_cfg.SUPPORTED_QUANT,
+        help="workers' weight quantization",
     )
     p.add_argument(
-        "--nvfp4-method", default=EngineConfig.nvfp4_method, choices=NVFP4_LOAD_METHODS,
+        "--nvfp4-method", default=EngineConfig.nvfp4_method, choices=engine_cfg.NVFP4_LOAD_METHODS,
         help="how --quant nvfp4 picks block scales and codes at load (docs/nvfp4-quality.md)",
     )  # fmt: skip
     p.add_argument(
-        "--nvfp4-gemm", default=EngineConfig.nvfp4_gemm, choices=NVFP4_GEMMS,
+        "--nvfp4-gemm", default=EngineConfig.nvfp4_gemm, choices=engine_cfg.NVFP4_GEMMS,
         help="NVFP4 layers: w4a16 keeps activations 16-bit, w4a4 quantizes them too; auto: w4a4 on FP4 tensor "
         "cores unless the checkpoint declares 16-bit activations (docs/nvfp4-quality.md)",
     )  # fmt: skip
@@ -85,7 +81,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--kv-tier2-bytes", type=int, default=0,
         help="host memory per worker for KV tier 2 (evicted prefix blocks, restored on a hit); 0: off",
     )  # fmt: skip
-    p.add_argument("--kv-tier2-codec", default=EngineConfig.kv_tier2_codec, choices=TIER2_CODECS)
+    p.add_argument("--kv-tier2-codec", default=EngineConfig.kv_tier2_codec, choices=engine_cfg.TIER2_CODECS)
     p.add_argument(
         "--kv-disk-path", default="",
         help="directory for the workers' local-disk KV tiers: each worker gets DIR/<worker id> (docs/kv-tiers.md)",
