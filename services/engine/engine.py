@@ -213,13 +213,6 @@ class LLMEngine:
             log.info("NVFP4 GEMM on %s: %s (%s)", device, "W4A4" if w4a4 else "W4A16", why)
             if w4a4 and device.type == "cuda":
                 self._nonfinite = nonfinite_flag(device)  # before any graph is captured
-            elif (
-                device.type == "cuda"
-                and cfg.nvfp4_gemm == "auto"
-                and loaded.nvfp4_activations != "16bit"
-                and torch.cuda.get_device_capability(device) >= (10, 0)
-            ):
-                log.warning("NVFP4 W4A4 not used on %s: %s; W4A16 instead", device, why)
             if loaded.quantization != "none":
                 # a pre-quantized checkpoint runs as it was quantized: its bytes are never requantized
                 log.info(

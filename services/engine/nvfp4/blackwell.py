@@ -17,12 +17,15 @@ alpha = 1 / (g_e(A) * g_e(B)), as docs/nvfp4.md prescribes. cuBLAS wants K to be
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 
 import torch
 
 from .layouts import swizzle_scales
 from .recipe import NVFP4Tensor, quantize
+
+log = logging.getLogger(__name__)
 
 
 def choose_gemm(asked: str, device: torch.device, declared: str = "") -> tuple[bool, str]:
@@ -36,7 +39,8 @@ def choose_gemm(asked: str, device: torch.device, declared: str = "") -> tuple[b
       GPU without FP4 tensor cores, or whose probe GEMM fails, it is refused with the reason: never silently
       W4A16.
     - auto: W4A4 where the GPU has FP4 tensor cores and the checkpoint does not declare 16-bit activations; a
-      W4A16 checkpoint (compressed-tensors' NVFP4A16: `input_activations: null`) was calibrated for them.
+      W4A16 checkpoint (compressed-tensors' NVFP4A16: `input_activations: null`) was calibrated for them. A GPU
+      with FP4 tensor cores that still runs W4A16 (its probe failed) is warned of.
     """
     if asked == "w4a16":
         return False, "--nvfp4-gemm w4a16"
@@ -52,6 +56,8 @@ def choose_gemm(asked: str, device: torch.device, declared: str = "") -> tuple[b
     if declared == "16bit":
         return False, "the checkpoint declares 16-bit activations (W4A16)"
     if why is not None:
+        if torch.cuda.get_device_capability(device) >= (10, 0):
+            log.warning("NVFP4 W4A4 not used on %s: %s; W4A16 instead", device, why)
         return False, why
     return True, "FP4 tensor cores (auto)"
 

@@ -14,22 +14,20 @@ import pytest
 import torch
 
 from services.engine.config import EngineConfig
-from services.engine.engine import LLMEngine
 from services.engine.loader import LoadedModel, load_model
 from services.engine.nvfp4 import NVFP4Linear, blackwell, dequantize, quantize
 from services.engine.nvfp4.blackwell import choose_gemm
+from services.engine.nvfp4.calibration import quantize_model
 from services.engine.sampling import SamplingParams
 from services.runtime.args import add_engine_arguments, engine_config
 from tests.conftest import tiny_llama
+from tests.engine.nvfp4.test_nvfp4_methods import _engine
+from tests.engine.test_model_correctness import prompt_logits
 
 PROMPTS = [[5, 17, 42, 99, 3, 8], [200, 1, 2], list(range(40, 70))]
 GREEDY = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
 CUDA0 = torch.device("cuda", 0)
 NO_FP4 = "compute capability 9.0 < 10.0 has no block-scaled FP4 tensor cores"
-
-
-def _engine(model: LoadedModel, **cfg: object) -> LLMEngine:
-    return LLMEngine(model, EngineConfig(dtype="float32", num_kv_blocks=64, block_size=4, **cfg))  # type: ignore[arg-type]
 
 
 @pytest.mark.parametrize(
@@ -47,8 +45,24 @@ def test_the_gemm_on_a_gpu_follows_the_flag_the_checkpoint_and_the_part(
     monkeypatch, asked, declared, gpu_reason, want
 ):
     monkeypatch.setattr(blackwell, "blackwell_unavailable_reason", lambda device=None: gpu_reason)
+    monkeypatch.setattr(blackwell.torch.cuda, "get_device_capability", lambda device=None: (9, 0))
     use, why = choose_gemm(asked, CUDA0, declared)
     assert use is want and why
+
+
+def test_a_gpu_with_fp4_tensor_cores_that_still_runs_w4a16_says_so(monkeypatch, caplog):
+    """auto on compute capability 10+ whose probe failed: W4A16, with a warning naming why; on a Hopper part,
+    where W4A16 is the only choice, no warning."""
+    probe = "a probe FP4 GEMM failed: RuntimeError: no kernel"
+    monkeypatch.setattr(blackwell, "blackwell_unavailable_reason", lambda device=None: probe)
+    for capability, warned in (((10, 0), True), ((9, 0), False)):
+        monkeypatch.setattr(
+            blackwell.torch.cuda, "get_device_capability", lambda device=None, c=capability: c
+        )
+        caplog.clear()
+        with caplog.at_level("WARNING", logger=blackwell.__name__):
+            assert choose_gemm("auto", CUDA0) == (False, probe)
+        assert any(probe in r.getMessage() for r in caplog.records) is warned, capability
 
 
 def test_w4a4_asked_of_a_gpu_without_fp4_tensor_cores_is_refused_with_the_reason(monkeypatch):
@@ -77,14 +91,9 @@ def test_an_emulated_w4a4_engine_gives_the_tokens_of_its_activations_quantized_b
     layers = [m for m in w4a4.model.modules() if isinstance(m, NVFP4Linear)]
     assert layers and all(m.w4a4 for m in layers)
 
-    # reference: dense weights = the fused projections' dequantized NVFP4, inputs quantized by forward hooks
-    dense = dict(model.weights)
-    for i in range(model.config.num_layers):
-        for fused in (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"), ("o_proj",), ("down_proj",)):
-            names = [f"layers.{i}.{p}" for p in fused]
-            w_hat = dequantize(quantize(torch.cat([model.weights[n] for n in names])))
-            for n, part in zip(names, w_hat.split([model.weights[n].shape[0] for n in names]), strict=True):
-                dense[n] = part
+    # reference: dense weights = the bytes the engine quantizes at load (quantize_model), dequantized; inputs
+    # quantized by forward hooks
+    dense = dict(model.weights) | {name: dequantize(q) for name, q in quantize_model(model, "rtn").items()}
     ref = _engine(LoadedModel(config=model.config, weights=dense, source="ref", source_format="memory"))
     seen: list[int] = []
 
@@ -101,10 +110,10 @@ def test_an_emulated_w4a4_engine_gives_the_tokens_of_its_activations_quantized_b
     assert seen  # the hooks ran
     assert w4a4.generate(PROMPTS, GREEDY) == want
     ids = torch.tensor(PROMPTS[2])
-    assert torch.equal(_prefill_logits(w4a4, ids), _prefill_logits(ref, ids))  # float32: the same ops
+    assert torch.equal(prompt_logits(w4a4.model, ids), prompt_logits(ref.model, ids))  # float32: the same ops
     for h in hooks:
         h.remove()
-    assert not torch.equal(_prefill_logits(w4a4, ids), _prefill_logits(w4a16, ids))
+    assert not torch.equal(prompt_logits(w4a4.model, ids), prompt_logits(w4a16.model, ids))
 
 
 def test_a_layer_a_gpu_would_run_w4a16_is_not_emulated_as_w4a4():
@@ -117,15 +126,6 @@ def test_a_layer_a_gpu_would_run_w4a16_is_not_emulated_as_w4a4():
     even = quantize(torch.randn(32, 64, generator=g))
     x = torch.randn(4, 64, generator=g)
     assert not torch.equal(NVFP4Linear(even, w4a4=True)(x), NVFP4Linear(even)(x))
-
-
-def _prefill_logits(engine: LLMEngine, ids: torch.Tensor) -> torch.Tensor:
-    from services.engine.model import AttnMetadata, PagedKvCache, PrefillSegment
-
-    m = engine.model
-    kv = PagedKvCache(m.config, -(-len(ids) // 16), 16, m.dtype)
-    meta = AttnMetadata(slot_mapping=torch.arange(len(ids)), prefills=[PrefillSegment(0, len(ids))])
-    return m.logits(m(ids, torch.arange(len(ids)), meta, kv))
 
 
 def test_nvfp4_gemm_is_refused_where_it_cannot_apply():
@@ -202,7 +202,6 @@ def test_a_modelopt_nvfp4_checkpoint_declares_w4a4(tmp_path, where):
 def test_what_rackserve_quantize_writes_is_served_w4a16_by_auto(tmp_path, layout, monkeypatch):
     """Its weights were quantized for 16-bit activations (gptq calibrates on them): the checkpoint says so in
     either layout, though ModelOpt's quant_algo NVFP4 alone would mean W4A4, and auto on FP4 tensor cores obeys."""
-    from services.engine.nvfp4.calibration import quantize_model
     from services.engine.nvfp4.export import write_checkpoint
 
     model = tiny_llama()
