@@ -199,9 +199,9 @@ def _penalise_seen(
     i * vocab + token, i the row's place among the penalised ones) and torch changes just those."""
     vocab = x.shape[1]
     rep = [params[r].repetition_penalty for r in pen]
-    size = len(pen) * vocab
-    counts = np.bincount(_keys([rows[r].output_ids for r in pen], vocab), minlength=size)
-    if any(v != 1 for v in rep):  # repetition_penalty also reaches the prompt's tokens
+    repeats = any(v != 1 for v in rep)
+    counts = np.bincount(_keys([rows[r].output_ids for r in pen], vocab), minlength=len(pen) * vocab)
+    if repeats:  # repetition_penalty also reaches the prompt's tokens
         seen = counts > 0
         seen[_keys([rows[r].prompt_ids for r in pen], vocab)] = True
         keys = np.flatnonzero(seen)
@@ -219,7 +219,7 @@ def _penalise_seen(
     flat = x.view(-1)
     v = flat[at]
     n = torch.from_numpy(counts[keys]).to(x.dtype)
-    if any(r != 1 for r in rep):
+    if repeats:
         r = per_row(rep)
         v = torch.where(v > 0, v / r, v * r)
     freq = per_row([params[r].frequency_penalty for r in pen])
