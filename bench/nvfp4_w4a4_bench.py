@@ -24,6 +24,7 @@ import math
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from operator import attrgetter
 from typing import cast
 
 import torch
@@ -35,18 +36,12 @@ from services.engine.loader import load_gguf
 from services.engine.model import Block, Transformer
 from services.engine.model_files import smollm2_gguf_path
 from services.engine.nvfp4 import NVFP4Linear, dequantize, quantize
-from services.engine.nvfp4.calibration import EVALUATION_TEXT
+from services.engine.nvfp4.calibration import EVALUATION_TEXT, FUSED
 from services.engine.nvfp4.methods import quantize_with
 from services.engine.tokenizer import Tokenizer
 
-KINDS: dict[str, Callable[[Block], torch.nn.Module]] = {
-    "q/k/v": lambda b: b.attn.wqkv,
-    "o": lambda b: b.attn.wo,
-    "gate/up": lambda b: b.ffn.w_gate_up,
-    "down": lambda b: b.ffn.w_down,
-}
-FUSED = {"q/k/v": ("q_proj", "k_proj", "v_proj"), "o": ("o_proj",), "gate/up": ("gate_proj", "up_proj"),
-         "down": ("down_proj",)}  # fmt: skip
+# the engine's projection kinds (calibration.FUSED), named by their parts: "q/k/v", "o", "gate/up", "down"
+KINDS = {"/".join(p.removesuffix("_proj") for p in parts): attr for attr, parts in FUSED}
 
 
 def blocks(model: Transformer) -> list[Block]:
@@ -56,8 +51,8 @@ def blocks(model: Transformer) -> list[Block]:
 def w4a4_on(model: Transformer, kinds: tuple[str, ...]) -> None:
     """W4A4 on the projections of `kinds`, W4A16 on the others."""
     for b in blocks(model):
-        for kind, proj in KINDS.items():
-            for m in proj(b).modules():
+        for kind, attr in KINDS.items():
+            for m in attrgetter(attr)(b).modules():
                 if isinstance(m, NVFP4Linear):
                     m.w4a4 = kind in kinds
 
@@ -147,11 +142,10 @@ def main() -> None:
     weights = loaded.weights
     for n in (16, 32, 64):
         for i, b in enumerate(blocks(dense)):
-            for kind, names in FUSED.items():
-                w = torch.cat([cast(torch.Tensor, weights[f"layers.{i}.{p}"]) for p in names]).float()
-                parent, attr = (b.attn, "wqkv") if kind == "q/k/v" else (b.attn, "wo") if kind == "o" else (
-                    (b.ffn, "w_gate_up") if kind == "gate/up" else (b.ffn, "w_down"))  # fmt: skip
-                setattr(parent, attr, Rotated(w, n))
+            for attr, parts in FUSED:
+                w = torch.cat([cast(torch.Tensor, weights[f"layers.{i}.{p}"]) for p in parts]).float()
+                owner, _, name = attr.rpartition(".")
+                setattr(attrgetter(owner)(b), name, Rotated(w, n))
         run(f"W4A4, weights and activations Hadamard-rotated in runs of {n}", dense)
 
     lines = [
