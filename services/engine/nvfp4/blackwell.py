@@ -1,6 +1,8 @@
 """W4A4 on Blackwell: both operands NVFP4, multiplied on block-scaled FP4 tensor cores via torch._scaled_mm.
 
-This path changes numerics relative to W4A16: activations are quantized to NVFP4 on every call. It is used when
+This path changes numerics relative to W4A16: activations are quantized to NVFP4 on every call, under the
+checkpoint's static activation tensor scale where it carries one (NVFP4Linear.input_scale), else under one
+computed from the call's amax. It is used when
 a caller asks for it (NVFP4Linear(w4a4=True); the engine asks as --nvfp4-gemm says: `choose_gemm`) and the
 device passes a probe: one small FP4 GEMM checked against the recipe's dequantized product, once per device, so a
 torch or cuBLASLt build (or a part) without NVFP4 block-scaled GEMMs falls back to W4A16 at load, with the reason.
@@ -177,8 +179,9 @@ def scaled_mm_nvfp4(a: NVFP4Tensor, w: BlackwellWeight, out_dtype: torch.dtype) 
     return (out.float() * alpha).to(out_dtype)
 
 
-def w4a4_matmul(x: torch.Tensor, w: BlackwellWeight) -> torch.Tensor:
-    """x[..., K] @ W_hat^T with x quantized to NVFP4 on the fly; Blackwell only."""
+def w4a4_matmul(x: torch.Tensor, w: BlackwellWeight, input_scale: torch.Tensor | None = None) -> torch.Tensor:
+    """x[..., K] @ W_hat^T with x quantized to NVFP4 on the fly; Blackwell only. `input_scale` is a static
+    activation tensor scale (g_e, fp32 0-dim on x's device); None computes one from each call's amax."""
     reason = blackwell_unavailable_reason(x.device if x.is_cuda else None)
     if reason is not None or not x.is_cuda:
         raise BlackwellUnavailable(
@@ -186,15 +189,15 @@ def w4a4_matmul(x: torch.Tensor, w: BlackwellWeight) -> torch.Tensor:
         )
     lead = x.shape[:-1]
     x2 = x.reshape(-1, x.shape[-1])
-    a = _quantize_activations(x2)
+    a = _quantize_activations(x2, input_scale)
     return scaled_mm_nvfp4(a, w, x.dtype).reshape(*lead, w.n)
 
 
-def _quantize_activations(x2: torch.Tensor) -> NVFP4Tensor:
+def _quantize_activations(x2: torch.Tensor, input_scale: torch.Tensor | None) -> NVFP4Tensor:
     """One linear's activations, checked for NaN/Inf on the device (nonfinite_flag), not on the host: a host
     read per linear would synchronise every eager step ~7 times a layer, and a graph could not read at all."""
     try:
         from .triton_kernels import quantize_triton
     except ImportError:  # Triton missing from the image: the torch recipe gives the same bytes, only slower
-        return quantize(x2)
-    return quantize_triton(x2, nonfinite=nonfinite_flag(x2.device))
+        return quantize(x2, global_scale=input_scale)
+    return quantize_triton(x2, nonfinite=nonfinite_flag(x2.device), global_scale=input_scale)

@@ -153,8 +153,13 @@ def quantize_triton(
     block_rows: int = 32,
     block_blocks: int = 16,
     nonfinite: torch.Tensor | None = None,
+    global_scale: torch.Tensor | None = None,
 ) -> NVFP4Tensor:
     """NVFP4-quantize x along its last dim on the GPU (or the interpreter); same bytes as recipe.quantize.
+
+    `global_scale` (a positive fp32 0-dim tensor on x's device, encode convention) replaces the g_e the amax would
+    give, as recipe.quantize's does: a static activation scale from a W4A4 checkpoint. x's amax is still read,
+    for the non-finite check.
 
     block_rows x block_blocks*16 elements per program; both must be powers of two. A non-finite input raises
     (its amax read on the host: a sync), or, with `nonfinite` (a bool tensor on x's device), sets it on the
@@ -182,7 +187,7 @@ def quantize_triton(
         nonfinite |= ~torch.isfinite(amax).reshape(nonfinite.shape)
     elif not capturing and not bool(torch.isfinite(amax)):
         check_finite(x2)  # raises with the count of bad values
-    g = global_scale_for_amax(amax).reshape(1)
+    g = (global_scale_for_amax(amax) if global_scale is None else global_scale.to(torch.float32)).reshape(1)
 
     packed = torch.empty((m, kp // 2), dtype=torch.uint8, device=x.device)
     scales = torch.empty((m, nb), dtype=torch.uint8, device=x.device)

@@ -120,16 +120,24 @@ def gemm_cases() -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
     }
 
 
+# static activation scales (a W4A4 checkpoint's): g_e of an amax below the input's, so the largest values clip
+STATIC_SCALE_CASES = {"gaussian": 1.5, "student_t_df1.5": 4.0, "edge_cases": 2688.0, "bf16": 0.75}
+
+
 def run_interpreted(inputs_path: Path, outputs_path: Path) -> None:
     """Child process: quantize and multiply every case with the Triton kernels."""
-    from services.engine.nvfp4.recipe import quantize
+    from services.engine.nvfp4.recipe import global_scale_for_amax, quantize
     from services.engine.nvfp4.triton_kernels import quantize_triton, w4a16_matmul
 
     inputs = torch.load(inputs_path)
-    out: dict[str, object] = {"quantize": {}, "gemm": {}, "gemm_per_byte": {}}
+    out: dict[str, object] = {"quantize": {}, "gemm": {}, "gemm_per_byte": {}, "static": {}}
     for name, x in inputs["quantize"].items():
         q = quantize_triton(x)
         out["quantize"][name] = (q.packed, q.scales, q.global_scale, q.shape)  # type: ignore[index]
+    for name, amax in STATIC_SCALE_CASES.items():
+        g = global_scale_for_amax(torch.tensor(amax))
+        q = quantize_triton(inputs["quantize"][name], global_scale=g)
+        out["static"][name] = (q.packed, q.scales, q.global_scale)  # type: ignore[index]
     bad = torch.ones(4, 32)
     bad[1, 3] = float("nan")
     try:
@@ -185,6 +193,21 @@ def test_triton_quantize_is_bit_exact_with_the_reference(interpreted, name):
     ref = quantize(x)
     assert shape == ref.shape
     assert torch.equal(global_scale, ref.global_scale)
+    assert torch.equal(scales, ref.scales), f"{int((scales != ref.scales).sum())} scale bytes differ"
+    assert torch.equal(packed, ref.packed), f"{int((packed != ref.packed).sum())} code bytes differ"
+
+
+@pytest.mark.parametrize("name", list(STATIC_SCALE_CASES))
+def test_triton_quantize_under_a_static_scale_gives_the_references_bytes(interpreted, name):
+    """W4A4 activations under a checkpoint's static tensor scale, values beyond its amax included (they clip)."""
+    from services.engine.nvfp4 import quantize
+    from services.engine.nvfp4.recipe import global_scale_for_amax
+
+    inputs, outputs = interpreted
+    g = global_scale_for_amax(torch.tensor(STATIC_SCALE_CASES[name]))
+    packed, scales, global_scale = outputs["static"][name]
+    ref = quantize(inputs["quantize"][name], global_scale=g)
+    assert torch.equal(global_scale, g)
     assert torch.equal(scales, ref.scales), f"{int((scales != ref.scales).sum())} scale bytes differ"
     assert torch.equal(packed, ref.packed), f"{int((packed != ref.packed).sum())} code bytes differ"
 
