@@ -102,8 +102,12 @@ def cmd_quantize(a: argparse.Namespace) -> int:
         a.layout,
         progress=lambda m: print(m, file=sys.stderr),
         act_order=a.act_order,
+        activations=a.activations,
     )
-    print(f"wrote {a.out} ({a.layout}, {a.method}): " + ", ".join(f"{k} {v:.1f}" for k, v in times.items()))
+    print(
+        f"wrote {a.out} ({a.layout}, {a.method}, {a.activations} activations): "
+        + ", ".join(f"{k} {v:.1f}" for k, v in times.items())
+    )
     return 0
 
 
@@ -154,7 +158,7 @@ def main(argv: list[str] | None = None) -> int:
 
     add_bench_arguments(bench)
     bench.set_defaults(func=run_bench)
-    from services.engine.config import NVFP4_METHODS
+    from services.engine.config import NVFP4_ACTIVATIONS, NVFP4_METHODS
 
     qz = sub.add_parser(
         "quantize", help="write an NVFP4 checkpoint (compressed-tensors or ModelOpt) of a model"
@@ -169,6 +173,9 @@ def main(argv: list[str] | None = None) -> int:
     qz.add_argument("--act-order", action=argparse.BooleanOptionalAction, default=None,
                     help="gptq: quantize columns by decreasing Hessian diagonal (default: on); "
                     "--no-act-order keeps index order")  # fmt: skip
+    qz.add_argument("--activations", default="16bit", choices=NVFP4_ACTIVATIONS,
+                    help="what the weights are quantized for: 16bit (W4A16), or nvfp4 (W4A4: static activation "
+                    "scales calibrated and written with them)")  # fmt: skip
     qz.set_defaults(func=cmd_quantize)
 
     tl = sub.add_parser("timeline", help="draw request timelines as a waterfall (HTML)")

@@ -25,6 +25,9 @@ NVFP4_METHODS = (*NVFP4_LOAD_METHODS, "gptq")  # all of them: `rackserve quantiz
 # and the checkpoint does not declare 16-bit activations; w4a16 = activations never quantized; w4a4 = always
 # (emulated on a CPU, refused on a GPU without FP4 tensor cores)
 NVFP4_GEMMS = ("auto", "w4a16", "w4a4")
+# what an NVFP4 checkpoint's weights were quantized for (`rackserve quantize --activations`): 16-bit inputs
+# (W4A16), or NVFP4 inputs under static activation scales written with them (W4A4)
+NVFP4_ACTIVATIONS = ("16bit", "nvfp4")
 TIER2_CODECS = ("bf16", "fp8", "nvfp4")  # how KV tier 2 keeps a block (engine/kv_tier.py)
 
 

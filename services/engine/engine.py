@@ -234,6 +234,13 @@ class LLMEngine:
             if w4a4:
                 # quantized activations make another function of the same weights: its KV is another model's
                 quant_id += ":w4a4"
+                static = sum(1 for name in loaded.weights if name.endswith(".input_scale"))
+                log.info(
+                    "W4A4 activation tensor scales: %s",
+                    f"static, the checkpoint's ({static} projections)"
+                    if static
+                    else "one per call, from its amax (no static scales in the weights)",
+                )
         elif cfg.nvfp4_gemm != "auto":
             raise ValueError(
                 f"nvfp4_gemm={cfg.nvfp4_gemm!r} needs NVFP4 weights (--quant nvfp4 or an NVFP4 checkpoint)"

@@ -20,7 +20,7 @@ import numpy as np
 import torch
 import xxhash
 
-from services.engine.config import ModelConfig, ModelLoadError, RopeScaling
+from services.engine.config import NVFP4_ACTIVATIONS, ModelConfig, ModelLoadError, RopeScaling
 
 if TYPE_CHECKING:
     from services.engine.nvfp4 import NVFP4Tensor
@@ -349,7 +349,7 @@ def _declared_activations(qcfg: dict[str, Any], p: Path) -> str:
     `rackserve quantize` wrote says so itself (`rackserve.activations`), in either layout."""
     if "rackserve" in qcfg:  # ours: quantized for 16-bit activations (exports before the key was written too)
         ours = (qcfg.get("rackserve") or {}).get("activations", "16bit")
-        return str(ours) if ours in ("16bit", "nvfp4") else ""
+        return str(ours) if ours in NVFP4_ACTIVATIONS else ""
     if qcfg.get("quant_method") == "compressed-tensors":
         inputs = [g.get("input_activations") for g in (qcfg.get("config_groups") or {}).values()]
         if inputs and all(a is None for a in inputs):

@@ -305,12 +305,31 @@ class ConcatLinear(nn.Module):
         return torch.cat([p(x) for p in self.parts], dim=-1)
 
 
+def input_scale(w: Weights, names: list[str]) -> torch.Tensor | None:
+    """The static activation scale (g_e) of projections that read one input (q/k/v, gate/up), from a W4A4
+    checkpoint that calibrated them (`{name}.input_scale`), or None. Parts calibrated apart get the largest amax
+    of theirs, the smallest g_e, so that no part's activations are clipped; parts of which only some carry a
+    scale are refused."""
+    scales = [w.get(f"{n}.input_scale") for n in names]
+    if all(s is None for s in scales):
+        return None
+    if any(s is None for s in scales):
+        missing = [n for n, s in zip(names, scales, strict=True) if s is None]
+        raise ValueError(f"{missing} carry no static activation scale, which the other parts of {names} do")
+    return torch.stack([cast(torch.Tensor, s).reshape(()) for s in scales]).min()
+
+
 def make_fused_linear(
-    parts: list[torch.Tensor | NVFP4Tensor], bias: torch.Tensor | None, dtype: torch.dtype, quant: str, **kw
+    parts: list[torch.Tensor | NVFP4Tensor],
+    bias: torch.Tensor | None,
+    dtype: torch.dtype,
+    quant: str,
+    input_scale: torch.Tensor | None = None,
+    **kw,
 ) -> nn.Module:
     """One projection for several stacked weights: dense ones are concatenated (and quantized together under
     --quant nvfp4, one tensor scale); pre-quantized NVFP4 parts keep their bytes — fused when their tensor
-    scales agree, side by side when they don't."""
+    scales agree, side by side when they don't — and their static activation scale (`input_scale`)."""
     dense = [w for w in parts if isinstance(w, torch.Tensor)]
     if len(dense) == len(parts):
         # one part as it is: a weight already on the device in its dtype is not copied
@@ -324,10 +343,13 @@ def make_fused_linear(
     cache = bool(kw.get("cache_dequantized", False))
     w4a4 = bool(kw.get("w4a4", False))
     if fused is not None:
-        return NVFP4Linear(fused, bias, cache_dequantized=cache, w4a4=w4a4)
+        return NVFP4Linear(fused, bias, cache_dequantized=cache, w4a4=w4a4, input_scale=input_scale)
     biases = bias.split([w.shape[0] for w in packed]) if bias is not None else [None] * len(packed)
     return ConcatLinear(
-        [NVFP4Linear(w, b, cache_dequantized=cache, w4a4=w4a4) for w, b in zip(packed, biases, strict=True)]
+        [
+            NVFP4Linear(w, b, cache_dequantized=cache, w4a4=w4a4, input_scale=input_scale)
+            for w, b in zip(packed, biases, strict=True)
+        ]
     )
 
 
@@ -341,8 +363,10 @@ class Attention(nn.Module):
             bias = torch.cat(
                 [cast(torch.Tensor, w[f"{prefix}.{n}.bias"]) for n in ("q_proj", "k_proj", "v_proj")]
             )
-        self.wqkv = make_fused_linear(qkv, bias, dtype, quant, **kw)
-        self.wo = make_fused_linear([w[f"{prefix}.o_proj"]], None, dtype, quant, **kw)
+        in_qkv = input_scale(w, [f"{prefix}.{n}" for n in ("q_proj", "k_proj", "v_proj")])
+        self.wqkv = make_fused_linear(qkv, bias, dtype, quant, in_qkv, **kw)
+        in_o = input_scale(w, [f"{prefix}.o_proj"])
+        self.wo = make_fused_linear([w[f"{prefix}.o_proj"]], None, dtype, quant, in_o, **kw)
         self.scale = 1.0 / math.sqrt(self.hd)
         self.triton_decode = False  # set by Transformer: decode attention through the Triton paged kernel
 
@@ -477,8 +501,10 @@ class FeedForward(nn.Module):
         # not read off gate_proj: through _OnDevice that would copy it to the device to learn a shape
         self.ffn = ffn
         gate_up = [w[f"{prefix}.gate_proj"], w[f"{prefix}.up_proj"]]
-        self.w_gate_up = make_fused_linear(gate_up, None, dtype, quant, **kw)
-        self.w_down = make_fused_linear([w[f"{prefix}.down_proj"]], None, dtype, quant, **kw)
+        in_gate_up = input_scale(w, [f"{prefix}.gate_proj", f"{prefix}.up_proj"])
+        self.w_gate_up = make_fused_linear(gate_up, None, dtype, quant, in_gate_up, **kw)
+        in_down = input_scale(w, [f"{prefix}.down_proj"])
+        self.w_down = make_fused_linear([w[f"{prefix}.down_proj"]], None, dtype, quant, in_down, **kw)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.w_gate_up(x).split(self.ffn, dim=-1)

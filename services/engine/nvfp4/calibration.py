@@ -1,7 +1,8 @@
 """Calibration for gptq, and the whole-model quantizer shared by `rackserve quantize` and the quality bench.
 
-gptq needs, per projection, the Hessian of its inputs H = 2 X^T X / n over a calibration set. They are
-collected in one pass of the unquantized float32 model (every layer sees the float inputs, not those of
+gptq needs, per projection, the Hessian of its inputs H = 2 X^T X / n over a calibration set; a W4A4
+checkpoint needs, per projection, a static tensor scale for its input activations (their largest magnitude).
+Both are collected in one pass of the unquantized float32 model (every layer sees the float inputs, not those of
 already-quantized layers before it: simpler, and within noise of the sequential variant on small models).
 
 The calibration text ships with Debian (base-files' licence texts other than GPL-3) plus the repository's
@@ -23,7 +24,7 @@ import torch
 
 from .methods import check_method, quantize_with
 from .prequantized import split_rows
-from .recipe import NVFP4Tensor
+from .recipe import NVFP4Tensor, abs_max, global_scale_for_amax
 
 _REPO = Path(__file__).resolve().parents[3]
 CALIBRATION_TEXTS = (
@@ -72,26 +73,24 @@ def calibration_windows(
     return out
 
 
-def collect_hessians(loaded: object, windows: Sequence[torch.Tensor]) -> dict[str, torch.Tensor]:
-    """H = 2 X^T X / n of every fused projection's input, keyed `layers.{i}.{attr}` (FUSED)."""
+def _observe_inputs(
+    loaded: object, windows: Sequence[torch.Tensor], observe: Callable[[str, torch.Tensor], None]
+) -> None:
+    """Run the windows through the unquantized float32 model, handing every fused projection's [tokens, in]
+    float32 input to `observe` with its key `layers.{i}.{attr}` (FUSED)."""
     from services.engine.model import AttnMetadata, PagedKvCache, PrefillSegment, Transformer
 
     cfg = loaded.config  # type: ignore[attr-defined]
     model = Transformer(cfg, loaded.weights, torch.float32, "none", cpu_kernels=False)  # type: ignore[attr-defined]
-    sums: dict[str, torch.Tensor] = {}
-    counts: dict[str, int] = {}
     handles = []
     for i, blk in enumerate(model.blocks):
         for attr, _ in FUSED:
-            mod = blk.get_submodule(attr)
             key = f"layers.{i}.{attr}"
 
             def hook(_m: torch.nn.Module, args: tuple[torch.Tensor, ...], key: str = key) -> None:
-                x = args[0].reshape(-1, args[0].shape[-1]).to(torch.float32)
-                sums[key] = sums.get(key, 0) + x.T @ x  # type: ignore[assignment]  # fp32: 4k tokens sum fine
-                counts[key] = counts.get(key, 0) + x.shape[0]
+                observe(key, args[0].reshape(-1, args[0].shape[-1]).to(torch.float32))
 
-            handles.append(mod.register_forward_pre_hook(hook))
+            handles.append(blk.get_submodule(attr).register_forward_pre_hook(hook))
     try:
         for ids in windows:
             kv = PagedKvCache(cfg, -(-len(ids) // 16), 16, torch.float32)
@@ -100,7 +99,38 @@ def collect_hessians(loaded: object, windows: Sequence[torch.Tensor]) -> dict[st
     finally:
         for h in handles:
             h.remove()
+
+
+def collect_hessians(loaded: object, windows: Sequence[torch.Tensor]) -> dict[str, torch.Tensor]:
+    """H = 2 X^T X / n of every fused projection's input, keyed `layers.{i}.{attr}` (FUSED)."""
+    sums: dict[str, torch.Tensor] = {}
+    counts: dict[str, int] = {}
+
+    def observe(key: str, x: torch.Tensor) -> None:
+        sums[key] = sums.get(key, 0) + x.T @ x  # type: ignore[assignment]  # fp32: 4k tokens sum fine
+        counts[key] = counts.get(key, 0) + x.shape[0]
+
+    _observe_inputs(loaded, windows, observe)
     return {k: 2 * s / counts[k] for k, s in sums.items()}
+
+
+def calibrate_input_scales(loaded: object, windows: Sequence[torch.Tensor]) -> dict[str, torch.Tensor]:
+    """W4A4's static activation scales: for every block projection (canonical names, `layers.3.q_proj`), g_e of
+    the largest |x| its input took over the windows (max calibration, as ModelOpt's and llm-compressor's
+    default observers). The parts of a fused projection read one input, so they share its scale."""
+    amax: dict[str, torch.Tensor] = {}
+
+    def observe(key: str, x: torch.Tensor) -> None:
+        a = abs_max(x)
+        amax[key] = torch.maximum(amax[key], a) if key in amax else a
+
+    _observe_inputs(loaded, windows, observe)
+    out: dict[str, torch.Tensor] = {}
+    for i in range(loaded.config.num_layers):  # type: ignore[attr-defined]
+        for attr, parts in FUSED:
+            g = global_scale_for_amax(amax[f"layers.{i}.{attr}"])
+            out |= {f"layers.{i}.{p}": g for p in parts}
+    return out
 
 
 def quantize_model(

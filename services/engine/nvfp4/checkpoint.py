@@ -8,13 +8,14 @@ Two layouts exist in the wild, both with the same codes (element 2j in the low n
 | NVIDIA ModelOpt    | `weight`        | `weight_scale` | `weight_scale_2` = decode g_d = amax / 2688     |
 | compressed-tensors | `weight_packed` | `weight_scale` | `weight_global_scale` = encode g_e = 2688 / amax |
 
-(ModelOpt also exports `input_scale`, a static activation scale.)
+A W4A4 checkpoint also carries a static tensor scale for each projection's input activations, calibrated on
+sample text, with the same two spellings: ModelOpt's `input_scale` is the decode g_d = amax / 2688,
+compressed-tensors' `input_global_scale` the encode g_e = 2688 / amax. (The activations' block scales are
+computed per call from the activations themselves; only the tensor scale is static.)
 
 rackserve stores g_e. From compressed-tensors that is a copy. From ModelOpt it is g_e = 1 / g_d in fp32, which
 is the same number up to one rounding: fp32 reciprocals do not always round-trip, so a ModelOpt checkpoint
 written by to_modelopt can come back with g_e one ulp away (codes and block scales always come back intact).
-ModelOpt's `input_scale` is a static activation scale; rackserve's W4A16 does not quantize activations and its
-W4A4 path quantizes them dynamically, so it is read by neither.
 """
 
 from __future__ import annotations
@@ -112,6 +113,35 @@ def from_compressed_tensors(tensors: Mapping[str, torch.Tensor], prefix: str) ->
     return _build(
         packed, _scale_bytes(scale, _key(prefix, "weight_scale")), g_e, f"compressed-tensors {prefix!r}"
     )
+
+
+def input_scale_from(layout: Layout, t: torch.Tensor, name: str) -> torch.Tensor:
+    """A static activation scale (ModelOpt `input_scale`, compressed-tensors `input_global_scale`) as g_e, fp32
+    0-dim. It must be finite and positive: an activation amax of 0 calibrates nothing W4A4 could serve."""
+    g = _scalar(t, name)
+    if not (bool(torch.isfinite(g)) and float(g) > 0):
+        raise ValueError(f"{name}: expected a finite positive activation scale, got {float(g)}")
+    if layout == "compressed-tensors":
+        return g
+    g_e = torch.div(torch.ones((), dtype=torch.float32, device=g.device), g)
+    if not bool(torch.isfinite(g_e)):
+        raise ValueError(f"{name}: activation scale {float(g)} has no finite fp32 reciprocal")
+    return g_e
+
+
+def input_scale_to(layout: Layout, g_e: torch.Tensor, prefix: str) -> dict[str, torch.Tensor]:
+    """A static activation scale g_e as `layout` spells it: {`{prefix}.input_scale`: 1 / g_e} (ModelOpt) or
+    {`{prefix}.input_global_scale`: g_e} (compressed-tensors), 1-element fp32 as both export it."""
+    g_e = g_e.detach().reshape(()).to(torch.float32)
+    if layout == "compressed-tensors":
+        return {_key(prefix, "input_global_scale"): g_e.reshape(1).clone()}
+    return {_key(prefix, "input_scale"): torch.div(torch.ones_like(g_e), g_e).reshape(1)}
+
+
+INPUT_SCALE_SUFFIX: dict[Layout, str] = {
+    "modelopt": "input_scale",
+    "compressed-tensors": "input_global_scale",
+}
 
 
 def load_nvfp4_weight(tensors: Mapping[str, torch.Tensor], prefix: str) -> NVFP4Tensor:

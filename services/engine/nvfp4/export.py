@@ -3,12 +3,16 @@
 Layouts (checkpoint.py owns the tensor names and scale conventions):
 - `compressed-tensors` (default): `quantization_config` in config.json as llm-compressor writes its
   NVFP4A16 scheme (format `nvfp4-pack-quantized`, weights: 4-bit float, strategy `tensor_group`, group 16,
-  symmetric, no activation quantization; `lm_head` ignored). vLLM reads it; so does the compressed-tensors
-  library's own decompressor (tests/engine/nvfp4/test_nvfp4_methods.py checks it decodes to our weights).
-- `modelopt`: `quant_method: modelopt`, `quant_algo: NVFP4`, plus hf_quant_config.json, as ModelOpt exports.
-  rackserve quantizes for 16-bit activations (W4A16), so no static `input_scale` is written; a W4A4 consumer
-  (TensorRT-LLM's NVFP4 GEMMs) needs activation scales that this export does not calibrate. Both layouts record
-  `"rackserve": {"activations": "16bit"}`, so rackserve's `--nvfp4-gemm auto` serves them W4A16 on any GPU.
+  symmetric, no activation quantization; `lm_head` ignored), or with `--activations nvfp4` its NVFP4 (W4A4)
+  scheme: input activations 4-bit float, `tensor_group` 16, block scales per call (`dynamic: "local"`) under a
+  static `input_global_scale` per projection. vLLM reads it; so does the compressed-tensors library's own
+  decompressor (tests/engine/nvfp4/test_nvfp4_methods.py checks it decodes to our weights).
+- `modelopt`: `quant_method: modelopt`, `quant_algo: NVFP4`, plus hf_quant_config.json, as ModelOpt exports;
+  with `--activations nvfp4`, a static `input_scale` per projection, as ModelOpt's W4A4 exports carry.
+Both layouts record `"rackserve": {"activations": "16bit" | "nvfp4"}`, what the weights were quantized for:
+rackserve's `--nvfp4-gemm auto` serves a 16bit one W4A16 on any GPU, an nvfp4 one W4A4 on FP4 tensor cores
+(the quant_algo NVFP4 of a 16bit ModelOpt export would otherwise say W4A4). The static activation scales are
+calibrated on the calibration text (calibration.calibrate_input_scales), whatever the weights' method.
 
 Only the block projections are quantized (q/k/v/o, gate/up/down); embeddings, norms and an untied LM head
 are written as float32, the loader's own dtype, so that loading the directory back gives exactly the model
@@ -25,7 +29,9 @@ from typing import Any
 
 import torch
 
-from .checkpoint import Layout, to_compressed_tensors, to_modelopt
+from services.engine.config import NVFP4_ACTIVATIONS
+
+from .checkpoint import Layout, input_scale_to, to_compressed_tensors, to_modelopt
 from .recipe import QUANT_RECIPE_ID, NVFP4Tensor
 
 LAYOUTS: tuple[Layout, ...] = ("compressed-tensors", "modelopt")
@@ -85,13 +91,16 @@ def _hf_config(cfg: Any, quantization_config: dict[str, Any]) -> dict[str, Any]:
 
 
 def quantization_config(
-    layout: Layout, method: str, gptq_options: dict[str, Any] | None = None
+    layout: Layout, method: str, gptq_options: dict[str, Any] | None = None, activations: str = "16bit"
 ) -> dict[str, Any]:
     """config.json's `quantization_config` for `layout`; `rackserve` records the method and recipe it used
-    (and gptq's options: act order, scale rule, damping, calibration size)."""
-    # "activations": what the weights were quantized for (gptq calibrates on 16-bit inputs); the loader reads it
-    # before quant_algo, which for ModelOpt's NVFP4 names its W4A4 scheme
-    provenance: dict[str, Any] = {"method": method, "recipe": QUANT_RECIPE_ID, "activations": "16bit"}
+    (and gptq's options: act order, scale rule, damping, calibration size) and the activations: "16bit"
+    (W4A16) or "nvfp4" (W4A4, static activation scales written with the weights)."""
+    if activations not in NVFP4_ACTIVATIONS:
+        raise ValueError(f"activations must be one of {NVFP4_ACTIVATIONS}, got {activations!r}")
+    # "activations": what the weights were quantized for; the loader reads it before quant_algo, which for
+    # ModelOpt's NVFP4 names its W4A4 scheme
+    provenance: dict[str, Any] = {"method": method, "recipe": QUANT_RECIPE_ID, "activations": activations}
     if method == "gptq":
         provenance["gptq"] = dict(gptq_options or {})
     if layout == "modelopt":
@@ -124,7 +133,7 @@ def quantization_config(
             "group_0": {
                 "targets": ["Linear"],
                 "weights": weights,
-                "input_activations": None,
+                "input_activations": _NVFP4_INPUTS if activations == "nvfp4" else None,
                 "output_activations": None,
                 "format": "nvfp4-pack-quantized",
             }
@@ -136,6 +145,18 @@ def quantization_config(
     }
 
 
+# compressed-tensors' NVFP4 activations: block scales computed per call ("local"), the tensor scale static
+_NVFP4_INPUTS: dict[str, Any] = {
+    "num_bits": 4,
+    "type": "float",
+    "strategy": "tensor_group",
+    "group_size": 16,
+    "symmetric": True,
+    "dynamic": "local",
+    "observer": "minmax",
+}
+
+
 def write_checkpoint(
     loaded: Any,
     quantized: dict[str, NVFP4Tensor],
@@ -144,9 +165,12 @@ def write_checkpoint(
     method: str,
     tokenizer: Any | None = None,
     gptq_options: dict[str, Any] | None = None,
+    input_scales: dict[str, torch.Tensor] | None = None,
 ) -> Path:
     """Write `quantized` (canonical projection names) and the rest of `loaded` as a Hugging Face directory.
-    `gptq_options` (what produced a gptq `quantized`) are recorded in the quantization config."""
+    `gptq_options` (what produced a gptq `quantized`) are recorded in the quantization config. `input_scales`
+    (g_e per projection: calibration.calibrate_input_scales) make it a W4A4 checkpoint; every quantized
+    projection needs one then."""
     from safetensors.torch import save_file
 
     if layout not in LAYOUTS:
@@ -163,12 +187,16 @@ def write_checkpoint(
             tensors[f"{hf}.bias"] = w.to(torch.float32).contiguous()
         elif name in quantized:
             tensors |= {k: v.contiguous() for k, v in write(quantized[name], hf).items()}
+            if input_scales is not None:
+                if name not in input_scales:
+                    raise ValueError(f"{name}: a W4A4 checkpoint needs a static activation scale for it")
+                tensors |= input_scale_to(layout, input_scales[name], hf)
         elif isinstance(w, torch.Tensor):
             tensors[f"{hf}.weight"] = w.to(torch.float32).contiguous()
         else:
             raise ValueError(f"{name}: the source is already quantized; quantize a dense model")
     save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
-    qcfg = quantization_config(layout, method, gptq_options)
+    qcfg = quantization_config(layout, method, gptq_options, "16bit" if input_scales is None else "nvfp4")
     (out / "config.json").write_text(json.dumps(_hf_config(loaded.config, qcfg), indent=2) + "\n")
     if layout == "modelopt":
         hf_quant = {"producer": {"name": "rackserve"}, "quantization": {k: qcfg[k] for k in
@@ -191,17 +219,21 @@ def quantize_to_dir(
     layout: Layout = "compressed-tensors",
     progress: Callable[[str], None] | None = None,
     act_order: bool | None = None,
+    activations: str = "16bit",
 ) -> dict[str, float]:
     """`rackserve quantize`: load `model` (GGUF or dense HF dir), quantize with `method` (gptq: calibrate
     first), write `out_dir`. Returns the seconds spent per phase. `act_order` is gptq's (default on); set
-    for another method it is refused, since it would change nothing."""
+    for another method it is refused, since it would change nothing. `activations` "nvfp4" calibrates and
+    writes static activation scales: a W4A4 checkpoint."""
     from services.engine.loader import load_model
     from services.engine.tokenizer import Tokenizer
 
-    from .calibration import calibration_windows, collect_hessians, quantize_model
+    from .calibration import calibrate_input_scales, calibration_windows, collect_hessians, quantize_model
     from .methods import check_method
 
     check_method(method)
+    if activations not in NVFP4_ACTIVATIONS:
+        raise ValueError(f"activations must be one of {NVFP4_ACTIVATIONS}, got {activations!r}")
     if act_order is not None and method != "gptq":
         raise ValueError(f"act order applies to gptq only, not to {method!r}")
     gptq_options: dict[str, Any] = {}
@@ -216,11 +248,14 @@ def quantize_to_dir(
         Tokenizer.from_gguf(loaded.source) if loaded.source_format == "gguf" else Tokenizer.from_hf_dir(model)
     )
     times["load_s"] = time.perf_counter() - t
-    hessians = None
-    if method == "gptq":
+    hessians = input_scales = None
+    if method == "gptq" or activations == "nvfp4":
         t = time.perf_counter()
         windows = calibration_windows(tok)
-        hessians = collect_hessians(loaded, windows)
+        if method == "gptq":
+            hessians = collect_hessians(loaded, windows)
+        if activations == "nvfp4":
+            input_scales = calibrate_input_scales(loaded, windows)
         times["calibration_s"] = time.perf_counter() - t
         if progress is not None:
             progress(f"calibration: {len(windows)} windows, {sum(len(w) for w in windows)} tokens")
@@ -230,6 +265,6 @@ def quantize_to_dir(
     t = time.perf_counter()
     if hessians is not None:
         gptq_options["calibration_windows"] = len(windows)
-    write_checkpoint(loaded, quantized, out_dir, layout, method, tok, gptq_options)
+    write_checkpoint(loaded, quantized, out_dir, layout, method, tok, gptq_options, input_scales)
     times["write_s"] = time.perf_counter() - t
     return times

@@ -9,6 +9,9 @@ defines it, with the best kernel the machine offers:
                   numerics, so only when the caller passes w4a4=True (the engine does on GPUs of compute
                   capability >= 10 whose probe GEMM passes, as --nvfp4-gemm allows: blackwell.choose_gemm);
                   off a GPU w4a4=True emulates it (activations quantized and dequantized, then the matmul).
+                  The activations' tensor scale is the layer's static `input_scale` where a W4A4 checkpoint
+                  calibrated one (as vLLM serves ModelOpt and compressed-tensors NVFP4), else one per call from
+                  the call's amax. A static scale makes a row's product independent of the rows batched with it.
 
 The kernel chosen is logged once per (kernel, device type, dtype), so a change of numerics is never silent.
 """
@@ -57,6 +60,7 @@ class NVFP4Linear(torch.nn.Module):
     packed: torch.Tensor
     scales: torch.Tensor
     global_scale: torch.Tensor
+    input_scale: torch.Tensor | None
     bias: torch.Tensor | None
 
     def __init__(
@@ -66,6 +70,7 @@ class NVFP4Linear(torch.nn.Module):
         *,
         cache_dequantized: bool = False,
         w4a4: bool = False,
+        input_scale: torch.Tensor | None = None,
     ) -> None:
         super().__init__()
         if len(weight.shape) != 2:
@@ -81,6 +86,14 @@ class NVFP4Linear(torch.nn.Module):
         self.register_buffer("scales", weight.scales.contiguous())
         self.register_buffer("global_scale", weight.global_scale.reshape(()).to(torch.float32))
         self.register_buffer("bias", None if bias is None else bias.detach().clone())
+        if input_scale is not None:
+            input_scale = input_scale.detach().reshape(()).to(device=self.packed.device, dtype=torch.float32)
+            if not (bool(torch.isfinite(input_scale)) and float(input_scale) > 0):
+                raise ValueError(
+                    f"NVFP4Linear: input_scale must be finite and positive, got {float(input_scale)}"
+                )
+        # the static activation tensor scale (g_e, encode convention) W4A4 quantizes inputs with; None: per call
+        self.register_buffer("input_scale", input_scale)
         self.cache_dequantized = cache_dequantized
         self.w4a4 = w4a4
         self._dequantized: torch.Tensor | None = None  # x-dtype W_hat, CPU path with cache_dequantized only
@@ -117,6 +130,8 @@ class NVFP4Linear(torch.nn.Module):
     def weight_bytes(self) -> int:
         """Bytes this layer holds for its weight: packed codes, scales, tensor scale, and any cached copy."""
         held = self.packed.numel() + self.scales.numel() + self.global_scale.numel() * 4
+        if self.input_scale is not None:
+            held += 4
         if self._dequantized is not None:
             held += self._dequantized.numel() * self._dequantized.element_size()
         if self._blackwell_weight is not None:
@@ -144,9 +159,13 @@ class NVFP4Linear(torch.nn.Module):
         """W4A4 off a GPU: the call's activations quantized with the recipe (one tensor scale, as the FP4 GEMM
         takes them) and dequantized, for the 16-bit matmul after. The FP4 GEMM's product up to its roundings
         (its bf16 output; here the dequantized activations in x's dtype), so a CPU can evaluate W4A4's numerics."""
-        _announce("W4A4 emulated", x, "activations NVFP4-quantized and dequantized, then the 16-bit matmul")
+        _announce(
+            "W4A4 emulated",
+            x,
+            f"activations NVFP4-quantized ({self._scale_kind()}), dequantized, 16-bit matmul",
+        )
         x2 = x.reshape(-1, self.in_features)
-        return dequantize(quantize(x2)).to(x.dtype).reshape(x.shape)
+        return dequantize(quantize(x2, global_scale=self.input_scale)).to(x.dtype).reshape(x.shape)
 
     def _forward_w4a4(self, x: torch.Tensor) -> torch.Tensor | None:
         reason = blackwell_unavailable_reason(x.device)
@@ -157,8 +176,17 @@ class NVFP4Linear(torch.nn.Module):
             return None
         if self._blackwell_weight is None or self._blackwell_weight.packed.device != x.device:
             self._blackwell_weight = prepare_weight(self.weight_nvfp4)
-        _announce("blackwell-w4a4 (torch._scaled_mm)", x, "activations quantized to NVFP4 per call")
-        return w4a4_matmul(x, self._blackwell_weight)
+        _announce(
+            "blackwell-w4a4 (torch._scaled_mm)", x, f"activations quantized to NVFP4, {self._scale_kind()}"
+        )
+        return w4a4_matmul(x, self._blackwell_weight, self.input_scale)
+
+    def _scale_kind(self) -> str:
+        return (
+            "the checkpoint's static tensor scale"
+            if self.input_scale is not None
+            else "a tensor scale per call"
+        )
 
     def _fp4_shape_ok(self) -> bool:
         return self.in_features % 32 == 0 and self.out_features % 16 == 0
@@ -194,12 +222,14 @@ class NVFP4Linear(torch.nn.Module):
         return F.linear(x, w_hat, bias)
 
     def _apply(self, fn, recurse=True):  # type: ignore[no-untyped-def]
-        # module.to(torch.bfloat16) casts every floating buffer; g_e must stay the exact fp32 it was, so it
-        # follows the device move but keeps its dtype and bits.
-        g = self.global_scale
+        # module.to(torch.bfloat16) casts every floating buffer; the tensor scales must stay the exact fp32 they
+        # were, so they follow the device move but keep their dtype and bits.
+        g, g_in = self.global_scale, self.input_scale
         super()._apply(fn, recurse)
         if self.global_scale.dtype != torch.float32:
             self.global_scale = g.to(self.global_scale.device)
+        if g_in is not None and self.input_scale is not None and self.input_scale.dtype != torch.float32:
+            self.input_scale = g_in.to(self.input_scale.device)
         self._dequantized = None
         self._blackwell_weight = None
         return self
@@ -208,7 +238,7 @@ class NVFP4Linear(torch.nn.Module):
         return (
             f"in_features={self.in_features}, out_features={self.out_features}, "
             f"bias={self.bias is not None}, nvfp4, cache_dequantized={self.cache_dequantized}, "
-            f"w4a4={self.w4a4}"
+            f"w4a4={self.w4a4}" + (", static input_scale" if self.input_scale is not None else "")
         )
 
 

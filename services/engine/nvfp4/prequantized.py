@@ -6,12 +6,14 @@ names each module with the loader's own Hugging Face → canonical mapping (`mod
 `layers.3.q_proj`, `model.embed_tokens` → `embed_tokens`, ...), and returns:
 
 - NVFP4Tensor for each quantized projection (q/k/v/o, gate/up/down) — the checkpoint's bytes, unchanged;
+- `{projection}.input_scale` (g_e, fp32 0-dim) for each projection a W4A4 checkpoint calibrated a static
+  activation scale for (ModelOpt `input_scale`, compressed-tensors `input_global_scale`: checkpoint.py);
 - float32 for everything else (embeddings, norms, the LM head, biases), as `load_hf_dir` does. A checkpoint
   that quantized the embedding or LM head too gets them dequantized: the model keeps those in high precision.
 
-Tensors the serving path reads from neither layout are skipped: static activation scales (ModelOpt
-`input_scale`, compressed-tensors `input_global_scale`), KV-cache scales (`k_scale`, `v_scale`) and an
-all-zero `weight_zero_point` (symmetric NVFP4), as are modules that are no part of a Llama decoder.
+Tensors the serving path reads from neither layout are skipped: KV-cache scales (`k_scale`, `v_scale`), the
+activation scales of modules the engine keeps in high precision (an LM head), and an all-zero
+`weight_zero_point` (symmetric NVFP4), as are modules that are no part of a Llama decoder.
 Anything else on a decoder module (a non-zero zero point, FP8 or INT weights next to the NVFP4 ones, a suffix
 this room does not know) is refused with the module's name: mixing in a scheme rackserve cannot run must
 never load as garbage.
@@ -25,7 +27,14 @@ from collections.abc import Mapping, Sequence
 
 import torch
 
-from .checkpoint import Layout, detect_layout, from_compressed_tensors, from_modelopt
+from .checkpoint import (
+    INPUT_SCALE_SUFFIX,
+    Layout,
+    detect_layout,
+    from_compressed_tensors,
+    from_modelopt,
+    input_scale_from,
+)
 from .recipe import NVFP4Tensor, dequantize
 
 PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -35,8 +44,8 @@ _NVFP4_SUFFIXES: dict[str, tuple[str, tuple[str, ...]]] = {
     "modelopt": ("weight_scale_2", ("weight", "weight_scale", "weight_scale_2")),
     "compressed-tensors": ("weight_packed", ("weight_packed", "weight_scale", "weight_global_scale")),
 }
-# Read by neither the W4A16 path (no activation quantization) nor the W4A4 path (dynamic activation scales).
-_SKIPPED_SUFFIXES = frozenset({"input_scale", "input_global_scale", "k_scale", "v_scale"})
+# KV-cache scales: rackserve's KV cache is 16-bit (its wire formats carry their own scales).
+_SKIPPED_SUFFIXES = frozenset({"k_scale", "v_scale"})
 _NON_FLOAT_WEIGHTS = (torch.uint8, torch.int8, torch.int32, torch.float8_e4m3fn, torch.float8_e5m2)
 
 
@@ -75,10 +84,14 @@ def load_prequantized_weights(
             continue
         known = {"weight", "bias"} | _SKIPPED_SUFFIXES
         if marker in suffixes:
-            known |= set(parts) | {"weight_zero_point"}
+            known |= set(parts) | {"weight_zero_point", INPUT_SCALE_SUFFIX[layout]}
             _check_zero_point(tensors, prefix)
             q = read(tensors, prefix)
-            out[canon] = q if canon.rpartition(".")[2] in PROJECTIONS else dequantize(q)
+            projection = canon.rpartition(".")[2] in PROJECTIONS
+            out[canon] = q if projection else dequantize(q)
+            act = f"{prefix}.{INPUT_SCALE_SUFFIX[layout]}"
+            if projection and act in tensors:
+                out[f"{canon}.input_scale"] = input_scale_from(layout, tensors[act], act)
         elif "weight" in suffixes:
             w = tensors[f"{prefix}.weight"]
             if w.dtype in _NON_FLOAT_WEIGHTS or suffixes & {"weight_scale", "weight_packed"}:

@@ -111,7 +111,12 @@ def through_safetensors(tensors: dict[str, torch.Tensor], tmp_path: Path) -> dic
 
 
 def assert_loaded(model: LoadedModel, loaded: dict, *, exact_global_scale: bool) -> None:
-    assert set(loaded) == set(required_tensor_names(model.config))
+    # every projection's static activation scale as g_e: compressed-tensors' 1500 as it is, ModelOpt's 0.02 inverted
+    act = {n: t for n, t in loaded.items() if n.endswith(".input_scale")}
+    assert set(loaded) - set(act) == set(required_tensor_names(model.config))
+    assert set(act) == {f"{c}.input_scale" for c in model.weights if is_projection(c)}
+    g_in = torch.tensor(1500.0) if exact_global_scale else torch.tensor(1.0) / torch.tensor(0.02)
+    assert all(torch.equal(t, g_in) for t in act.values())
     for canon, w in model.weights.items():
         got = loaded[canon]
         if not is_projection(canon):
