@@ -10,8 +10,9 @@ scale per call, then the matmul), which gives the FP4 GEMM's product up to its b
 
 1. W4A16 and W4A4, and W4A4 on one kind of projection at a time (the rest W4A16), and on all but down.
 2. Other ways to quantize the activations, each a valid NVFP4 encoding a GPU kernel could compute:
-   one tensor scale per token instead of per call; block scales chosen by `four_over_six` or `mse`
-   (services/engine/nvfp4/methods.py) instead of the recipe's.
+   static tensor scales calibrated on the calibration text, as `rackserve quantize --activations nvfp4` writes
+   them and W4A4 checkpoints carry; one tensor scale per token instead of per call; block scales chosen by
+   `four_over_six` or `mse` (services/engine/nvfp4/methods.py) instead of the recipe's.
 3. Block-diagonal Hadamard rotations (QuaRot-style): x W^T = (x H)(W H)^T for orthogonal H, so the weights are
    quantized as W H and the activations as x H, H a Hadamard matrix on each run of 16, 32 or 64 columns.
 Writes bench/results/nvfp4_w4a4.md. Benchmarks never assert; this one reports.
@@ -36,7 +37,12 @@ from services.engine.loader import load_gguf
 from services.engine.model import Block, Transformer
 from services.engine.model_files import smollm2_gguf_path
 from services.engine.nvfp4 import NVFP4Linear, dequantize, quantize
-from services.engine.nvfp4.calibration import EVALUATION_TEXT, FUSED
+from services.engine.nvfp4.calibration import (
+    EVALUATION_TEXT,
+    FUSED,
+    calibrate_input_scales,
+    calibration_windows,
+)
 from services.engine.nvfp4.methods import quantize_with
 from services.engine.tokenizer import Tokenizer
 
@@ -46,6 +52,16 @@ KINDS = {"/".join(p.removesuffix("_proj") for p in parts): attr for attr, parts 
 
 def blocks(model: Transformer) -> list[Block]:
     return cast(list[Block], list(model.blocks))
+
+
+def static_scales(model: Transformer, scales: dict[str, torch.Tensor] | None) -> None:
+    """Every projection quantizes its input under `scales` (canonical names, calibrate_input_scales), or per
+    call when None."""
+    for i, b in enumerate(blocks(model)):
+        for attr, parts in FUSED:
+            for m in attrgetter(attr)(b).modules():
+                if isinstance(m, NVFP4Linear):
+                    m.input_scale = None if scales is None else scales[f"layers.{i}.{parts[0]}"]
 
 
 def w4a4_on(model: Transformer, kinds: tuple[str, ...]) -> None:
@@ -107,7 +123,8 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     t_start = time.perf_counter()
     loaded = load_gguf(smollm2_gguf_path())
-    corpus = Tokenizer.from_gguf(smollm2_gguf_path()).encode(EVALUATION_TEXT.read_text())
+    tok = Tokenizer.from_gguf(smollm2_gguf_path())
+    corpus = tok.encode(EVALUATION_TEXT.read_text())
     windows = [torch.tensor(corpus[i * WINDOW_TOKENS : (i + 1) * WINDOW_TOKENS]) for i in range(args.windows)]
     ref_ppl, ref_top = score(LLMEngine(loaded, EngineConfig(dtype="float32")).model, windows)
     cfg = EngineConfig(dtype="float32", quant="nvfp4", nvfp4_gemm="w4a4", nvfp4_cache_dequantized=True)
@@ -129,6 +146,17 @@ def main() -> None:
     w4a4_on(model, tuple(k for k in KINDS if k != "down"))
     run("W4A4 on all but down", model)
     w4a4_on(model, tuple(KINDS))
+    calibrated = calibrate_input_scales(loaded, calibration_windows(tok))
+    static_scales(model, calibrated)
+    run(
+        "W4A4, static tensor scales (max over the calibration text; `rackserve quantize --activations nvfp4`)",
+        model,
+    )
+    # g_e = 2688 / amax: a multiple of the amax is g_e over it
+    for times, what in ((0.5, "the outliers clip"), (4, "nothing of the evaluation text clips")):
+        static_scales(model, {name: g / times for name, g in calibrated.items()})
+        run(f"W4A4, static tensor scales at {times}x the calibrated amax ({what})", model)
+    static_scales(model, None)
     variants: list[tuple[str, Callable[[torch.Tensor], torch.Tensor]]] = [
         ("W4A4, one tensor scale per token", per_token),
         ("W4A4, activation block scales by `four_over_six`", lambda x: dequantize(quantize_with(x, "four_over_six"))),
