@@ -103,6 +103,7 @@ def cmd_quantize(a: argparse.Namespace) -> int:
         progress=lambda m: print(m, file=sys.stderr),
         act_order=a.act_order,
         activations=a.activations,
+        smooth=a.smooth,
     )
     print(
         f"wrote {a.out} ({a.layout}, {a.method}, {a.activations} activations): "
@@ -176,6 +177,9 @@ def main(argv: list[str] | None = None) -> int:
     qz.add_argument("--activations", default="16bit", choices=NVFP4_ACTIVATIONS,
                     help="what the weights are quantized for: 16bit (W4A16), or nvfp4 (W4A4: static activation "
                     "scales calibrated and written with them)")  # fmt: skip
+    qz.add_argument("--smooth", type=float, default=None, metavar="ALPHA",
+                    help="smooth before quantizing (SmoothQuant's migration, alpha in (0, 1], e.g. 0.5): "
+                    "input ranges moved into the weights, folded into the norms, v and up")  # fmt: skip
     qz.set_defaults(func=cmd_quantize)
 
     tl = sub.add_parser("timeline", help="draw request timelines as a waterfall (HTML)")

@@ -91,7 +91,11 @@ def _hf_config(cfg: Any, quantization_config: dict[str, Any]) -> dict[str, Any]:
 
 
 def quantization_config(
-    layout: Layout, method: str, gptq_options: dict[str, Any] | None = None, activations: str = "16bit"
+    layout: Layout,
+    method: str,
+    gptq_options: dict[str, Any] | None = None,
+    activations: str = "16bit",
+    smooth: float | None = None,
 ) -> dict[str, Any]:
     """config.json's `quantization_config` for `layout`; `rackserve` records the method and recipe it used
     (and gptq's options: act order, scale rule, damping, calibration size) and the activations: "16bit"
@@ -103,6 +107,8 @@ def quantization_config(
     provenance: dict[str, Any] = {"method": method, "recipe": QUANT_RECIPE_ID, "activations": activations}
     if method == "gptq":
         provenance["gptq"] = dict(gptq_options or {})
+    if smooth is not None:  # folded into the weights and norms: a record, nothing a reader must apply
+        provenance["smooth_alpha"] = smooth
     if layout == "modelopt":
         return {
             "quant_method": "modelopt",
@@ -166,11 +172,12 @@ def write_checkpoint(
     tokenizer: Any | None = None,
     gptq_options: dict[str, Any] | None = None,
     input_scales: dict[str, torch.Tensor] | None = None,
+    smooth: float | None = None,
 ) -> Path:
     """Write `quantized` (canonical projection names) and the rest of `loaded` as a Hugging Face directory.
     `gptq_options` (what produced a gptq `quantized`) are recorded in the quantization config. `input_scales`
     (g_e per projection: calibration.calibrate_input_scales) make it a W4A4 checkpoint; every quantized
-    projection needs one then."""
+    projection needs one then. `smooth` records the alpha `loaded` was smoothed with (smoothing.py)."""
     from safetensors.torch import save_file
 
     if layout not in LAYOUTS:
@@ -196,7 +203,8 @@ def write_checkpoint(
         else:
             raise ValueError(f"{name}: the source is already quantized; quantize a dense model")
     save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
-    qcfg = quantization_config(layout, method, gptq_options, "16bit" if input_scales is None else "nvfp4")
+    activations = "16bit" if input_scales is None else "nvfp4"
+    qcfg = quantization_config(layout, method, gptq_options, activations, smooth)
     (out / "config.json").write_text(json.dumps(_hf_config(loaded.config, qcfg), indent=2) + "\n")
     if layout == "modelopt":
         hf_quant = {"producer": {"name": "rackserve"}, "quantization": {k: qcfg[k] for k in
@@ -220,11 +228,13 @@ def quantize_to_dir(
     progress: Callable[[str], None] | None = None,
     act_order: bool | None = None,
     activations: str = "16bit",
+    smooth: float | None = None,
 ) -> dict[str, float]:
     """`rackserve quantize`: load `model` (GGUF or dense HF dir), quantize with `method` (gptq: calibrate
     first), write `out_dir`. Returns the seconds spent per phase. `act_order` is gptq's (default on); set
     for another method it is refused, since it would change nothing. `activations` "nvfp4" calibrates and
-    writes static activation scales: a W4A4 checkpoint."""
+    writes static activation scales: a W4A4 checkpoint. `smooth` (alpha in (0, 1]) smooths the model first
+    (smoothing.py), calibrated on the same windows; what follows is calibrated on the smoothed model."""
     from services.engine.loader import load_model
     from services.engine.tokenizer import Tokenizer
 
@@ -249,9 +259,13 @@ def quantize_to_dir(
     )
     times["load_s"] = time.perf_counter() - t
     hessians = input_scales = None
-    if method == "gptq" or activations == "nvfp4":
+    if method == "gptq" or activations == "nvfp4" or smooth is not None:
         t = time.perf_counter()
         windows = calibration_windows(tok)
+        if smooth is not None:
+            from .smoothing import channel_amax, smooth_model
+
+            loaded = smooth_model(loaded, channel_amax(loaded, windows), smooth)
         if method == "gptq":
             hessians = collect_hessians(loaded, windows)
         if activations == "nvfp4":
@@ -265,6 +279,6 @@ def quantize_to_dir(
     t = time.perf_counter()
     if hessians is not None:
         gptq_options["calibration_windows"] = len(windows)
-    write_checkpoint(loaded, quantized, out_dir, layout, method, tok, gptq_options, input_scales)
+    write_checkpoint(loaded, quantized, out_dir, layout, method, tok, gptq_options, input_scales, smooth)
     times["write_s"] = time.perf_counter() - t
     return times
