@@ -182,6 +182,7 @@ def gemm_rows(iters: int) -> list[Row]:
 
 def blackwell_rows(iters: int) -> list[Row]:
     from services.engine.nvfp4.blackwell import blackwell_unavailable_reason, prepare_weight, w4a4_matmul
+    from services.engine.nvfp4.linear import NVFP4Linear
     from services.engine.nvfp4.recipe import dequantize, global_scale_for_amax, quantize
 
     reason = blackwell_unavailable_reason()
@@ -202,6 +203,9 @@ def blackwell_rows(iters: int) -> list[Row]:
             ref_static = dequantize(quantize(x, global_scale=g)) @ dequantize(w_q).T
             out_static = w4a4_matmul(x, w, g).float()
             rel = max(rel, float(torch.linalg.norm(out_static - ref_static) / torch.linalg.norm(ref_static)))
+            # and through the engine's layer, which must hand its scale to the GEMM
+            out_layer = NVFP4Linear(w_q, w4a4=True, input_scale=g)(x).float()
+            rel = max(rel, float(torch.linalg.norm(out_layer - ref_static) / torch.linalg.norm(ref_static)))
             if not rel <= 8e-3:  # bf16 output rounded once before alpha, once after
                 rows.append(Row("blackwell W4A4 _scaled_mm", desc, f"FAIL: relative error {rel:.2e}"))
                 continue

@@ -245,7 +245,12 @@ class LLMEngine:
             raise ValueError(
                 f"nvfp4_gemm={cfg.nvfp4_gemm!r} needs NVFP4 weights (--quant nvfp4 or an NVFP4 checkpoint)"
             )
-        self.fingerprint = model_fingerprint(loaded.config, loaded.weights, quant_id)
+        weights = loaded.weights
+        if not kw.get(
+            "w4a4"
+        ):  # unused static activation scales leave the function, and the fingerprint, alone
+            weights = {name: t for name, t in weights.items() if not name.endswith(".input_scale")}
+        self.fingerprint = model_fingerprint(loaded.config, weights, quant_id)
         self.attention_backend = _attention_backend(
             cfg.attention_backend, device, loaded.config.head_dim, cfg.block_size
         )

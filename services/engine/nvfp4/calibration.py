@@ -2,8 +2,9 @@
 
 gptq needs, per projection, the Hessian of its inputs H = 2 X^T X / n over a calibration set; a W4A4
 checkpoint needs, per projection, a static tensor scale for its input activations (their largest magnitude).
-Both are collected in one pass of the unquantized float32 model (every layer sees the float inputs, not those of
-already-quantized layers before it: simpler, and within noise of the sequential variant on small models).
+Each is collected in a pass of the unquantized float32 model (every layer sees the float inputs, not those of
+already-quantized layers before it: for gptq simpler, and within noise of the sequential variant on small
+models).
 
 The calibration text ships with Debian (base-files' licence texts other than GPL-3) plus the repository's
 loadgen/corpus.txt; the quality bench evaluates on /usr/share/common-licenses/GPL-3, which none of it contains.
@@ -128,7 +129,11 @@ def calibrate_input_scales(loaded: object, windows: Sequence[torch.Tensor]) -> d
     out: dict[str, torch.Tensor] = {}
     for i in range(loaded.config.num_layers):  # type: ignore[attr-defined]
         for attr, parts in FUSED:
-            g = global_scale_for_amax(amax[f"layers.{i}.{attr}"])
+            a = amax[f"layers.{i}.{attr}"]
+            # global_scale_for_amax maps these to 1.0, a scale that would mean amax 2688: refuse them instead
+            if not (bool(torch.isfinite(a)) and float(a) > 0):
+                raise ValueError(f"layers.{i}.{attr}: calibration saw an input amax of {float(a)}")
+            g = global_scale_for_amax(a)
             out |= {f"layers.{i}.{p}": g for p in parts}
     return out
 

@@ -86,14 +86,9 @@ class NVFP4Linear(torch.nn.Module):
         self.register_buffer("scales", weight.scales.contiguous())
         self.register_buffer("global_scale", weight.global_scale.reshape(()).to(torch.float32))
         self.register_buffer("bias", None if bias is None else bias.detach().clone())
-        if input_scale is not None:
-            input_scale = input_scale.detach().reshape(()).to(device=self.packed.device, dtype=torch.float32)
-            if not (bool(torch.isfinite(input_scale)) and float(input_scale) > 0):
-                raise ValueError(
-                    f"NVFP4Linear: input_scale must be finite and positive, got {float(input_scale)}"
-                )
         # the static activation tensor scale (g_e, encode convention) W4A4 quantizes inputs with; None: per call
-        self.register_buffer("input_scale", input_scale)
+        self.register_buffer("input_scale", None)
+        self.set_input_scale(input_scale)
         self.cache_dequantized = cache_dequantized
         self.w4a4 = w4a4
         self._dequantized: torch.Tensor | None = None  # x-dtype W_hat, CPU path with cache_dequantized only
@@ -101,6 +96,15 @@ class NVFP4Linear(torch.nn.Module):
         if w4a4 and self.packed.is_cuda and self._fp4_shape_ok():
             # built with the weights, so the start-up log counts them as weights, not as activation peak
             self._blackwell_weight = prepare_weight(self.weight_nvfp4)
+
+    def set_input_scale(self, g: torch.Tensor | None) -> None:
+        """Set (or, with None, clear) the static activation scale: a finite positive g_e, kept as fp32 0-dim on
+        the weight's device (a kernel reads it there)."""
+        if g is not None:
+            g = g.detach().reshape(()).to(device=self.packed.device, dtype=torch.float32)
+            if not (bool(torch.isfinite(g)) and float(g) > 0):
+                raise ValueError(f"NVFP4Linear: input_scale must be finite and positive, got {float(g)}")
+        self.input_scale = g
 
     @classmethod
     def from_weight(

@@ -9,6 +9,7 @@ batched with it (with a scale per call, one large activation anywhere in the bat
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import json
 
@@ -22,7 +23,7 @@ from services.engine.loader import LoadedModel, load_model
 from services.engine.model import AttnMetadata, PagedKvCache, PrefillSegment, Transformer
 from services.engine.nvfp4 import NVFP4Linear, blackwell, dequantize, quantize
 from services.engine.nvfp4.blackwell import choose_gemm
-from services.engine.nvfp4.calibration import calibrate_input_scales, calibration_windows, quantize_model
+from services.engine.nvfp4.calibration import calibration_windows, quantize_model
 from services.engine.nvfp4.checkpoint import input_scale_from, input_scale_to
 from services.engine.nvfp4.export import _hf_name
 from services.engine.nvfp4.recipe import global_scale_for_amax
@@ -31,6 +32,7 @@ from tests.engine.nvfp4.test_nvfp4_methods import GREEDY, PROMPTS, _dense_hf_dir
 from tests.engine.test_model_correctness import prompt_logits
 
 CUDA0 = torch.device("cuda", 0)
+_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 
 def _layer(seed: int = 0, amax: float = 4.0) -> tuple[torch.Tensor, NVFP4Linear, NVFP4Linear]:
@@ -83,14 +85,42 @@ def test_the_two_layouts_spell_the_scale_as_their_exports_do(layout):
     (name, t), = written.items()  # fmt: skip
     if layout == "modelopt":
         assert name.endswith(".input_scale") and float(t) == pytest.approx(13.0 / 2688, rel=2**-22)
-        back = input_scale_from(layout, t, name)
-        assert abs(float(back) - float(g)) <= float(g) * 2**-23  # one fp32 reciprocal there and back
+        assert _same_scale(input_scale_from(layout, t, name), g, layout)  # one fp32 reciprocal there and back
     else:
         assert name.endswith(".input_global_scale") and torch.equal(t, g.reshape(1))
         assert torch.equal(input_scale_from(layout, t, name), g)
     for bad in (torch.tensor([0.0]), torch.tensor([float("nan")]), torch.ones(2)):
         with pytest.raises(ValueError, match="q_proj"):
             input_scale_from(layout, bad, "model.layers.0.self_attn.q_proj.input_scale")
+
+
+KINDS = {"q_proj": "attn.wqkv", "o_proj": "attn.wo", "gate_proj": "ffn.w_gate_up", "down_proj": "ffn.w_down"}
+
+
+def _amax_by_hooks(model: LoadedModel) -> dict[str, torch.Tensor]:
+    """max |x| of each fused projection's input over the calibration windows, by forward hooks on a dense
+    float32 engine (not the calibration code under test), as g_e per canonical projection name."""
+    engine = _engine(model)
+    amax: dict[str, torch.Tensor] = {}
+    for i, blk in enumerate(engine.model.blocks):
+        for part, attr in KINDS.items():
+            key = f"layers.{i}.{part}"
+
+            def hook(_m, args, key=key):
+                amax[key] = torch.maximum(amax.get(key, torch.tensor(0.0)), args[0].abs().max())
+
+            blk.get_submodule(attr).register_forward_pre_hook(hook)
+    for ids in calibration_windows(_tok()):
+        prompt_logits(engine.model, ids)
+    return {k: global_scale_for_amax(a) for k, a in amax.items()}
+
+
+def _same_scale(got: torch.Tensor, want: torch.Tensor, layout: str) -> bool:
+    """Equal, or for ModelOpt (which stores 1 / g_e) at most one fp32 ulp away."""
+    if layout == "compressed-tensors":
+        return torch.equal(got, want)
+    inf = torch.tensor(float("inf"))
+    return any(torch.equal(got, v) for v in (want, torch.nextafter(want, inf), torch.nextafter(want, -inf)))
 
 
 def _w4a4_checkpoint(tmp_path, layout: str):
@@ -106,14 +136,20 @@ def _w4a4_checkpoint(tmp_path, layout: str):
 @pytest.mark.parametrize("layout", ["compressed-tensors", "modelopt"])
 def test_rackserve_quantize_writes_a_w4a4_checkpoint_served_under_its_scales(tmp_path, layout, monkeypatch):
     dense, out = _w4a4_checkpoint(tmp_path, layout)
-    want = calibrate_input_scales(dense, calibration_windows(_tok()))
-    # the checkpoint: each projection's scale in its layout's spelling, the activations declared
+    want = _amax_by_hooks(dense)
+    assert len({float(g) for g in want.values()}) == len(want)  # every projection its own scale
+    # the checkpoint: each projection's scale in its layout's spelling (q/k/v and gate/up share their input's),
+    # the activations declared
     tensors = load_file(str(out / "model.safetensors"))
     suffix = "input_global_scale" if layout == "compressed-tensors" else "input_scale"
+    siblings = {"q_proj": ("k_proj", "v_proj"), "gate_proj": ("up_proj",), "o_proj": (), "down_proj": ()}
     for name, g in want.items():
-        t = tensors[f"{_hf_name(name)}.{suffix}"]
-        assert torch.equal(t, g.reshape(1) if layout == "compressed-tensors" else torch.div(1, g).reshape(1))
-    assert torch.equal(want["layers.0.q_proj"], want["layers.0.v_proj"])  # one input, one scale
+        layer, _, part = name.rpartition(".")
+        for n in (part, *siblings[part]):
+            t = tensors[f"{_hf_name(f'{layer}.{n}')}.{suffix}"]
+            assert torch.equal(
+                t, g.reshape(1) if layout == "compressed-tensors" else torch.div(1, g).reshape(1)
+            )
     qcfg = json.loads((out / "config.json").read_text())["quantization_config"]
     assert qcfg["rackserve"]["activations"] == "nvfp4"
     if layout == "compressed-tensors" and importlib.util.find_spec("compressed_tensors") is not None:
@@ -130,13 +166,11 @@ def test_rackserve_quantize_writes_a_w4a4_checkpoint_served_under_its_scales(tmp
     monkeypatch.undo()
 
     served = _engine(loaded, nvfp4_gemm="w4a4")
-    layers = [m for m in served.model.modules() if isinstance(m, NVFP4Linear)]
-    assert len(layers) == 4 * dense.config.num_layers and all(m.input_scale is not None for m in layers)
-    qkv = served.model.blocks[1].attn.wqkv
-    assert (
-        abs(float(qkv.input_scale) - float(want["layers.1.q_proj"]))
-        <= float(want["layers.1.q_proj"]) * 2**-23
-    )
+    assert sum(isinstance(m, NVFP4Linear) for m in served.model.modules()) == 4 * dense.config.num_layers
+    for name, g in want.items():  # every layer of every block holds its own projection's scale
+        layer, _, part = name.rpartition(".")
+        served_mod = served.model.blocks[int(layer.split(".")[1])].get_submodule(KINDS[part])
+        assert served_mod.input_scale is not None and _same_scale(served_mod.input_scale, g, layout), name
 
     # the served function: the dense model of the dequantized weights whose projections see their input
     # quantized under the checkpoint's scale
@@ -198,3 +232,65 @@ def test_fused_parts_calibrated_apart_share_the_scale_that_clips_none_of_them():
     assert input_scale({}, names) is None
     with pytest.raises(ValueError, match="up_proj"):
         input_scale({f"{names[0]}.input_scale": small}, names)
+
+
+def test_parts_with_their_own_weight_scales_each_take_the_groups_activation_scale(tmp_path):
+    """q/k/v quantized apart (three weight tensor scales) load side by side (ConcatLinear), each part under
+    the group's static activation scale; the served logits are those of every part quantizing its input so."""
+    from services.engine.model import ConcatLinear
+    from services.engine.nvfp4.export import write_checkpoint
+
+    model = tiny_llama()
+    quantized = {n: quantize(w) for n, w in model.weights.items() if n.rpartition(".")[2] in _PROJECTIONS}
+    scales = {n: global_scale_for_amax(torch.tensor(3.0 + i)) for i, n in enumerate(sorted(quantized))}
+    for i in range(model.config.num_layers):  # one input, one scale: the loader would take the smallest
+        for n in ("k_proj", "v_proj"):
+            scales[f"layers.{i}.{n}"] = scales[f"layers.{i}.q_proj"]
+        scales[f"layers.{i}.up_proj"] = scales[f"layers.{i}.gate_proj"]
+    write_checkpoint(model, quantized, tmp_path, "compressed-tensors", "rtn", _tok(), input_scales=scales)
+    served = _engine(load_model(tmp_path), nvfp4_gemm="w4a4")
+    qkv = served.model.blocks[1].attn.wqkv
+    assert isinstance(qkv, ConcatLinear)
+    assert [float(p.input_scale) for p in qkv.parts] == [float(scales["layers.1.q_proj"])] * 3
+    g = scales["layers.1.q_proj"]
+    x = torch.randn(5, 64, generator=torch.Generator().manual_seed(2))
+    x_hat = dequantize(quantize(x, global_scale=g))
+    want = torch.cat(
+        [F.linear(x_hat, dequantize(quantized[f"layers.1.{n}"])) for n in ("q_proj", "k_proj", "v_proj")], -1
+    )
+    assert torch.equal(qkv(x), want)
+
+
+def test_the_gpu_route_hands_the_static_scale_to_the_fp4_gemm(monkeypatch):
+    """NVFP4Linear on a (stood-in) Blackwell GPU passes its scale to w4a4_matmul, which quantizes under it; the
+    quantizer without Triton gives the recipe's bytes under it too."""
+    import sys
+
+    from services.engine.nvfp4 import linear
+
+    x, static, _ = _layer(amax=2.5)
+    seen = []
+    monkeypatch.setattr(linear, "blackwell_unavailable_reason", lambda device=None: None)
+    monkeypatch.setattr(linear, "prepare_weight", lambda w: "prepared")
+    monkeypatch.setattr(linear, "w4a4_matmul", lambda x, w, g=None: seen.append((w, g)) or x)
+    static._forward_w4a4(x)
+    assert seen and seen[0][0] == "prepared" and torch.equal(seen[0][1], static.input_scale)
+    monkeypatch.setitem(sys.modules, "services.engine.nvfp4.triton_kernels", None)  # Triton missing
+    q = blackwell._quantize_activations(x, static.input_scale)
+    want = quantize(x, global_scale=static.input_scale)
+    assert torch.equal(q.packed, want.packed) and torch.equal(q.scales, want.scales)
+    assert torch.equal(q.global_scale, static.input_scale)
+
+
+def test_static_scales_enter_the_fingerprint_only_where_they_change_the_function():
+    model = tiny_llama()
+    packed = {n: quantize(w) for n, w in model.weights.items() if n.rpartition(".")[2] in _PROJECTIONS}
+    plain = LoadedModel(config=model.config, weights=dict(model.weights) | packed, source="ckpt",
+                        source_format="memory", quantization="nvfp4:compressed-tensors")  # fmt: skip
+    scaled = dataclasses.replace(
+        plain,
+        weights=plain.weights
+        | {f"{n}.input_scale": global_scale_for_amax(torch.tensor(5.0)) for n in packed},
+    )
+    assert _engine(scaled).fingerprint == _engine(plain).fingerprint  # W4A16: the scales are not used
+    assert _engine(scaled, nvfp4_gemm="w4a4").fingerprint != _engine(plain, nvfp4_gemm="w4a4").fingerprint
