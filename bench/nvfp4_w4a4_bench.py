@@ -13,7 +13,9 @@ scale per call, then the matmul), which gives the FP4 GEMM's product up to its b
    static tensor scales calibrated on the calibration text, as `rackserve quantize --activations nvfp4` writes
    them and W4A4 checkpoints carry; one tensor scale per token instead of per call; block scales chosen by
    `four_over_six` or `mse` (services/engine/nvfp4/methods.py) instead of the recipe's.
-3. Block-diagonal Hadamard rotations (QuaRot-style): x W^T = (x H)(W H)^T for orthogonal H, so the weights are
+3. Smoothing (services/engine/nvfp4/smoothing.py, SmoothQuant's migration into the norm-fed projections),
+   W4A16 and W4A4, at a few alphas.
+4. Block-diagonal Hadamard rotations (QuaRot-style): x W^T = (x H)(W H)^T for orthogonal H, so the weights are
    quantized as W H and the activations as x H, H a Hadamard matrix on each run of 16, 32 or 64 columns.
 Writes bench/results/nvfp4_w4a4.md. Benchmarks never assert; this one reports.
 """
@@ -44,8 +46,10 @@ from services.engine.nvfp4.calibration import (
     calibration_windows,
 )
 from services.engine.nvfp4.methods import quantize_with
+from services.engine.nvfp4.smoothing import channel_amax, smooth_model
 from services.engine.tokenizer import Tokenizer
 
+SMOOTH_ALPHAS = (0.5, 0.75, 0.9)
 # the engine's projection kinds (calibration.FUSED), named by their parts: "q/k/v", "o", "gate/up", "down"
 KINDS = {"/".join(p.removesuffix("_proj") for p in parts): attr for attr, parts in FUSED}
 
@@ -61,7 +65,7 @@ def static_scales(model: Transformer, scales: dict[str, torch.Tensor] | None) ->
         for attr, parts in FUSED:
             for m in attrgetter(attr)(b).modules():
                 if isinstance(m, NVFP4Linear):
-                    m.input_scale = None if scales is None else scales[f"layers.{i}.{parts[0]}"]
+                    m.set_input_scale(None if scales is None else scales[f"layers.{i}.{parts[0]}"])
 
 
 def w4a4_on(model: Transformer, kinds: tuple[str, ...]) -> None:
@@ -153,7 +157,8 @@ def main() -> None:
         model,
     )
     # g_e = 2688 / amax: a multiple of the amax is g_e over it
-    for times, what in ((0.5, "the outliers clip"), (4, "nothing of the evaluation text clips")):
+    clips = "nothing of the evaluation text clips"
+    for times, what in ((0.5, "the outliers clip"), (2, clips), (4, clips)):
         static_scales(model, {name: g / times for name, g in calibrated.items()})
         run(f"W4A4, static tensor scales at {times}x the calibrated amax ({what})", model)
     static_scales(model, None)
@@ -165,6 +170,18 @@ def main() -> None:
     for label, fn in variants:
         with activations_quantized_by(fn):
             run(label, model)
+
+    amax = channel_amax(loaded, calibration_windows(tok))
+    for alpha in SMOOTH_ALPHAS:
+        smoothed_model = smooth_model(loaded, amax, alpha)
+        smoothed = LLMEngine(smoothed_model, cfg).model
+        w4a4_on(smoothed, ())
+        run(f"smoothed (`rackserve quantize --smooth {alpha}`): W4A16", smoothed)
+        w4a4_on(smoothed, tuple(KINDS))
+        run(f"smoothed (`rackserve quantize --smooth {alpha}`): W4A4", smoothed)
+        if alpha == SMOOTH_ALPHAS[-1]:  # what a W4A4 checkpoint of the smoothed model serves
+            static_scales(smoothed, calibrate_input_scales(smoothed_model, calibration_windows(tok)))
+            run(f"smoothed (`--smooth {alpha} --activations nvfp4`): W4A4, static tensor scales", smoothed)
 
     dense = LLMEngine(loaded, EngineConfig(dtype="float32")).model
     weights = loaded.weights

@@ -10,6 +10,7 @@ Rooms:
 - checkpoint.py    ModelOpt and compressed-tensors checkpoint layouts (one tensor)
 - prequantized.py  a whole pre-quantized Llama state dict into canonical names; fusing q/k/v, gate/up rows
 - kv.py            NVFP4 wire format for KV transfers
+- smoothing.py     SmoothQuant's migration folded into the norms before quantizing (`rackserve quantize --smooth`)
 
 Importing this package never imports Triton or compiles anything.
 """
