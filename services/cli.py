@@ -178,8 +178,8 @@ def main(argv: list[str] | None = None) -> int:
                     help="what the weights are quantized for: 16bit (W4A16), or nvfp4 (W4A4: static activation "
                     "scales calibrated and written with them)")  # fmt: skip
     qz.add_argument("--smooth", type=float, default=None, metavar="ALPHA",
-                    help="smooth before quantizing (SmoothQuant's migration, alpha in (0, 1], e.g. 0.5): "
-                    "input ranges moved into the weights, folded into the norms, v and up")  # fmt: skip
+                    help="smooth before quantizing (SmoothQuant's migration, alpha in (0, 1], e.g. 0.9): input "
+                    "ranges moved into q/k/v and gate/up, folded into the RMSNorm weights before them")  # fmt: skip
     qz.set_defaults(func=cmd_quantize)
 
     tl = sub.add_parser("timeline", help="draw request timelines as a waterfall (HTML)")

@@ -246,6 +246,10 @@ def quantize_to_dir(
         raise ValueError(f"activations must be one of {NVFP4_ACTIVATIONS}, got {activations!r}")
     if act_order is not None and method != "gptq":
         raise ValueError(f"act order applies to gptq only, not to {method!r}")
+    if smooth is not None:  # before loading and calibrating, which take minutes on a large model
+        from .smoothing import check_alpha
+
+        check_alpha(smooth)
     gptq_options: dict[str, Any] = {}
     if method == "gptq":
         gptq_options = {"act_order": True if act_order is None else act_order}

@@ -1,4 +1,4 @@
-"""Activation-aware smoothing (SmoothQuant's migration; AWQ's scaling for weight-only): before quantizing, move
+"""Activation-aware smoothing (SmoothQuant's migration; akin to AWQ's scaling for weight-only): before quantizing, move
 part of each projection's input range into its weight, function-preserving in exact arithmetic.
 
 For a projection y = x W^T with input channels j, and per-channel factors s_j > 0:
@@ -47,13 +47,25 @@ def channel_amax(loaded: Any, windows: Sequence[torch.Tensor]) -> dict[str, torc
     return amax
 
 
+def check_alpha(alpha: float) -> float:
+    if not 0 < alpha <= 1:
+        raise ValueError(f"smoothing alpha must be in (0, 1], got {alpha}")
+    return alpha
+
+
 def factors(act: torch.Tensor, weight: torch.Tensor, alpha: float) -> torch.Tensor:
-    """s_j = max|x_j|^alpha / max|W_:,j|^(1 - alpha), divided by its largest value; channels with no
-    activation or no weight keep 1 (there is nothing to move)."""
+    """s_j = max|x_j|^alpha / max|W_:,j|^(1 - alpha), divided by its largest value. A channel with no
+    activation or no weight has nothing to move: it takes the largest factor (1 after the division), which
+    neither amplifies its activations (a zero weight column's could otherwise become the new outlier) nor
+    inflates its norm weight."""
     a = act.to(torch.float32)
     w = weight.to(torch.float32).abs().amax(dim=0)
+    if not (bool(torch.isfinite(a).all()) and bool(torch.isfinite(w).all())):
+        raise ValueError("smoothing: a calibration activation or a weight is not finite")
     s = a.clamp_min(1e-5).pow(alpha) / w.clamp_min(1e-5).pow(1 - alpha)
-    s = torch.where((a > 0) & (w > 0), s, torch.ones_like(s))
+    live = (a > 0) & (w > 0)
+    top = s[live].max() if bool(live.any()) else torch.ones(())
+    s = torch.where(live, s, top)
     return s / s.max()
 
 
@@ -63,8 +75,7 @@ def smooth_model(loaded: Any, amax: dict[str, torch.Tensor], alpha: float) -> An
     quantized. `amax` is channel_amax's (only the norm-fed projections' entries are read)."""
     import dataclasses
 
-    if not 0 < alpha <= 1:
-        raise ValueError(f"smoothing alpha must be in (0, 1], got {alpha}")
+    check_alpha(alpha)
     cfg = loaded.config
     w: dict[str, torch.Tensor] = {}
     for name, t in loaded.weights.items():

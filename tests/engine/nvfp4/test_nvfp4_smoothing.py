@@ -13,7 +13,7 @@ import torch
 from services.cli import main as cli_main
 from services.engine.loader import load_model
 from services.engine.nvfp4 import dequantize, quantize
-from services.engine.nvfp4.calibration import _observe_inputs, calibration_windows
+from services.engine.nvfp4.calibration import _observe_inputs, calibrate_input_scales, calibration_windows
 from services.engine.nvfp4.smoothing import channel_amax, factors, smooth_model
 from tests.conftest import tiny_llama
 from tests.engine.nvfp4.test_nvfp4_methods import GREEDY, PROMPTS, _dense_hf_dir, _engine, _smollm2, _tok
@@ -61,13 +61,32 @@ def test_a_smoothed_model_computes_the_same_function_in_float32(bias):
     torch.testing.assert_close(got, want, rtol=0, atol=2e-5 * float(want.abs().max()))
 
 
+def test_at_alpha_1_every_channel_of_every_smoothed_input_reaches_the_same_maximum():
+    """s = max|x_j| / its max: the smoothed model's norm-fed inputs, on the calibration windows, all peak at the
+    original's largest value, in every layer; a factor from another layer's (or projection's) maxima would not."""
+    model = tiny_llama(layers=3)
+    windows = [torch.randint(0, 256, (48,), generator=torch.Generator().manual_seed(s)) for s in range(3)]
+    before = channel_amax(model, windows)
+    after = channel_amax(smooth_model(model, before, 1.0), windows)
+    for i in range(3):
+        for attr in ("attn.wqkv", "ffn.w_gate_up"):
+            key = f"layers.{i}.{attr}"
+            torch.testing.assert_close(after[key], before[key].max().expand_as(after[key]), rtol=1e-5, atol=0)
+        down = f"layers.{i}.ffn.w_down"  # not smoothed: its input is the same function
+        torch.testing.assert_close(after[down], before[down], rtol=1e-5, atol=0)
+
+
 def test_factors_follow_the_activations_and_leave_dead_channels_alone():
-    act = torch.tensor([1.0, 100.0, 0.0, 4.0])
-    w = torch.ones(3, 4)
+    act = torch.tensor([1.0, 100.0, 0.0, 4.0, 50.0])
+    w = torch.ones(3, 5)
+    w[:, 4] = 0  # a pruned column: what its activation is changes nothing
     s = factors(act, w, 0.5)
-    assert float(s.max()) == 1.0 and int(s.argmax()) == 1  # the outlier channel moves the most into W
-    assert float(s[2]) == pytest.approx(1 / 10)  # no activation: 1, then the normalisation by 10
-    assert s[0] < s[3] < s[1]
+    assert float(s.max()) == 1.0 and float(s[1]) == 1.0  # the outlier channel moves the most into W
+    # no activation or no weight: the largest factor, so that neither its input nor its norm weight grows
+    assert float(s[2]) == float(s[4]) == 1.0
+    assert float(s[0]) == pytest.approx(0.1) and float(s[3]) == pytest.approx(0.2)
+    with pytest.raises(ValueError, match="not finite"):
+        factors(torch.tensor([1.0, float("inf")]), torch.ones(2, 2), 0.5)
     with pytest.raises(ValueError, match="alpha must be in"):
         smooth_model(tiny_llama(), {}, 0.0)
 
@@ -108,15 +127,21 @@ def test_rackserve_quantize_smooth_writes_the_smoothed_model_quantized(tmp_path,
     model = tiny_llama(vocab=49152)  # the SmolLM2 tokenizer's ids, so the calibration text runs through it
     src = _dense_hf_dir(tmp_path, model)
     out = tmp_path / "smoothed"
-    argv = ["quantize", "--model", str(src), "--out", str(out), "--smooth", "0.5"]
+    argv = ["quantize", "--model", str(src), "--out", str(out), "--smooth", "0.5", "--activations", "nvfp4"]
     assert cli_main(argv) == 0
     qcfg = json.loads((out / "config.json").read_text())["quantization_config"]
     assert qcfg["rackserve"]["smooth_alpha"] == 0.5
-    # what it serves: the smoothed model (calibrated on the same text) quantized at load
+    # what it serves: the smoothed model (calibrated on the same text) quantized at load, and the static
+    # activation scales of the smoothed model, not the original's
     dense = load_model(src)
-    smoothed = smooth_model(dense, channel_amax(dense, calibration_windows(_tok())), 0.5)
+    windows = calibration_windows(_tok())
+    smoothed = smooth_model(dense, channel_amax(dense, windows), 0.5)
     back = load_model(out)
     assert torch.equal(back.weights["layers.0.input_layernorm"], smoothed.weights["layers.0.input_layernorm"])
+    want, unsmoothed = calibrate_input_scales(smoothed, windows), calibrate_input_scales(dense, windows)
+    for name in ("layers.0.q_proj", "layers.1.gate_proj", "layers.1.down_proj"):
+        assert torch.equal(back.weights[f"{name}.input_scale"], want[name]), name
+    assert not torch.equal(want["layers.1.gate_proj"], unsmoothed["layers.1.gate_proj"])
     at_load = _engine(smoothed, quant="nvfp4")
     assert _engine(back).generate(PROMPTS, GREEDY) == at_load.generate(PROMPTS, GREEDY)
     capsys.readouterr()
