@@ -41,7 +41,7 @@ from services.engine.host_bytes import bytes_of, view_of
 from services.engine.kv_cache import BlockManager, KvEvent, NoFreeBlocksError
 from services.engine.kv_disk import DiskKvTier
 from services.engine.kv_tier import HostKvTier, TierStats, decode_entries
-from services.engine.loader import LoadedModel, load_model, model_fingerprint
+from services.engine.loader import ACTIVATION_SCALE_SUFFIX, LoadedModel, load_model, model_fingerprint
 from services.engine.model import AttnMetadata, PagedKvCache, PrefillSegment, Transformer
 from services.engine.sampling import RowContext, Sampled, SamplingParams, sample_batch, worst_case_batch
 from services.engine.scheduler import Request, RequestStatus, RestoreGroup, Scheduler, SchedulerOutput
@@ -199,6 +199,7 @@ class LLMEngine:
         self.memory_plan: MemoryPlan | None = None  # how a GPU's memory was shared out at start-up
         quant_id = "none"
         kw: dict[str, object] = {}
+        weights = loaded.weights  # what the fingerprint hashes
         if cfg.quant == "nvfp4" or loaded.quantization != "none":
             from services.engine.nvfp4 import QUANT_RECIPE_ID
 
@@ -231,25 +232,22 @@ class LLMEngine:
 
                 kw["method"] = cfg.nvfp4_method
                 quant_id += method_id(cfg.nvfp4_method)
+            static = {name for name in loaded.weights if name.endswith(ACTIVATION_SCALE_SUFFIX)}
             if w4a4:
                 # quantized activations make another function of the same weights: its KV is another model's
                 quant_id += ":w4a4"
-                static = sum(1 for name in loaded.weights if name.endswith(".input_scale"))
                 log.info(
                     "W4A4 activation tensor scales: %s",
-                    f"static, the checkpoint's ({static} projections)"
+                    f"static, the checkpoint's ({len(static)} projections)"
                     if static
                     else "one per call, from its amax (no static scales in the weights)",
                 )
+            elif static:  # unused static activation scales leave the function, and the fingerprint, alone
+                weights = {name: t for name, t in weights.items() if name not in static}
         elif cfg.nvfp4_gemm != "auto":
             raise ValueError(
                 f"nvfp4_gemm={cfg.nvfp4_gemm!r} needs NVFP4 weights (--quant nvfp4 or an NVFP4 checkpoint)"
             )
-        weights = loaded.weights
-        if not kw.get(
-            "w4a4"
-        ):  # unused static activation scales leave the function, and the fingerprint, alone
-            weights = {name: t for name, t in weights.items() if not name.endswith(".input_scale")}
         self.fingerprint = model_fingerprint(loaded.config, weights, quant_id)
         self.attention_backend = _attention_backend(
             cfg.attention_backend, device, loaded.config.head_dim, cfg.block_size

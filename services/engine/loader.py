@@ -45,11 +45,17 @@ _LAYER_TENSORS = {
 _BIAS_TENSORS = ("q_proj", "k_proj", "v_proj")
 
 
+# The canonical name of a projection's static activation scale (g_e, fp32 0-dim) in LoadedModel.weights:
+# `layers.3.q_proj` + this, from a W4A4 checkpoint (nvfp4/prequantized.py)
+ACTIVATION_SCALE_SUFFIX = ".input_scale"
+
+
 @dataclass
 class LoadedModel:
     config: ModelConfig
     # canonical names: embed_tokens, layers.{i}.{name}[.bias], norm, lm_head?, rope_freqs?; float32 from a GGUF
-    # (dequantized), as stored (bf16, fp16 or fp32) from safetensors; NVFP4 parts for a pre-quantized checkpoint
+    # (dequantized), as stored (bf16, fp16 or fp32) from safetensors; NVFP4 parts for a pre-quantized checkpoint,
+    # with their static activation scales (ACTIVATION_SCALE_SUFFIX) where a W4A4 checkpoint carries them
     weights: Weights
     source: str  # path it was loaded from
     chat_template: str | None = None

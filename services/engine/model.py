@@ -24,6 +24,7 @@ from torch import nn
 
 from services.engine import cpu_ops
 from services.engine.config import ModelConfig
+from services.engine.loader import ACTIVATION_SCALE_SUFFIX
 
 if TYPE_CHECKING:
     from services.engine.nvfp4 import NVFP4Tensor
@@ -310,7 +311,7 @@ def input_scale(w: Weights, names: list[str]) -> torch.Tensor | None:
     checkpoint that calibrated them (`{name}.input_scale`), or None. Parts calibrated apart get the largest amax
     of theirs, the smallest g_e, so that no part's activations are clipped; parts of which only some carry a
     scale are refused."""
-    scales = [w.get(f"{n}.input_scale") for n in names]
+    scales = [w.get(n + ACTIVATION_SCALE_SUFFIX) for n in names]
     if all(s is None for s in scales):
         return None
     if any(s is None for s in scales):

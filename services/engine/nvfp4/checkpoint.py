@@ -115,6 +115,13 @@ def from_compressed_tensors(tensors: Mapping[str, torch.Tensor], prefix: str) ->
     )
 
 
+# a static activation scale's tensor name in each layout (the module docstring says its convention)
+INPUT_SCALE_SUFFIX: dict[Layout, str] = {
+    "modelopt": "input_scale",
+    "compressed-tensors": "input_global_scale",
+}
+
+
 def input_scale_from(layout: Layout, t: torch.Tensor, name: str) -> torch.Tensor:
     """A static activation scale (ModelOpt `input_scale`, compressed-tensors `input_global_scale`) as g_e, fp32
     0-dim. It must be finite and positive: an activation amax of 0 calibrates nothing W4A4 could serve."""
@@ -133,15 +140,8 @@ def input_scale_to(layout: Layout, g_e: torch.Tensor, prefix: str) -> dict[str, 
     """A static activation scale g_e as `layout` spells it: {`{prefix}.input_scale`: 1 / g_e} (ModelOpt) or
     {`{prefix}.input_global_scale`: g_e} (compressed-tensors), 1-element fp32 as both export it."""
     g_e = g_e.detach().reshape(()).to(torch.float32)
-    if layout == "compressed-tensors":
-        return {_key(prefix, "input_global_scale"): g_e.reshape(1).clone()}
-    return {_key(prefix, "input_scale"): torch.div(torch.ones_like(g_e), g_e).reshape(1)}
-
-
-INPUT_SCALE_SUFFIX: dict[Layout, str] = {
-    "modelopt": "input_scale",
-    "compressed-tensors": "input_global_scale",
-}
+    stored = g_e.clone() if layout == "compressed-tensors" else torch.div(torch.ones_like(g_e), g_e)
+    return {_key(prefix, INPUT_SCALE_SUFFIX[layout]): stored.reshape(1)}
 
 
 def load_nvfp4_weight(tensors: Mapping[str, torch.Tensor], prefix: str) -> NVFP4Tensor:

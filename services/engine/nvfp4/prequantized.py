@@ -58,7 +58,8 @@ def load_prequantized_weights(
     in a Llama decoder are skipped, like the loader skips them. Tied LM heads are the caller's business (an
     absent `lm_head.weight` stays absent).
     """
-    from services.engine.loader import _hf_to_canonical  # the one HF → canonical mapping; lazy: no cycle
+    # the one HF → canonical mapping and activation-scale name; lazy: no cycle
+    from services.engine.loader import ACTIVATION_SCALE_SUFFIX, _hf_to_canonical
 
     if layout is None:
         layout = detect_layout(tensors)
@@ -91,7 +92,7 @@ def load_prequantized_weights(
             out[canon] = q if projection else dequantize(q)
             act = f"{prefix}.{INPUT_SCALE_SUFFIX[layout]}"
             if projection and act in tensors:
-                out[f"{canon}.input_scale"] = input_scale_from(layout, tensors[act], act)
+                out[canon + ACTIVATION_SCALE_SUFFIX] = input_scale_from(layout, tensors[act], act)
         elif "weight" in suffixes:
             w = tensors[f"{prefix}.weight"]
             if w.dtype in _NON_FLOAT_WEIGHTS or suffixes & {"weight_scale", "weight_packed"}:
