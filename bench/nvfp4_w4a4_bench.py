@@ -44,9 +44,10 @@ from services.engine.nvfp4.calibration import (
     FUSED,
     calibrate_input_scales,
     calibration_windows,
+    channel_amax,
 )
 from services.engine.nvfp4.methods import quantize_with
-from services.engine.nvfp4.smoothing import channel_amax, smooth_model
+from services.engine.nvfp4.smoothing import smooth_model
 from services.engine.tokenizer import Tokenizer
 
 SMOOTH_ALPHAS = (0.5, 0.75, 0.9)
@@ -58,23 +59,26 @@ def blocks(model: Transformer) -> list[Block]:
     return cast(list[Block], list(model.blocks))
 
 
+def nvfp4_layers(model: Transformer) -> Iterator[tuple[str, str, NVFP4Linear]]:
+    """Every NVFP4 layer with its projection kind (KINDS) and the canonical name of its first part."""
+    for i, b in enumerate(blocks(model)):
+        for kind, (attr, parts) in zip(KINDS, FUSED, strict=True):
+            for m in attrgetter(attr)(b).modules():
+                if isinstance(m, NVFP4Linear):
+                    yield kind, f"layers.{i}.{parts[0]}", m
+
+
 def static_scales(model: Transformer, scales: dict[str, torch.Tensor] | None) -> None:
     """Every projection quantizes its input under `scales` (canonical names, calibrate_input_scales), or per
     call when None."""
-    for i, b in enumerate(blocks(model)):
-        for attr, parts in FUSED:
-            for m in attrgetter(attr)(b).modules():
-                if isinstance(m, NVFP4Linear):
-                    m.set_input_scale(None if scales is None else scales[f"layers.{i}.{parts[0]}"])
+    for _, name, m in nvfp4_layers(model):
+        m.set_input_scale(None if scales is None else scales[name])
 
 
 def w4a4_on(model: Transformer, kinds: tuple[str, ...]) -> None:
     """W4A4 on the projections of `kinds`, W4A16 on the others."""
-    for b in blocks(model):
-        for kind, attr in KINDS.items():
-            for m in attrgetter(attr)(b).modules():
-                if isinstance(m, NVFP4Linear):
-                    m.w4a4 = kind in kinds
+    for kind, _, m in nvfp4_layers(model):
+        m.w4a4 = kind in kinds
 
 
 @contextmanager

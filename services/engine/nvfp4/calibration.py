@@ -25,7 +25,7 @@ import torch
 
 from .methods import check_method, quantize_with
 from .prequantized import split_rows
-from .recipe import NVFP4Tensor, abs_max, global_scale_for_amax
+from .recipe import NVFP4Tensor, global_scale_for_amax
 
 _REPO = Path(__file__).resolve().parents[3]
 CALIBRATION_TEXTS = (
@@ -115,21 +115,28 @@ def collect_hessians(loaded: object, windows: Sequence[torch.Tensor]) -> dict[st
     return {k: 2 * s / counts[k] for k, s in sums.items()}
 
 
+def channel_amax(loaded: object, windows: Sequence[torch.Tensor]) -> dict[str, torch.Tensor]:
+    """max |x_j| per input channel of every fused projection over the windows, keyed `layers.{i}.{attr}`
+    (FUSED): what smoothing's factors and, at its largest, a static activation scale are made of."""
+    amax: dict[str, torch.Tensor] = {}
+
+    def observe(key: str, x: torch.Tensor) -> None:
+        a = x.abs().amax(dim=0)
+        amax[key] = torch.maximum(amax[key], a) if key in amax else a
+
+    _observe_inputs(loaded, windows, observe)
+    return amax
+
+
 def calibrate_input_scales(loaded: object, windows: Sequence[torch.Tensor]) -> dict[str, torch.Tensor]:
     """W4A4's static activation scales: for every block projection (canonical names, `layers.3.q_proj`), g_e of
     the largest |x| its input took over the windows (max calibration, as ModelOpt's and llm-compressor's
     default observers). The parts of a fused projection read one input, so they share its scale."""
-    amax: dict[str, torch.Tensor] = {}
-
-    def observe(key: str, x: torch.Tensor) -> None:
-        a = abs_max(x)
-        amax[key] = torch.maximum(amax[key], a) if key in amax else a
-
-    _observe_inputs(loaded, windows, observe)
+    amax = channel_amax(loaded, windows)
     out: dict[str, torch.Tensor] = {}
     for i in range(loaded.config.num_layers):  # type: ignore[attr-defined]
         for attr, parts in FUSED:
-            a = amax[f"layers.{i}.{attr}"]
+            a = amax[f"layers.{i}.{attr}"].max()
             # global_scale_for_amax maps these to 1.0, a scale that would mean amax 2688: refuse them instead
             if not (bool(torch.isfinite(a)) and float(a) > 0):
                 raise ValueError(f"layers.{i}.{attr}: calibration saw an input amax of {float(a)}")

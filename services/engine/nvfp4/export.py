@@ -238,7 +238,13 @@ def quantize_to_dir(
     from services.engine.loader import load_model
     from services.engine.tokenizer import Tokenizer
 
-    from .calibration import calibrate_input_scales, calibration_windows, collect_hessians, quantize_model
+    from .calibration import (
+        calibrate_input_scales,
+        calibration_windows,
+        channel_amax,
+        collect_hessians,
+        quantize_model,
+    )
     from .methods import check_method
 
     check_method(method)
@@ -267,7 +273,7 @@ def quantize_to_dir(
         t = time.perf_counter()
         windows = calibration_windows(tok)
         if smooth is not None:
-            from .smoothing import channel_amax, smooth_model
+            from .smoothing import smooth_model
 
             loaded = smooth_model(loaded, channel_amax(loaded, windows), smooth)
         if method == "gptq":

@@ -20,31 +20,16 @@ folding into v and up too cost W4A4 1.345x -> 1.432x perplexity (1.382x with the
 
 Only the ratio between channels matters (the NVFP4 tensor scale absorbs any overall factor), so each s is
 divided by its largest value. The factors come from max |x_j| over the calibration windows, through the float32
-model (calibration._observe_inputs).
+model (calibration.channel_amax).
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from typing import Any
 
 import torch
 
 ATTN_NORM, FFN_NORM = "input_layernorm", "post_attention_layernorm"
-
-
-def channel_amax(loaded: Any, windows: Sequence[torch.Tensor]) -> dict[str, torch.Tensor]:
-    """max |x_j| per input channel of every fused projection (keys `layers.{i}.{attr}`, calibration.FUSED)."""
-    from .calibration import _observe_inputs
-
-    amax: dict[str, torch.Tensor] = {}
-
-    def observe(key: str, x: torch.Tensor) -> None:
-        a = x.abs().amax(dim=0)
-        amax[key] = torch.maximum(amax[key], a) if key in amax else a
-
-    _observe_inputs(loaded, windows, observe)
-    return amax
 
 
 def check_alpha(alpha: float) -> float:
@@ -72,7 +57,7 @@ def factors(act: torch.Tensor, weight: torch.Tensor, alpha: float) -> torch.Tens
 def smooth_model(loaded: Any, amax: dict[str, torch.Tensor], alpha: float) -> Any:
     """A copy of the dense `loaded` whose norm-fed projections (q/k/v, gate/up) are smoothed by `alpha`, the
     inverse factors folded into the norms (module docstring). float32 throughout: the copy is what gets
-    quantized. `amax` is channel_amax's (only the norm-fed projections' entries are read)."""
+    quantized. `amax` is calibration.channel_amax's (only the norm-fed projections' entries are read)."""
     import dataclasses
 
     check_alpha(alpha)

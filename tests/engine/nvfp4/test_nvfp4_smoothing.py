@@ -13,8 +13,13 @@ import torch
 from services.cli import main as cli_main
 from services.engine.loader import load_model
 from services.engine.nvfp4 import dequantize, quantize
-from services.engine.nvfp4.calibration import _observe_inputs, calibrate_input_scales, calibration_windows
-from services.engine.nvfp4.smoothing import channel_amax, factors, smooth_model
+from services.engine.nvfp4.calibration import (
+    _observe_inputs,
+    calibrate_input_scales,
+    calibration_windows,
+    channel_amax,
+)
+from services.engine.nvfp4.smoothing import factors, smooth_model
 from tests.conftest import tiny_llama
 from tests.engine.nvfp4.test_nvfp4_methods import GREEDY, PROMPTS, _dense_hf_dir, _engine, _smollm2, _tok
 from tests.engine.test_model_correctness import prompt_logits
