@@ -473,15 +473,19 @@ class Simulator:
             budget -= n
         if chunks:
             step_s += p.prefill_overhead_s
+        batch: list[Req] = []
         if w.role == "decode":
-            self._admit_decode(w)
-        batch = w.running[: p.max_batch] if w.role == "decode" else []
+            if w.admit_queue:
+                self._admit_decode(w)
+            batch = w.running[: p.max_batch]
         if batch:
-            step_s += p.decode_step_s(len(batch), sum(r.input_tokens + r.emitted for r in batch))
-        if not chunks and not batch:
+            # a step per token of every request is most of a replay's events: a list, not a generator of
+            # `emitted` properties (the same integer sum)
+            step_s += p.decode_step_s(len(batch), sum([r.input_tokens + len(r.token_times) for r in batch]))
+        elif not chunks:
             return
         w.busy = True
-        self.at(self.now + step_s, lambda: self._step_done(w, chunks, batch))
+        self.at(self.now + step_s, functools.partial(self._step_done, w, chunks, batch))
 
     def _step_done(self, w: Worker, chunks: list[tuple[Req, int]], batch: list[Req]) -> None:
         w.busy = False
@@ -494,11 +498,13 @@ class Simulator:
                 w.prefill_queue.remove(r)
                 w.pending.subtract(r.hashes)
                 self._prefill_finished(w, r)
+        now, wid = self.now, w.worker_id
         for r in batch:
-            if r.decode_worker != w.worker_id or r.t_done is not None:
+            if r.decode_worker != wid or r.t_done is not None:
                 continue  # migrated away during the step
-            r.token_times.append(self.now)
-            if r.emitted >= r.spec.output_tokens:
+            times = r.token_times
+            times.append(now)
+            if len(times) >= r.spec.output_tokens:
                 w.running.remove(r)
                 w.release(r.blocks_held, r.hashes)
                 self._finish(r)
@@ -613,11 +619,12 @@ class Simulator:
 
 
 def block_hashes_for(specs: Sequence[RequestSpec], block_size: int) -> list[list[int]]:
-    """Each request's chained block hashes by the engine's own function (trace requests via their hash ids)."""
+    """Each request's chained block hashes by the engine's own function (trace requests via their hash ids, through
+    the process's shared hasher: its memo outlives the call)."""
     from loadgen.trace import TraceBlockHasher
     from services.engine.block_hash import block_hashes
 
-    tracer = TraceBlockHasher(block_size)
+    tracer = TraceBlockHasher.shared(block_size)
     out = []
     for s in specs:
         if s.token_ids is not None:

@@ -22,7 +22,7 @@ This room is plain data: no I/O, no clock, no request state.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 
 DEFAULT_MAX_ENTRIES = 8_000_000
 HOST, DISK = "host", "disk"  # the tiers below a worker's pool, nearest first (KvBlockEvent.Tier)
@@ -47,17 +47,20 @@ class PrefixIndex:
 
     # ------------------------------------------------------------------------------------------ updates
 
-    def _admit(self, mine: set[int], hashes: Iterable[int]) -> Iterator[int]:
-        """Add the hashes `mine` lacks while the index has room (counting the rest as dropped); yield each added."""
+    def _admit(self, mine: set[int], hashes: Iterable[int]) -> list[int]:
+        """Add the hashes `mine` lacks while the index has room (counting the rest as dropped); the ones added."""
+        added: list[int] = []
+        room = self.max_entries - self._entries
         for h in hashes:
             if h in mine:
                 continue
-            if self._entries >= self.max_entries:
+            if len(added) >= room:
                 self.dropped += 1
                 continue
             mine.add(h)
-            self._entries += 1
-            yield h
+            added.append(h)
+        self._entries += len(added)
+        return added
 
     def stored(self, worker_id: str, hashes: Iterable[int]) -> None:
         bit = 1 << self._slot_of(worker_id)
@@ -83,8 +86,7 @@ class PrefixIndex:
 
     def offloaded(self, worker_id: str, hashes: Iterable[int], tier: str = HOST) -> None:
         """Blocks that entered one of the worker's tiers (its `evicted` from the pool comes separately)."""
-        for _ in self._admit(self._tier(tier).setdefault(worker_id, set()), hashes):
-            pass
+        self._admit(self._tier(tier).setdefault(worker_id, set()), hashes)
 
     def tier2_dropped(self, worker_id: str, hashes: Iterable[int], tier: str = HOST) -> None:
         """Blocks that left one of the worker's tiers (pushed out, moved down, or recomputed into its pool)."""

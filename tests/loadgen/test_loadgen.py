@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
@@ -14,6 +15,7 @@ import pytest
 from loadgen import report as rep
 from loadgen.client import phases_from_timeline
 from loadgen.local import REPO, rackserve_up
+from loadgen.sim.engine import block_hashes_for
 from loadgen.trace import TraceBlockHasher, mooncake
 from loadgen.workload import Lengths, poisson_arrivals, text_sessions
 from services.engine.block_hash import block_hashes
@@ -152,6 +154,35 @@ def test_mooncake_equal_hash_ids_give_equal_token_blocks_and_equal_block_hashes(
     (other,) = mooncake(records[:1], scale=16, seed=2)
     theirs = hasher.hashes(other)
     assert theirs == block_hashes(other.token_ids, 16) and not set(theirs) & set(ha)
+
+
+def test_the_shared_trace_hasher_keeps_its_memo_bounded_and_its_hashes_the_engines():
+    records = [
+        {"timestamp": i * 100, "input_length": 1536, "output_length": 4, "hash_ids": [1, 2 + i % 3, 10 + i]}
+        for i in range(12)
+    ]
+    specs = mooncake(records, scale=16)  # 32-token trace blocks: 3 memo entries a request, some shared
+    truth = [block_hashes(s.token_ids, 16) for s in specs]
+    bounded = TraceBlockHasher(16, max_entries=4)
+    for _ in range(2):  # a second pass finds some blocks evicted and computes them again, the same
+        assert [bounded.hashes(s) for s in specs] == truth
+        assert len(bounded._memo) == 4
+    # the most recently used stay: the last request's three blocks and the one before them
+    assert list(bounded._memo)[-3:] == [(0, *k) for k in _keys(specs[-1], truth[-1])]
+    # one hasher per block size for the process (a planner's replays reuse its memo), bounded likewise
+    shared = TraceBlockHasher.shared(16)
+    assert shared is TraceBlockHasher.shared(16) and shared is not TraceBlockHasher.shared(32)
+    assert shared.max_entries == TraceBlockHasher.MEMO_ENTRIES
+    assert block_hashes_for([dataclasses.replace(s, token_ids=None) for s in specs], 16) == truth
+
+
+def _keys(spec, hashes: list[int]) -> list[tuple[int, int, int]]:
+    """(parent, hash id, tokens) of each of a 32-token-block trace request's blocks (16-token KV blocks)."""
+    from services.engine.block_hash import ROOT_HASH
+
+    ids = [int(h) for h in spec.tags["hash_ids"].split(",")]
+    parents = [ROOT_HASH] + hashes[1::2][:-1]
+    return [(p, h, 32) for p, h in zip(parents, ids, strict=True)]
 
 
 def test_mooncake_scale_shrinks_lengths_and_time_scale_stretches_arrivals():
