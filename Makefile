@@ -68,6 +68,7 @@ bench: setup
 	$(BIN)/python -m bench.nvfp4_model_bench
 	$(BIN)/python -m bench.nvfp4_quality_bench
 	$(BIN)/python -m bench.nvfp4_w4a4_bench
+	$(BIN)/python -m bench.nvfp4_recipe_bench
 	$(BIN)/python -m bench.kvtransfer_bench
 	$(BIN)/python -m bench.kv_stage_bench
 	$(BIN)/python -m bench.kv_export_bench
