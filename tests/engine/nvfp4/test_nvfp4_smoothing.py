@@ -18,6 +18,8 @@ from services.engine.nvfp4.calibration import (
     calibrate_input_scales,
     calibration_windows,
     channel_amax,
+    collect_hessians,
+    quantize_model,
 )
 from services.engine.nvfp4.smoothing import factors, smooth_model
 from tests.conftest import tiny_llama
@@ -153,3 +155,33 @@ def test_rackserve_quantize_smooth_writes_the_smoothed_model_quantized(tmp_path,
     bad = ["quantize", "--model", str(src), "--out", str(tmp_path / "x"), "--smooth", "1.5"]
     assert cli_main(bad) == 2
     assert "alpha must be in (0, 1]" in capsys.readouterr().err
+
+
+@pytest.mark.slow  # calibrates, runs gptq, writes and loads a checkpoint
+def test_gptq_with_smoothing_quantizes_the_smoothed_model_under_its_own_hessians(tmp_path):
+    """The recipe docs/nvfp4-quality.md recommends (`--method gptq --smooth A --activations nvfp4`): gptq's
+    Hessians and the static scales are the smoothed model's inputs, not the original's."""
+    src = _dense_hf_dir(tmp_path, tiny_llama(vocab=49152))
+    out = tmp_path / "gptq-smoothed"
+    argv = ["quantize", "--model", str(src), "--method", "gptq", "--smooth", "0.9", "--activations", "nvfp4"]
+    assert cli_main([*argv, "--out", str(out)]) == 0
+    rackserve = json.loads((out / "config.json").read_text())["quantization_config"]["rackserve"]
+    assert (rackserve["smooth_alpha"], rackserve["activations"], rackserve["gptq"]["act_order"]) == (
+        0.9,
+        "nvfp4",
+        True,
+    )
+    dense = load_model(src)
+    windows = calibration_windows(_tok())
+    smoothed = smooth_model(dense, channel_amax(dense, windows), 0.9)
+    want = quantize_model(smoothed, "gptq", collect_hessians(smoothed, windows), act_order=True)
+    back = load_model(out)
+    for name, q in want.items():
+        got = back.weights[name]
+        assert torch.equal(got.packed, q.packed) and torch.equal(got.scales, q.scales), name  # type: ignore[union-attr]
+    # the original model's Hessians would have written other codes: the test tells them apart
+    stale = quantize_model(smoothed, "gptq", collect_hessians(dense, windows), act_order=True)
+    assert any(not torch.equal(stale[n].packed, q.packed) for n, q in want.items())
+    scales = calibrate_input_scales(smoothed, windows)
+    for name in ("layers.0.q_proj", "layers.1.up_proj", "layers.1.o_proj"):
+        assert torch.equal(back.weights[f"{name}.input_scale"], scales[name]), name
