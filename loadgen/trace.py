@@ -105,24 +105,27 @@ class TraceBlockHasher:
     block_hashes(spec.token_ids, block_size) — the engine's own function does the hashing.
 
     `shared(block_size)` is one hasher per block size for the whole process, its memo bounded (least recently
-    used out past MEMO_ENTRIES): a planner replays overlapping windows of the same requests every interval, and
-    drawing each block's tokens again was a fifth of a decision's time."""
+    used out past MEMO_HASHES block hashes in all): a planner replays overlapping windows of the same requests
+    every interval, and drawing each block's tokens again was a fifth of a decision's time."""
 
-    MEMO_ENTRIES = 1 << 16  # the shared memo's bound: ~20 MiB at 8 hashes a trace block
+    MEMO_HASHES = 1 << 19  # the shared memo's bound: ~40 MiB (65,536 trace blocks of 8 KV blocks)
     _shared: dict[int, TraceBlockHasher] = {}
+    _shared_lock = threading.Lock()
 
-    def __init__(self, block_size: int, max_entries: int | None = None) -> None:
+    def __init__(self, block_size: int, max_hashes: int | None = None) -> None:
         self.block_size = block_size
-        self.max_entries = max_entries
+        self.max_hashes = max_hashes
         self._memo: OrderedDict[tuple[int, int, int, int], list[int]] = OrderedDict()
+        self._hashes = 0  # held in the memo, in all
         self._lock = threading.Lock()
 
     @classmethod
     def shared(cls, block_size: int) -> TraceBlockHasher:
-        found = cls._shared.get(block_size)
-        if found is None:
-            found = cls._shared[block_size] = cls(block_size, cls.MEMO_ENTRIES)
-        return found
+        with cls._shared_lock:
+            found = cls._shared.get(block_size)
+            if found is None:
+                found = cls._shared[block_size] = cls(block_size, cls.MEMO_HASHES)
+            return found
 
     def hashes(self, spec: RequestSpec) -> list[int]:
         per_block = int(spec.tags["trace_block_tokens"])
@@ -146,9 +149,10 @@ class TraceBlockHasher:
             got = self._memo.get(key)
             if got is None:
                 got = self._memo[key] = block_hashes(block_tokens(h, n, seed), self.block_size, parent)
-                if self.max_entries is not None and len(self._memo) > self.max_entries:
-                    self._memo.popitem(last=False)
-            elif self.max_entries is not None:
+                self._hashes += len(got)
+                while self.max_hashes is not None and self._hashes > self.max_hashes and len(self._memo) > 1:
+                    self._hashes -= len(self._memo.popitem(last=False)[1])
+            elif self.max_hashes is not None:
                 self._memo.move_to_end(key)
             out += got
             left -= n

@@ -48,18 +48,18 @@ class PrefixIndex:
     # ------------------------------------------------------------------------------------------ updates
 
     def _admit(self, mine: set[int], hashes: Iterable[int]) -> list[int]:
-        """Add the hashes `mine` lacks while the index has room (counting the rest as dropped); the ones added."""
+        """Add the hashes `mine` lacks while the index has room (counting the rest as dropped); the ones added,
+        counted as each is added (an iterable that raises midway leaves the count true)."""
         added: list[int] = []
-        room = self.max_entries - self._entries
         for h in hashes:
             if h in mine:
                 continue
-            if len(added) >= room:
+            if self._entries >= self.max_entries:
                 self.dropped += 1
                 continue
             mine.add(h)
+            self._entries += 1
             added.append(h)
-        self._entries += len(added)
         return added
 
     def stored(self, worker_id: str, hashes: Iterable[int]) -> None:

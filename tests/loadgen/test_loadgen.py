@@ -161,9 +161,12 @@ def test_the_shared_trace_hasher_keeps_its_memo_bounded_and_its_hashes_the_engin
         {"timestamp": i * 100, "input_length": 1536, "output_length": 4, "hash_ids": [1, 2 + i % 3, 10 + i]}
         for i in range(12)
     ]
+    # the first request's chain again, its last block partial: the same (parent, hash id), other tokens
+    records.append({"timestamp": 1200, "input_length": 1280, "output_length": 4, "hash_ids": [1, 2, 10]})
     specs = mooncake(records, scale=16)  # 32-token trace blocks: 3 memo entries a request, some shared
     truth = [block_hashes(s.token_ids, 16) for s in specs]
-    bounded = TraceBlockHasher(16, max_entries=4)
+    assert truth[-1] == truth[0][:5]  # its 16 tokens are the full block's first 16: one KV block of its two
+    bounded = TraceBlockHasher(16, max_hashes=8)  # 2 KV blocks an entry: 4 entries
     for _ in range(2):  # a second pass finds some blocks evicted and computes them again, the same
         assert [bounded.hashes(s) for s in specs] == truth
         assert len(bounded._memo) == 4
@@ -172,17 +175,21 @@ def test_the_shared_trace_hasher_keeps_its_memo_bounded_and_its_hashes_the_engin
     # one hasher per block size for the process (a planner's replays reuse its memo), bounded likewise
     shared = TraceBlockHasher.shared(16)
     assert shared is TraceBlockHasher.shared(16) and shared is not TraceBlockHasher.shared(32)
-    assert shared.max_entries == TraceBlockHasher.MEMO_ENTRIES
-    assert block_hashes_for([dataclasses.replace(s, token_ids=None) for s in specs], 16) == truth
+    assert shared.max_hashes == TraceBlockHasher.MEMO_HASHES
+    bare = [dataclasses.replace(s, token_ids=None) for s in specs]
+    for size in (16, 32):  # twice through the shared memo, for each block size
+        want = [block_hashes(s.token_ids, size) for s in specs]
+        assert block_hashes_for(bare, size) == want and block_hashes_for(bare, size) == want
 
 
 def _keys(spec, hashes: list[int]) -> list[tuple[int, int, int]]:
-    """(parent, hash id, tokens) of each of a 32-token-block trace request's blocks (16-token KV blocks)."""
+    """(parent, hash id, tokens) of each of a 3-block trace request's 32-token blocks (16-token KV blocks)."""
     from services.engine.block_hash import ROOT_HASH
 
     ids = [int(h) for h in spec.tags["hash_ids"].split(",")]
-    parents = [ROOT_HASH] + hashes[1::2][:-1]
-    return [(p, h, 32) for p, h in zip(parents, ids, strict=True)]
+    parents = [ROOT_HASH] + hashes[1::2][:2]
+    tokens = [min(32, spec.input_tokens - 32 * i) for i in range(len(ids))]
+    return list(zip(parents, ids, tokens, strict=True))
 
 
 def test_mooncake_scale_shrinks_lengths_and_time_scale_stretches_arrivals():

@@ -268,3 +268,21 @@ def test_a_worker_started_after_a_drain_takes_the_freed_slot_on_the_same_node():
     assert (
         sim.link_class(grown[0], sim.workers["decode-0"]) == SAME_NODE
     )  # the fast link, as before the drain
+
+
+def test_a_lone_request_decodes_one_step_per_token_each_as_long_as_its_context_makes_it():
+    """Token k + 1 comes one decode step after token k, the step timed by the profile for a batch of one and the
+    context so far (the prompt and the k tokens emitted), the first step starting when its KV is admitted."""
+    prof = load_profile("h200_node")
+    (spec,) = synthetic(1, Lengths(1000, 1000), Lengths(6, 6), 1)
+    sim = Simulator(prof, ClusterConfig(1, 1, "disagg", "ttft"))
+    (result,) = sim.run([spec], block_hashes_for([spec], prof.block_size))
+    (r,) = sim.reqs
+    assert result.ok and len(r.token_times) == spec.output_tokens == 6
+    n = spec.input_tokens
+    want, t = [], r.t_decode_start
+    for k in range(1, 6):
+        t += prof.decode_step_s(1, n + k)
+        want.append(t)
+    assert r.token_times[1:] == pytest.approx(want, rel=1e-12, abs=0)
+    assert r.token_times[0] == r.t_first < r.t_decode_start  # the prefill's token, before the KV moved

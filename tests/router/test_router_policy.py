@@ -305,6 +305,23 @@ def test_prefix_index_is_bounded_and_under_reports_when_full() -> None:
     index.stored("w", hashes)
     assert len(index) == 5 and index.dropped == 5
     assert index.overlaps(hashes) == {"w": 5}
+    # across calls and workers: the room left is what the others' entries left, a tier's entries count too
+    index = PrefixIndex(max_entries=6)
+    index.stored("a", hashes[:3])
+    index.stored("b", hashes[:4])
+    assert len(index) == 6 and index.dropped == 1 and index.overlaps(hashes) == {"a": 3, "b": 3}
+    index.offloaded("a", hashes[5:7])
+    assert len(index) == 6 and index.dropped == 3
+    index.evicted("b", hashes[:3])
+    index.offloaded("a", hashes[5:7])
+    assert len(index) == 5 and index.dropped == 3 and index.overlaps(hashes) == {"a": 3}
+    index.offloaded("a", hashes[5:9])  # two there already, room for one, one dropped
+    assert len(index) == 6 and index.dropped == 4
+    # a hash repeated within one event or sent again is one entry, never dropped
+    index = PrefixIndex(max_entries=2)
+    index.stored("w", [hashes[0], hashes[0], hashes[1]])
+    index.stored("w", [hashes[0]])
+    assert len(index) == 2 and index.dropped == 0
 
 
 # ------------------------------------------------------------------------------------ baselines
