@@ -78,6 +78,7 @@ bench: setup
 	$(BIN)/python -m bench.sampler_bench
 	$(BIN)/python -m bench.disagg_bench
 	$(BIN)/python -m bench.router_bench
+	$(BIN)/python -m bench.planner_decision_bench
 	$(BIN)/python -m bench.soak_bench
 	$(BIN)/python -m bench.kv_tier_bench
 	$(BIN)/python -m bench.kv_restore_overlap_bench
