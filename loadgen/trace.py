@@ -149,9 +149,9 @@ class TraceBlockHasher:
             got = self._memo.get(key)
             if got is None:
                 got = self._memo[key] = block_hashes(block_tokens(h, n, seed), self.block_size, parent)
-                self._hashes += len(got)
+                self._hashes += max(1, len(got))  # an empty entry (a tail under one KV block) counts too
                 while self.max_hashes is not None and self._hashes > self.max_hashes and len(self._memo) > 1:
-                    self._hashes -= len(self._memo.popitem(last=False)[1])
+                    self._hashes -= max(1, len(self._memo.popitem(last=False)[1]))
             elif self.max_hashes is not None:
                 self._memo.move_to_end(key)
             out += got

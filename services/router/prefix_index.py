@@ -48,10 +48,10 @@ class PrefixIndex:
     # ------------------------------------------------------------------------------------------ updates
 
     def _admit(self, mine: set[int], hashes: Iterable[int]) -> list[int]:
-        """Add the hashes `mine` lacks while the index has room (counting the rest as dropped); the ones added,
-        counted as each is added (an iterable that raises midway leaves the count true)."""
+        """Add the hashes `mine` lacks while the index has room (counting the rest as dropped); the ones added.
+        The iterable is read whole first: one that raises changes nothing."""
         added: list[int] = []
-        for h in hashes:
+        for h in list(hashes):
             if h in mine:
                 continue
             if self._entries >= self.max_entries:

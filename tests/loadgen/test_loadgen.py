@@ -172,6 +172,14 @@ def test_the_shared_trace_hasher_keeps_its_memo_bounded_and_its_hashes_the_engin
         assert len(bounded._memo) == 4
     # the most recently used stay: the last request's three blocks and the one before them
     assert list(bounded._memo)[-3:] == [(0, *k) for k in _keys(specs[-1], truth[-1])]
+    # a hit makes an entry the most recent: of a, b, a, c (one trace block each) under room for two, a and c stay
+    one = mooncake(
+        [{"timestamp": 0, "input_length": 512, "output_length": 1, "hash_ids": [h]} for h in (1, 2, 3)], 16
+    )
+    lru = TraceBlockHasher(16, max_hashes=4)
+    for s in (one[0], one[1], one[0], one[2]):
+        lru.hashes(s)
+    assert [key[2] for key in lru._memo] == [1, 3]
     # one hasher per block size for the process (a planner's replays reuse its memo), bounded likewise
     shared = TraceBlockHasher.shared(16)
     assert shared is TraceBlockHasher.shared(16) and shared is not TraceBlockHasher.shared(32)

@@ -322,6 +322,18 @@ def test_prefix_index_is_bounded_and_under_reports_when_full() -> None:
     index.stored("w", [hashes[0], hashes[0], hashes[1]])
     index.stored("w", [hashes[0]])
     assert len(index) == 2 and index.dropped == 0
+    # an event whose hashes fail midway changes nothing: the same hashes later are indexed, owner and count
+
+    def failing():
+        yield from hashes[:2]
+        raise RuntimeError("the event broke off")
+
+    index = PrefixIndex(max_entries=8)
+    with pytest.raises(RuntimeError):
+        index.stored("w", failing())
+    assert len(index) == 0 and index.overlaps(hashes) == {}
+    index.stored("w", hashes[:3])
+    assert len(index) == 3 and index.overlaps(hashes) == {"w": 3}
 
 
 # ------------------------------------------------------------------------------------ baselines
