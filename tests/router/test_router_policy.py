@@ -328,6 +328,13 @@ def test_prefix_index_is_bounded_and_under_reports_when_full() -> None:
         yield from hashes[:2]
         raise RuntimeError("the event broke off")
 
+    # a block leaving a tier frees its entry: the room is there for the next ones
+    index = PrefixIndex(max_entries=4)
+    index.offloaded("w", hashes[:2])
+    index.tier2_dropped("w", hashes[:1])
+    assert len(index) == 1
+    index.offloaded("w", hashes[2:5])
+    assert len(index) == 4 and index.dropped == 0
     index = PrefixIndex(max_entries=8)
     with pytest.raises(RuntimeError):
         index.stored("w", failing())
