@@ -29,7 +29,11 @@ from typing import Any
 
 import torch
 
+from .calibration import FUSED
+
 ATTN_NORM, FFN_NORM = "input_layernorm", "post_attention_layernorm"
+# the fused projections (calibration.FUSED) an RMSNorm feeds, and that norm: the ones smoothed
+NORM_FED = {"attn.wqkv": ATTN_NORM, "ffn.w_gate_up": FFN_NORM}
 
 
 def check_alpha(alpha: float) -> float:
@@ -69,10 +73,10 @@ def smooth_model(loaded: Any, amax: dict[str, torch.Tensor], alpha: float) -> An
         w[name] = t.to(torch.float32)
     for i in range(cfg.num_layers):
         p = f"layers.{i}"
-        for parts, norm, attr in (
-            (("q_proj", "k_proj", "v_proj"), ATTN_NORM, "attn.wqkv"),
-            (("gate_proj", "up_proj"), FFN_NORM, "ffn.w_gate_up"),
-        ):
+        for attr, parts in FUSED:
+            norm = NORM_FED.get(attr)
+            if norm is None:
+                continue
             s = factors(amax[f"{p}.{attr}"], torch.cat([w[f"{p}.{n}"] for n in parts]), alpha)
             for n in parts:
                 w[f"{p}.{n}"] = w[f"{p}.{n}"] * s
