@@ -134,14 +134,13 @@ class TraceBlockHasher:
             raise ValueError(
                 f"trace blocks of {per_block} tokens do not align with KV blocks of {self.block_size}"
             )
-        out: list[int] = []
         with self._lock:  # a shared hasher may serve replays on several threads
-            self._chain(spec, seed, per_block, out)
-        return out
+            return self._chain(spec, seed, per_block)
 
-    def _chain(self, spec: RequestSpec, seed: int, per_block: int, out: list[int]) -> None:
+    def _chain(self, spec: RequestSpec, seed: int, per_block: int) -> list[int]:
         from services.engine.block_hash import ROOT_HASH, block_hashes
 
+        out: list[int] = []
         parent, left = ROOT_HASH, spec.input_tokens
         for h in map(int, spec.tags["hash_ids"].split(",")):
             n = min(per_block, left)
@@ -159,3 +158,4 @@ class TraceBlockHasher:
             if n < per_block or not got:
                 break
             parent = got[-1]
+        return out
