@@ -2,9 +2,9 @@
 
 gptq needs, per projection, the Hessian of its inputs H = 2 X^T X / n over a calibration set; a W4A4
 checkpoint needs, per projection, a static tensor scale for its input activations (their largest magnitude).
-Each is collected in a pass of the unquantized float32 model (every layer sees the float inputs, not those of
-already-quantized layers before it: for gptq simpler, and within noise of the sequential variant on small
-models).
+Both are collected in one pass (`observe`) of the unquantized float32 model (every layer sees the float
+inputs, not those of already-quantized layers before it: for gptq simpler, and within noise of the sequential
+variant on small models).
 
 The calibration text ships with Debian (base-files' licence texts other than GPL-3) plus the repository's
 loadgen/corpus.txt; the quality bench evaluates on /usr/share/common-licenses/GPL-3, which none of it contains.
@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -102,37 +103,63 @@ def _observe_inputs(
             h.remove()
 
 
-def collect_hessians(loaded: object, windows: Sequence[torch.Tensor]) -> dict[str, torch.Tensor]:
-    """H = 2 X^T X / n of every fused projection's input, keyed `layers.{i}.{attr}` (FUSED)."""
+@dataclass
+class Observed:
+    """What one calibration pass collected, keyed `layers.{i}.{attr}` (FUSED); None where it was not asked."""
+
+    hessians: dict[str, torch.Tensor] | None  # H = 2 X^T X / n of the projection's input
+    amax: dict[str, torch.Tensor] | None  # max |x_j| per input channel
+
+
+def observe(
+    loaded: object, windows: Sequence[torch.Tensor], *, hessians: bool = False, amax: bool = False
+) -> Observed:
+    """One pass of the windows collecting what is asked: gptq's Hessians, the channel maxima, or both (a W4A4
+    gptq checkpoint needs both, and one forward is ~7 s of SmolLM2's calibration on two cores)."""
     sums: dict[str, torch.Tensor] = {}
     counts: dict[str, int] = {}
+    peaks: dict[str, torch.Tensor] = {}
 
-    def observe(key: str, x: torch.Tensor) -> None:
-        sums[key] = sums.get(key, 0) + x.T @ x  # type: ignore[assignment]  # fp32: 4k tokens sum fine
-        counts[key] = counts.get(key, 0) + x.shape[0]
+    def see(key: str, x: torch.Tensor) -> None:
+        if hessians:
+            sums[key] = sums.get(key, 0) + x.T @ x  # type: ignore[assignment]  # fp32: 4k tokens sum fine
+            counts[key] = counts.get(key, 0) + x.shape[0]
+        if amax:
+            a = x.abs().amax(dim=0)
+            peaks[key] = torch.maximum(peaks[key], a) if key in peaks else a
 
-    _observe_inputs(loaded, windows, observe)
-    return {k: 2 * s / counts[k] for k, s in sums.items()}
+    if not (hessians or amax):
+        raise ValueError("observe: ask for hessians, amax or both")
+    _observe_inputs(loaded, windows, see)
+    return Observed(
+        {k: 2 * s / counts[k] for k, s in sums.items()} if hessians else None, peaks if amax else None
+    )
+
+
+def collect_hessians(loaded: object, windows: Sequence[torch.Tensor]) -> dict[str, torch.Tensor]:
+    """H = 2 X^T X / n of every fused projection's input, keyed `layers.{i}.{attr}` (FUSED)."""
+    h = observe(loaded, windows, hessians=True).hessians
+    assert h is not None
+    return h
 
 
 def channel_amax(loaded: object, windows: Sequence[torch.Tensor]) -> dict[str, torch.Tensor]:
     """max |x_j| per input channel of every fused projection over the windows, keyed `layers.{i}.{attr}`
     (FUSED): what smoothing's factors and, at its largest, a static activation scale are made of."""
-    amax: dict[str, torch.Tensor] = {}
-
-    def observe(key: str, x: torch.Tensor) -> None:
-        a = x.abs().amax(dim=0)
-        amax[key] = torch.maximum(amax[key], a) if key in amax else a
-
-    _observe_inputs(loaded, windows, observe)
-    return amax
+    a = observe(loaded, windows, amax=True).amax
+    assert a is not None
+    return a
 
 
 def calibrate_input_scales(loaded: object, windows: Sequence[torch.Tensor]) -> dict[str, torch.Tensor]:
+    """W4A4's static activation scales calibrated on the windows (input_scales_from_amax)."""
+    return input_scales_from_amax(loaded, channel_amax(loaded, windows))
+
+
+def input_scales_from_amax(loaded: object, amax: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """W4A4's static activation scales: for every block projection (canonical names, `layers.3.q_proj`), g_e of
-    the largest |x| its input took over the windows (max calibration, as ModelOpt's and llm-compressor's
+    the largest |x| its input took (`amax`: channel_amax's; max calibration, as ModelOpt's and llm-compressor's
     default observers). The parts of a fused projection read one input, so they share its scale."""
-    amax = channel_amax(loaded, windows)
     out: dict[str, torch.Tensor] = {}
     for i in range(loaded.config.num_layers):  # type: ignore[attr-defined]
         for attr, parts in FUSED:

@@ -239,10 +239,10 @@ def quantize_to_dir(
     from services.engine.tokenizer import Tokenizer
 
     from .calibration import (
-        calibrate_input_scales,
         calibration_windows,
         channel_amax,
-        collect_hessians,
+        input_scales_from_amax,
+        observe,
         quantize_model,
     )
     from .methods import check_method
@@ -276,10 +276,13 @@ def quantize_to_dir(
             from .smoothing import smooth_model
 
             loaded = smooth_model(loaded, channel_amax(loaded, windows), smooth)
-        if method == "gptq":
-            hessians = collect_hessians(loaded, windows)
-        if activations == "nvfp4":
-            input_scales = calibrate_input_scales(loaded, windows)
+        if (
+            method == "gptq" or activations == "nvfp4"
+        ):  # one pass for both (of the smoothed model, if smoothed)
+            seen = observe(loaded, windows, hessians=method == "gptq", amax=activations == "nvfp4")
+            hessians = seen.hessians
+            if seen.amax is not None:
+                input_scales = input_scales_from_amax(loaded, seen.amax)
         times["calibration_s"] = time.perf_counter() - t
         if progress is not None:
             progress(f"calibration: {len(windows)} windows, {sum(len(w) for w in windows)} tokens")

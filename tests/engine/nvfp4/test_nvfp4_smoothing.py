@@ -19,6 +19,7 @@ from services.engine.nvfp4.calibration import (
     calibration_windows,
     channel_amax,
     collect_hessians,
+    observe,
     quantize_model,
 )
 from services.engine.nvfp4.smoothing import factors, smooth_model
@@ -127,6 +128,23 @@ def test_smoothing_lowers_the_w4a4_output_error_of_smollm2s_own_gate_up_projecti
             y_hat = dequantize(quantize(xs)) @ dequantize(quantize(ws)).T
             err[name] += float(((y_hat - y) ** 2).sum() / (y**2).sum())
     assert err["smoothed"] < 0.85 * err["plain"], err  # measured: 0.72x
+
+
+def test_one_calibration_pass_collects_what_separate_passes_do():
+    """`quantize --method gptq --activations nvfp4` takes its Hessians and channel maxima from one forward of the
+    windows: the same tensors as a pass for each."""
+    model = tiny_llama(layers=2)
+    windows = [torch.randint(0, 256, (40,), generator=torch.Generator().manual_seed(s)) for s in range(3)]
+    both = observe(model, windows, hessians=True, amax=True)
+    assert both.hessians is not None and both.amax is not None
+    hessians, amax = collect_hessians(model, windows), channel_amax(model, windows)
+    assert set(both.hessians) == set(hessians) == set(both.amax) == set(amax)
+    for k in hessians:
+        assert torch.equal(both.hessians[k], hessians[k]) and torch.equal(both.amax[k], amax[k]), k
+    only = observe(model, windows, amax=True)
+    assert only.hessians is None and only.amax is not None
+    with pytest.raises(ValueError, match="hessians, amax or both"):
+        observe(model, windows)
 
 
 @pytest.mark.slow  # calibrates, writes and loads checkpoints
