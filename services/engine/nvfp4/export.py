@@ -276,9 +276,8 @@ def quantize_to_dir(
             from .smoothing import smooth_model
 
             loaded = smooth_model(loaded, channel_amax(loaded, windows), smooth)
-        if (
-            method == "gptq" or activations == "nvfp4"
-        ):  # one pass for both (of the smoothed model, if smoothed)
+        # one pass for both, of the smoothed model if it was smoothed
+        if method == "gptq" or activations == "nvfp4":
             seen = observe(loaded, windows, hessians=method == "gptq", amax=activations == "nvfp4")
             hessians = seen.hessians
             if seen.amax is not None:
