@@ -83,6 +83,7 @@ bench: setup
 	$(BIN)/python -m bench.kv_tier_bench
 	$(BIN)/python -m bench.kv_restore_overlap_bench
 	$(BIN)/python -m bench.kv_tier_cluster_bench
+	$(BIN)/python -m bench.peer_pull_cluster_bench --rounds 2 --concurrency 4
 
 # loadgen: the simulator's experiments (deterministic, CPU only) and the real-cluster runs; results in bench/results/
 sim: setup
@@ -117,7 +118,7 @@ gpu-check:
 	$$py scripts/gpu_check.py $(GPU_CHECK_ARGS)
 
 # Another torch release (the CUDA build PyPI ships, as GPU images carry) in .venv-torch$(TORCH): mypy, the GPU
-# check's CPU smoke run and the fast suite (docs/gpu.md, "Other torch versions"). Slow, needs PyPI; not in `test`.
+# check's CPU smoke run and the fast suite (docs/gpu.md, "Without a GPU: what compiles, and another torch"). Slow, needs PyPI; not in `test`.
 TORCH ?= 2.11.0
 compat: setup
 	scripts/torch_compat.sh $(TORCH)

@@ -1,6 +1,6 @@
 """The sampler over a batch with every processor on, and a sampled decode step: before and now, side by side.
 
-    python -m bench.sampler_bench [--before 17e5769] [--rounds 3] [--engine-rounds 2] [--batch 64]
+    python -m bench.sampler_bench [--before 17e5769] [--rounds 5] [--engine-rounds 2] [--batch 64]
 
 Per arm, child processes import rackserve from that arm's tree — `before`: the commit given by --before, checked
 out into a temporary git worktree (removed after); `now`: this checkout — with one torch thread:

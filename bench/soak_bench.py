@@ -246,7 +246,7 @@ def table(rows: list[dict[str, object]]) -> str:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--duration-s", type=float, default=600.0, help="seconds per segment (the issue asks 600)")
+    p.add_argument("--duration-s", type=float, default=600.0, help="seconds per segment")
     p.add_argument("--loads", default="2,4", help="multiples of the cluster's capacity, comma-separated")
     p.add_argument(
         "--kv-cache-bytes", type=int, default=256 << 20, help="per worker (rackserve up's default)"

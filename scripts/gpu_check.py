@@ -18,12 +18,13 @@ seeded random weights in the Llama layout (the SmolLM2-135M shape and the Llama-
    against an in-run device memcpy, over CUDA IPC handles (services/kvtransfer/cuda_ipc.py) and over the staged
    host path (export to host bytes, shared memory, import).
 
-Correctness failures (steps 1, 2, 4) exit 1; throughput is reported, never asserted. A step that fails is reported
-and later steps still run; a step that does not fit the remaining --budget-s is skipped with a line saying so.
-The tables go to $OUT when it is set, else to bench/results/ (gpu_check.md and gpu_check.json).
+Correctness failures (steps 1, 2, 4) exit 1, and so does a step that fails (an error; in step 3 a CUDA graph capture
+that failed); throughput is reported, never asserted. A step that fails is reported and later steps still run; a
+step that does not fit the remaining --budget-s is skipped with a line saying so. The tables go to $OUT when it is
+set, else to bench/results/ (gpu_check.md and gpu_check.json).
 
 `--device cpu --smoke` runs every step's logic on the CPU with tiny shapes and a few steps (tests/
-test_gpu_check_smoke.py runs it in `make test`); without CUDA and without --device cpu it says so and exits 0.
+scripts/test_gpu_check_smoke.py runs it in `make test`); without CUDA and without --device cpu it says so and exits 0.
 """
 
 from __future__ import annotations
@@ -332,7 +333,7 @@ class Plan:
 
 # ------------------------------------------------------------------------------------------- the models
 
-# The shapes the issue names. max_context is cut to 8192 for the 8B shape (its rope tables and any per-context
+# The two shapes docs/gpu.md names. max_context is cut to 8192 for the 8B shape (its rope tables and any per-context
 # buffer scale with it; nothing here goes past 4,096 tokens); its llama3 rope scaling is kept.
 SHAPES: dict[str, dict[str, Any]] = {
     "smollm2-135m": dict(
@@ -1012,7 +1013,7 @@ def throughput(res: StepResult, plan: Plan, budget: Budget, models: Models) -> N
             f"{'from step 2' if reused else f'built in {time.perf_counter() - t0:.1f} s'}, "
             f"{wbytes / 1e9:.2f} GB of weights read per step"
         )
-        if getattr(engine, "graphs_error", ""):  # the engine serves eagerly; the issue asks for graphs
+        if getattr(engine, "graphs_error", ""):  # the engine serves eagerly; a GPU worker must run graphs
             res.fail(
                 f"{fmt_name}: CUDA graphs not captured ({engine.graphs_error}); its decode rows are eager"
             )
@@ -1104,7 +1105,7 @@ def throughput_table(rows: list[dict[str, Any]]) -> str:
 
 
 def targets(rows: list[dict[str, Any]]) -> list[str]:
-    """The issue's targets, reported (never asserted: random weights, one run)."""
+    """docs/gpu.md's targets, reported (never asserted: random weights, one run)."""
     by = {(r["format"], r["phase"], r["n"]): r for r in rows}
     out = []
     b1, n1 = by.get(("bf16", "decode", 1)), by.get(("nvfp4", "decode", 1))

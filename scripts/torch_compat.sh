@@ -1,11 +1,11 @@
 #!/usr/bin/env bash
-# The half of "the GPU paths run on torch 2.11-2.13" that a CPU machine can check (docs/gpu.md, "Other torch
-# versions"): installs the given torch release as PyPI ships it for Linux — the CUDA build, with the CUDA
-# libraries and the Triton release it pins, the stack a GPU image carries — into its own virtual environment
-# beside .venv, and runs there what needs no GPU: mypy against that torch's type stubs, the GPU check's CPU smoke
-# run, the fast test suite, the Triton kernels under that Triton's interpreter against their torch references, and
-# every kernel launch compiled for sm_90 and sm_100 by that Triton. Without a GPU, torch.cuda.is_available() is
-# false and the CUDA-only tests skip, as in `make test`.
+# The half of "the GPU paths run on torch 2.11-2.13" that a CPU machine can check (docs/gpu.md, "Without a GPU: what
+# compiles, and another torch"): installs the given torch release as PyPI ships it for Linux — the CUDA build, with
+# the CUDA libraries and the Triton release it pins, the stack a GPU image carries — into its own virtual
+# environment beside .venv, and runs there what needs no GPU: mypy against that torch's type stubs, the GPU check's
+# CPU smoke run, the fast test suite, the Triton kernels under that Triton's interpreter against their torch
+# references, and every kernel launch compiled for sm_90 and sm_100 by that Triton. Without a GPU,
+# torch.cuda.is_available() is false and the CUDA-only tests skip, as in `make test`.
 #
 #   scripts/torch_compat.sh 2.11.0      # ~5 GB download the first time, then ~7 minutes on 2 cores
 #
