@@ -64,7 +64,8 @@ def cmd_timeline(a: argparse.Namespace) -> int:
 
         if not a.id:
             raise ValueError("--url needs --id (the request id, e.g. the x-request-id response header)")
-        r = httpx.get(f"{a.url.rstrip('/')}/v1/requests/{a.id}/timeline", timeout=10)
+        headers = {"Authorization": f"Bearer {a.api_key}"} if a.api_key else {}
+        r = httpx.get(f"{a.url.rstrip('/')}/v1/requests/{a.id}/timeline", headers=headers, timeout=10)
         if r.status_code != 200:
             raise ValueError(f"{a.url}: HTTP {r.status_code}: {r.text[:300]}")
         records = [r.json()]
@@ -188,6 +189,11 @@ def main(argv: list[str] | None = None) -> int:
     source.add_argument("--log", help="a request log written with the frontend's --request-log")
     tl.add_argument(
         "--id", default="", help="one request: its id (x-request-id) or the client's x-request-id"
+    )
+    tl.add_argument(
+        "--api-key",
+        default=os.environ.get("OPENAI_API_KEY", ""),
+        help="with --url: the frontend's Bearer key, where it has keys (default: $OPENAI_API_KEY)",
     )
     tl.add_argument("--last", type=int, default=20, help="with --log: the last N requests")
     tl.add_argument("--out", default="timeline.html", help="the HTML file to write")

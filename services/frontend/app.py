@@ -991,7 +991,7 @@ async def health(fe: FrontendDep) -> JSONResponse:
     return JSONResponse(body, status_code=200 if ready else 503)
 
 
-@api.get("/v1/requests/{request_id}/timeline")
+@api.get("/v1/requests/{request_id}/timeline", dependencies=[Depends(authorize)])
 async def request_timeline(request_id: str, fe: FrontendDep) -> dict[str, Any]:
     """A finished request's timeline (one of the last `--timeline-history`): phases, workers, bytes, reason."""
     record = fe.observer.timelines.get(request_id)

@@ -18,6 +18,7 @@ from pathlib import Path
 import httpx
 import pytest
 
+from services.cli import main as cli_main
 from services.discovery import EtcdSecurity, Registration, WorkerDirectory
 from services.discovery.etcd import EtcdUnavailableError
 from services.frontend.auth import AuthConfig, Guard, load_api_keys
@@ -81,7 +82,7 @@ def _auth(key: str) -> dict[str, str]:
 
 
 def test_v1_needs_a_known_bearer_key_and_answers_401_in_openai_shape(
-    guarded_frontend: tuple[str, Path],
+    guarded_frontend: tuple[str, Path], monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
     url, _ = guarded_frontend
     with httpx.Client(base_url=url, timeout=30) as http:
@@ -98,10 +99,21 @@ def test_v1_needs_a_known_bearer_key_and_answers_401_in_openai_shape(
         assert http.post("/v1/completions", content=b"{not json").status_code == 401
         ok = http.get("/v1/models", headers=_auth(KEY_ALL))
         assert ok.status_code == 200 and ok.json()["data"][0]["id"] == MODEL
+        # the planner's decision and the request timelines (workers, route reasons, client ids) too
+        for path in ("/v1/plan", "/v1/requests/some-id/timeline"):
+            assert http.get(path).status_code == 401, path
+        known = http.get("/v1/requests/some-id/timeline", headers=_auth(KEY_OTHER_MODEL))
+        assert known.status_code == 404 and known.json()["error"]["code"] == "request_not_found"
         # probes and scrapers need no key (this frontend has no decode worker: readiness says 503, not 401)
         assert http.get("/livez").status_code == 200
         assert http.get("/health").status_code == 503
         assert http.get("/metrics").status_code == 200
+    # `rackserve timeline --url` sends the key it is given, and without one is told 401
+    timeline = ["timeline", "--url", url, "--id", "some-id", "--out", os.devnull]
+    monkeypatch.delenv("OPENAI_API_KEY", raising=False)
+    assert cli_main(timeline) == 2 and "HTTP 401" in capsys.readouterr().err
+    assert cli_main([*timeline, "--api-key", KEY_OTHER_MODEL]) == 2
+    assert "HTTP 404" in capsys.readouterr().err
 
 
 def test_a_key_scoped_to_other_models_gets_403(guarded_frontend: tuple[str, Path]) -> None:
