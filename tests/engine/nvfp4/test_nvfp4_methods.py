@@ -28,7 +28,7 @@ from services.engine.nvfp4.calibration import (
 )
 from services.engine.nvfp4.export import _hf_name, write_checkpoint
 from services.engine.nvfp4.methods import METHODS, gptq, output_error, quantize_with
-from services.engine.nvfp4.recipe import BLOCK_SIZE, encode_blocks, padded_size
+from services.engine.nvfp4.recipe import BLOCK_SIZE, decode_blocks, encode_blocks, padded_size
 from services.engine.sampling import SamplingParams
 from services.engine.tokenizer import Tokenizer
 from services.runtime.args import add_engine_arguments, engine_config
@@ -308,8 +308,24 @@ def test_gptq_options_write_valid_encodings_that_err_less_than_data_free(act_ord
     assert not bool(((q.scales & 0x7F) == 0x7F).any())
     x = torch.randn(5, 128)
     assert torch.equal(NVFP4Linear(q)(x), F.linear(x, dequantize(q)))  # the kernel reads it unchanged
-    if scales == "static":  # static groups: the scale bytes are mse's on the original weights
-        assert torch.equal(q.scales, quantize_with(w, "mse").scales)
+    if scales == "static":
+        # static groups: each block's scale is chosen on the original weights, before any error feedback, by its
+        # squared error weighted by each column's input mean square (H's diagonal). By that measure it is never
+        # worse than mse's unweighted pick, the loud channel 7 makes it pick otherwise somewhere, and under a
+        # Hessian with one diagonal value it is mse's pick
+        mse = quantize_with(w, "mse")
+        blocks, g = w.reshape(64, 8, BLOCK_SIZE), q.global_scale
+        loudness = torch.diag(h).float().reshape(8, BLOCK_SIZE)
+
+        def weighted(scale_bytes: torch.Tensor) -> torch.Tensor:
+            s = scale_bytes.view(torch.float8_e4m3fn)
+            back = decode_blocks(encode_blocks(blocks, s, g), s, g)
+            return ((back - blocks) ** 2 * loudness).sum(-1)
+
+        assert bool((weighted(q.scales) <= weighted(mse.scales) * (1 + 1e-5)).all())
+        assert not torch.equal(q.scales, mse.scales)
+        flat = gptq(w, torch.eye(128, dtype=torch.float64) * 3, act_order=act_order, scales=scales)
+        assert torch.equal(flat.scales, mse.scales)
         assert bool((q.scales[3, 48 // BLOCK_SIZE : 64 // BLOCK_SIZE] == 0).all())  # all-zero block: 0
     err = output_error(w, dequantize(q), h)
     assert err < 0.9 * min(output_error(w, dequantize(quantize_with(w, m)), h) for m in DATA_FREE)
