@@ -22,6 +22,7 @@ never over blocks), so they run at model load.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from typing import Any
 
@@ -239,11 +240,7 @@ def gptq(
     scale_fp8 = torch.zeros((k // BLOCK_SIZE, n), dtype=torch.float8_e4m3fn)
     chosen = torch.zeros(k // BLOCK_SIZE, dtype=torch.bool)
     if scales == "static":
-        # each column's error weighted by its input's mean square (H's diagonal, before damping): [K/16, 16]
-        weight = (
-            torch.diag(hessian.detach()).to(torch.float32).clamp(min=0).reshape(k // BLOCK_SIZE, BLOCK_SIZE)
-        )
-        scale_fp8[:] = _pick_scales(blocks, g, _mse_candidates(blocks, g), weight).T
+        scale_fp8[:] = _pick_scales(blocks, g, _mse_candidates(blocks, g), input_weights(hessian)).T
         chosen[:] = True
     step = max(BLOCK_SIZE, block_columns // BLOCK_SIZE * BLOCK_SIZE)
     threads = torch.get_num_threads()
@@ -260,6 +257,21 @@ def gptq(
         global_scale=g,
         shape=(n, k),
     )
+
+
+def input_weights(hessian: torch.Tensor) -> torch.Tensor:
+    """gptq's static scale search weights [K/16, 16]: each column's input mean square (H's diagonal, before
+    damping), divided by a power of two near their mean (frexp's): exact, so the choice is the raw diagonal's, and
+    a large or tiny H neither overflows nor underflows float32. A block none of whose inputs was ever non-zero
+    weighs its columns alike (mse's own pick); a column with a silent input among loud ones weighs nothing, as
+    its rounding never reaches the output."""
+    d = torch.diag(hessian.detach()).to(torch.float64).clamp(min=0)
+    mean = float(d.mean())
+    if not (mean > 0 and math.isfinite(mean)):
+        return torch.ones(d.shape[0] // BLOCK_SIZE, BLOCK_SIZE)
+    w = (d * 2.0 ** -math.frexp(mean)[1]).to(torch.float32).reshape(-1, BLOCK_SIZE)
+    w[w.sum(-1) == 0] = 1.0
+    return w
 
 
 def _gptq_columns(

@@ -19,7 +19,7 @@ from services.engine.config import EngineConfig
 from services.engine.engine import LLMEngine
 from services.engine.loader import LoadedModel, load_model
 from services.engine.model_files import smollm2_gguf_path
-from services.engine.nvfp4 import NVFP4Linear, dequantize, quantize
+from services.engine.nvfp4 import NVFP4Linear, dequantize, methods, quantize
 from services.engine.nvfp4.calibration import (
     FUSED,
     calibration_windows,
@@ -27,7 +27,7 @@ from services.engine.nvfp4.calibration import (
     quantize_model,
 )
 from services.engine.nvfp4.export import _hf_name, write_checkpoint
-from services.engine.nvfp4.methods import METHODS, gptq, output_error, quantize_with
+from services.engine.nvfp4.methods import METHODS, gptq, input_weights, output_error, quantize_with
 from services.engine.nvfp4.recipe import BLOCK_SIZE, decode_blocks, encode_blocks, padded_size
 from services.engine.sampling import SamplingParams
 from services.engine.tokenizer import Tokenizer
@@ -326,11 +326,44 @@ def test_gptq_options_write_valid_encodings_that_err_less_than_data_free(act_ord
         assert not torch.equal(q.scales, mse.scales)
         flat = gptq(w, torch.eye(128, dtype=torch.float64) * 3, act_order=act_order, scales=scales)
         assert torch.equal(flat.scales, mse.scales)
+        # the rule itself, on inputs whose loudness spans 100x: mse's candidates ranked by the error weighted by
+        # the mean square (not, say, its root, which picks otherwise here)
+        g8 = torch.Generator().manual_seed(8)
+        x = torch.randn(512, 128, generator=g8) * 10 ** (2 * torch.rand(128, generator=g8) - 1)
+        spread = (2 * x.T @ x / 512).to(torch.float64)
+        cands = methods._mse_candidates(blocks, g)
+        square = torch.diag(spread).float().reshape(8, BLOCK_SIZE)
+        want = methods._pick_scales(blocks, g, cands, square).view(torch.uint8)
+        assert not torch.equal(want, methods._pick_scales(blocks, g, cands, square.sqrt()).view(torch.uint8))
+        assert torch.equal(gptq(w, spread, act_order=act_order, scales=scales).scales, want)
         assert bool((q.scales[3, 48 // BLOCK_SIZE : 64 // BLOCK_SIZE] == 0).all())  # all-zero block: 0
     err = output_error(w, dequantize(q), h)
     assert err < 0.9 * min(output_error(w, dequantize(quantize_with(w, m)), h) for m in DATA_FREE)
     with pytest.raises(ValueError, match="scales must be one of"):
         gptq(w, h, scales="group")
+
+
+def test_gptq_static_scales_keep_to_the_input_weights_at_any_scale_of_the_hessian():
+    """The weights the static scale search uses are H's diagonal up to a power of two, so a Hessian of any
+    magnitude picks the same bytes (float32 weights would overflow at 1e40 and vanish at 1e-50); a block whose
+    inputs were all silent, or an all-zero H, falls back to mse's unweighted pick."""
+    w, h = _weight(n=64, k=128), _correlated_hessian(128)
+    want = gptq(w, h).scales
+    for factor in (1e40, 1e-50, 3.0):
+        assert torch.equal(gptq(w, h * factor).scales, want), factor
+    weights = input_weights(h * 1e40)
+    assert bool(torch.isfinite(weights).all()) and weights.shape == (8, BLOCK_SIZE)
+    torch.testing.assert_close(
+        weights / weights[0, 0], torch.diag(h).float().reshape(8, BLOCK_SIZE) / h[0, 0].item()
+    )
+    silent = h.clone()
+    silent[16:32, :] = 0
+    silent[:, 16:32] = 0  # block 1's inputs never moved
+    weights = input_weights(silent)
+    assert bool((weights[1] == 1).all()) and bool((weights[0] > 0).all())
+    assert bool((input_weights(torch.zeros(128, 128)) == 1).all())
+    mse = quantize_with(w, "mse").scales
+    assert torch.equal(gptq(w, silent).scales[:, 1], mse[:, 1])
 
 
 @functools.cache

@@ -141,6 +141,13 @@ def test_one_calibration_pass_collects_what_separate_passes_do():
     assert set(both.hessians) == set(hessians) == set(both.amax) == set(amax)
     for k in hessians:
         assert torch.equal(both.hessians[k], hessians[k]) and torch.equal(both.amax[k], amax[k]), k
+    # and what they are, from every input kept whole: 2 X^T X / n and max |x| per channel over all windows
+    seen: dict[str, list[torch.Tensor]] = {}
+    _observe_inputs(model, windows, lambda key, x: seen.setdefault(key, []).append(x.clone()))
+    for k, xs in seen.items():
+        x = torch.cat(xs).double()
+        torch.testing.assert_close(both.hessians[k].double(), 2 * x.T @ x / x.shape[0], rtol=1e-5, atol=1e-6)
+        assert torch.equal(both.amax[k].double(), x.abs().amax(0)), k
     only = observe(model, windows, amax=True)
     assert only.hessians is None and only.amax is not None
     with pytest.raises(ValueError, match="hessians, amax or both"):
