@@ -112,10 +112,10 @@ class LoadGenerator:
         self._timeline_available: bool | None = None if cfg.fetch_timeline else False
 
     def _headers(self, spec: RequestSpec) -> dict[str, str]:
-        h = {"x-request-id": spec.request_id}
-        if self.cfg.api_key:
-            h["authorization"] = f"Bearer {self.cfg.api_key}"
-        return h
+        return {"x-request-id": spec.request_id, **self._auth()}
+
+    def _auth(self) -> dict[str, str]:
+        return {"authorization": f"Bearer {self.cfg.api_key}"} if self.cfg.api_key else {}
 
     def _body(self, spec: RequestSpec) -> tuple[str, dict[str, Any]]:
         body: dict[str, Any] = {
@@ -197,7 +197,8 @@ class LoadGenerator:
 
     async def _timeline(self, client: httpx.AsyncClient, server_id: str) -> dict[str, float] | None:
         try:
-            r = await client.get(f"{self.cfg.url.rstrip('/')}/v1/requests/{server_id}/timeline", timeout=10.0)
+            url = f"{self.cfg.url.rstrip('/')}/v1/requests/{server_id}/timeline"
+            r = await client.get(url, headers=self._auth(), timeout=10.0)
         except httpx.HTTPError:
             return None
         if r.status_code in (404, 405) and self._timeline_available is None:

@@ -38,7 +38,7 @@ from starlette.types import Receive, Scope, Send
 from services.engine.sampling import draw_seed
 from services.engine.structured import GrammarError, Grammars
 from services.engine.tokenizer import ChatTemplateError, Tokenizer
-from services.frontend.auth import AuthConfig, Guard, Principal, authorize
+from services.frontend.auth import AuthConfig, Guard, Principal, authorize, identify
 from services.frontend.coordinator import Coordinator, WorkerView
 from services.frontend.dependencies import json_body, openapi_body
 from services.frontend.errors import (
@@ -991,7 +991,7 @@ async def health(fe: FrontendDep) -> JSONResponse:
     return JSONResponse(body, status_code=200 if ready else 503)
 
 
-@api.get("/v1/requests/{request_id}/timeline", dependencies=[Depends(authorize)])
+@api.get("/v1/requests/{request_id}/timeline", dependencies=[Depends(identify)])
 async def request_timeline(request_id: str, fe: FrontendDep) -> dict[str, Any]:
     """A finished request's timeline (one of the last `--timeline-history`): phases, workers, bytes, reason."""
     record = fe.observer.timelines.get(request_id)

@@ -188,8 +188,17 @@ async def authorize(
     request: Request, _declared: Annotated[HTTPAuthorizationCredentials | None, Depends(_bearer)]
 ) -> Principal:
     """The dependency: who is calling (401 if nobody we know), admitted under their rate (429 if not)."""
+    principal = await identify(request, _declared)
+    request.app.state.guard.admit(principal)
+    return principal
+
+
+async def identify(
+    request: Request, _declared: Annotated[HTTPAuthorizationCredentials | None, Depends(_bearer)]
+) -> Principal:
+    """`authorize` without the rate: for reads about the caller's own traffic (a request's timeline), which a
+    load generator fetches after each request and which should not spend the budget its requests need."""
     guard: Guard = request.app.state.guard
     principal = guard.authenticate(request.headers.get("authorization"))
-    guard.admit(principal)
     request.state.principal = principal
     return principal

@@ -114,6 +114,8 @@ def test_v1_needs_a_known_bearer_key_and_answers_401_in_openai_shape(
     assert cli_main(timeline) == 2 and "HTTP 401" in capsys.readouterr().err
     assert cli_main([*timeline, "--api-key", KEY_OTHER_MODEL]) == 2
     assert "HTTP 404" in capsys.readouterr().err
+    monkeypatch.setenv("OPENAI_API_KEY", KEY_OTHER_MODEL)  # the default, as OpenAI clients read it
+    assert cli_main(timeline) == 2 and "HTTP 404" in capsys.readouterr().err
 
 
 def test_a_key_scoped_to_other_models_gets_403(guarded_frontend: tuple[str, Path]) -> None:
@@ -140,6 +142,9 @@ def test_a_key_past_its_rate_gets_429_with_retry_after(guarded_frontend: tuple[s
         assert limited.status_code == 429
         assert limited.json()["error"]["code"] == "rate_limit_exceeded"
         assert 1 <= int(limited.headers["retry-after"]) <= 20  # one request per 20 s
+        # reading a request's timeline spends none of it (a load generator reads one after every request)
+        timeline = http.get("/v1/requests/some-id/timeline", headers=_auth(KEY_LIMITED))
+        assert timeline.status_code == 404 and timeline.json()["error"]["code"] == "request_not_found"
         # another key has its own budget
         assert http.get("/v1/models", headers=_auth(KEY_ALL)).status_code == 200
 

@@ -664,19 +664,20 @@ def test_malformed_body_and_limits(lonely: tuple[str, str]) -> None:
 
 
 def test_every_v1_route_asks_for_the_api_key() -> None:
-    """With keys configured, nothing under /v1 answers without one: every route there depends on `authorize` (the
-    request timelines did not until 2026-12-07: workers, route reasons and client ids were readable by anyone)."""
+    """With keys configured, nothing under /v1 answers without one: every route there depends on `authorize` or,
+    for a request's timeline (not rate-limited), `identify` (the timelines needed no key until 2026-12-07:
+    workers, route reasons and client ids were readable by anyone)."""
     from fastapi.routing import APIRoute
 
     from services.frontend.app import api
-    from services.frontend.auth import authorize
+    from services.frontend.auth import authorize, identify
 
     def calls(dependant: Any) -> set[Any]:
         return {dependant.call} | {c for d in dependant.dependencies for c in calls(d)}
 
     v1 = [r for r in api.routes if isinstance(r, APIRoute) and r.path.startswith("/v1")]
     assert {r.path for r in v1} >= {"/v1/chat/completions", "/v1/requests/{request_id}/timeline", "/v1/plan"}
-    assert [r.path for r in v1 if authorize not in calls(r.dependant)] == []
+    assert [r.path for r in v1 if not {authorize, identify} & calls(r.dependant)] == []
 
 
 def test_unknown_routes_and_methods_answer_in_openai_shape(lonely: tuple[str, str]) -> None:

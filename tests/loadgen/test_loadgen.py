@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import json
 import math
@@ -10,6 +11,7 @@ import os
 import subprocess
 import sys
 
+import httpx
 import pytest
 
 from loadgen import report as rep
@@ -113,6 +115,30 @@ def test_compare_puts_runs_side_by_side_with_ratios_to_the_first():
     md = rep.compare_markdown([a, b], ["agg", "disagg"])
     assert "| all · agg |" in md and "| all · disagg |" in md
     assert "| disagg | 0.50× | 0.50× | 2.00× |" in md
+
+
+def test_the_timeline_is_fetched_with_the_runs_api_key() -> None:
+    """A frontend with API keys answers a timeline only to a key (401 otherwise): the load generator sends the
+    one its requests use, and without one it has no phases to report."""
+    from loadgen.client import LoadGenerator, RunConfig
+
+    body = {"timeline_s": [["queued", 0.0], ["prefilling", 0.1], ["decoding", 0.4], ["done", 1.0]]}
+    seen: list[str | None] = []
+
+    def frontend(request: httpx.Request) -> httpx.Response:
+        seen.append(request.headers.get("authorization"))
+        if request.headers.get("authorization") != "Bearer sk-run":
+            return httpx.Response(401, json={"error": {"code": "invalid_api_key"}})
+        return httpx.Response(200, json=body)
+
+    async def fetch(key: str | None) -> dict[str, float] | None:
+        gen = LoadGenerator(RunConfig(url="http://frontend", model="m", api_key=key, progress=False))
+        async with httpx.AsyncClient(transport=httpx.MockTransport(frontend)) as client:
+            return await gen._timeline(client, "chatcmpl-1")
+
+    assert asyncio.run(fetch("sk-run")) == phases_from_timeline(body) is not None
+    assert asyncio.run(fetch(None)) is None
+    assert seen == ["Bearer sk-run", None]
 
 
 def test_timeline_phases_split_into_queue_prefill_transfer_decode():
