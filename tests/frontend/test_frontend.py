@@ -680,6 +680,24 @@ def test_every_v1_route_asks_for_the_api_key() -> None:
     assert [r.path for r in v1 if not {authorize, identify} & calls(r.dependant)] == []
 
 
+def test_the_served_api_declares_the_key_on_every_v1_path(lonely: tuple[str, str]) -> None:
+    """The running frontend's OpenAPI document, whatever added each route: every /v1 operation names the Bearer
+    scheme that `authorize` and `identify` declare."""
+    doc = httpx.get(f"{lonely[0]}/openapi.json", timeout=10).json()
+    ops = [
+        (path, method, op)
+        for path, item in doc["paths"].items()
+        if path.startswith("/v1")
+        for method, op in item.items()
+    ]
+    assert {p for p, _, _ in ops} >= {
+        "/v1/chat/completions",
+        "/v1/requests/{request_id}/timeline",
+        "/v1/plan",
+    }
+    assert [(p, m) for p, m, op in ops if {"HTTPBearer": []} not in op.get("security", [])] == []
+
+
 def test_unknown_routes_and_methods_answer_in_openai_shape(lonely: tuple[str, str]) -> None:
     assert_error(httpx.get(f"{lonely[0]}/v1/nothing"), 404, "not_found_error")
     assert_error(httpx.get(f"{lonely[0]}/v1/chat/completions"), 405, "invalid_request_error")
