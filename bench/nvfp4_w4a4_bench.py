@@ -45,6 +45,7 @@ from services.engine.nvfp4.calibration import (
     calibrate_input_scales,
     calibration_windows,
     channel_amax,
+    input_scales_from_amax,
 )
 from services.engine.nvfp4.methods import quantize_with
 from services.engine.nvfp4.smoothing import smooth_model
@@ -154,7 +155,9 @@ def main() -> None:
     w4a4_on(model, tuple(k for k in KINDS if k != "down"))
     run("W4A4 on all but down", model)
     w4a4_on(model, tuple(KINDS))
-    calibrated = calibrate_input_scales(loaded, calibration_windows(tok))
+    # one calibration pass: its channel maxima give the static scales here and the smoothing factors below
+    amax = channel_amax(loaded, calibration_windows(tok))
+    calibrated = input_scales_from_amax(loaded, amax)
     static_scales(model, calibrated)
     run(
         "W4A4, static tensor scales (max over the calibration text; `rackserve quantize --activations nvfp4`)",
@@ -175,7 +178,6 @@ def main() -> None:
         with activations_quantized_by(fn):
             run(label, model)
 
-    amax = channel_amax(loaded, calibration_windows(tok))
     for alpha in SMOOTH_ALPHAS:
         smoothed_model = smooth_model(loaded, amax, alpha)
         smoothed = LLMEngine(smoothed_model, cfg).model
