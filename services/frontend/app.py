@@ -196,12 +196,14 @@ class Frontend:
         max_tokens: int | None,
         logprobs: int | None,
         prompt_param: str,
+        caller: Principal,
         max_tokens_param: str = "max_tokens",
         choices: int = 1,
         echo_logprobs: bool = False,
     ) -> list[RequestState]:
         """Check the prompt against the context length and open one request per choice: each is routed,
-        run and migrated on its own, with its own seed derived from the request's.
+        run and migrated on its own, with its own seed derived from the request's. The requests are
+        `caller`'s: only its key reads their timelines.
 
         `echo_logprobs`: the prompt's own logprobs are wanted too, so the request runs teacher-forced — its
         first token is the prompt, the rest are forced outputs whose raw logprobs the workers report."""
@@ -249,6 +251,7 @@ class Frontend:
                     timeout_s=self.config.request_timeout_s,
                     traceparent=request.headers.get("traceparent"),
                     client_request_id=client_request_id[:128] if client_request_id.isprintable() else None,
+                    api_key_name=caller.name,
                 )
             )
         return states
@@ -818,6 +821,7 @@ async def chat_completions(
         body.requested_max_tokens(),
         body.requested_logprobs(),
         prompt_param="messages",
+        caller=caller,
         max_tokens_param=max_tokens_param,
         choices=body.num_choices,
     )
@@ -872,8 +876,8 @@ async def completions(
     states = []
     for ids in prompts:
         states += fe.start(
-            request, ids, body, max_tokens, logprobs, prompt_param="prompt", choices=best_of,
-            echo_logprobs=echo_logprobs,
+            request, ids, body, max_tokens, logprobs, prompt_param="prompt", caller=caller,
+            choices=best_of, echo_logprobs=echo_logprobs,
         )  # fmt: skip
     texts = [p if isinstance(p, str) else fe.tokenizer.decode(p) for p in batch] if echo else None
     fmt = CompletionFormat(states[0].request_id, body.model, body.logprobs is not None, fe.token_texts)
@@ -991,15 +995,18 @@ async def health(fe: FrontendDep) -> JSONResponse:
     return JSONResponse(body, status_code=200 if ready else 503)
 
 
-@api.get("/v1/requests/{request_id}/timeline", dependencies=[Depends(identify)])
-async def request_timeline(request_id: str, fe: FrontendDep) -> dict[str, Any]:
-    """A finished request's timeline (one of the last `--timeline-history`): phases, workers, bytes, reason."""
-    record = fe.observer.timelines.get(request_id)
+@api.get("/v1/requests/{request_id}/timeline")
+async def request_timeline(
+    request_id: str, fe: FrontendDep, caller: Annotated[Principal, Depends(identify)]
+) -> dict[str, Any]:
+    """A finished request's timeline (one of the last `--timeline-history`): phases, workers, bytes, reason.
+    Only the key that sent the request reads it; to any other it does not exist (404, as for an unknown id)."""
+    record = fe.observer.timelines.get(request_id, owner=caller.name)
     if record is None:
         raise ApiError(
             404,
-            f"no finished request {request_id!r} among the last {fe.observer.timelines.capacity} "
-            "(unknown, still running, or too old)",
+            f"no finished request {request_id!r} of this API key among the last "
+            f"{fe.observer.timelines.capacity} (unknown, still running, or too old)",
             NOT_FOUND,
             param="request_id",
             code="request_not_found",

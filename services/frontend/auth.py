@@ -30,6 +30,7 @@ from fastapi import Depends, Request
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 
 from services.frontend.errors import INVALID_REQUEST, ApiError
+from services.frontend.request_state import ANONYMOUS_KEY_NAME
 
 log = logging.getLogger("rackserve.frontend.auth")
 
@@ -122,7 +123,7 @@ class Principal:
             )
 
 
-ANONYMOUS = Principal("anonymous")
+ANONYMOUS = Principal(ANONYMOUS_KEY_NAME)
 
 
 class Guard:

@@ -59,6 +59,7 @@ from services.frontend.errors import (
 )
 from services.frontend.kv_hold import KvHolds
 from services.frontend.request_state import (
+    ANONYMOUS_KEY_NAME,
     EmittedToken,
     Migration,
     Phase,
@@ -125,6 +126,7 @@ class Coordinator:
         timeout_s: float,
         traceparent: str | None = None,
         client_request_id: str | None = None,
+        api_key_name: str = ANONYMOUS_KEY_NAME,
     ) -> RequestState:
         return RequestState(
             request_id=request_id,
@@ -134,6 +136,7 @@ class Coordinator:
             parent_traceparent=traceparent,
             deadline_s=time.monotonic() + timeout_s,
             client_request_id=client_request_id or None,
+            api_key_name=api_key_name,
         )
 
     async def generate(self, state: RequestState) -> AsyncGenerator[TokenBatch, None]:

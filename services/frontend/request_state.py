@@ -37,6 +37,10 @@ class Phase(enum.Enum):
 
 
 _MIDDLE = {Phase.MIGRATING, Phase.FAILED}
+
+# whose request it is when the API has no keys (auth.ANONYMOUS): every caller is this one
+ANONYMOUS_KEY_NAME = "anonymous"
+
 ALLOWED_TRANSITIONS: dict[Phase, frozenset[Phase]] = {
     Phase.QUEUED: frozenset({Phase.ROUTED, Phase.FAILED}),
     Phase.ROUTED: frozenset({Phase.PREFILLING, Phase.TRANSFERRING, Phase.DECODING, Phase.FAILED}),
@@ -117,6 +121,7 @@ class RequestState:
     stop_reason: str | None = None
     error: str | None = None
     client_request_id: str | None = None  # the client's x-request-id, for finding its log line
+    api_key_name: str = ANONYMOUS_KEY_NAME  # the API key that sent it (auth.Principal): whose timeline it is
     first_token_unix_s: float | None = None  # when the first token reached the coordinator
     transfer_bytes: int = 0  # the KV transfer of a disaggregated request, as the decode worker reported it
     transfer_s: float = 0.0
@@ -196,6 +201,7 @@ class RequestState:
         return {
             "request_id": self.request_id,
             "client_request_id": self.client_request_id,
+            "api_key_name": self.api_key_name,
             "traceparent": self.traceparent,
             "phase": self.phase.value,
             "finish_reason": self.finish_reason,

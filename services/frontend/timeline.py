@@ -22,7 +22,7 @@ import threading
 from collections import OrderedDict
 from typing import Any
 
-from services.frontend.request_state import Phase, RequestState
+from services.frontend.request_state import ANONYMOUS_KEY_NAME, Phase, RequestState
 from services.telemetry import metrics, tracing
 
 log = logging.getLogger("rackserve.requests")
@@ -93,34 +93,49 @@ def timeline_record(
 
 
 class RecentTimelines:
-    """The last `capacity` finished requests' records, by our request id (and the client's x-request-id)."""
+    """The last `capacity` finished requests' records, by our request id (and the client's x-request-id), each
+    readable only by its owner: the API key that sent it (`api_key_name`). Client ids are each key's own, so two
+    keys that send the same x-request-id each find their own request."""
 
     def __init__(self, capacity: int = DEFAULT_TIMELINE_HISTORY) -> None:
         self.capacity = max(1, capacity)
         self._records: OrderedDict[str, dict[str, Any]] = OrderedDict()
-        self._client_ids: dict[str, str] = {}
+        self._client_ids: dict[tuple[str, str], str] = {}  # (owner, client id) -> our id
 
     def add(self, record: dict[str, Any]) -> None:
         rid = record["request_id"]
         self._records[rid] = record
         self._records.move_to_end(rid)
         if record.get("client_request_id"):
-            self._client_ids[record["client_request_id"]] = rid
+            self._client_ids[_client_key(record)] = rid
         while len(self._records) > self.capacity:
             _, old = self._records.popitem(last=False)
-            if self._client_ids.get(old.get("client_request_id") or "") == old["request_id"]:
-                del self._client_ids[old["client_request_id"]]
+            if old.get("client_request_id") and self._client_ids.get(_client_key(old)) == old["request_id"]:
+                del self._client_ids[_client_key(old)]
 
-    def get(self, request_id: str) -> dict[str, Any] | None:
-        """By our id, the response id (`chatcmpl-…`, `cmpl-…`) or the client's x-request-id."""
+    def get(self, request_id: str, owner: str = ANONYMOUS_KEY_NAME) -> dict[str, Any] | None:
+        """`owner`'s request by our id, the response id (`chatcmpl-…`, `cmpl-…`) or its x-request-id; None for
+        another key's request, as for an unknown one."""
+        ours = request_id
         for prefix in _RESPONSE_ID_PREFIXES:
             if request_id.startswith(prefix) and request_id[len(prefix) :] in self._records:
-                request_id = request_id[len(prefix) :]
-        rid = request_id if request_id in self._records else self._client_ids.get(request_id)
-        return self._records.get(rid) if rid is not None else None
+                ours = request_id[len(prefix) :]
+        for rid in (ours, self._client_ids.get((owner, request_id))):
+            record = self._records.get(rid) if rid is not None else None
+            if record is not None and _owner(record) == owner:
+                return record
+        return None
 
     def __len__(self) -> int:
         return len(self._records)
+
+
+def _owner(record: dict[str, Any]) -> str:
+    return str(record.get("api_key_name") or ANONYMOUS_KEY_NAME)
+
+
+def _client_key(record: dict[str, Any]) -> tuple[str, str]:
+    return _owner(record), record["client_request_id"]
 
 
 class RequestLog:

@@ -35,6 +35,7 @@ MODEL = "SmolLM2-135M-Instruct"
 KEY_ALL = "sk-all-2f1c9e"
 KEY_OTHER_MODEL = "sk-other-77ad01"
 KEY_LIMITED = "sk-limited-5b90aa"
+KEY_D = "sk-team-d-c4e812"
 SECRET_PROMPT = "my-private-prompt-do-not-log"
 CHAT = {"model": MODEL, "messages": [{"role": "user", "content": SECRET_PROMPT}], "max_tokens": 4}
 
@@ -52,12 +53,12 @@ def certs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
 
 @pytest.fixture(scope="module")
 def guarded_frontend(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, Path]]:
-    """A frontend process with three keys from a key file and a rate of 0.05 requests/s (burst 4) per key."""
+    """A frontend process with four keys from a key file and a rate of 0.05 requests/s (burst 4) per key."""
     log_dir = tmp_path_factory.mktemp("frontend")
     keys = log_dir / "api-keys"
     keys.write_text(
         f"# the Kubernetes Secret's file\n{KEY_ALL} name=team-a\n"
-        f"{KEY_OTHER_MODEL} name=team-b models=some-other-model\n{KEY_LIMITED} name=team-c\n"
+        f"{KEY_OTHER_MODEL} name=team-b models=some-other-model\n{KEY_LIMITED} name=team-c\n{KEY_D} name=team-d\n"
     )
     flags = [
         "--api-key-file",
@@ -147,6 +148,36 @@ def test_a_key_past_its_rate_gets_429_with_retry_after(guarded_frontend: tuple[s
         assert timeline.status_code == 404 and timeline.json()["error"]["code"] == "request_not_found"
         # another key has its own budget
         assert http.get("/v1/models", headers=_auth(KEY_ALL)).status_code == 200
+
+
+def test_only_the_key_that_sent_a_request_reads_its_timeline(guarded_frontend: tuple[str, Path]) -> None:
+    url, log = guarded_frontend
+    with httpx.Client(base_url=url, timeout=30) as http:
+        # two keys send the same x-request-id; this frontend has no router, so each request fails (503) and
+        # leaves a timeline
+        for key in (KEY_ALL, KEY_D):
+            sent = http.post(
+                "/v1/chat/completions", json=CHAT, headers={**_auth(key), "x-request-id": "job-7"}
+            )
+            assert sent.status_code == 503
+        mine = http.get("/v1/requests/job-7/timeline", headers=_auth(KEY_ALL))
+        theirs = http.get("/v1/requests/job-7/timeline", headers=_auth(KEY_D))
+        assert mine.status_code == theirs.status_code == 200
+        a, d = mine.json(), theirs.json()
+        assert a["request_id"] != d["request_id"] and a["status"] == d["status"] == 503
+        assert (a["api_key_name"], d["api_key_name"]) == ("team-a", "team-d")  # names, never the keys
+        # by our id, another key (even one allowed every model) is told what an unknown id is told
+        for key, rid in (
+            (KEY_D, a["request_id"]),
+            (KEY_ALL, d["request_id"]),
+            (KEY_LIMITED, a["request_id"]),
+        ):
+            other = http.get(f"/v1/requests/{rid}/timeline", headers=_auth(key))
+            assert other.status_code == 404 and other.json()["error"]["code"] == "request_not_found"
+        assert http.get(f"/v1/requests/{a['request_id']}/timeline", headers=_auth(KEY_ALL)).json() == a
+    # the request log says which key sent each request
+    logged = log.read_text(errors="replace")
+    assert f'"request_id":"{a["request_id"]}"' in logged and '"api_key_name":"team-d"' in logged
 
 
 def test_keys_and_prompts_never_reach_logs_or_metrics(guarded_frontend: tuple[str, Path]) -> None:

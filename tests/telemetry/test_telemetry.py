@@ -160,10 +160,11 @@ def test_route_reasons_become_labels_without_numbers() -> None:
     assert metrics.reason_label("") == "none"
 
 
-def _record(i: int, client_id: str | None = None) -> dict[str, Any]:
+def _record(i: int, client_id: str | None = None, key: str = "anonymous") -> dict[str, Any]:
     return {
         "request_id": f"r{i:04d}",
         "client_request_id": client_id,
+        "api_key_name": key,
         "status": 200,
         "phase": "done",
         "start_unix_s": 1000.0 + i,
@@ -187,6 +188,29 @@ def test_timeline_store_keeps_only_the_last_n_and_finds_them_by_any_id() -> None
         store.get("r0004") is store.get("chatcmpl-r0004") is store.get("cmpl-r0004") is store.get("client-4")
     )
     assert store.get("r0004") is not None
+
+
+def test_a_timeline_is_read_only_by_the_key_that_sent_the_request() -> None:
+    store = RecentTimelines(capacity=4)
+    store.add(_record(1, client_id="job-7", key="team-a"))
+    store.add(_record(2, client_id="job-7", key="team-b"))  # the same x-request-id from another key
+    store.add(_record(3, key="team-b"))
+    # each key finds its own request by the shared client id, and by our ids and response ids
+    assert store.get("job-7", owner="team-a")["request_id"] == "r0001"
+    assert store.get("job-7", owner="team-b")["request_id"] == "r0002"
+    assert store.get("chatcmpl-r0003", owner="team-b")["request_id"] == "r0003"
+    # to any other key (or an open API's caller) the request does not exist
+    for rid in ("r0001", "cmpl-r0001"):
+        assert store.get(rid, owner="team-b") is None and store.get(rid) is None
+    assert store.get("r0003", owner="team-a") is None and store.get("job-7") is None
+    # a client id that happens to be another key's request id still finds the caller's own request
+    store.add(_record(4, client_id="r0003", key="team-a"))
+    assert store.get("r0003", owner="team-a")["request_id"] == "r0004"
+    assert store.get("r0003", owner="team-b")["request_id"] == "r0003"
+    # evicting a request forgets its client id for its key only
+    store.add(_record(5, key="team-a"))
+    assert store.get("job-7", owner="team-a") is None
+    assert store.get("job-7", owner="team-b")["request_id"] == "r0002"
 
 
 def test_waterfall_draws_one_bar_per_phase_on_a_shared_axis() -> None:
