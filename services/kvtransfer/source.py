@@ -495,16 +495,19 @@ class KvSource:
             device_reader = reply.cuda_ipc or (reply.nixl is not None and open_.device)
             if self.debug_on_pull is not None:
                 self.debug_on_pull(key)
-            await protocol.send_message(conn, reply)
-            if backend == TCP:
-                await self._send_payload(conn, pub.view)
-                pub.served += 1
-                return True
-            if backend == NIXL:
-                nixl_reader = True
-                self._nixl_readers += 1
-                self._ensure_progress()
+            # The pin lasts max_pin_s at most, whatever the reader does: one that stops reading without closing
+            # (a SIGSTOPped decode worker, a stray client) would otherwise block the payload's send for good and
+            # hold the publication's memory past its retraction and expiry.
             async with asyncio.timeout(self.config.max_pin_s):
+                await protocol.send_message(conn, reply)
+                if backend == TCP:
+                    await self._send_payload(conn, pub.view)
+                    pub.served += 1
+                    return True
+                if backend == NIXL:
+                    nixl_reader = True
+                    self._nixl_readers += 1
+                    self._ensure_progress()
                 Done.from_wire(await protocol.recv_message(conn))  # or EOF when the reader goes away
             pub.served += 1
             pub.device_served |= device_reader

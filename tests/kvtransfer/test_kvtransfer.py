@@ -428,6 +428,55 @@ def test_a_publication_counts_as_served_once_a_reader_has_pulled_it_all(backend:
     assert after_stall == ["c"]
 
 
+def _frozen_reader_main(ticket_json: str, started: Any) -> None:
+    """A decode worker's pull with a deadline far off, in a process of its own (the test SIGSTOPs it)."""
+
+    async def go() -> None:
+        sink = await KvSink.start(TransferConfig(socket_buffer_bytes=64 * KiB))
+        started.set()
+        await sink.pull(TransferTicket.from_json(ticket_json), 600.0, backend=TCP)
+
+    asyncio.run(go())
+
+
+@starts_processes
+def test_a_reader_that_stops_reading_loses_its_pin_after_max_pin_s() -> None:
+    """A decode worker frozen mid-pull (SIGSTOP: its connection open, nothing read) must not hold the producer's
+    memory for good: the payload's send gives up after max_pin_s, so a retracted publication is freed then.
+    Until 2026-12-07 the send had no deadline, and the memory stayed until the reader closed."""
+    ctx = mp.get_context("spawn")
+
+    async def go() -> tuple[list[str], list[str], float]:
+        config = TransferConfig(max_pin_s=2.0, socket_buffer_bytes=64 * KiB)  # shm too: a segment to watch
+        source = await KvSource.start(config)
+        opened = asyncio.Event()
+        source.debug_on_pull = lambda key: opened.set()
+        ticket = await source.publish("frozen", payload(64 * MiB, 4), ttl_s=600)
+        started = ctx.Event()
+        reader = ctx.Process(target=_frozen_reader_main, args=(ticket.to_json(), started), daemon=True)
+        reader.start()
+        try:
+            await asyncio.to_thread(started.wait, 60)
+            async with asyncio.timeout(60):
+                await opened.wait()
+            os.kill(reader.pid, signal.SIGSTOP)  # type: ignore[arg-type]
+            t0 = time.monotonic()
+            source.retract("frozen")
+            held = own_segments()  # the frozen reader still pins it
+            while own_segments() and time.monotonic() - t0 < 30:
+                await asyncio.sleep(0.1)
+            return held, own_segments(), time.monotonic() - t0
+        finally:
+            os.kill(reader.pid, signal.SIGKILL)  # type: ignore[arg-type]
+            reader.join(10)
+            await source.close()
+
+    held, after, freed_after_s = asyncio.run(go())
+    assert len(held) == 1  # retracted while pinned: not freed at once
+    assert after == []  # freed while the reader was still frozen, its connection still open
+    assert freed_after_s >= 1.0  # by the pin's deadline (2 s), not by the retraction itself
+
+
 def test_retract_during_a_pull_frees_only_after_the_reader_is_done() -> None:
     async def go() -> None:
         source = await KvSource.start(TransferConfig())
