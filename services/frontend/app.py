@@ -115,6 +115,9 @@ class FrontendConfig:
     # KV tokens admitted in flight, as a multiple of what the decode workers report they hold, before new ones
     # get 429 (0: no KV budget). 1.0 = one full pool running; above it the rest waits in the workers' queues.
     admission_kv_factor: float = 0.0
+    # A stream's client that has stopped reading (its connection open) is cut this long after the request's
+    # deadline: past it the response's writes give up and the request leaves admission (GET it: a 499).
+    stalled_client_grace_s: float = 10.0
 
 
 class Frontend:
@@ -346,7 +349,8 @@ class Frontend:
             self._finished(endpoint, states, 500, "internal_error")
             raise
         stream = self._sse(endpoint, states, per_prompt, fmt, first, pieces, body.include_usage)
-        return EventStreamResponse(stream, media_type="text/event-stream", headers=headers)
+        cut_at = max(s.deadline_s for s in states) + self.config.stalled_client_grace_s
+        return EventStreamResponse(stream, cut_at, media_type="text/event-stream", headers=headers)
 
     def _pieces(
         self, state: RequestState, body: GenerationRequest, echo: str | None
@@ -424,11 +428,25 @@ class Frontend:
 
 class EventStreamResponse(StreamingResponse):
     """Server-sent events whose generator is closed as soon as the response ends, however it ends, so a
-    client that disconnects cancels the worker's call at once rather than when the generator is collected."""
+    client that disconnects cancels the worker's call at once rather than when the generator is collected.
+
+    The writes end by `cut_at` (time.monotonic()): a client that stops reading but keeps its connection open
+    would otherwise block them for good, and hold its admission slot and KV budget past the request's deadline
+    and a drain's end. Cut, the connection is closed and the request is recorded as the client's (499)."""
+
+    def __init__(self, content: AsyncGenerator[str, None], cut_at: float, **kwargs: Any) -> None:
+        super().__init__(content, **kwargs)
+        self.cut_at = cut_at
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         try:
-            await super().__call__(scope, receive, send)
+            # asyncio's clock is time.monotonic(), the clock of the requests' deadlines
+            async with asyncio.timeout_at(self.cut_at):
+                await super().__call__(scope, receive, send)
+        except TimeoutError:
+            log.warning(
+                "a stream outlived its request's deadline (its client stopped reading): connection cut"
+            )
         finally:
             iterator = self.body_iterator
             if isinstance(iterator, AsyncGenerator):

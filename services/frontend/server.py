@@ -13,6 +13,7 @@ import argparse
 import asyncio
 import contextlib
 import logging
+import math
 import os
 import signal
 import socket
@@ -131,9 +132,15 @@ async def serve(args: argparse.Namespace) -> None:
     )
     observer = RequestObserver(args.timeline_history, args.request_log, args.log_prompts)
     app = create_app(config, tokenizer, directory, coordinator, observer)
+    # a drain waits for the requests in flight, each at most until its deadline (and a stalled stream's grace),
+    # then closes what is left: a client that stops reading a large answer cannot hold the process
+    graceful_s = math.ceil(config.request_timeout_s + config.stalled_client_grace_s)
     server = _DrainingServer(
-        uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level, access_log=False)
-    )
+        uvicorn.Config(
+            app, host=args.host, port=args.port, log_level=args.log_level, access_log=False,
+            timeout_graceful_shutdown=graceful_s,
+        )
+    )  # fmt: skip
     registration: Registration | None = None
     loop = asyncio.get_running_loop()
     stop = asyncio.Event()

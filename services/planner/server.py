@@ -89,6 +89,7 @@ log = logging.getLogger("rackserve.planner")
 ROLE = "planner"
 SCALE_MODES = ("recommend", "local", "kubernetes")
 SCRAPE_TIMEOUT_S = 2.0
+DRAIN_HTTP_S = 5  # on SIGTERM, how long uvicorn waits for answers still being written (/v1/plan is small)
 ETCD_TIMEOUT_S = 5.0  # one read or write of the seasons' state
 PARENT_CHECK_S = 0.5  # how often the replay process looks for the planner that spawned it
 REPLAY_FROM = ("synthetic", "recent")
@@ -747,7 +748,8 @@ async def serve(args: argparse.Namespace) -> None:
     metrics.PLANNER_LEADER.set(0.0)
     planner.start_replays()
     server = _QuietServer(uvicorn.Config(create_app(planner), host=args.host, port=args.port,
-                                         log_level="warning", access_log=False))  # fmt: skip
+                                         log_level="warning", access_log=False,
+                                         timeout_graceful_shutdown=DRAIN_HTTP_S))  # fmt: skip
     loop = asyncio.get_running_loop()
     stop = asyncio.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):

@@ -13,12 +13,15 @@ Three rigs, cheapest first:
 from __future__ import annotations
 
 import asyncio
+import itertools
 import json
 import os
 import re
+import socket
 import subprocess
 import sys
 import threading
+import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -92,6 +95,14 @@ class ScriptedDecode(pb_grpc.DecodeWorkerServicer):
                 await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "the script refuses this prompt")
             if "[hang]" in prompt:
                 await asyncio.sleep(3600)
+            if "[flood]" in prompt:  # large chunks as fast as they go, for as long as the call lasts
+                alternatives = [pb.TopLogprob(token_id=t, logprob=-1.0) for t in range(20)]
+                for i in itertools.count():
+                    token = pb.Token(token_id=self.answer[i % 4], index=i, has_logprob=True, logprob=-0.5)
+                    token.top_logprobs.extend(alternatives)
+                    yield pb.DecodeChunk(tokens=[token])
+                    if i % 64 == 0:
+                        await asyncio.sleep(0)
             for i, token_id in enumerate(self.answer):
                 if "[crash-after-3]" in prompt and i == 3:
                     await context.abort(grpc.StatusCode.UNAVAILABLE, "scripted crash")
@@ -110,7 +121,7 @@ class ScriptedDecode(pb_grpc.DecodeWorkerServicer):
                     chunk.prompt_tokens, chunk.cached_tokens = len(request.prompt_token_ids), 16
                 yield chunk
                 await asyncio.sleep(0.3 if "[slow]" in prompt else 0.005)
-        except asyncio.CancelledError:
+        except (asyncio.CancelledError, GeneratorExit):  # GeneratorExit: cancelled while the reply's send waits
             self.cancelled.set()
             raise
 
@@ -185,7 +196,7 @@ class ScriptedCluster:
                 worker_id="decode-scripted", role="decode", endpoint=decode_endpoint, max_model_len=512
             ),
         )
-        config = FrontendConfig(served_model_name=MODEL, request_timeout_s=2.0)
+        config = FrontendConfig(served_model_name=MODEL, request_timeout_s=2.0, stalled_client_grace_s=1.0)
         app = create_app(config, self.tokenizer, directory, Coordinator(directory, ChannelPool()))
         self.http = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="warning"))
         self.serving = asyncio.get_running_loop().create_task(self.http.serve())
@@ -369,6 +380,43 @@ def test_client_disconnect_cancels_the_worker_call(scripted: ScriptedCluster) ->
                     client.post(f"{scripted.url}/v1/chat/completions", json=chat("[slow]"), timeout=0.5)
         # Well before the 2 s request deadline, which would also cancel it.
         assert scripted.decode.cancelled.wait(1.0), f"worker call not cancelled (stream={stream})"
+
+
+def test_a_stream_whose_client_stops_reading_is_cut_after_its_deadline(scripted: ScriptedCluster) -> None:
+    """A client that stops reading a stream but keeps its connection open: the frontend's writes block once the
+    socket buffers are full. They give up at the request's deadline (2 s here) plus the grace (1 s), so the
+    request leaves admission, the worker's call is cancelled and the connection is closed. Until 2026-12-07
+    nothing bounded them: the request held its slot and a drain waited for it as long as the client lived."""
+    scripted.decode.cancelled.clear()
+    body = json.dumps(chat("[flood]", stream=True, max_tokens=400, logprobs=True, top_logprobs=20)).encode()
+    sock = socket.socket()
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    sock.settimeout(30)
+    sock.connect(("127.0.0.1", scripted.port))
+    try:
+        sock.sendall(
+            b"POST /v1/chat/completions HTTP/1.1\r\nHost: test\r\nContent-Type: application/json\r\n"
+            b"x-request-id: stalled-reader\r\nContent-Length: %d\r\n\r\n" % len(body) + body
+        )
+        sent_at = time.monotonic()
+        assert sock.recv(64).startswith(b"HTTP/1.1 200")  # then it reads nothing more
+        record = None
+        for _ in range(100):  # the request ends within the deadline and the grace, not when the client goes
+            r = httpx.get(f"{scripted.url}/v1/requests/stalled-reader/timeline", timeout=10)
+            if r.status_code == 200:
+                record = r.json()
+                break
+            time.sleep(0.1)
+        assert record is not None, "the stalled stream never ended"
+        # recorded as the client's doing (499), once its deadline had passed: the cut, not some earlier error
+        assert record["status"] == 499 and record["error_type"] == "client_closed"
+        assert time.monotonic() - sent_at >= 2.0
+        assert scripted.decode.cancelled.wait(5.0)  # the worker stopped generating for it
+        sock.settimeout(10)
+        while sock.recv(1 << 16):  # what was buffered, then the end: the frontend closed the connection
+            pass
+    finally:
+        sock.close()
 
 
 def test_metrics_count_requests_and_tokens(scripted: ScriptedCluster) -> None:
