@@ -121,7 +121,8 @@ class ScriptedDecode(pb_grpc.DecodeWorkerServicer):
                     chunk.prompt_tokens, chunk.cached_tokens = len(request.prompt_token_ids), 16
                 yield chunk
                 await asyncio.sleep(0.3 if "[slow]" in prompt else 0.005)
-        except (asyncio.CancelledError, GeneratorExit):  # GeneratorExit: cancelled while the reply's send waits
+        # GeneratorExit: cancelled while the reply's send waits
+        except (asyncio.CancelledError, GeneratorExit):
             self.cancelled.set()
             raise
 
