@@ -1049,10 +1049,11 @@ async def plan(fe: FrontendDep) -> dict[str, Any]:
 
         async def ask(p: pb.WorkerInfo) -> dict[str, Any] | None:
             try:
-                r = await client.get(f"http://{p.endpoint}/plan")
+                async with asyncio.timeout(PLAN_TIMEOUT_S):  # the whole answer: httpx's bounds each read
+                    r = await client.get(f"http://{p.endpoint}/plan")
                 r.raise_for_status()
                 return {"planner": p.worker_id, **r.json()}
-            except (httpx.HTTPError, ValueError) as e:
+            except (httpx.HTTPError, ValueError, TimeoutError) as e:
                 log.info("planner %s did not answer GET /plan: %s", p.worker_id, e)
                 return None
 

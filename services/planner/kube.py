@@ -8,6 +8,7 @@ names, nothing else. A patch is sent only when the count changes from what this 
 from __future__ import annotations
 
 import argparse
+import asyncio
 import logging
 import os
 
@@ -31,6 +32,7 @@ class KubeScaler:
         timeout_s: float,
     ) -> None:
         self.namespace = namespace
+        self.timeout_s = timeout_s  # of a whole call: httpx's own timeout bounds each read, not the call
         self.deployments = deployments  # pool -> Deployment name
         self.client = httpx.AsyncClient(
             base_url=api.rstrip("/"),
@@ -65,7 +67,9 @@ class KubeScaler:
         return f"/apis/apps/v1/namespaces/{self.namespace}/deployments/{self.deployments[pool]}/scale"
 
     async def replicas(self, pool: str) -> int:
-        r = await self.client.get(self._path(pool))
+        """The Deployment's replicas; httpx.HTTPError, ValueError or TimeoutError when they cannot be read."""
+        async with asyncio.timeout(self.timeout_s):
+            r = await self.client.get(self._path(pool))
         r.raise_for_status()
         return int(r.json().get("spec", {}).get("replicas", 0))
 
@@ -76,15 +80,16 @@ class KubeScaler:
                     self.last[pool] = await self.replicas(pool)
                 if self.last[pool] == n:
                     continue
-                r = await self.client.patch(
-                    self._path(pool),
-                    content=f'{{"spec":{{"replicas":{int(n)}}}}}',
-                    headers={"Content-Type": "application/merge-patch+json"},
-                )
+                async with asyncio.timeout(self.timeout_s):
+                    r = await self.client.patch(
+                        self._path(pool),
+                        content=f'{{"spec":{{"replicas":{int(n)}}}}}',
+                        headers={"Content-Type": "application/merge-patch+json"},
+                    )
                 r.raise_for_status()
                 log.info("planner: %s %s replicas %d -> %d", pool, self.deployments[pool], self.last[pool], n)
                 self.last[pool] = n
-            except (httpx.HTTPError, ValueError) as e:
+            except (httpx.HTTPError, ValueError, TimeoutError) as e:
                 metrics.PLANNER_SCALE_ERRORS.labels(pool).inc()
                 self.last.pop(pool, None)
                 log.warning("planner: scaling %s to %d failed: %s", pool, n, e)

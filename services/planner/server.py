@@ -29,10 +29,11 @@ import socket
 import threading
 import time
 from collections import deque
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
+from concurrent.futures.process import BrokenProcessPool
 from dataclasses import replace
 from datetime import UTC, datetime, timedelta, tzinfo
-from typing import Any
+from typing import Any, TypeVar
 
 import aetcd
 import httpx
@@ -87,6 +88,7 @@ from services.telemetry.traffic import TrafficRecord
 log = logging.getLogger("rackserve.planner")
 
 ROLE = "planner"
+T = TypeVar("T")
 SCALE_MODES = ("recommend", "local", "kubernetes")
 SCRAPE_TIMEOUT_S = 2.0
 DRAIN_HTTP_S = 5  # on SIGTERM, how long uvicorn waits for answers still being written (/v1/plan is small)
@@ -168,7 +170,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_flag(k, "--kube-prefill-deployment", "rackserve-prefill", "the prefill Deployment")
     add_flag(k, "--kube-decode-deployment", "rackserve-decode", "the decode Deployment")
     add_flag(k, "--kube-api", "https://kubernetes.default.svc", "the Kubernetes API server")
-    add_flag(k, "--kube-timeout-s", 5.0, "deadline of one Kubernetes API call", float)
+    add_flag(k, "--kube-timeout-s", 5.0, "deadline of one Kubernetes API call, its answer included", float)
     add_security_arguments(parser)
 
 
@@ -229,6 +231,15 @@ def _exit_with_parent(parent: int) -> None:
     threading.Thread(target=watch, name="planner-watch", daemon=True).start()
 
 
+def _replay_pool() -> concurrent.futures.ProcessPoolExecutor:
+    return concurrent.futures.ProcessPoolExecutor(
+        1,
+        mp_context=multiprocessing.get_context("spawn"),
+        initializer=_exit_with_parent,
+        initargs=(os.getpid(),),
+    )
+
+
 class Planner:
     """The decision loop's state: last scrapes, the damper, the history; `tick()` is one interval."""
 
@@ -257,12 +268,7 @@ class Planner:
         self.client = httpx.AsyncClient(timeout=SCRAPE_TIMEOUT_S)
         # the replays are pure-Python CPU work: in a process of their own they never starve this event loop
         # (its etcd lease keep-alive, its HTTP answers); spawned, since this process runs gRPC threads
-        self.pool = concurrent.futures.ProcessPoolExecutor(
-            1,
-            mp_context=multiprocessing.get_context("spawn"),
-            initializer=_exit_with_parent,
-            initargs=(os.getpid(),),
-        )
+        self.pool = _replay_pool()
         self.desired: tuple[int, int] | None = None
         # a planner alone leads; `serve` campaigns (services/discovery/election.py) so that of several replicas
         # one decides and acts while the others stand by, measuring, to take over where it stops
@@ -278,10 +284,11 @@ class Planner:
     async def _scrape(self, endpoint: str) -> tuple[float, observe.Samples] | None:
         """(when it answered, its samples): the window ends when the numbers were read, not when asked."""
         try:
-            r = await self.client.get(f"http://{endpoint}/metrics")
+            async with asyncio.timeout(SCRAPE_TIMEOUT_S):  # the whole answer (httpx's bounds each read)
+                r = await self.client.get(f"http://{endpoint}/metrics")
             r.raise_for_status()
             return time.monotonic(), observe.parse(r.text)
-        except (httpx.HTTPError, ValueError) as e:
+        except (httpx.HTTPError, ValueError, TimeoutError) as e:
             log.info("planner: scrape of %s failed: %s", endpoint, e)
             return None
 
@@ -337,12 +344,13 @@ class Planner:
         async def read(key: str, endpoint: str) -> None:
             last, held, ahead = self.traffic.get(key, (0, deque(), 0.0))
             try:
-                r = await self.client.get(f"http://{endpoint}/traffic", params={"since": last})
+                async with asyncio.timeout(SCRAPE_TIMEOUT_S):
+                    r = await self.client.get(f"http://{endpoint}/traffic", params={"since": last})
                 r.raise_for_status()
                 body = r.json()
                 got = [TrafficRecord(**x) for x in body["requests"]]
                 ahead = time.time() - float(body["now"])
-            except (httpx.HTTPError, ValueError, KeyError, TypeError) as e:
+            except (httpx.HTTPError, ValueError, KeyError, TypeError, TimeoutError) as e:
                 log.info("planner: GET /traffic of %s failed: %s", endpoint, e)
                 got = []
             held.extend(got)
@@ -427,7 +435,7 @@ class Planner:
                 self.args.replay_requests,
                 slo=goal,
             )
-            preds = await asyncio.get_running_loop().run_in_executor(self.pool, replay)
+            preds = await self.replay(replay)
             best, binding = choose(preds, goal, self.args.reach_margin, self.args.size_by)
             targets = attainable(preds, goal, self.args.reach_margin)
             target = (best.prefill, best.decode) if best is not None else base
@@ -513,7 +521,7 @@ class Planner:
                 self.args.replay_requests,
                 slo=self.slo,
             )
-            (ran,) = await asyncio.get_running_loop().run_in_executor(self.pool, replay)
+            (ran,) = await self.replay(replay)
             self.correction.update(obs, ran)
         return self.correction.target(self.slo)
 
@@ -527,7 +535,7 @@ class Planner:
         if isinstance(self.scaler, KubeScaler):
             try:
                 return await self.scaler.replicas("prefill"), await self.scaler.replicas("decode")
-            except (httpx.HTTPError, ValueError) as e:
+            except (httpx.HTTPError, ValueError, TimeoutError) as e:
                 log.warning("planner: reading the Deployments' replicas failed: %s", e)
                 return None
         return actual if sum(actual) > 0 else None
@@ -654,6 +662,24 @@ class Planner:
             log.warning("planner: could not save the seasons to etcd (%s)", describe(e))
             return 0
         return len(data)
+
+    async def replay(self, fn: Callable[[], T]) -> T:
+        """`fn()` in the replay process. One that died (the OOM killer, a stray kill) breaks its pool for good:
+        every later call would fail at once and the planner would never decide again. A new process then runs
+        it, once; if that one dies too, the error is this interval's and the next starts another."""
+        loop = asyncio.get_running_loop()
+        try:
+            return await loop.run_in_executor(self.pool, fn)
+        except BrokenProcessPool:
+            log.warning("planner: the replay process died; starting another")
+            self.pool.shutdown(wait=False, cancel_futures=True)
+            self.pool = _replay_pool()
+        try:
+            return await loop.run_in_executor(self.pool, fn)
+        except BrokenProcessPool:
+            self.pool.shutdown(wait=False, cancel_futures=True)
+            self.pool = _replay_pool()
+            raise
 
     def start_replays(self) -> None:
         """Spawn the replay process now: its start (a Python process importing the simulator) then does not

@@ -13,6 +13,7 @@ Three rigs, cheapest first:
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import json
 import os
@@ -501,23 +502,37 @@ def test_the_planner_replays_the_requests_the_frontend_logged_with_the_prefixes_
 def test_plan_comes_from_the_leader_within_one_deadline_however_many_replicas_hang(
     scripted: ScriptedCluster,
 ) -> None:
-    """GET /v1/plan with three planner replicas that accept the connection and never answer, listed before the
-    leader and a standby: the frontend asks all at once, so a client with a 5 s deadline gets the leader's
-    plan (asked one after another, the three would take three 2 s deadlines first)."""
-    import socket
-
+    """GET /v1/plan with three planner replicas that accept the connection and never answer, and one that
+    answers a byte every 0.3 s (each read within httpx's timeout; until 2026-12-07 that stretched the call to
+    the body's length), listed before the leader and a standby: the frontend asks all at once, each within one
+    deadline, so a client with a 5 s deadline gets the leader's plan (asked one after another, the three would
+    take three 2 s deadlines first)."""
     from tests.support.http import json_server
 
     def answering(outcome: str) -> Any:
         return json_server(lambda path: {"outcome": outcome})
 
-    hung = [socket.create_server(("127.0.0.1", 0)) for _ in range(3)]  # listening, never accepting
+    hung = [socket.create_server(("127.0.0.1", 0)) for _ in range(4)]  # listening, never accepting
+    body = json.dumps({"outcome": "hold", "padding": "x" * 60}).encode()
+
+    def trickle() -> None:  # the fourth accepts, and sends its answer a byte at a time
+        with contextlib.suppress(OSError):
+            while True:
+                conn, _ = hung[3].accept()
+                with conn:
+                    conn.recv(65536)
+                    conn.sendall(b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\n\r\n" % len(body))
+                    for byte in body:
+                        time.sleep(0.3)
+                        conn.sendall(bytes([byte]))
+
+    threading.Thread(target=trickle, daemon=True).start()
     leader, standby = answering("hold"), answering("standby")
     endpoints = [f"127.0.0.1:{h.getsockname()[1]}" for h in hung] + [
         f"127.0.0.1:{standby.server_address[1]}",
         f"127.0.0.1:{leader.server_address[1]}",
     ]
-    names = ["hung-0", "hung-1", "hung-2", "standby", "leader"]
+    names = ["hung-0", "hung-1", "hung-2", "trickling", "standby", "leader"]
     planners = [
         pb.WorkerInfo(worker_id=n, role="planner", endpoint=e) for n, e in zip(names, endpoints, strict=True)
     ]

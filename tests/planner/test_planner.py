@@ -6,8 +6,12 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
+import os
 import random
+import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -38,6 +42,7 @@ from services.planner.plan import (
 from services.telemetry import metrics as m
 from tests.support.etcd import EtcdServer, free_port
 from tests.support.etcd import etcd_server as etcd_server  # the fixture; `as` marks it used for ruff
+from tests.support.markers import starts_processes
 
 CPU = load_profile("cpu_smollm2")
 # long prompts, one output token each / short prompts, long outputs — the two shapes of the issue
@@ -198,6 +203,43 @@ def test_kubernetes_mode_patches_only_the_scale_subresource_of_the_two_deploymen
     assert api.replicas == {"rackserve-prefill": 1, "rackserve-decode": 2}
 
 
+def test_a_kubernetes_api_that_trickles_its_answer_is_cut_at_the_call_deadline() -> None:
+    """--kube-timeout-s bounds a whole call: an API server that sends its answer a byte at a time, each within
+    httpx's read timeout, must not stretch one call to the body's length (until 2026-12-07 it did: ~8 s here)."""
+    listener = socket.create_server(("127.0.0.1", 0))
+    body = b'{"spec":{"replicas":3}}'
+
+    def trickle() -> None:
+        with contextlib.suppress(OSError):
+            while True:
+                conn, _ = listener.accept()
+                with conn:
+                    conn.recv(65536)
+                    conn.sendall(b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\n\r\n" % len(body))
+                    for byte in body:
+                        time.sleep(0.35)
+                        conn.sendall(bytes([byte]))
+
+    threading.Thread(target=trickle, daemon=True).start()
+    scaler = KubeScaler(f"http://127.0.0.1:{listener.getsockname()[1]}", "prod",
+                        {"prefill": "p", "decode": "d"}, "", True, 1.0)  # fmt: skip
+    errors = REGISTRY.get_sample_value("rackserve_planner_scale_errors_total", {"pool": "prefill"}) or 0.0
+
+    async def go() -> None:
+        with pytest.raises(TimeoutError):
+            await scaler.replicas("prefill")
+        await scaler.apply((1, 2))  # each pool's read fails at its deadline: counted, logged, not raised
+        await scaler.close()
+
+    try:
+        asyncio.run(go())
+    finally:
+        listener.close()
+    assert (
+        REGISTRY.get_sample_value("rackserve_planner_scale_errors_total", {"pool": "prefill"}) == errors + 1
+    )
+
+
 class _MetricsServer(ThreadingHTTPServer):
     """A real HTTP server answering /metrics with a registry's Prometheus text, as a frontend does."""
 
@@ -210,6 +252,32 @@ class _MetricsServer(ThreadingHTTPServer):
                 pass
 
         super().__init__(("127.0.0.1", 0), Handler)
+
+
+@starts_processes
+def test_a_replay_process_that_dies_is_replaced() -> None:
+    """The replays run in a process of their own. Killed (the OOM killer), it broke its pool for good: every
+    later decision failed at once and the planner never decided again. Now the next replay starts another."""
+    from types import SimpleNamespace
+
+    from services.planner.server import Planner, add_arguments
+
+    p = argparse.ArgumentParser()
+    add_arguments(p)
+    directory = SimpleNamespace(workers=lambda role: [])
+    planner = Planner(p.parse_args([]), directory, None)  # type: ignore[arg-type]
+
+    async def go() -> tuple[int, int, int]:
+        first = await planner.replay(os.getpid)
+        os.kill(first, signal.SIGKILL)
+        await asyncio.sleep(0.5)
+        second = await planner.replay(os.getpid)  # the pool broke under this call: a new process ran it
+        third = await planner.replay(os.getpid)
+        await planner.close()
+        return first, second, third
+
+    first, second, third = asyncio.run(go())
+    assert first != os.getpid() and second not in (first, os.getpid()) and third == second
 
 
 def _idle_kubernetes_planner(
