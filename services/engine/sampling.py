@@ -40,10 +40,16 @@ def draw_seed(seed: int, index: int) -> int:
     return (z ^ (z >> 31)) & 0x7FFF_FFFF_FFFF_FFFF
 
 
+# A temperature this small samples the argmax anyway, and dividing logits by it overflows to inf (then NaN
+# probabilities, and the draw picked the vocabulary's last token: 1e-38 did, until 2026-12-07). vLLM's
+# threshold (_SAMPLING_EPS).
+GREEDY_BELOW = 1e-5
+
+
 @dataclass
 class SamplingParams:
     max_tokens: int = 16
-    temperature: float = 1.0  # 0 → greedy
+    temperature: float = 1.0  # below GREEDY_BELOW (0 included) → greedy
     top_p: float = 1.0
     top_k: int = 0  # 0 → off
     min_p: float = 0.0  # 0 → off; else drop tokens whose probability is below min_p × the top one's
@@ -97,7 +103,7 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0
+        return self.temperature < GREEDY_BELOW
 
     @property
     def penalised(self) -> bool:

@@ -362,6 +362,7 @@ class Frontend:
             body.stop_strings(),
             include_stop=body.include_stop_str_in_output is True,
             skip_special_tokens=body.skip_special_tokens is not False,
+            min_tokens=body.min_tokens or 0,
         )
         return _pieces(self.coordinator, state, assembler, echo, len(forced))
 
@@ -941,9 +942,14 @@ async def tokenize(
     """The token ids the model would see (vLLM's shape)."""
     if body.model is not None:
         fe.check_model(body.model)
+        caller.check_model(body.model)
     if body.messages is not None:
         try:
-            text = fe.tokenizer.apply_chat_template([m.as_template_input() for m in body.messages])
+            text = fe.tokenizer.apply_chat_template(
+                [m.as_template_input() for m in body.messages],
+                add_generation_prompt=body.add_generation_prompt is not False,
+                tools=[t.model_dump(exclude_none=True) for t in body.tools] if body.tools else None,
+            )
         except ChatTemplateError as e:
             raise bad_request(f"messages: {e}", param="messages") from e
         ids = fe.tokenizer.encode(text, add_special_tokens=body.add_special_tokens is True)
@@ -960,6 +966,7 @@ async def detokenize(
 ) -> dict[str, Any]:
     if body.model is not None:
         fe.check_model(body.model)
+        caller.check_model(body.model)
     vocab = fe.tokenizer.vocab_size
     bad = next((t for t in body.tokens if t >= vocab), None)
     if bad is not None:
@@ -982,10 +989,13 @@ def _package_version() -> str:
 _VERSION = _package_version()
 
 
-@api.get("/v1/models", dependencies=[Depends(authorize)])
-async def list_models(fe: FrontendDep) -> ModelList:
-    card = ModelCard(id=fe.config.served_model_name, created=fe.created, max_model_len=fe.max_model_len())
-    return ModelList(data=[card])
+@api.get("/v1/models")
+async def list_models(fe: FrontendDep, caller: Annotated[Principal, Depends(authorize)]) -> ModelList:
+    """The served model, if the caller's key may use it (OpenAI lists the models a key can use)."""
+    name = fe.config.served_model_name
+    if caller.models is not None and name not in caller.models:
+        return ModelList(data=[])
+    return ModelList(data=[ModelCard(id=name, created=fe.created, max_model_len=fe.max_model_len())])
 
 
 @api.get("/livez")

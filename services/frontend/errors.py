@@ -137,8 +137,8 @@ def field_path(loc: Sequence[Any]) -> str:
     Stops at a union's member tag ('str', 'list[str]', 'function-after[...]'), which names no field."""
     path = ""
     for part in loc:
-        if part == "body" and not path:
-            continue  # FastAPI's own prefix
+        if part in ("body", "query", "path") and not path:
+            continue  # FastAPI's own prefix (where the parameter was)
         if isinstance(part, int):
             path += f"[{part}]"
         elif isinstance(part, str) and part.isidentifier() and part not in _TYPE_TAGS:

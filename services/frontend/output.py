@@ -30,6 +30,7 @@ class TextAssembler:
         stop: Sequence[str],
         include_stop: bool = False,
         skip_special_tokens: bool = True,
+        min_tokens: int = 0,
     ) -> None:
         self._detokenizer = IncrementalDetokenizer(
             tokenizer, prompt_ids=prompt_token_ids, skip_special_tokens=skip_special_tokens
@@ -38,6 +39,13 @@ class TextAssembler:
         self._include_stop = include_stop
         self._held = ""  # decoded, not yet released: it may be the start of a stop string
         self.stop_hit: str | None = None  # the stop string that ended the text, once found
+        # min_tokens: a stop string that is complete within the first min_tokens tokens' text does not stop
+        # (vLLM looks for stop strings only past them); one completed by a later token does, even if it began
+        # inside that text
+        self._min_tokens = min_tokens
+        self._tokens = 0
+        self._released = 0  # characters released so far
+        self._protected = 0  # characters of the text of the first min_tokens tokens
 
     def push(self, token_ids: Sequence[int]) -> str:
         """The text these tokens release now. Once a stop string appears, the text before it, then nothing."""
@@ -45,6 +53,9 @@ class TextAssembler:
             return ""
         for token_id in token_ids:
             self._held += self._detokenizer.push(token_id)
+            self._tokens += 1
+            if self._tokens <= self._min_tokens:
+                self._protected = self._released + len(self._held)
         return self._release(final=False)
 
     def finish(self) -> str:
@@ -55,15 +66,23 @@ class TextAssembler:
         return self._release(final=True)
 
     def _release(self, final: bool) -> str:
-        hits = [(self._held.find(s), -len(s), s) for s in self._stop if s in self._held]
+        protected = self._protected - self._released  # of the held text (may be negative: none of it)
+        hits = []
+        for s in self._stop:
+            # only a stop string that ends past the protected text counts
+            index = self._held.find(s, max(0, protected - len(s) + 1))
+            if index >= 0:
+                hits.append((index, -len(s), s))
         if hits:
             index, _, self.stop_hit = min(hits)  # the earliest; at a tie, the longest
             end = index + len(self.stop_hit) if self._include_stop else index
             released, self._held = self._held[:end], ""
+            self._released += len(released)
             return released
         keep = 0 if final else _stop_prefix_len(self._held, self._stop)
         cut = len(self._held) - keep
         released, self._held = self._held[:cut], self._held[cut:]
+        self._released += len(released)
         return released
 
 

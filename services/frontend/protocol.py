@@ -39,6 +39,16 @@ class _Request(BaseModel):
 
 class StreamOptions(_Request):
     include_usage: bool | None = False
+    continuous_usage_stats: Any = Field(
+        default=None, description="Not supported: refused with 400 unless null or false."
+    )
+
+    @field_validator("continuous_usage_stats", mode="before")
+    @classmethod
+    def _refuse(cls, value: Any, info: ValidationInfo) -> Any:
+        if value not in (None, False):
+            raise ValueError("continuous_usage_stats is not supported by rackserve (only null or false)")
+        return value
 
 
 class TextPart(_Request):
@@ -143,6 +153,12 @@ _NEUTRAL: dict[str, tuple[Any, str]] = {
     "chat_template_kwargs": (lambda v: not v, "null or empty"),
     "documents": (lambda v: not v, "null or empty"),
     "echo": (lambda v: v in (None, False), "null or false"),
+    "logits_processors": (lambda v: not v, "null or empty"),
+    "structural_tag": (lambda v: v is None, "null"),
+    "guided_whitespace_pattern": (lambda v: v is None, "null"),
+    "return_token_ids": (lambda v: v in (None, False), "null or false"),
+    "best_of": (lambda v: v in (None, 1), "null or 1"),
+    "return_token_strs": (lambda v: v in (None, False), "null or false"),
 }
 
 
@@ -167,13 +183,26 @@ class ResponseFormatParam(_Request):
 
 
 class StructuredOutputs(_Request):
-    """vLLM's structured_outputs: exactly one of these."""
+    """vLLM's structured_outputs: exactly one of these. Its other keys (structural_tag, whitespace_pattern,
+    disable_any_whitespace, ...) change the output, and a misspelt key would leave it unconstrained: any key not
+    here is refused with a 400 naming it."""
+
+    model_config = ConfigDict(strict=True, extra="forbid")
 
     json_: str | dict[str, Any] | None = Field(default=None, alias="json", description="a JSON schema")
     regex: str | None = None
     choice: list[str] | None = None
     grammar: str | None = Field(default=None, description="EBNF (GBNF) grammar")
     json_object: bool | None = None
+
+    @model_validator(mode="after")
+    def _one_given(self) -> StructuredOutputs:
+        if (
+            all(v is None for v in (self.json_, self.regex, self.choice, self.grammar))
+            and not self.json_object
+        ):
+            raise ValueError("give one of json, regex, choice, grammar or json_object: true")
+        return self
 
 
 def _neutral_only(value: Any, info: ValidationInfo) -> Any:
@@ -206,7 +235,7 @@ class GenerationRequest(_Request):
     ignore_eos: bool | None = None
     min_tokens: Annotated[int, Field(ge=0, le=INT32_MAX)] | None = None
     skip_special_tokens: bool | None = None
-    seed: int | None = None
+    seed: Annotated[int, Field(ge=-(2**63), le=2**63 - 1)] | None = None  # int64, as vLLM
     response_format: ResponseFormatParam | None = None
     structured_outputs: StructuredOutputs | None = None
     guided_json: str | dict[str, Any] | None = None
@@ -218,6 +247,10 @@ class GenerationRequest(_Request):
     user: str | None = None
 
     prompt_logprobs: Any = _refused_unless("null")
+    logits_processors: Any = _refused_unless("null or empty")
+    structural_tag: Any = _refused_unless("null")
+    guided_whitespace_pattern: Any = _refused_unless("null")
+    return_token_ids: Any = _refused_unless("null or false")
     bad_words: Any = _refused_unless("null or empty")
     allowed_token_ids: Any = _refused_unless("null")
     use_beam_search: Any = _refused_unless("null or false")
@@ -227,13 +260,23 @@ class GenerationRequest(_Request):
     return_tokens_as_token_ids: Any = _refused_unless("null or false")
 
     @field_validator(
-        "prompt_logprobs", "bad_words", "allowed_token_ids",
+        "prompt_logprobs", "logits_processors", "structural_tag", "guided_whitespace_pattern",
+        "return_token_ids", "bad_words", "allowed_token_ids",
         "use_beam_search", "length_penalty", "truncate_prompt_tokens", "spaces_between_special_tokens",
         "return_tokens_as_token_ids", mode="before",
     )  # fmt: skip
     @classmethod
     def _refuse(cls, value: Any, info: ValidationInfo) -> Any:
         return _neutral_only(value, info)
+
+    @field_validator("stream_options")
+    @classmethod
+    def _only_when_streaming(
+        cls, options: StreamOptions | None, info: ValidationInfo
+    ) -> StreamOptions | None:
+        if options is not None and info.data.get("stream") is not True:
+            raise ValueError("stream_options can only be given when stream is true")
+        return options
 
     @field_validator("stop")
     @classmethod
@@ -251,8 +294,9 @@ class GenerationRequest(_Request):
         if bias and len(bias) > MAX_LOGIT_BIAS_ENTRIES:
             raise ValueError(f"at most {MAX_LOGIT_BIAS_ENTRIES} entries, got {len(bias)}")
         for key in bias or {}:
-            if not (key.isascii() and key.isdigit()):
-                raise ValueError(f"keys must be token ids written as decimal strings, got {key!r}")
+            # the length first: int() of thousands of digits is refused by Python itself (a 500, until 2026-12-07)
+            if not (key.isascii() and key.isdigit()) or len(key) > 10 or int(key) > INT32_MAX:
+                raise ValueError(f"keys must be token ids written as decimal strings, got {key[:24]!r}")
         return bias
 
     def structured(self) -> tuple[str, str] | None:
@@ -327,6 +371,7 @@ class ChatCompletionRequest(GenerationRequest):
     tools: list[Tool] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool | None = None  # several calls are always parsed; `required` may yield several
+    best_of: Any = _refused_unless("null or 1")
     functions: Any = _refused_unless("null or empty")
     function_call: Any = _refused_unless('null or "none"')
     prediction: Any = _refused_unless("null")
@@ -347,11 +392,18 @@ class ChatCompletionRequest(GenerationRequest):
     @field_validator(
         "functions", "function_call", "prediction", "audio", "modalities", "web_search_options",
         "add_generation_prompt", "continue_final_message", "chat_template", "chat_template_kwargs",
-        "documents", "echo", mode="before",
+        "documents", "echo", "best_of", mode="before",
     )  # fmt: skip
     @classmethod
     def _refuse_chat(cls, value: Any, info: ValidationInfo) -> Any:
         return _neutral_only(value, info)
+
+    @field_validator("top_logprobs")
+    @classmethod
+    def _top_needs_logprobs(cls, top: int | None, info: ValidationInfo) -> int | None:
+        if top is not None and info.data.get("logprobs") is not True:
+            raise ValueError("top_logprobs needs logprobs: true")
+        return top
 
     def check_tools(self) -> None:
         """A StructuredError naming tool_choice when it asks for a call the tools cannot make."""
@@ -449,17 +501,33 @@ class CompletionRequest(GenerationRequest):
 
 
 class TokenizeRequest(_Request):
-    """vLLM's /tokenize: a prompt, or chat messages rendered by the chat template."""
+    """vLLM's /tokenize: a prompt, or chat messages rendered by the chat template (with `tools` and
+    `add_generation_prompt` as vLLM's TokenizeChatRequest has them)."""
 
     model: str | None = None
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
     add_special_tokens: bool | None = None
+    add_generation_prompt: bool | None = None
+    tools: list[Tool] | None = None
+    continue_final_message: Any = _refused_unless("null or false")
+    chat_template: Any = _refused_unless("null")
+    chat_template_kwargs: Any = _refused_unless("null or empty")
+    return_token_strs: Any = _refused_unless("null or false")
+
+    @field_validator(
+        "continue_final_message", "chat_template", "chat_template_kwargs", "return_token_strs", mode="before"
+    )
+    @classmethod
+    def _refuse_tokenize(cls, value: Any, info: ValidationInfo) -> Any:
+        return _neutral_only(value, info)
 
     @model_validator(mode="after")
     def _one_input(self) -> TokenizeRequest:
         if (self.prompt is None) == (self.messages is None):
             raise ValueError("give exactly one of prompt or messages")
+        if self.prompt is not None and (self.tools is not None or self.add_generation_prompt is not None):
+            raise ValueError("tools and add_generation_prompt apply to messages, not to a prompt")
         return self
 
 

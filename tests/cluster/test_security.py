@@ -36,6 +36,8 @@ KEY_ALL = "sk-all-2f1c9e"
 KEY_OTHER_MODEL = "sk-other-77ad01"
 KEY_LIMITED = "sk-limited-5b90aa"
 KEY_D = "sk-team-d-c4e812"
+KEY_E = "sk-team-e-0b7d33"  # every model
+KEY_F = "sk-team-f-9e41aa"  # other models only
 SECRET_PROMPT = "my-private-prompt-do-not-log"
 CHAT = {"model": MODEL, "messages": [{"role": "user", "content": SECRET_PROMPT}], "max_tokens": 4}
 
@@ -53,12 +55,13 @@ def certs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
 
 @pytest.fixture(scope="module")
 def guarded_frontend(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, Path]]:
-    """A frontend process with four keys from a key file and a rate of 0.05 requests/s (burst 4) per key."""
+    """A frontend process with six keys from a key file and a rate of 0.05 requests/s (burst 4) per key."""
     log_dir = tmp_path_factory.mktemp("frontend")
     keys = log_dir / "api-keys"
     keys.write_text(
         f"# the Kubernetes Secret's file\n{KEY_ALL} name=team-a\n"
         f"{KEY_OTHER_MODEL} name=team-b models=some-other-model\n{KEY_LIMITED} name=team-c\n{KEY_D} name=team-d\n"
+        f"{KEY_E} name=team-e\n{KEY_F} name=team-f models=some-other-model\n"
     )
     flags = [
         "--api-key-file",
@@ -132,6 +135,19 @@ def test_a_key_scoped_to_other_models_gets_403(guarded_frontend: tuple[str, Path
     # the same request with a key for every model passes auth (and meets a cluster without routers: 503)
     r = httpx.post(f"{url}/v1/chat/completions", json=CHAT, headers=_auth(KEY_ALL), timeout=30)
     assert r.status_code == 503 and r.json()["error"]["code"] == "no_routers"
+    # its tokenizer is not the key's either, and /v1/models lists only what the key may use (both until
+    # 2026-12-07 answered any key)
+    for path, body in (
+        ("/tokenize", {"model": MODEL, "prompt": "hi"}),
+        ("/detokenize", {"model": MODEL, "tokens": [1]}),
+    ):
+        r = httpx.post(f"{url}{path}", json=body, headers=_auth(KEY_F), timeout=30)
+        assert r.status_code == 403 and r.json()["error"]["code"] == "model_not_allowed", path
+        assert httpx.post(f"{url}{path}", json=body, headers=_auth(KEY_E), timeout=30).status_code == 200
+    listed = httpx.get(f"{url}/v1/models", headers=_auth(KEY_F), timeout=30)
+    assert listed.status_code == 200 and listed.json()["data"] == []
+    listed = httpx.get(f"{url}/v1/models", headers=_auth(KEY_E), timeout=30)
+    assert [m["id"] for m in listed.json()["data"]] == [MODEL]
 
 
 def test_a_key_past_its_rate_gets_429_with_retry_after(guarded_frontend: tuple[str, Path]) -> None:

@@ -160,6 +160,21 @@ def test_a_row_samples_the_same_alone_as_in_any_batch() -> None:
             assert alone == together[r]
 
 
+def test_a_temperature_too_small_to_divide_by_samples_the_argmax() -> None:
+    """Logits of magnitude ~17 divided by 1e-38 overflow to inf; the draw then picked the vocabulary's last
+    token (until 2026-12-07). Below 1e-5 (vLLM's threshold) a row is greedy; at 1e-3 the draw itself still
+    lands on the argmax of such peaked logits."""
+    logits = _logits(1, seed=9) * 6
+    argmax = int(logits[0].argmax())
+    assert argmax != VOCAB - 1
+    for temperature in (1e-3, 9.9e-6, 1e-30, 1e-38, 1e-45, 5e-324):
+        p = SamplingParams(temperature=temperature, seed=3, logprobs=1)
+        for index in range(4):
+            [out] = sample_batch(logits, [p], [index])
+            assert out.token_id == argmax, temperature
+            assert math.isfinite(out.logprob)
+
+
 def test_the_draw_is_the_inverse_cdf_at_a_uniform_hashed_from_seed_and_index() -> None:
     """The per-index draw every worker reproduces, whatever its device: u = the top 53 bits of
     draw_seed(seed, index) / 2^53; the token is the first whose cumulative probability passes u x the total

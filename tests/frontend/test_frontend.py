@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import copy
 import itertools
 import json
 import os
@@ -421,6 +422,50 @@ def test_a_stream_whose_client_stops_reading_is_cut_after_its_deadline(scripted:
         sock.close()
 
 
+def test_tokenize_renders_tools_and_the_generation_prompt_as_chat_does(tokenizer: Tokenizer) -> None:
+    """/tokenize with messages counts what a chat request with the same tools sends the model (it ignored
+    `tools` and `add_generation_prompt` until 2026-12-07), and refuses the template options it does not apply.
+    SmolLM2's template ignores tools, so this cluster's tokenizer gets one that prints their names."""
+    templated = copy.copy(tokenizer)
+    templated.chat_template = (
+        "{% for t in tools or [] %}tool {{ t.function.name }}\n{% endfor %}"
+        "{% for m in messages %}{{ m.role }}: {{ m.content }}\n{% endfor %}"
+        "{% if add_generation_prompt %}assistant:{% endif %}"
+    )
+    templated._compiled_template = None
+    messages = [{"role": "user", "content": "weather in Paris?"}]
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}]
+    with ScriptedCluster(templated) as cluster, httpx.Client(base_url=cluster.url, timeout=10) as http:
+        used = http.post("/v1/chat/completions", json=chat("weather in Paris?", tools=tools)).json()
+        counted = http.post("/tokenize", json={"messages": messages, "tools": tools}).json()
+        assert counted["count"] == used["usage"]["prompt_tokens"]
+        plain = http.post("/tokenize", json={"messages": messages}).json()
+        assert templated.decode(counted["tokens"]) == "tool get_weather\n" + templated.decode(plain["tokens"])
+        bare = http.post("/tokenize", json={"messages": messages, "add_generation_prompt": False}).json()
+        assert templated.decode(bare["tokens"]) == "user: weather in Paris?\n"
+        for refused in (
+            {"chat_template": "x"},
+            {"continue_final_message": True},
+            {"return_token_strs": True},
+        ):
+            r = http.post("/tokenize", json={"messages": messages, **refused})
+            assert r.status_code == 400 and r.json()["error"]["param"] == next(iter(refused))
+        r = http.post("/tokenize", json={"prompt": "hi", "tools": tools})
+        assert r.status_code == 400 and "apply to messages" in r.json()["error"]["message"]
+
+
+def test_min_tokens_holds_back_stop_strings_within_its_tokens(scripted: ScriptedCluster) -> None:
+    """vLLM looks for stop strings only past min_tokens: "capital" ends at the answer's second token, so
+    with min_tokens 6 it does not stop the answer (it did until 2026-12-07), and with min_tokens 1 it does."""
+    for url in (f"{scripted.url}/v1/chat/completions", f"{scripted.url}/v1/completions"):
+        body = chat("hi") if url.endswith("chat/completions") else {"model": MODEL, "prompt": "hi"}
+        for min_tokens, want in ((6, ANSWER), (1, "The ")):
+            r = httpx.post(url, json={**body, "stop": ["capital"], "min_tokens": min_tokens}, timeout=10)
+            choice = r.json()["choices"][0]
+            assert (choice.get("message") or {}).get("content", choice.get("text")) == want, (url, min_tokens)
+            assert choice["finish_reason"] == "stop"
+
+
 def test_metrics_count_requests_and_tokens(scripted: ScriptedCluster) -> None:
     httpx.post(f"{scripted.url}/v1/chat/completions", json=chat("metrics"), timeout=10)
     text = httpx.get(f"{scripted.url}/metrics").text
@@ -667,6 +712,43 @@ def test_no_router_is_503_with_retry_after(lonely: tuple[str, str]) -> None:
             "8192 tokens, but the prompt has 90",
         ),
         (chat("hi", model="gpt-4"), 404, "model", "model_not_found", "'gpt-4'"),
+        # a 500 until 2026-12-07 (Python refuses int() of over 4,300 digits)
+        (chat("hi", logit_bias={"1" * 5000: 1}), 400, "logit_bias", "invalid_value", "decimal strings"),
+        (chat("hi", top_logprobs=3), 400, "top_logprobs", "invalid_value", "logprobs: true"),
+        (
+            chat("hi", stream_options={"include_usage": True}),
+            400,
+            "stream_options",
+            "invalid_value",
+            "stream is",
+        ),
+        (
+            chat("hi", stream=True, stream_options={"continuous_usage_stats": True}),
+            400,
+            "stream_options.continuous_usage_stats",
+            "invalid_value",
+            "not supported",
+        ),
+        (chat("hi", seed=2**64), 400, "seed", "invalid_value", "less than or equal"),
+        (
+            chat("hi", logits_processors=["my.Proc"]),
+            400,
+            "logits_processors",
+            "invalid_value",
+            "not supported",
+        ),
+        (chat("hi", structural_tag="{}"), 400, "structural_tag", "invalid_value", "not supported"),
+        (chat("hi", guided_whitespace_pattern=" "), 400, "guided_whitespace_pattern", "invalid_value", "not"),
+        (chat("hi", return_token_ids=True), 400, "return_token_ids", "invalid_value", "not supported"),
+        (chat("hi", best_of=3), 400, "best_of", "invalid_value", "not supported"),
+        (
+            chat("hi", structured_outputs={"regexp": "a+"}),
+            400,
+            "structured_outputs.regexp",
+            "invalid_value",
+            "Extra inputs",
+        ),
+        (chat("hi", structured_outputs={}), 400, "structured_outputs", "invalid_value", "give one of"),
     ],
     ids=[
         "max_tokens-string",
@@ -682,6 +764,18 @@ def test_no_router_is_503_with_retry_after(lonely: tuple[str, str]) -> None:
         "prompt-plus-max_tokens-too-long",
         "prompt-too-long",
         "model-unknown",
+        "logit_bias-key-of-5000-digits",
+        "top_logprobs-without-logprobs",
+        "stream_options-without-stream",
+        "continuous_usage_stats",
+        "seed-past-int64",
+        "logits_processors",
+        "structural_tag",
+        "guided_whitespace_pattern",
+        "return_token_ids",
+        "best_of-on-chat",
+        "structured_outputs-misspelt",
+        "structured_outputs-empty",
     ],  # fmt: skip
 )
 def test_chat_request_errors(
@@ -725,6 +819,8 @@ def test_malformed_body_and_limits(lonely: tuple[str, str]) -> None:
     chunks = iter([b'{"model": "', b"x" * BODY_LIMIT_BYTES, b'"}'])
     r = httpx.post(url, content=chunks, headers=headers)
     assert_error(r, 413, "invalid_request_error", code="request_too_large")
+    # a query parameter is named as the client wrote it (it was "query.since" until 2026-12-07)
+    assert_error(httpx.get(f"{lonely[0]}/traffic?since=abc"), 400, "invalid_request_error", "since")
 
 
 def test_every_v1_route_asks_for_the_api_key() -> None:
