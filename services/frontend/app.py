@@ -25,7 +25,7 @@ import logging
 import secrets
 import time
 import uuid
-from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Annotated, Any, Protocol, TypeVar
 
@@ -210,28 +210,10 @@ class Frontend:
 
         `echo_logprobs`: the prompt's own logprobs are wanted too, so the request runs teacher-forced — its
         first token is the prompt, the rest are forced outputs whose raw logprobs the workers report."""
-        limit = self.max_model_len()
         n = len(prompt_token_ids)
-        if n == 0:
-            raise bad_request(f"{prompt_param}: the prompt is empty (0 tokens)", param=prompt_param)
-        if n >= limit:
-            raise bad_request(
-                f"This model's maximum context length is {limit} tokens, but the prompt has {n} tokens "
-                "(leaving no room for a completion)",
-                param=prompt_param,
-                code="context_length_exceeded",
-            )
-        if max_tokens is None:
-            max_tokens = limit - n
-        elif n + max_tokens > limit:
-            raise bad_request(
-                f"This model's maximum context length is {limit} tokens, but {n + max_tokens} were requested "
-                f"({n} in the prompt + {max_tokens_param}={max_tokens}); lower {max_tokens_param} to at most "
-                f"{limit - n}",
-                param=max_tokens_param,
-                code="context_length_exceeded",
-            )
-        params = self.sampling_params(body, max_tokens, logprobs)
+        params = self.checked_params(
+            prompt_token_ids, body, max_tokens, logprobs, prompt_param, max_tokens_param
+        )
         self.traffic.admit(prompt_token_ids)  # the demand, as the prompt-length histogram counts it
         if echo_logprobs:
             params.forced_token_ids.extend(prompt_token_ids[1:])
@@ -258,6 +240,40 @@ class Frontend:
                 )
             )
         return states
+
+    def checked_params(
+        self,
+        prompt_token_ids: list[int],
+        body: GenerationRequest,
+        max_tokens: int | None,
+        logprobs: int | None,
+        prompt_param: str,
+        max_tokens_param: str = "max_tokens",
+    ) -> pb.SamplingParams:
+        """The prompt checked against the context length, and the request's sampling parameters checked
+        (a 400 naming the parameter otherwise)."""
+        limit = self.max_model_len()
+        n = len(prompt_token_ids)
+        if n == 0:
+            raise bad_request(f"{prompt_param}: the prompt is empty (0 tokens)", param=prompt_param)
+        if n >= limit:
+            raise bad_request(
+                f"This model's maximum context length is {limit} tokens, but the prompt has {n} tokens "
+                "(leaving no room for a completion)",
+                param=prompt_param,
+                code="context_length_exceeded",
+            )
+        if max_tokens is None:
+            max_tokens = limit - n
+        elif n + max_tokens > limit:
+            raise bad_request(
+                f"This model's maximum context length is {limit} tokens, but {n + max_tokens} were requested "
+                f"({n} in the prompt + {max_tokens_param}={max_tokens}); lower {max_tokens_param} to at most "
+                f"{limit - n}",
+                param=max_tokens_param,
+                code="context_length_exceeded",
+            )
+        return self.sampling_params(body, max_tokens, logprobs)
 
     def sampling_params(
         self, body: GenerationRequest, max_tokens: int, logprobs: int | None
@@ -891,7 +907,7 @@ async def completions(
             "max_tokens=0 with logprobs scores the prompt, which needs at least 2 tokens", param="prompt"
         )
     if max_tokens == 0 and not echo_logprobs:
-        return _echo_only(fe, body, batch, prompts)
+        return _echo_only(fe, request, body, batch, prompts)
     states = []
     for ids in prompts:
         states += fe.start(
@@ -904,18 +920,23 @@ async def completions(
 
 
 def _echo_only(
-    fe: Frontend, body: CompletionRequest, batch: list[str | list[int]], prompts: list[list[int]]
+    fe: Frontend,
+    request: Request,
+    body: CompletionRequest,
+    batch: list[str | list[int]],
+    prompts: list[list[int]],
 ) -> Response:
-    """echo with max_tokens=0 and no logprobs: the answer is the prompts themselves; nothing to run."""
+    """echo with max_tokens=0 and no logprobs: the answer is the prompts themselves; nothing to run. The
+    prompts and parameters are checked as a request that runs is (until 2026-12-07 this path skipped the
+    context length, the logit_bias ids and the grammar), and `stream` is honoured: one chunk per choice."""
+    for p in prompts:
+        fe.checked_params(p, body, 0, None, prompt_param="prompt")
+    texts = [p if isinstance(p, str) else fe.tokenizer.decode(p) for p in batch]
     choices = [
-        CompletionChoice(
-            index=i, text=p if isinstance(p, str) else fe.tokenizer.decode(p), finish_reason="length"
-        )
-        for i, p in enumerate(batch)
-        for _ in range(body.num_choices)
+        CompletionChoice(index=i * body.num_choices + k, text=text, finish_reason="length")
+        for i, text in enumerate(texts)
+        for k in range(body.num_choices)
     ]
-    for i, c in enumerate(choices):
-        c.index = i
     prompt_tokens = sum(len(p) for p in prompts)
     usage = Usage(
         prompt_tokens=prompt_tokens,
@@ -923,14 +944,21 @@ def _echo_only(
         total_tokens=prompt_tokens,
         prompt_tokens_details=PromptTokensDetails(cached_tokens=0),
     )
-    answer = Completion(
-        id=f"cmpl-{uuid.uuid4().hex}",
-        created=int(time.time()),
-        model=body.model,
-        choices=choices,
-        usage=usage,
-    )
-    return Response(answer.model_dump_json(), media_type="application/json")
+    ours = uuid.uuid4().hex
+    headers = {"x-request-id": request.headers.get("x-request-id") or ours, "x-rackserve-request-id": ours}
+    answer = Completion(id=f"cmpl-{ours}", created=int(time.time()), model=body.model, choices=choices)
+    if not body.stream:
+        answer.usage = usage
+        return Response(answer.model_dump_json(), media_type="application/json", headers=headers)
+
+    def events() -> Iterator[str]:
+        for choice in choices:
+            yield _event(answer.model_copy(update={"choices": [choice]}))
+        if body.include_usage:
+            yield _event(answer.model_copy(update={"choices": [], "usage": usage}))
+        yield "data: [DONE]\n\n"
+
+    return StreamingResponse(events(), media_type="text/event-stream", headers=headers)
 
 
 @api.post("/tokenize", response_model=None, openapi_extra=openapi_body(TokenizeRequest))

@@ -220,6 +220,9 @@ def scripted(tokenizer: Tokenizer) -> Iterator[ScriptedCluster]:
         yield cluster
 
 
+ECHO_ONLY = {"model": MODEL, "prompt": "hi", "echo": True, "max_tokens": 0}
+
+
 def chat(content: str, **fields: Any) -> dict[str, Any]:
     return {"model": MODEL, "messages": [{"role": "user", "content": content}], **fields}
 
@@ -786,6 +789,26 @@ def test_chat_request_errors(
     assert says in message
 
 
+def test_echo_with_max_tokens_0_streams_when_asked(scripted: ScriptedCluster) -> None:
+    """echo + max_tokens 0 is answered without the cluster; asked to stream, it streams (until 2026-12-07 it
+    answered one JSON body, and the official client's stream saw no chunk at all)."""
+    client = openai.OpenAI(base_url=f"{scripted.url}/v1", api_key="none", max_retries=0)
+    stream = client.completions.create(
+        model=MODEL, prompt=["hello world", "bye"], echo=True, max_tokens=0, n=2, stream=True,
+        stream_options={"include_usage": True}, extra_headers={"x-request-id": "echo-7"},
+    )  # fmt: skip
+    chunks = list(stream)
+    texts = {c.choices[0].index: c.choices[0].text for c in chunks if c.choices}
+    assert texts == {0: "hello world", 1: "hello world", 2: "bye", 3: "bye"}
+    assert all(c.choices[0].finish_reason == "length" for c in chunks if c.choices)
+    assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens == 0
+    assert chunks[-1].usage.prompt_tokens == len(scripted.tokenizer.encode("hello world")) + len(
+        scripted.tokenizer.encode("bye")
+    )
+    whole = httpx.post(f"{scripted.url}/v1/completions", json={**ECHO_ONLY, "prompt": "hi"}, timeout=10)
+    assert whole.json()["choices"][0]["text"] == "hi" and whole.headers["x-rackserve-request-id"]
+
+
 @pytest.mark.parametrize(
     ("body", "param", "says"),
     [
@@ -795,6 +818,17 @@ def test_chat_request_errors(
         ({"model": MODEL, "prompt": "hi", "logprobs": 50}, "logprobs", "20"),
         ({"model": MODEL, "prompt": "hi", "suffix": "x"}, "suffix", "not supported"),
         ({"model": MODEL, "prompt": "hi", "max_tokens": 0}, "max_tokens", "echo"),
+        # echo with max_tokens 0 runs nothing, but is checked as a request that runs (until 2026-12-07 it was not)
+        ({**ECHO_ONLY, "prompt": "word " * 9000}, "prompt", "maximum context length"),
+        ({**ECHO_ONLY, "logit_bias": {"999999": 1}}, "logit_bias", "outside the vocabulary"),
+        (
+            {
+                **ECHO_ONLY,
+                "response_format": {"type": "json_schema", "json_schema": {"schema": {"type": "bogus"}}},
+            },
+            "response_format",
+            "bogus",
+        ),
     ],
 )
 def test_completion_request_errors(
