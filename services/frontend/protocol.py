@@ -340,6 +340,8 @@ class GenerationRequest(_Request):
 
     def structured_param(self) -> str:
         """The parameter that carries the grammar (for errors)."""
+        if isinstance(self, ChatCompletionRequest) and self.tool_schema() is not None:
+            return "tools"  # the grammar is the tools' parameters (tool_choice asked for it)
         for name in ("response_format", "structured_outputs", "guided_json", "guided_regex", "guided_choice"):
             if getattr(self, name) is not None and not (name == "response_format" and self.response_format
                                                          and self.response_format.type == "text"):  # fmt: skip
@@ -433,12 +435,26 @@ class ChatCompletionRequest(GenerationRequest):
         if mode is not None and mode.startswith("function:"):
             return tools[mode.removeprefix("function:")]
         if mode == "required":
-            calls = [
-                {"type": "object", "properties": {"name": {"const": name}, "parameters": params},
-                 "required": ["name", "parameters"], "additionalProperties": False}
-                for name, params in tools.items()
-            ]  # fmt: skip
-            return {"type": "array", "minItems": 1, "items": {"anyOf": calls}}
+            # Each tool's parameters are nested under the list's items here, so their root-relative references
+            # ("#/$defs/Loc", as pydantic writes schemas) would dangle: their definitions move to the root (as
+            # vLLM does), and two tools defining one name differently are refused.
+            lifted: dict[str, dict[str, Any]] = {"$defs": {}, "definitions": {}}
+            calls = []
+            for name, params in tools.items():
+                params = dict(params)
+                for key, defs in lifted.items():
+                    for def_name, def_schema in (params.pop(key, None) or {}).items():
+                        if defs.setdefault(def_name, def_schema) != def_schema:
+                            raise StructuredError(
+                                "tools", f"{key}/{def_name} is defined differently by two tools"
+                            )
+                calls.append(
+                    {"type": "object", "properties": {"name": {"const": name}, "parameters": params},
+                     "required": ["name", "parameters"], "additionalProperties": False}
+                )  # fmt: skip
+            schema: dict[str, Any] = {"type": "array", "minItems": 1, "items": {"anyOf": calls}}
+            schema.update({key: defs for key, defs in lifted.items() if defs})
+            return schema
         return None
 
     def template_tools(self) -> list[dict[str, Any]] | None:

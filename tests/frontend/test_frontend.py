@@ -838,6 +838,32 @@ def test_completion_request_errors(
     assert says in assert_error(r, 400, "invalid_request_error", param)
 
 
+def test_required_tool_choice_takes_tools_whose_schemas_use_defs(lonely: tuple[str, str]) -> None:
+    """pydantic writes a tool's parameters with "$defs" and "#/$defs/..." references. Under tool_choice
+    "required" the tools' schemas are nested in one list schema, where those references dangled: a valid
+    request got a 400 naming guided_grammar, a parameter it never sent (until 2026-12-07). This frontend has no
+    router: a request that passes every check gets 503."""
+    loc = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}
+
+    def tool(name: str, defs: dict[str, Any]) -> dict[str, Any]:
+        params = {"type": "object", "properties": {"loc": {"$ref": "#/$defs/Loc"}}, "required": ["loc"],
+                  "$defs": defs}  # fmt: skip
+        return {"type": "function", "function": {"name": name, "parameters": params}}
+
+    url = f"{lonely[0]}/v1/chat/completions"
+    ok = chat("weather?", tools=[tool("get_weather", {"Loc": loc}), tool("get_time", {"Loc": loc})],
+              tool_choice="required")  # fmt: skip
+    assert_error(httpx.post(url, json=ok, timeout=10), 503, "service_unavailable_error", code="no_routers")
+    other = {**loc, "required": []}
+    clash = chat("weather?", tools=[tool("get_weather", {"Loc": loc}), tool("get_time", {"Loc": other})],
+                 tool_choice="required")  # fmt: skip
+    assert "defined differently" in assert_error(httpx.post(url, json=clash, timeout=10), 400,
+                                                 "invalid_request_error", "tools")  # fmt: skip
+    bad = chat("x", tools=[{"type": "function", "function": {"name": "f", "parameters": {"type": "bogus"}}}],
+               tool_choice="required")  # fmt: skip
+    assert_error(httpx.post(url, json=bad, timeout=10), 400, "invalid_request_error", "tools")
+
+
 def test_malformed_body_and_limits(lonely: tuple[str, str]) -> None:
     url = f"{lonely[0]}/v1/chat/completions"
     headers = {"content-type": "application/json"}
