@@ -123,6 +123,13 @@ def validation_error(errors: Sequence[Any], what: str = "request body") -> ApiEr
         detail = (first.get("ctx") or {}).get("error") or first.get("msg", "")
         return bad_request(f"the {what} is not valid JSON: {detail}", code="invalid_json")
     param = field_path(first.get("loc", ()))
+    if param and isinstance(first.get("input"), dict | list):
+        # An object or a list where a union was expected: the member of its shape says what is wrong inside
+        # it (tool_choice {"type": "function", "function": {}} lacks function.name; it is not "none"/"auto").
+        deeper = [e for e in errors if field_path(e.get("loc", ())).startswith((f"{param}.", f"{param}["))]
+        if deeper:
+            first = deeper[0]
+            param = field_path(first.get("loc", ()))
     # A union reports one error per member it tried; together they say what was expected.
     messages = [_message(e) for e in errors if field_path(e.get("loc", ())) == param]
     unique = list(dict.fromkeys(messages))
@@ -134,17 +141,19 @@ def validation_error(errors: Sequence[Any], what: str = "request body") -> ApiEr
 def field_path(loc: Sequence[Any]) -> str:
     """pydantic's loc as the client wrote it: ('messages', 0, 'content') → 'messages[0].content'.
 
-    Stops at a union's member tag ('str', 'list[str]', 'function-after[...]'), which names no field."""
+    Leaves out a union's member tags ('str', 'list[TextPart]', 'NamedToolChoice', 'function-after[...]'),
+    which name no field: ('messages', 0, 'content', 'list[TextPart]', 0, 'text') → 'messages[0].content[0].text'.
+    (Field names here are snake_case; a model's class name is CamelCase.)"""
     path = ""
     for part in loc:
         if part in ("body", "query", "path") and not path:
             continue  # FastAPI's own prefix (where the parameter was)
         if isinstance(part, int):
             path += f"[{part}]"
-        elif isinstance(part, str) and part.isidentifier() and part not in _TYPE_TAGS:
+        elif (
+            isinstance(part, str) and part.isidentifier() and part not in _TYPE_TAGS and not part[0].isupper()
+        ):
             path += f".{part}" if path else part
-        else:
-            break
     return path
 
 

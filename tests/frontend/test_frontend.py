@@ -752,6 +752,32 @@ def test_no_router_is_503_with_retry_after(lonely: tuple[str, str]) -> None:
             "Extra inputs",
         ),
         (chat("hi", structured_outputs={}), 400, "structured_outputs", "invalid_value", "give one of"),
+        # a union's object member says what is wrong inside the object (until 2026-12-07 only that it was not
+        # one of the strings, or that it was not a string)
+        (
+            chat("hi", tool_choice={"type": "function", "function": {}}),
+            400,
+            "tool_choice.function.name",
+            "invalid_value",
+            "field required",
+        ),
+        (
+            {
+                "model": MODEL,
+                "messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}],
+            },
+            400,
+            "messages[0].content[0].type",
+            "invalid_value",
+            "'text' (got 'image_url')",
+        ),
+        (
+            {"model": MODEL, "messages": [{"role": "user", "content": [{"type": "text", "text": 5}]}]},
+            400,
+            "messages[0].content[0].text",
+            "invalid_value",
+            "valid string (got 5)",
+        ),
     ],
     ids=[
         "max_tokens-string",
@@ -779,6 +805,9 @@ def test_no_router_is_503_with_retry_after(lonely: tuple[str, str]) -> None:
         "best_of-on-chat",
         "structured_outputs-misspelt",
         "structured_outputs-empty",
+        "tool_choice-object-without-name",
+        "content-part-not-text",
+        "content-part-text-not-a-string",
     ],  # fmt: skip
 )
 def test_chat_request_errors(
