@@ -25,7 +25,7 @@ import logging
 import secrets
 import time
 import uuid
-from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Iterator, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Collection, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Annotated, Any, Protocol, TypeVar
 
@@ -57,7 +57,9 @@ from services.frontend.output import (
     TokenTexts,
     chat_logprobs,
     completion_logprobs,
+    content_before_calls,
     parse_tool_calls,
+    strip_tool_calls,
 )
 from services.frontend.protocol import (
     AssistantMessage,
@@ -659,14 +661,35 @@ class ResponseFormat(Protocol):
     def whole(self, answers: list[Answer], usage: Usage) -> BaseModel: ...
 
 
+@dataclass
+class _HeldChoice:
+    """A choice with tools while it streams: its text so far, how much of it went out as content, and the
+    tokens not yet sent (their logprobs go with the next chunk)."""
+
+    text: str = ""
+    released: int = 0
+    tokens: list[EmittedToken] = field(default_factory=list)
+
+
 class ChatFormat:
     def __init__(
-        self, request_id: str, model: str, logprobs: bool, texts: TokenTexts, tool_mode: str | None = None
+        self,
+        request_id: str,
+        model: str,
+        logprobs: bool,
+        texts: TokenTexts,
+        tool_mode: str | None = None,
+        tools: Collection[str] = (),
+        parallel_tool_calls: bool = True,
     ) -> None:
         self.id, self.model, self.logprobs, self.texts = f"chatcmpl-{request_id}", model, logprobs, texts
         self.created = int(time.time())
-        self.tool_mode = tool_mode  # with tools, a choice's text is held until whole, then parsed for calls
-        self._held: dict[int, Answer] = {}
+        # with tools, the text that could be a call is held until the choice is whole, then parsed for calls;
+        # under `auto`, what comes before a possible call streams as content
+        self.tool_mode = tool_mode
+        self.tools = frozenset(tools)
+        self.parallel_tool_calls = parallel_tool_calls
+        self._held: dict[int, _HeldChoice] = {}
 
     def _chunk(self, choices: list[ChatChunkChoice], usage: Usage | None = None) -> ChatCompletionChunk:
         return ChatCompletionChunk(
@@ -684,21 +707,29 @@ class ChatFormat:
         delta = ChatDelta(content=text or None)
         finish = piece.finish_reason
         if self.tool_mode is not None:
-            held = self._held.setdefault(piece.index, Answer(piece.index))
+            held = self._held.setdefault(piece.index, _HeldChoice())
             held.text += text
             held.tokens += tokens
             if finish is None:
-                return None
-            tokens = held.tokens
-            content, calls, finish = self._tool_calls(held.text, finish)
-            delta = ChatDelta(
-                content=content,
-                tool_calls=[
-                    ToolCallDelta(index=j, id=c.id, type="function", function=c.function)
-                    for j, c in enumerate(calls)
-                ]
-                or None,
-            )
+                safe = content_before_calls(held.text) if self.tool_mode == "auto" else 0
+                if safe <= held.released and not (self.logprobs and held.tokens):
+                    return None
+                delta = ChatDelta(content=held.text[held.released : safe] or None)
+                held.released = max(held.released, safe)
+            else:
+                content, calls, finish = self._tool_calls(held.text, finish)
+                rest = held.text[held.released :]
+                if calls:  # what is left of the text once the calls are taken out (none of a JSON call)
+                    rest = strip_tool_calls(rest).strip() if content is not None else ""
+                delta = ChatDelta(
+                    content=rest or None,
+                    tool_calls=[
+                        ToolCallDelta(index=j, id=c.id, type="function", function=c.function)
+                        for j, c in enumerate(calls)
+                    ]
+                    or None,
+                )
+            tokens, held.tokens = held.tokens, []
         logprobs = chat_logprobs(tokens, self.texts) if self.logprobs else None
         choice = ChatChunkChoice(
             index=piece.index, delta=delta, logprobs=logprobs, finish_reason=_finish(finish)
@@ -707,12 +738,16 @@ class ChatFormat:
 
     def _tool_calls(self, text: str, finish: str | None) -> tuple[str | None, list[ToolCall], str | None]:
         assert self.tool_mode is not None
-        content, parsed = parse_tool_calls(text, self.tool_mode)
+        content, parsed = parse_tool_calls(text, self.tool_mode, self.tools)
+        if not self.parallel_tool_calls:
+            parsed = parsed[:1]  # parallel_tool_calls false: at most one call (OpenAI's and vLLM's contract)
         calls = [
             ToolCall(id=f"call_{uuid.uuid4().hex[:24]}", function=FunctionCall(name=name, arguments=args))
             for name, args in parsed
         ]
-        if calls and finish == "stop":
+        # a named tool_choice ends with "stop", as OpenAI answers it (and vLLM); auto and required with
+        # "tool_calls"
+        if calls and finish == "stop" and not self.tool_mode.startswith("function:"):
             finish = "tool_calls"
         return content, calls, finish
 
@@ -861,7 +896,13 @@ async def chat_completions(
         choices=body.num_choices,
     )
     fmt = ChatFormat(
-        states[0].request_id, body.model, body.logprobs is True, fe.token_texts, body.tool_mode()
+        states[0].request_id,
+        body.model,
+        body.logprobs is True,
+        fe.token_texts,
+        body.tool_mode(),
+        [t.function.name for t in body.tools or []],
+        body.parallel_tool_calls is not False,
     )
     return await fe.respond(request, "chat_completions", states, fmt, body, per_prompt=body.num_choices)
 

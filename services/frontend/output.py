@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from functools import lru_cache
 
 from services.engine.tokenizer import IncrementalDetokenizer, Tokenizer
@@ -172,14 +172,18 @@ def completion_logprobs(
 _HERMES = re.compile(r"<tool_call>\s*(.*?)\s*(?:</tool_call>|$)", re.DOTALL)
 
 
-def parse_tool_calls(text: str, mode: str) -> tuple[str | None, list[tuple[str, str]]]:
+def parse_tool_calls(
+    text: str, mode: str, tools: Collection[str] | None = None
+) -> tuple[str | None, list[tuple[str, str]]]:
     """(content, [(name, arguments JSON)]) from a model's output, for a request whose tool mode is `mode`.
 
     `function:<name>`: the output is that function's arguments (constrained decoding made it so).
     `required`: a JSON list of {"name", "parameters"} (also constrained).
     `auto`: Hermes-style `<tool_call>{"name": …, "arguments": …}</tool_call>` blocks (the text around them is
     the content), or Llama-3 style — the whole output one JSON object {"name": …, "parameters": …} (or several
-    joined by ";", optionally after `<|python_tag|>`). Anything else is plain content."""
+    joined by ";", optionally after `<|python_tag|>`). Anything else is plain content, and so is an output
+    whose calls name a function not among `tools` (when given): a JSON answer with a "name" key is an answer,
+    not a call of a tool nobody offered (until 2026-12-07 it became one, and the content was lost)."""
     if mode.startswith("function:"):
         return None, [(mode.removeprefix("function:"), text.strip())]
     if mode == "required":
@@ -188,18 +192,48 @@ def parse_tool_calls(text: str, mode: str) -> tuple[str | None, list[tuple[str, 
         except ValueError:
             return text, []
         return None, [(c["name"], json.dumps(c.get("parameters", {}))) for c in calls if isinstance(c, dict)]
+
+    def offered(calls: list[tuple[str, str]]) -> bool:
+        return tools is None or all(name in tools for name, _ in calls)
+
     if "<tool_call>" in text:
         found = [_call(block) for block in _HERMES.findall(text)]
         calls = [c for c in found if c is not None]
-        if calls:
+        if calls and offered(calls):
             content = _HERMES.sub("", text).strip()
             return content or None, calls
     body = text.strip().removeprefix("<|python_tag|>").strip()
     if body.startswith("{"):
         parts = [_call(p) for p in body.split(";")] if ";" in body else [_call(body)]
-        if parts and all(p is not None for p in parts):
-            return None, [p for p in parts if p is not None]
+        whole = [p for p in parts if p is not None]
+        if parts and len(whole) == len(parts) and offered(whole):
+            return None, whole
     return text, []
+
+
+_TOOL_CALL_TAG = "<tool_call>"
+_PYTHON_TAG = "<|python_tag|>"
+
+
+def content_before_calls(text: str) -> int:
+    """How much of a streaming `auto` output is content whatever follows: everything before the first
+    `<tool_call>` (less a tail that could still become one), and nothing when the output may be a Llama-3
+    style call (it starts, past whitespace, with "{" or `<|python_tag|>`, or could still)."""
+    body = text.lstrip()
+    if not body or body.startswith(("{", _PYTHON_TAG)) or _PYTHON_TAG.startswith(body):
+        return 0
+    at = text.find(_TOOL_CALL_TAG)
+    if at >= 0:
+        return at
+    for k in range(min(len(_TOOL_CALL_TAG) - 1, len(text)), 0, -1):
+        if text.endswith(_TOOL_CALL_TAG[:k]):
+            return len(text) - k
+    return len(text)
+
+
+def strip_tool_calls(text: str) -> str:
+    """The text with its Hermes `<tool_call>` blocks taken out."""
+    return _HERMES.sub("", text)
 
 
 def _call(block: str) -> tuple[str, str] | None:

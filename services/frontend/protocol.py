@@ -372,7 +372,7 @@ class ChatCompletionRequest(GenerationRequest):
     top_logprobs: Annotated[int, Field(ge=0, le=MAX_TOP_LOGPROBS)] | None = None
     tools: list[Tool] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
-    parallel_tool_calls: bool | None = None  # several calls are always parsed; `required` may yield several
+    parallel_tool_calls: bool | None = None  # false: the first parsed call only (ChatFormat)
     best_of: Any = _refused_unless("null or 1")
     functions: Any = _refused_unless("null or empty")
     function_call: Any = _refused_unless('null or "none"')

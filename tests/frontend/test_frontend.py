@@ -92,6 +92,10 @@ class ScriptedDecode(pb_grpc.DecodeWorkerServicer):
         metadata = {k: v for k, v in context.invocation_metadata() if isinstance(v, str)}
         self.calls.append((request, metadata, context.time_remaining()))
         prompt = self.tokenizer.decode(request.prompt_token_ids)
+        answer = self.answer
+        if "[say]" in prompt:  # the answer is the text between [say] and [/say]
+            said = prompt.split("[say]", 1)[1].split("[/say]", 1)[0]
+            answer = self.tokenizer.encode(said) + [self.tokenizer.eos_token_id or 0]
         try:
             if "[refuse]" in prompt:
                 await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "the script refuses this prompt")
@@ -105,12 +109,12 @@ class ScriptedDecode(pb_grpc.DecodeWorkerServicer):
                     yield pb.DecodeChunk(tokens=[token])
                     if i % 64 == 0:
                         await asyncio.sleep(0)
-            for i, token_id in enumerate(self.answer):
+            for i, token_id in enumerate(answer):
                 if "[crash-after-3]" in prompt and i == 3:
                     await context.abort(grpc.StatusCode.UNAVAILABLE, "scripted crash")
                 if "[cut-after-3]" in prompt and i == 3:
                     return
-                last = i == len(self.answer) - 1
+                last = i == len(answer) - 1
                 token = pb.Token(token_id=token_id, index=i)
                 if request.params.logprobs >= 0:
                     token.has_logprob, token.logprob = True, -0.25
@@ -467,6 +471,65 @@ def test_min_tokens_holds_back_stop_strings_within_its_tokens(scripted: Scripted
             choice = r.json()["choices"][0]
             assert (choice.get("message") or {}).get("content", choice.get("text")) == want, (url, min_tokens)
             assert choice["finish_reason"] == "stop"
+
+
+WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}
+
+
+def test_tool_calls_are_calls_of_offered_tools_only_and_at_most_one_when_asked(
+    scripted: ScriptedCluster,
+) -> None:
+    """With tools offered, a JSON answer that has a "name" key is an answer (until 2026-12-07 it became a call
+    of a tool named "Bob" and the content was lost), and so is a call of a tool nobody offered; two calls of an
+    offered tool are two calls, or one with parallel_tool_calls false; a named tool_choice ends with "stop"."""
+    client = openai.OpenAI(base_url=f"{scripted.url}/v1", api_key="none", max_retries=0)
+
+    def ask(said: str, **kw: Any) -> Any:
+        msgs = [{"role": "user", "content": f"[say]{said}[/say]"}]
+        return client.chat.completions.create(model=MODEL, messages=msgs, tools=[WEATHER], **kw).choices[0]
+
+    person = '{"name": "Bob", "age": 3}'
+    for said in (person, '<tool_call>{"name": "rm_rf", "arguments": {}}</tool_call>'):
+        choice = ask(said)
+        assert choice.message.content == said and not choice.message.tool_calls, said
+        assert choice.finish_reason == "stop"
+    two = 'On it.<tool_call>{"name": "get_weather", "arguments": {"city": "Paris"}}</tool_call>' + (
+        '<tool_call>{"name": "get_weather", "arguments": {"city": "Rome"}}</tool_call>'
+    )
+    choice = ask(two)
+    assert choice.message.content == "On it." and choice.finish_reason == "tool_calls"
+    assert [json.loads(c.function.arguments)["city"] for c in choice.message.tool_calls] == ["Paris", "Rome"]
+    one = ask(two, parallel_tool_calls=False).message.tool_calls
+    assert [json.loads(c.function.arguments)["city"] for c in one] == ["Paris"]
+    named = ask('{"city": "Oslo"}', tool_choice={"type": "function", "function": {"name": "get_weather"}})
+    assert named.finish_reason == "stop" and named.message.tool_calls[0].function.name == "get_weather"
+
+
+def test_with_tools_text_before_a_possible_call_streams_as_it_comes(scripted: ScriptedCluster) -> None:
+    """A request with tools that the model answers in text streams that text token by token (until
+    2026-12-07 it came in one chunk at the end); the text before a Hermes call streams too, the call comes
+    whole at the end, and a Llama-3 style JSON call is never shown as content."""
+    client = openai.OpenAI(base_url=f"{scripted.url}/v1", api_key="none", max_retries=0)
+
+    def stream(content: str) -> list[Any]:
+        msgs = [{"role": "user", "content": content}]
+        return [c.choices[0].delta for c in client.chat.completions.create(
+            model=MODEL, messages=msgs, tools=[WEATHER], stream=True) if c.choices]  # fmt: skip
+
+    deltas = stream("hello")
+    pieces = [d.content for d in deltas if d.content]
+    assert len(pieces) > 3 and "".join(pieces) == ANSWER
+    call = '<tool_call>{"name": "get_weather", "arguments": {"city": "Paris"}}</tool_call>'
+    deltas = stream(f"[say]Let me check the weather.{call}[/say]")
+    pieces = [d.content for d in deltas if d.content]
+    assert len(pieces) > 3 and "".join(pieces) == "Let me check the weather."
+    calls = [c for d in deltas for c in d.tool_calls or []]
+    assert [(c.function.name, json.loads(c.function.arguments)) for c in calls] == [
+        ("get_weather", {"city": "Paris"})
+    ]
+    deltas = stream('[say] {"name": "get_weather", "parameters": {"city": "Rome"}}[/say]')
+    assert not any(d.content for d in deltas)
+    assert [c.function.name for d in deltas for c in d.tool_calls or []] == ["get_weather"]
 
 
 def test_metrics_count_requests_and_tokens(scripted: ScriptedCluster) -> None:

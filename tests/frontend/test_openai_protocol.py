@@ -8,7 +8,7 @@ import json
 import pytest
 from pydantic import ValidationError
 
-from services.frontend.output import parse_tool_calls
+from services.frontend.output import content_before_calls, parse_tool_calls
 from services.frontend.protocol import ChatCompletionRequest, ChatMessage, CompletionRequest, StructuredError
 
 MSGS = [{"role": "user", "content": "hi"}]
@@ -35,6 +35,31 @@ def test_plain_text_and_broken_json_stay_content() -> None:
     assert parse_tool_calls("Paris is sunny.", "auto") == ("Paris is sunny.", [])
     assert parse_tool_calls('{"name": 3}', "auto") == ('{"name": 3}', [])
     assert parse_tool_calls("<tool_call>{not json</tool_call>", "auto")[1] == []
+
+
+def test_only_calls_of_offered_tools_are_calls() -> None:
+    offered = {"get_weather"}
+    assert parse_tool_calls('{"name": "Bob", "age": 3}', "auto", offered) == ('{"name": "Bob", "age": 3}', [])
+    hermes = '<tool_call>{"name": "rm_rf", "arguments": {}}</tool_call>'
+    assert parse_tool_calls(hermes, "auto", offered) == (hermes, [])
+    mixed = '{"name": "get_weather", "parameters": {}}; {"name": "rm_rf", "parameters": {}}'
+    assert parse_tool_calls(mixed, "auto", offered) == (mixed, [])
+    assert parse_tool_calls('{"name": "get_weather", "parameters": {"c": 1}}', "auto", offered) == (
+        None,
+        [("get_weather", '{"c": 1}')],
+    )
+
+
+@pytest.mark.parametrize(
+    ("text", "content"),
+    [
+        ("", 0), ("   ", 0), (" {", 0), ("<|py", 0), ("<|python_tag|>{", 0),  # may still be a JSON call
+        ("Sure", 4), ("Sure <tool", 5), ("Sure <tool_call>{", 5), ("Sure <tool_call>{}</tool_call> ok", 5),
+        ("<", 0), ("a < b", 5),
+    ],
+)  # fmt: skip
+def test_content_before_calls_holds_only_what_could_be_a_call(text: str, content: int) -> None:
+    assert content_before_calls(text) == content
 
 
 def test_forced_and_required_outputs_become_calls() -> None:
