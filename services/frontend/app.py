@@ -33,7 +33,7 @@ import httpx
 from fastapi import APIRouter, Depends, FastAPI, Request, Response
 from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import BaseModel
-from starlette.types import Receive, Scope, Send
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from services.engine.sampling import draw_seed
 from services.engine.structured import GrammarError, Grammars
@@ -359,6 +359,7 @@ class Frontend:
             first = await _unless_disconnected(request, anext(pieces))
         except ApiError as e:
             self._finished(endpoint, states, e.status, e.code or e.type)
+            e.headers.update(headers)  # a request that failed is found by its ids like one that did not
             raise
         except asyncio.CancelledError:
             self._finished(endpoint, states, CLIENT_CLOSED_REQUEST, "client_closed")
@@ -368,7 +369,9 @@ class Frontend:
             raise
         stream = self._sse(endpoint, states, per_prompt, fmt, first, pieces, body.include_usage)
         cut_at = max(s.deadline_s for s in states) + self.config.stalled_client_grace_s
-        return EventStreamResponse(stream, cut_at, media_type="text/event-stream", headers=headers)
+        return EventStreamResponse(
+            stream, cut_at, media_type="text/event-stream", headers={**headers, **SSE_HEADERS}
+        )
 
     def _pieces(
         self, state: RequestState, body: GenerationRequest, echo: str | None
@@ -443,6 +446,11 @@ class Frontend:
             if state.pulled_tokens:
                 metrics.PULLED_PROMPT_TOKENS.inc(state.pulled_tokens)
             self.observer.finished(endpoint, state, status, error_type)
+
+
+# An event stream is never cached, and a proxy must pass each event on as it comes: nginx buffers a proxied
+# response unless told not to (X-Accel-Buffering), which turns a token stream into bursts.
+SSE_HEADERS = {"cache-control": "no-cache", "x-accel-buffering": "no"}
 
 
 class EventStreamResponse(StreamingResponse):
@@ -999,7 +1007,7 @@ def _echo_only(
             yield _event(answer.model_copy(update={"choices": [], "usage": usage}))
         yield "data: [DONE]\n\n"
 
-    return StreamingResponse(events(), media_type="text/event-stream", headers=headers)
+    return StreamingResponse(events(), media_type="text/event-stream", headers={**headers, **SSE_HEADERS})
 
 
 @api.post("/tokenize", response_model=None, openapi_extra=openapi_body(TokenizeRequest))
@@ -1196,4 +1204,34 @@ def create_app(
     metrics.export_healthy_workers(directory, ("router", "prefill", "decode"))
     install_error_handlers(app)
     app.include_router(api)
+    app.add_middleware(RequestIdHeader)
     return app
+
+
+class RequestIdHeader:
+    """Every response names its request in `x-request-id`, as OpenAI's do: the client's own id echoed (vLLM
+    echoes it too), else a fresh one. Responses of requests that ran set it themselves (with ours in
+    x-rackserve-request-id); this covers the rest, errors first: until 2026-12-07 a 400, 404, 429 or 503 carried
+    none, and the client's error object had no request id to match with the server's logs."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        sent = dict(scope.get("headers") or []).get(b"x-request-id", b"")
+        rid = (
+            sent
+            if 0 < len(sent) <= 128 and sent.decode("latin-1").isprintable()
+            else uuid.uuid4().hex.encode()
+        )
+
+        async def send_with_id(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                headers = list(message.get("headers") or [])
+                if not any(name.lower() == b"x-request-id" for name, _ in headers):
+                    message = {**message, "headers": [*headers, (b"x-request-id", rid)]}
+            await send(message)
+
+        await self.app(scope, receive, send_with_id)

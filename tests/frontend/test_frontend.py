@@ -532,6 +532,32 @@ def test_with_tools_text_before_a_possible_call_streams_as_it_comes(scripted: Sc
     assert [c.function.name for d in deltas for c in d.tool_calls or []] == ["get_weather"]
 
 
+def test_every_response_names_its_request_and_streams_pass_proxies(scripted: ScriptedCluster) -> None:
+    """x-request-id on every response, errors included (until 2026-12-07 a 400, 404 or a failed request's
+    503 carried none, so the client's error had no id to match the server's logs with); a request that ran
+    and failed also names ours, the timeline's key. Event streams say not to cache or buffer them."""
+    url = f"{scripted.url}/v1/chat/completions"
+    sent = {"x-request-id": "client-abc"}
+    for body, status in (
+        (chat("hi", model="nope"), 404),
+        (chat("hi", temperature=9), 400),
+        (chat("[refuse]"), 400),
+    ):
+        r = httpx.post(url, json=body, headers=sent, timeout=10)
+        assert r.status_code == status and r.headers["x-request-id"] == "client-abc", r.text
+    ran = httpx.post(url, json=chat("[refuse]"), headers=sent, timeout=10)
+    timeline = httpx.get(f"{scripted.url}/v1/requests/{ran.headers['x-rackserve-request-id']}/timeline")
+    assert timeline.status_code == 200 and timeline.json()["status"] == 400
+    anonymous = httpx.post(url, json=chat("hi", model="nope"), timeout=10).headers["x-request-id"]
+    assert re.fullmatch(r"[0-9a-f]{32}", anonymous)  # a fresh one where the client sent none
+    client = openai.OpenAI(base_url=f"{scripted.url}/v1", api_key="none", max_retries=0)
+    with pytest.raises(openai.NotFoundError) as e:
+        client.chat.completions.create(model="nope", messages=[{"role": "user", "content": "hi"}])
+    assert e.value.request_id
+    with httpx.stream("POST", url, json=chat("hi", stream=True), timeout=10) as r:
+        assert r.headers["cache-control"] == "no-cache" and r.headers["x-accel-buffering"] == "no"
+
+
 def test_metrics_count_requests_and_tokens(scripted: ScriptedCluster) -> None:
     httpx.post(f"{scripted.url}/v1/chat/completions", json=chat("metrics"), timeout=10)
     text = httpx.get(f"{scripted.url}/metrics").text
