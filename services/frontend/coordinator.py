@@ -296,8 +296,9 @@ class Coordinator:
         finally:
             if not waiting.done():
                 waiting.cancel()
-        state.cached_tokens = response.cached_tokens
-        state.pulled_tokens = response.pulled_tokens
+        if state.first_token_unix_s is None:  # as in the decode stream: the first token's attempt counts
+            state.cached_tokens = response.cached_tokens
+            state.pulled_tokens = response.pulled_tokens
         return response
 
     def _registered(self, worker: pb.WorkerRef, role: str) -> bool:
@@ -340,7 +341,9 @@ class Coordinator:
                     state.migration_ended("resumed")
                 if state.phase in (Phase.PREFILLING, Phase.TRANSFERRING):
                     state.advance(Phase.DECODING)
-                    if kv is None:
+                    # usage counts the cache of the attempt the first token came from: a request rebuilt after
+                    # a migration (its prompt plus the tokens already sent) reports its own, not the client's
+                    if kv is None and state.first_token_unix_s is None:
                         state.cached_tokens = chunk.cached_tokens
                         state.pulled_tokens = chunk.pulled_tokens
                     if chunk.transfer_backend:
