@@ -493,6 +493,7 @@ class Piece:
     tokens: list[EmittedToken]
     finish_reason: str | None = None
     index: int = 0
+    stop_reason: int | str | None = None  # with finish_reason "stop": the stop string or stop token id
     echo: str | None = None
     echo_first: int | None = None
     echoed: list[EmittedToken] = field(default_factory=list)
@@ -506,6 +507,7 @@ class Answer:
     text: str = ""
     tokens: list[EmittedToken] = field(default_factory=list)
     finish_reason: str | None = None
+    stop_reason: int | str | None = None
     echo: str | None = None
     echo_first: int | None = None
     echoed: list[EmittedToken] = field(default_factory=list)
@@ -542,15 +544,24 @@ async def _pieces(
                     state.finish(
                         "stop", assembler.stop_hit
                     )  # closing `batches` then cancels the worker's call
-                piece.finish_reason = "stop"
+                piece.finish_reason, piece.stop_reason = "stop", assembler.stop_hit
                 yield piece
                 return
             if batch.finish_reason is not None:
                 piece.text += assembler.finish()
-                piece.finish_reason = batch.finish_reason
+                piece.finish_reason, piece.stop_reason = batch.finish_reason, _stop_token(state)
                 yield piece
                 return
             yield piece
+
+
+def _stop_token(state: RequestState) -> int | None:
+    """The stop token id that ended the request, if one of `stop_token_ids` did (vLLM's stop_reason); None for
+    EOS (which the workers also name) and every other end."""
+    reason = state.stop_reason or ""
+    if state.finish_reason == "stop" and reason.isdigit() and int(reason) in state.params.stop_token_ids:
+        return int(reason)
+    return None
 
 
 async def _merged(choices: list[AsyncGenerator[Piece, None]]) -> AsyncGenerator[Piece, None]:
@@ -588,6 +599,7 @@ async def _collect(pieces: AsyncIterator[Piece], choices: int) -> list[Answer]:
         texts[piece.index].append(piece.text)
         answer.tokens.extend(piece.tokens)
         answer.finish_reason = piece.finish_reason or answer.finish_reason
+        answer.stop_reason = piece.stop_reason if piece.finish_reason else answer.stop_reason
     for answer, parts in zip(answers, texts, strict=True):
         answer.text = "".join(parts)
     return answers
@@ -740,8 +752,9 @@ class ChatFormat:
             tokens, held.tokens = held.tokens, []
         logprobs = chat_logprobs(tokens, self.texts) if self.logprobs else None
         choice = ChatChunkChoice(
-            index=piece.index, delta=delta, logprobs=logprobs, finish_reason=_finish(finish)
-        )
+            index=piece.index, delta=delta, logprobs=logprobs, finish_reason=_finish(finish),
+            stop_reason=piece.stop_reason,
+        )  # fmt: skip
         return self._chunk([choice])
 
     def _tool_calls(self, text: str, finish: str | None) -> tuple[str | None, list[ToolCall], str | None]:
@@ -776,6 +789,7 @@ class ChatFormat:
                     message=AssistantMessage(content=content, tool_calls=calls or None),
                     logprobs=chat_logprobs(a.tokens, self.texts) if self.logprobs else None,
                     finish_reason=_finish(finish),
+                    stop_reason=a.stop_reason,
                 )
             )
         return ChatCompletion(
@@ -822,8 +836,9 @@ class CompletionFormat:
             self._text_offset[piece.index] = offset + sum(len(t) for t in logprobs.tokens)
         text = (piece.echo or "") + piece.text
         choice = CompletionChoice(
-            index=piece.index, text=text, logprobs=logprobs, finish_reason=_finish(piece.finish_reason)
-        )
+            index=piece.index, text=text, logprobs=logprobs, finish_reason=_finish(piece.finish_reason),
+            stop_reason=piece.stop_reason,
+        )  # fmt: skip
         return self._completion([choice])
 
     def usage_chunk(self, usage: Usage) -> BaseModel:
@@ -838,6 +853,7 @@ class CompletionFormat:
                 if self.logprobs
                 else None,
                 finish_reason=_finish(a.finish_reason),
+                stop_reason=a.stop_reason,
             )
             for a in answers
         ]

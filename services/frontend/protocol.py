@@ -625,11 +625,17 @@ class AssistantMessage(_WithoutEmptyToolCalls):
     tool_calls: list[ToolCall] | None = None
 
 
+# vLLM's extension on every choice: what stopped it — the stop string, the stop token id (an int), or null (EOS,
+# length, or nothing yet)
+StopReason = int | str | None
+
+
 class ChatChoice(BaseModel):
     index: int = 0
     message: AssistantMessage
     logprobs: ChatLogprobs | None = None
     finish_reason: FinishReason | None
+    stop_reason: StopReason = None
 
 
 class ChatCompletion(BaseModel):
@@ -652,6 +658,7 @@ class ChatChunkChoice(BaseModel):
     delta: ChatDelta
     logprobs: ChatLogprobs | None = None
     finish_reason: FinishReason | None = None
+    stop_reason: StopReason = None
 
 
 class ChatCompletionChunk(BaseModel):
@@ -668,6 +675,7 @@ class CompletionChoice(BaseModel):
     text: str
     logprobs: CompletionLogprobs | None = None
     finish_reason: FinishReason | None
+    stop_reason: StopReason = None
 
 
 class Completion(BaseModel):

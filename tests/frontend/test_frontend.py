@@ -302,6 +302,7 @@ def test_stop_string_truncates_and_streamed_text_never_shows_it(scripted: Script
         "text": "The capital of ",
         "logprobs": None,
         "finish_reason": "stop",
+        "stop_reason": "France",
     }
 
 
@@ -556,6 +557,25 @@ def test_every_response_names_its_request_and_streams_pass_proxies(scripted: Scr
     assert e.value.request_id
     with httpx.stream("POST", url, json=chat("hi", stream=True), timeout=10) as r:
         assert r.headers["cache-control"] == "no-cache" and r.headers["x-accel-buffering"] == "no"
+
+
+def test_each_choice_says_what_stopped_it_as_vllm_does(scripted: ScriptedCluster) -> None:
+    """vLLM's stop_reason: the stop string, the stop token id (an int), or null for EOS; on the whole answer and
+    on the stream's last chunk, for chat and completions. Not sent until 2026-12-07."""
+    eos = scripted.tokenizer.eos_token_id
+    cases = [({"stop": ["France"]}, "France"), ({"stop_token_ids": [eos]}, eos), ({}, None)]
+    for path, body in (
+        ("/v1/chat/completions", chat("hi")),
+        ("/v1/completions", {"model": MODEL, "prompt": "hi"}),
+    ):
+        for extra, want in cases:
+            whole = httpx.post(f"{scripted.url}{path}", json={**body, **extra}, timeout=10).json()["choices"][
+                0
+            ]
+            assert whole["finish_reason"] == "stop" and whole["stop_reason"] == want, (path, extra, whole)
+            with httpx.stream("POST", f"{scripted.url}{path}", json={**body, **extra, "stream": True}) as r:
+                last = [e for e in sse_events(r) if e != "[DONE]" and e["choices"]][-1]["choices"][0]
+            assert last["finish_reason"] == "stop" and last["stop_reason"] == want, (path, extra, last)
 
 
 def test_metrics_count_requests_and_tokens(scripted: ScriptedCluster) -> None:
