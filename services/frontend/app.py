@@ -258,7 +258,7 @@ class Frontend:
         n = len(prompt_token_ids)
         if n == 0:
             raise bad_request(f"{prompt_param}: the prompt is empty (0 tokens)", param=prompt_param)
-        if n >= limit:
+        if n > limit or (n == limit and max_tokens != 0):  # max_tokens 0 (echo) generates nothing
             raise bad_request(
                 f"This model's maximum context length is {limit} tokens, but the prompt has {n} tokens "
                 "(leaving no room for a completion)",
@@ -474,6 +474,11 @@ class EventStreamResponse(StreamingResponse):
             log.warning(
                 "a stream outlived its request's deadline (its client stopped reading): connection cut"
             )
+            # A graceful close would wait to flush what the client is not reading, keeping the socket (and a
+            # drain) for as long as the client keeps it: the server aborts the connection instead (server.py).
+            abort = getattr(scope["app"].state, "abort_connection", None)
+            if abort is not None and abort(scope.get("client")):
+                await asyncio.sleep(0)  # the server sees the connection lost before this call returns
         finally:
             iterator = self.body_iterator
             if isinstance(iterator, AsyncGenerator):
@@ -1035,7 +1040,7 @@ async def tokenize(
     """The token ids the model would see (vLLM's shape)."""
     if body.model is not None:
         fe.check_model(body.model)
-        caller.check_model(body.model)
+    caller.check_model(fe.config.served_model_name)  # the served model's tokenizer, named or not
     if body.messages is not None:
         try:
             text = fe.tokenizer.apply_chat_template(
@@ -1059,7 +1064,7 @@ async def detokenize(
 ) -> dict[str, Any]:
     if body.model is not None:
         fe.check_model(body.model)
-        caller.check_model(body.model)
+    caller.check_model(fe.config.served_model_name)
     vocab = fe.tokenizer.vocab_size
     bad = next((t for t in body.tokens if t >= vocab), None)
     if bad is not None:

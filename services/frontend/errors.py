@@ -8,6 +8,7 @@ Nothing here may answer 500 for a cause the client or the cluster state explains
 
 from __future__ import annotations
 
+import functools
 import logging
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -16,6 +17,7 @@ import grpc
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
+from pydantic import BaseModel
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 log = logging.getLogger("rackserve.frontend")
@@ -123,15 +125,25 @@ def validation_error(errors: Sequence[Any], what: str = "request body") -> ApiEr
         detail = (first.get("ctx") or {}).get("error") or first.get("msg", "")
         return bad_request(f"the {what} is not valid JSON: {detail}", code="invalid_json")
     param = field_path(first.get("loc", ()))
+    same = [e for e in errors if field_path(e.get("loc", ())) == param]
     if param and isinstance(first.get("input"), dict | list):
-        # An object or a list where a union was expected: the member of its shape says what is wrong inside
-        # it (tool_choice {"type": "function", "function": {}} lacks function.name; it is not "none"/"auto").
-        deeper = [e for e in errors if field_path(e.get("loc", ())).startswith((f"{param}.", f"{param}["))]
-        if deeper:
-            first = deeper[0]
-            param = field_path(first.get("loc", ()))
+        # An object or a list where a union was expected, and only one member of the union has errors inside
+        # it: that member is the one the client meant, and its error says what is wrong there (tool_choice
+        # {"type": "function", "function": {}} lacks function.name; it is not that it is not "none"). When
+        # several members have (a mixed prompt list), no one of them is the client's: the union's errors stand.
+        inside = [e for e in same if len(_path_parts(e.get("loc", ()), skip_tags=True)) > _depth(param)]
+        members = {_member(e.get("loc", ())) for e in inside}
+        if inside and len(members) == 1:
+            first = inside[0]
+            param = _joined(_path_parts(first.get("loc", ()), skip_tags=True))
+            same = [e for e in inside if _joined(_path_parts(e.get("loc", ()), skip_tags=True)) == param]
+    if first.get("type") == "extra_forbidden" and first.get("loc"):
+        key = first["loc"][-1]  # the unknown key itself, whatever its spelling ("json-schema")
+        parent = field_path(first["loc"][:-1])
+        param = f"{parent}.{key}" if parent else str(key)
+        same = [first]
     # A union reports one error per member it tried; together they say what was expected.
-    messages = [_message(e) for e in errors if field_path(e.get("loc", ())) == param]
+    messages = [_message(e) for e in same]
     unique = list(dict.fromkeys(messages))
     where = param or what
     got = _shown(first.get("input"))
@@ -141,20 +153,54 @@ def validation_error(errors: Sequence[Any], what: str = "request body") -> ApiEr
 def field_path(loc: Sequence[Any]) -> str:
     """pydantic's loc as the client wrote it: ('messages', 0, 'content') → 'messages[0].content'.
 
-    Leaves out a union's member tags ('str', 'list[TextPart]', 'NamedToolChoice', 'function-after[...]'),
-    which name no field: ('messages', 0, 'content', 'list[TextPart]', 0, 'text') → 'messages[0].content[0].text'.
-    (Field names here are snake_case; a model's class name is CamelCase.)"""
-    path = ""
+    Stops at a union's member tag ('str', 'list[str]', 'function-after[...]', a model's class name such as
+    'NamedToolChoice'), which names no field."""
+    return _joined(_path_parts(loc, skip_tags=False))
+
+
+def _path_parts(loc: Sequence[Any], skip_tags: bool) -> list[str | int]:
+    """The loc's field names and list indexes; at a union member's tag, stop (or with `skip_tags`, go on past it:
+    ('messages', 0, 'content', 'list[TextPart]', 0, 'text') → messages, 0, content, 0, text)."""
+    parts: list[str | int] = []
     for part in loc:
-        if part in ("body", "query", "path") and not path:
+        if part in ("body", "query", "path") and not parts:
             continue  # FastAPI's own prefix (where the parameter was)
-        if isinstance(part, int):
-            path += f"[{part}]"
-        elif (
-            isinstance(part, str) and part.isidentifier() and part not in _TYPE_TAGS and not part[0].isupper()
-        ):
-            path += f".{part}" if path else part
+        if isinstance(part, int) or (isinstance(part, str) and not _is_tag(part)):
+            parts.append(part)
+        elif not skip_tags:
+            break
+    return parts
+
+
+def _member(loc: Sequence[Any]) -> str:
+    """The tag of the union member an error is in: the first in its loc (field_path stops there)."""
+    tags = [p for p in loc if isinstance(p, str) and _is_tag(p)]
+    return tags[0] if tags else ""
+
+
+def _depth(param: str) -> int:
+    return param.count(".") + param.count("[") + 1
+
+
+def _joined(parts: Sequence[str | int]) -> str:
+    path = ""
+    for part in parts:
+        path += f"[{part}]" if isinstance(part, int) else (f".{part}" if path else part)
     return path
+
+
+def _is_tag(part: str) -> bool:
+    return not part.isidentifier() or part in _TYPE_TAGS or part in _model_names()
+
+
+@functools.cache
+def _model_names() -> frozenset[str]:
+    """The request models' class names: pydantic tags a union member that is a model with its class name."""
+    from services.frontend import protocol
+
+    return frozenset(
+        name for name, obj in vars(protocol).items() if isinstance(obj, type) and issubclass(obj, BaseModel)
+    )
 
 
 _TYPE_TAGS = frozenset({"str", "int", "float", "bool", "list", "dict", "none", "literal", "tagged-union"})

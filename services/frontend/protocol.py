@@ -274,7 +274,8 @@ class GenerationRequest(_Request):
     def _only_when_streaming(
         cls, options: StreamOptions | None, info: ValidationInfo
     ) -> StreamOptions | None:
-        if options is not None and info.data.get("stream") is not True:
+        # as vLLM: an empty object asks for nothing and passes
+        if options is not None and options.model_fields_set and info.data.get("stream") is not True:
             raise ValueError("stream_options can only be given when stream is true")
         return options
 
@@ -403,7 +404,7 @@ class ChatCompletionRequest(GenerationRequest):
     @field_validator("top_logprobs")
     @classmethod
     def _top_needs_logprobs(cls, top: int | None, info: ValidationInfo) -> int | None:
-        if top is not None and info.data.get("logprobs") is not True:
+        if top and info.data.get("logprobs") is not True:  # 0 asks for nothing: vLLM lets it pass too
             raise ValueError("top_logprobs needs logprobs: true")
         return top
 
@@ -443,7 +444,10 @@ class ChatCompletionRequest(GenerationRequest):
             for name, params in tools.items():
                 params = dict(params)
                 for key, defs in lifted.items():
-                    for def_name, def_schema in (params.pop(key, None) or {}).items():
+                    own = params.pop(key, None) or {}
+                    if not isinstance(own, dict):
+                        raise StructuredError("tools", f"{name}: parameters.{key} must be an object")
+                    for def_name, def_schema in own.items():
                         if defs.setdefault(def_name, def_schema) != def_schema:
                             raise StructuredError(
                                 "tools", f"{key}/{def_name} is defined differently by two tools"

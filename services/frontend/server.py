@@ -19,7 +19,8 @@ import signal
 import socket
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import uvicorn
 
@@ -141,6 +142,7 @@ async def serve(args: argparse.Namespace) -> None:
             timeout_graceful_shutdown=graceful_s,
         )
     )  # fmt: skip
+    app.state.abort_connection = connection_aborter(server)
     registration: Registration | None = None
     loop = asyncio.get_running_loop()
     stop = asyncio.Event()
@@ -178,6 +180,25 @@ async def serve(args: argparse.Namespace) -> None:
             await serving
         await directory.close()
         tracing.shutdown()
+
+
+def connection_aborter(server: uvicorn.Server) -> Callable[[Any], bool]:
+    """abort(client address): reset the server's connection with that client at once, not waiting to flush
+    what it has not read (a stream cut past its deadline, app.EventStreamResponse); False if none is open."""
+
+    def abort(client: Any) -> bool:
+        for conn in list(server.server_state.connections):
+            transport = getattr(conn, "transport", None)
+            if (
+                client is not None
+                and getattr(conn, "client", None) == tuple(client)
+                and transport is not None
+            ):
+                transport.abort()
+                return True
+        return False
+
+    return abort
 
 
 class _DrainingServer(uvicorn.Server):

@@ -495,19 +495,21 @@ class KvSource:
             device_reader = reply.cuda_ipc or (reply.nixl is not None and open_.device)
             if self.debug_on_pull is not None:
                 self.debug_on_pull(key)
-            # The pin lasts max_pin_s at most, whatever the reader does: one that stops reading without closing
-            # (a SIGSTOPped decode worker, a stray client) would otherwise block the payload's send for good and
-            # hold the publication's memory past its retraction and expiry.
+            # A reader that makes no progress for max_pin_s loses its pin: one that stops reading without
+            # closing (a SIGSTOPped decode worker, a stray client) would otherwise block the send for good and
+            # hold the publication's memory past its retraction and expiry. A slow reader that keeps reading
+            # (a large KV over a slow link) is not cut: the payload's deadline is per chunk.
             async with asyncio.timeout(self.config.max_pin_s):
                 await protocol.send_message(conn, reply)
-                if backend == TCP:
-                    await self._send_payload(conn, pub.view)
-                    pub.served += 1
-                    return True
-                if backend == NIXL:
-                    nixl_reader = True
-                    self._nixl_readers += 1
-                    self._ensure_progress()
+            if backend == TCP:
+                await self._send_payload(conn, pub.view)
+                pub.served += 1
+                return True
+            if backend == NIXL:
+                nixl_reader = True
+                self._nixl_readers += 1
+                self._ensure_progress()
+            async with asyncio.timeout(self.config.max_pin_s):
                 Done.from_wire(await protocol.recv_message(conn))  # or EOF when the reader goes away
             pub.served += 1
             pub.device_served |= device_reader
@@ -535,7 +537,10 @@ class KvSource:
         # sock_sendall of a memoryview sends from the payload itself: no copy into a transport buffer.
         chunk = self.config.tcp_chunk_bytes
         for start in range(0, len(view), chunk):
-            await loop.sock_sendall(conn, view[start : start + chunk])
+            async with asyncio.timeout(
+                self.config.max_pin_s
+            ):  # no progress for this long: the reader is gone
+                await loop.sock_sendall(conn, view[start : start + chunk])
 
     def _ensure_progress(self) -> None:
         if self._progress is None or self._progress.done():

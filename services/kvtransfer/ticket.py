@@ -59,7 +59,9 @@ class TransferConfig:
     shm_dir: str = "/dev/shm"
     tcp_chunk_bytes: int = 4 << 20
     socket_buffer_bytes: int = 4 << 20
-    max_pin_s: float = 60.0  # a consumer holding a key longer than this loses its pin
+    # a consumer holding a key this long without reading (or, over NIXL/shm/cuda_ipc, without saying it is done)
+    # loses its pin
+    max_pin_s: float = 60.0
     # Source: device memory the device copies of publications (for cuda_ipc and NIXL VRAM readers) may take at
     # once; a publication past it is offered as host bytes only. None: no limit.
     device_copy_bytes: int | None = None

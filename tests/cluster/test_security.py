@@ -135,11 +135,11 @@ def test_a_key_scoped_to_other_models_gets_403(guarded_frontend: tuple[str, Path
     # the same request with a key for every model passes auth (and meets a cluster without routers: 503)
     r = httpx.post(f"{url}/v1/chat/completions", json=CHAT, headers=_auth(KEY_ALL), timeout=30)
     assert r.status_code == 503 and r.json()["error"]["code"] == "no_routers"
-    # its tokenizer is not the key's either, and /v1/models lists only what the key may use (both until
+    # its tokenizer is not the key's either, named or not, and /v1/models lists only what the key may use (both until
     # 2026-12-07 answered any key)
     for path, body in (
         ("/tokenize", {"model": MODEL, "prompt": "hi"}),
-        ("/detokenize", {"model": MODEL, "tokens": [1]}),
+        ("/detokenize", {"tokens": [1]}),
     ):
         r = httpx.post(f"{url}{path}", json=body, headers=_auth(KEY_F), timeout=30)
         assert r.status_code == 403 and r.json()["error"]["code"] == "model_not_allowed", path

@@ -40,7 +40,7 @@ from services.engine.tokenizer import Tokenizer
 from services.frontend.app import FrontendConfig, create_app
 from services.frontend.coordinator import Coordinator
 from services.frontend.output import TextAssembler
-from services.frontend.server import DEFAULT_MODEL_NAME, load_tokenizer
+from services.frontend.server import DEFAULT_MODEL_NAME, connection_aborter, load_tokenizer
 from services.rpc import pb, pb_grpc
 from services.runtime.channels import ChannelPool
 from tests.support.cluster import wait_frontend_ready
@@ -206,6 +206,7 @@ class ScriptedCluster:
         config = FrontendConfig(served_model_name=MODEL, request_timeout_s=2.0, stalled_client_grace_s=1.0)
         app = create_app(config, self.tokenizer, directory, Coordinator(directory, ChannelPool()))
         self.http = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="warning"))
+        app.state.abort_connection = connection_aborter(self.http)  # as server.serve sets it
         self.serving = asyncio.get_running_loop().create_task(self.http.serve())
         while not self.http.started:
             assert not self.serving.done(), "uvicorn exited while starting"
@@ -423,8 +424,17 @@ def test_a_stream_whose_client_stops_reading_is_cut_after_its_deadline(scripted:
         assert record["status"] == 499 and record["error_type"] == "client_closed"
         assert time.monotonic() - sent_at >= 2.0
         assert scripted.decode.cancelled.wait(5.0)  # the worker stopped generating for it
+        # and the server let the connection go at once, though the client still reads nothing (a graceful
+        # close would wait to flush, holding the socket, and a drain, as long as the client keeps it)
+        mine = sock.getsockname()
+        for _ in range(50):
+            if not any(getattr(c, "client", None) == mine for c in scripted.http.server_state.connections):
+                break
+            time.sleep(0.1)
+        else:
+            raise AssertionError("the cut connection is still open")
         sock.settimeout(10)
-        while sock.recv(1 << 16):  # what was buffered, then the end: the frontend closed the connection
+        while sock.recv(1 << 16):  # what the kernel had buffered, then the end
             pass
     finally:
         sock.close()
@@ -467,10 +477,14 @@ def test_min_tokens_holds_back_stop_strings_within_its_tokens(scripted: Scripted
     with min_tokens 6 it does not stop the answer (it did until 2026-12-07), and with min_tokens 1 it does."""
     for url in (f"{scripted.url}/v1/chat/completions", f"{scripted.url}/v1/completions"):
         body = chat("hi") if url.endswith("chat/completions") else {"model": MODEL, "prompt": "hi"}
-        for min_tokens, want in ((6, ANSWER), (1, "The ")):
-            r = httpx.post(url, json={**body, "stop": ["capital"], "min_tokens": min_tokens}, timeout=10)
+        # "capital" ends with the 2nd token: within min_tokens 2 it does not stop, past min_tokens 1 it does;
+        # "The cap" begins in the 1st token's text and ends past it, so with min_tokens 1 it stops at once
+        for stop, min_tokens, want in (("capital", 6, ANSWER), ("capital", 2, ANSWER), ("capital", 1, "The "),
+                                       ("The cap", 1, "")):  # fmt: skip
+            r = httpx.post(url, json={**body, "stop": [stop], "min_tokens": min_tokens}, timeout=10)
             choice = r.json()["choices"][0]
-            assert (choice.get("message") or {}).get("content", choice.get("text")) == want, (url, min_tokens)
+            text = (choice.get("message") or {}).get("content", choice.get("text"))
+            assert (text or "") == want, (url, stop, min_tokens)
             assert choice["finish_reason"] == "stop"
 
 
@@ -576,6 +590,17 @@ def test_each_choice_says_what_stopped_it_as_vllm_does(scripted: ScriptedCluster
             with httpx.stream("POST", f"{scripted.url}{path}", json={**body, **extra, "stream": True}) as r:
                 last = [e for e in sse_events(r) if e != "[DONE]" and e["choices"]][-1]["choices"][0]
             assert last["finish_reason"] == "stop" and last["stop_reason"] == want, (path, extra, last)
+
+
+def test_a_reading_client_past_its_deadline_gets_the_timeout_and_the_end_of_the_stream(
+    scripted: ScriptedCluster,
+) -> None:
+    """The cut of a stalled stream waits the grace past the deadline: a client that reads still gets the
+    request's timeout as an error event, then [DONE]."""
+    with httpx.stream("POST", f"{scripted.url}/v1/chat/completions", json=chat("[slow]", stream=True),
+                      timeout=10) as r:  # fmt: skip
+        events = sse_events(r)
+    assert events[-1] == "[DONE]" and events[-2]["error"]["code"] == "timeout", events[-2:]
 
 
 def test_metrics_count_requests_and_tokens(scripted: ScriptedCluster) -> None:
@@ -861,6 +886,13 @@ def test_no_router_is_503_with_retry_after(lonely: tuple[str, str]) -> None:
             "Extra inputs",
         ),
         (chat("hi", structured_outputs={}), 400, "structured_outputs", "invalid_value", "give one of"),
+        (
+            chat("hi", structured_outputs={"json-schema": {}}),
+            400,
+            "structured_outputs.json-schema",
+            "invalid_value",
+            "Extra inputs",
+        ),
         # a union's object member says what is wrong inside the object (until 2026-12-07 only that it was not
         # one of the strings, or that it was not a string)
         (
@@ -914,6 +946,7 @@ def test_no_router_is_503_with_retry_after(lonely: tuple[str, str]) -> None:
         "best_of-on-chat",
         "structured_outputs-misspelt",
         "structured_outputs-empty",
+        "structured_outputs-key-not-an-identifier",
         "tool_choice-object-without-name",
         "content-part-not-text",
         "content-part-text-not-a-string",
@@ -945,6 +978,20 @@ def test_echo_with_max_tokens_0_streams_when_asked(scripted: ScriptedCluster) ->
     )
     whole = httpx.post(f"{scripted.url}/v1/completions", json={**ECHO_ONLY, "prompt": "hi"}, timeout=10)
     assert whole.json()["choices"][0]["text"] == "hi" and whole.headers["x-rackserve-request-id"]
+    body = {**ECHO_ONLY, "stream": True}
+    with httpx.stream(
+        "POST", f"{scripted.url}/v1/completions", json=body, headers={"x-request-id": "echo-8"}
+    ) as r:
+        assert r.headers["x-request-id"] == "echo-8" and r.headers["content-type"].startswith(
+            "text/event-stream"
+        )
+        events = sse_events(r)
+    assert events[-1] == "[DONE]" and all(e["usage"] is None for e in events[:-1])  # no usage unless asked
+    # a prompt of exactly the context length: nothing is generated, so it fits (512 here)
+    full = httpx.post(f"{scripted.url}/v1/completions", json={**ECHO_ONLY, "prompt": [1] * 512}, timeout=10)
+    assert full.status_code == 200, full.text
+    over = httpx.post(f"{scripted.url}/v1/completions", json={**ECHO_ONLY, "prompt": [1] * 513}, timeout=10)
+    assert over.status_code == 400 and over.json()["error"]["code"] == "context_length_exceeded"
 
 
 @pytest.mark.parametrize(
@@ -959,6 +1006,8 @@ def test_echo_with_max_tokens_0_streams_when_asked(scripted: ScriptedCluster) ->
         # echo with max_tokens 0 runs nothing, but is checked as a request that runs (until 2026-12-07 it was not)
         ({**ECHO_ONLY, "prompt": "word " * 9000}, "prompt", "maximum context length"),
         ({**ECHO_ONLY, "logit_bias": {"999999": 1}}, "logit_bias", "outside the vocabulary"),
+        # a list that fits no member of the union: the prompt is named, not an element valid in some member
+        ({"model": MODEL, "prompt": ["a", 1]}, "prompt", "valid string"),
         (
             {
                 **ECHO_ONLY,

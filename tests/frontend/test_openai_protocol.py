@@ -4,6 +4,7 @@ refusals and neutral values, and multi-part content."""
 from __future__ import annotations
 
 import json
+from typing import Any
 
 import pytest
 from pydantic import ValidationError
@@ -94,6 +95,36 @@ def test_neutral_values_validate() -> None:
     CompletionRequest.model_validate(
         {"model": "m", "prompt": "x", "suffix": None, "echo": False, "best_of": 1}
     )
+
+
+def test_neutral_values_vllm_lets_pass_pass() -> None:
+    """top_logprobs 0 asks for nothing and an empty stream_options sets nothing: vLLM lets both pass without
+    logprobs / stream, and so does rackserve (1 and include_usage are refused: test_frontend)."""
+    ChatCompletionRequest.model_validate({"model": "m", "messages": MSGS, "top_logprobs": 0})
+    ChatCompletionRequest.model_validate({"model": "m", "messages": MSGS, "stream_options": {}})
+    for extra in ({"top_logprobs": 1}, {"stream_options": {"include_usage": False}}):
+        with pytest.raises(ValidationError):
+            ChatCompletionRequest.model_validate({"model": "m", "messages": MSGS, **extra})
+
+
+def test_required_tool_choice_lifts_both_kinds_of_definitions_and_refuses_malformed_ones() -> None:
+    def body(**params: Any) -> ChatCompletionRequest:
+        tool = {"type": "function", "function": {"name": "f", "parameters": {"type": "object", **params}}}
+        return ChatCompletionRequest.model_validate(
+            {"model": "m", "messages": MSGS, "tools": [tool], "tool_choice": "required"}
+        )
+
+    schema = body(
+        **{"$defs": {"A": {"type": "string"}}, "definitions": {"B": {"type": "integer"}}}
+    ).tool_schema()
+    assert schema is not None and schema["$defs"] == {"A": {"type": "string"}}
+    assert schema["definitions"] == {"B": {"type": "integer"}}
+    params = schema["items"]["anyOf"][0]["properties"]["parameters"]
+    assert "$defs" not in params and "definitions" not in params
+    for bad in ([1], "x", 5):  # a 500 (AttributeError) before 2026-12-07's fix of e5db465
+        with pytest.raises(StructuredError) as e:
+            body(**{"$defs": bad}).tool_schema()
+        assert e.value.param == "tools"
 
 
 def test_multi_part_text_is_joined_with_newlines_as_vllm_does() -> None:

@@ -8,6 +8,7 @@ import dataclasses
 import multiprocessing as mp
 import os
 import signal
+import socket
 import threading
 import time
 from collections.abc import Iterator
@@ -475,6 +476,41 @@ def test_a_reader_that_stops_reading_loses_its_pin_after_max_pin_s() -> None:
     assert len(held) == 1  # retracted while pinned: not freed at once
     assert after == []  # freed while the reader was still frozen, its connection still open
     assert freed_after_s >= 1.0  # by the pin's deadline (2 s), not by the retraction itself
+
+
+def test_a_slow_reader_that_keeps_reading_gets_the_whole_payload() -> None:
+    """max_pin_s bounds a reader's lack of progress, not the transfer: a reader taking 8x max_pin_s over a
+    16 MiB payload, never stopping for long, still gets every byte."""
+    from services.kvtransfer import protocol
+    from services.kvtransfer.control import Open
+
+    async def go() -> tuple[int, int]:
+        config = TransferConfig(backends=(TCP,), max_pin_s=0.5, tcp_chunk_bytes=256 * KiB,
+                                socket_buffer_bytes=64 * KiB)  # fmt: skip
+        source = await KvSource.start(config)
+        data = payload(16 * MiB, 5)
+        await source.publish("slow", data, ttl_s=60)
+        host, port = source.endpoint.rsplit(":", 1)
+
+        def read_slowly() -> int:
+            with socket.create_connection((host, int(port)), timeout=30) as sock:
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 64 * KiB)
+                sock.sendall(protocol.encode(Open("slow", TCP, False, False)))
+                got, started = 0, time.monotonic()
+                while got <= len(data) and time.monotonic() - started < 30:
+                    part = sock.recv(64 * KiB)
+                    if not part:
+                        break
+                    got += len(part)
+                    time.sleep(0.015)  # ~4 MB/s: 16 MiB in ~4 s, 8x max_pin_s
+                return got
+
+        got = await asyncio.to_thread(read_slowly)
+        await source.close()
+        return got, len(data)
+
+    got, size = asyncio.run(go())
+    assert got > size  # the grant's header, then every byte of the payload
 
 
 def test_retract_during_a_pull_frees_only_after_the_reader_is_done() -> None:

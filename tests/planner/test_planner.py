@@ -203,41 +203,99 @@ def test_kubernetes_mode_patches_only_the_scale_subresource_of_the_two_deploymen
     assert api.replicas == {"rackserve-prefill": 1, "rackserve-decode": 2}
 
 
-def test_a_kubernetes_api_that_trickles_its_answer_is_cut_at_the_call_deadline() -> None:
-    """--kube-timeout-s bounds a whole call: an API server that sends its answer a byte at a time, each within
-    httpx's read timeout, must not stretch one call to the body's length (until 2026-12-07 it did: ~8 s here)."""
-    listener = socket.create_server(("127.0.0.1", 0))
-    body = b'{"spec":{"replicas":3}}'
+class _Trickler:
+    """A real HTTP/1.1 server that answers every request with `body`, sent a byte every 0.35 s (each read well
+    within httpx's timeout) for the methods in `slow`, at once for the others."""
 
-    def trickle() -> None:
+    def __init__(self, body: bytes, slow: tuple[str, ...]) -> None:
+        self.listener = socket.create_server(("127.0.0.1", 0))
+        self.url = f"http://127.0.0.1:{self.listener.getsockname()[1]}"
+        self.endpoint = self.url.removeprefix("http://")
+        self.body, self.slow = body, slow
+        threading.Thread(target=self._serve, daemon=True).start()
+
+    def _serve(self) -> None:
         with contextlib.suppress(OSError):
             while True:
-                conn, _ = listener.accept()
-                with conn:
-                    conn.recv(65536)
-                    conn.sendall(b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\n\r\n" % len(body))
-                    for byte in body:
-                        time.sleep(0.35)
-                        conn.sendall(bytes([byte]))
+                conn, _ = self.listener.accept()
+                threading.Thread(target=self._answer, args=(conn,), daemon=True).start()
 
-    threading.Thread(target=trickle, daemon=True).start()
-    scaler = KubeScaler(f"http://127.0.0.1:{listener.getsockname()[1]}", "prod",
-                        {"prefill": "p", "decode": "d"}, "", True, 1.0)  # fmt: skip
-    errors = REGISTRY.get_sample_value("rackserve_planner_scale_errors_total", {"pool": "prefill"}) or 0.0
+    def _answer(self, conn: socket.socket) -> None:
+        with contextlib.suppress(OSError), conn:
+            method = conn.recv(65536).split(b" ", 1)[0].decode()
+            conn.sendall(b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\n\r\n" % len(self.body))
+            if method not in self.slow:
+                conn.sendall(self.body)
+                return
+            for byte in self.body:
+                time.sleep(0.35)
+                conn.sendall(bytes([byte]))
+
+    def close(self) -> None:
+        self.listener.close()
+
+
+def _scale_errors(pool: str) -> float:
+    return REGISTRY.get_sample_value("rackserve_planner_scale_errors_total", {"pool": pool}) or 0.0
+
+
+def test_a_kubernetes_api_that_trickles_its_answer_is_cut_at_the_call_deadline() -> None:
+    """--kube-timeout-s bounds a whole call: an API server that sends its answer a byte at a time, each within
+    httpx's read timeout, must not stretch one call to the body's length (until 2026-12-07 it did: ~8 s here).
+    The reads and, with a quick read, the patches."""
+    body = b'{"spec":{"replicas":3}}'
+    slow_reads, slow_patches = _Trickler(body, ("GET",)), _Trickler(body, ("PATCH",))
+    before = _scale_errors("prefill"), _scale_errors("decode")
 
     async def go() -> None:
+        scaler = KubeScaler(slow_reads.url, "prod", {"prefill": "p", "decode": "d"}, "", True, 1.0)
         with pytest.raises(TimeoutError):
             await scaler.replicas("prefill")
         await scaler.apply((1, 2))  # each pool's read fails at its deadline: counted, logged, not raised
+        await scaler.close()
+        scaler = KubeScaler(slow_patches.url, "prod", {"prefill": "p", "decode": "d"}, "", True, 1.0)
+        await scaler.apply((3, 2))  # prefill reads 3: nothing to patch; decode's patch fails at its deadline
         await scaler.close()
 
     try:
         asyncio.run(go())
     finally:
-        listener.close()
-    assert (
-        REGISTRY.get_sample_value("rackserve_planner_scale_errors_total", {"pool": "prefill"}) == errors + 1
-    )
+        slow_reads.close()
+        slow_patches.close()
+    assert (_scale_errors("prefill"), _scale_errors("decode")) == (before[0] + 1, before[1] + 2)
+
+
+def test_a_scrape_that_trickles_is_cut_at_its_deadline() -> None:
+    """A frontend or worker whose /metrics or /traffic answer trickles fails that scrape at SCRAPE_TIMEOUT_S
+    (the whole answer), not at the body's length; the planner goes on without it."""
+    from types import SimpleNamespace
+
+    from services.planner.server import SCRAPE_TIMEOUT_S, Planner, add_arguments
+
+    slow = _Trickler(
+        b"rackserve_a 1\nrackserve_b 2\nrackserve_c 3\n", ("GET",)
+    )  # 15 s at a byte every 0.35 s
+    p = argparse.ArgumentParser()
+    add_arguments(p)
+    planner = Planner(p.parse_args([]), SimpleNamespace(workers=lambda role: []), None)  # type: ignore[arg-type]
+
+    async def go() -> tuple[Any, float, float]:
+        t = time.monotonic()
+        scraped = await planner._scrape(slow.endpoint)
+        scraped_s = time.monotonic() - t
+        t = time.monotonic()
+        await planner._read_traffic({"frontend/f/1": slow.endpoint})
+        read_s = time.monotonic() - t
+        await planner.close()
+        return scraped, scraped_s, read_s
+
+    try:
+        scraped, scraped_s, read_s = asyncio.run(go())
+    finally:
+        slow.close()
+    assert scraped is None  # failed (whole, it parses: a slow source was read to its end until 2026-12-07)
+    # bounded by the deadline, not by the 15 s body (a generous margin for a loaded machine)
+    assert scraped_s < SCRAPE_TIMEOUT_S + 5 and read_s < SCRAPE_TIMEOUT_S + 5
 
 
 class _MetricsServer(ThreadingHTTPServer):
