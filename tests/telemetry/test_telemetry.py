@@ -211,6 +211,13 @@ def test_a_timeline_is_read_only_by_the_key_that_sent_the_request() -> None:
     store.add(_record(5, key="team-a"))
     assert store.get("job-7", owner="team-a") is None
     assert store.get("job-7", owner="team-b")["request_id"] == "r0002"
+    # a key that reuses a client id finds its newest request, even once the older one is evicted
+    store.add(_record(6, client_id="job-9", key="team-a"))
+    store.add(_record(7, client_id="job-9", key="team-a"))
+    for i in (8, 9, 10):
+        store.add(_record(i, key="team-a"))  # r0006 is evicted now, r0007 is still kept
+    assert store.get("r0006", owner="team-a") is None
+    assert store.get("job-9", owner="team-a")["request_id"] == "r0007"
 
 
 def test_waterfall_draws_one_bar_per_phase_on_a_shared_axis() -> None:
