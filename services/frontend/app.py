@@ -48,6 +48,7 @@ from services.frontend.errors import (
     SERVICE_UNAVAILABLE,
     ApiError,
     bad_request,
+    client_request_id,
     install_error_handlers,
     model_not_found,
     overloaded,
@@ -224,7 +225,7 @@ class Frontend:
         metrics.PROMPT_TOKENS.inc(n)
         metrics.PROMPT_TOKENS_PER_REQUEST.observe(n)
         # Our own id, unique by construction (workers key requests by it); the client's only goes to the log.
-        client_request_id = request.headers.get("x-request-id", "")
+        client_id = client_request_id(request.headers.get("x-request-id"))
         states = []
         for i in range(choices):
             choice_params = pb.SamplingParams()
@@ -237,7 +238,7 @@ class Frontend:
                     choice_params,
                     timeout_s=self.config.request_timeout_s,
                     traceparent=request.headers.get("traceparent"),
-                    client_request_id=client_request_id[:128] if client_request_id.isprintable() else None,
+                    client_request_id=client_id,
                     api_key_name=caller.name,
                 )
             )
@@ -385,7 +386,7 @@ class Frontend:
             skip_special_tokens=body.skip_special_tokens is not False,
             min_tokens=body.min_tokens or 0,
         )
-        return _pieces(self.coordinator, state, assembler, echo, len(forced))
+        return _pieces(self.coordinator, state, assembler, echo, len(forced), self.tokenizer.stop_token_ids)
 
     async def _sse(
         self,
@@ -523,7 +524,12 @@ class Answer:
 
 
 async def _pieces(
-    coordinator: Coordinator, state: RequestState, assembler: TextAssembler, echo: str | None, forced: int
+    coordinator: Coordinator,
+    state: RequestState,
+    assembler: TextAssembler,
+    echo: str | None,
+    forced: int,
+    eos: Collection[int] = (),
 ) -> AsyncGenerator[Piece, None]:
     """The choice's pieces. The first `forced` tokens are the echoed prompt (teacher-forced for its
     logprobs): held until all have arrived and handed out as the prompt's text, never as generated text."""
@@ -554,19 +560,22 @@ async def _pieces(
                 return
             if batch.finish_reason is not None:
                 piece.text += assembler.finish()
-                piece.finish_reason, piece.stop_reason = batch.finish_reason, _stop_token(state)
+                piece.finish_reason, piece.stop_reason = batch.finish_reason, _stop_token(state, eos)
                 yield piece
                 return
             yield piece
 
 
-def _stop_token(state: RequestState) -> int | None:
+def _stop_token(state: RequestState, eos: Collection[int]) -> int | None:
     """The stop token id that ended the request, if one of `stop_token_ids` did (vLLM's stop_reason); None for
-    EOS (which the workers also name) and every other end."""
+    the model's EOS (vLLM checks it first: in stop_token_ids too, unless ignore_eos) and every other end."""
     reason = state.stop_reason or ""
-    if state.finish_reason == "stop" and reason.isdigit() and int(reason) in state.params.stop_token_ids:
-        return int(reason)
-    return None
+    if state.finish_reason != "stop" or not reason.isdigit():
+        return None
+    token = int(reason)
+    if token in eos and not state.params.ignore_eos:
+        return None
+    return token if token in state.params.stop_token_ids else None
 
 
 async def _merged(choices: list[AsyncGenerator[Piece, None]]) -> AsyncGenerator[Piece, None]:
@@ -736,7 +745,7 @@ class ChatFormat:
             held.text += text
             held.tokens += tokens
             if finish is None:
-                safe = content_before_calls(held.text) if self.tool_mode == "auto" else 0
+                safe = content_before_calls(held.text, held.released) if self.tool_mode == "auto" else 0
                 if safe <= held.released and not (self.logprobs and held.tokens):
                     return None
                 delta = ChatDelta(content=held.text[held.released : safe] or None)
@@ -745,7 +754,7 @@ class ChatFormat:
                 content, calls, finish = self._tool_calls(held.text, finish)
                 rest = held.text[held.released :]
                 if calls:  # what is left of the text once the calls are taken out (none of a JSON call)
-                    rest = strip_tool_calls(rest).strip() if content is not None else ""
+                    rest = strip_tool_calls(rest) if content is not None else ""
                 delta = ChatDelta(
                     content=rest or None,
                     tool_calls=[
@@ -1015,7 +1024,10 @@ def _echo_only(
         prompt_tokens_details=PromptTokensDetails(cached_tokens=0),
     )
     ours = uuid.uuid4().hex
-    headers = {"x-request-id": request.headers.get("x-request-id") or ours, "x-rackserve-request-id": ours}
+    headers = {
+        "x-request-id": client_request_id(request.headers.get("x-request-id")) or ours,
+        "x-rackserve-request-id": ours,
+    }
     answer = Completion(id=f"cmpl-{ours}", created=int(time.time()), model=body.model, choices=choices)
     if not body.stream:
         answer.usage = usage
@@ -1241,12 +1253,9 @@ class RequestIdHeader:
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
-        sent = dict(scope.get("headers") or []).get(b"x-request-id", b"")
-        rid = (
-            sent
-            if 0 < len(sent) <= 128 and sent.decode("latin-1").isprintable()
-            else uuid.uuid4().hex.encode()
-        )
+        # the first x-request-id, as the request's own headers read it (Starlette's get), the same check
+        sent = next((v for k, v in scope.get("headers") or [] if k == b"x-request-id"), b"")
+        rid = (client_request_id(sent.decode("latin-1")) or uuid.uuid4().hex).encode("latin-1")
 
         async def send_with_id(message: Message) -> None:
             if message["type"] == "http.response.start":

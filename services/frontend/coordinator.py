@@ -186,8 +186,8 @@ class Coordinator:
             state.first_token_arrived()
             state.migration_ended("resumed")
             metrics.GENERATION_TOKENS.inc()
-            if response.finished:
-                state.finish(response.finish_reason or "stop")
+            if response.finished:  # its first token ended it: which token, for a stop_reason
+                state.finish(response.finish_reason or "stop", str(first.token_id))
                 yield TokenBatch([first], state.finish_reason)
                 return
             self.holds.hold(state, response.kv)
@@ -296,9 +296,8 @@ class Coordinator:
         finally:
             if not waiting.done():
                 waiting.cancel()
-        if state.first_token_unix_s is None:  # as in the decode stream: the first token's attempt counts
-            state.cached_tokens = response.cached_tokens
-            state.pulled_tokens = response.pulled_tokens
+        state.cached_tokens = response.cached_tokens  # a prefill runs only before any token was sent
+        state.pulled_tokens = response.pulled_tokens
         return response
 
     def _registered(self, worker: pb.WorkerRef, role: str) -> bool:
@@ -342,9 +341,11 @@ class Coordinator:
                 if state.phase in (Phase.PREFILLING, Phase.TRANSFERRING):
                     state.advance(Phase.DECODING)
                     # usage counts the cache of the attempt the first token came from: a request rebuilt after
-                    # a migration (its prompt plus the tokens already sent) reports its own, not the client's
-                    if kv is None and state.first_token_unix_s is None:
-                        state.cached_tokens = chunk.cached_tokens
+                    # a migration (its prompt plus the tokens already sent) reports its own, not the client's;
+                    # what a prefix pull brought describes the latest plan's pull, as the timeline shows it
+                    if kv is None:
+                        if state.first_token_unix_s is None:
+                            state.cached_tokens = chunk.cached_tokens
                         state.pulled_tokens = chunk.pulled_tokens
                     if chunk.transfer_backend:
                         state.transfer_bytes, state.transfer_s = chunk.transfer_bytes, chunk.transfer_s

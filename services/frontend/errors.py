@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import uuid
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -140,7 +141,7 @@ def validation_error(errors: Sequence[Any], what: str = "request body") -> ApiEr
     if first.get("type") == "extra_forbidden" and first.get("loc"):
         key = first["loc"][-1]  # the unknown key itself, whatever its spelling ("json-schema")
         parent = field_path(first["loc"][:-1])
-        param = f"{parent}.{key}" if parent else str(key)
+        param = f"{parent}.{key}" if parent and key != "" else parent or str(key)
         same = [first]
     # A union reports one error per member it tried; together they say what was expected.
     messages = [_message(e) for e in same]
@@ -241,7 +242,16 @@ async def _http_exception(request: Request, exc: Exception) -> JSONResponse:
 async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
     log.exception("unhandled error on %s %s", request.method, request.url.path, exc_info=exc)
     message = f"internal error: {type(exc).__name__}: {exc}"
-    return ApiError(500, message, SERVER_ERROR, code="internal_error").response()
+    # this handler answers outside every middleware (Starlette's ServerErrorMiddleware): name the request here
+    rid = client_request_id(request.headers.get("x-request-id")) or uuid.uuid4().hex
+    return ApiError(
+        500, message, SERVER_ERROR, code="internal_error", headers={"x-request-id": rid}
+    ).response()
+
+
+def client_request_id(value: str | None) -> str | None:
+    """The client's x-request-id, if it is one we echo and log: 1 to 128 printable characters."""
+    return value if value and len(value) <= 128 and value.isprintable() else None
 
 
 def install_error_handlers(app: FastAPI) -> None:

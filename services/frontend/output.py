@@ -200,8 +200,10 @@ def parse_tool_calls(
         found = [_call(block) for block in _HERMES.findall(text)]
         calls = [c for c in found if c is not None]
         if calls and offered(calls):
-            content = _HERMES.sub("", text).strip()
-            return content or None, calls
+            # the text around the blocks, as it is (what a stream of it sends: content_before_calls), unless
+            # it is only whitespace
+            content = _HERMES.sub("", text)
+            return (content if content.strip() else None), calls
     body = text.strip().removeprefix("<|python_tag|>").strip()
     if body.startswith("{"):
         parts = [_call(p) for p in body.split(";")] if ";" in body else [_call(body)]
@@ -215,20 +217,24 @@ _TOOL_CALL_TAG = "<tool_call>"
 _PYTHON_TAG = "<|python_tag|>"
 
 
-def content_before_calls(text: str) -> int:
+def content_before_calls(text: str, released: int = 0) -> int:
     """How much of a streaming `auto` output is content whatever follows: everything before the first
     `<tool_call>` (less a tail that could still become one), and nothing when the output may be a Llama-3
-    style call (it starts, past whitespace, with "{" or `<|python_tag|>`, or could still)."""
-    body = text.lstrip()
-    if not body or body.startswith(("{", _PYTHON_TAG)) or _PYTHON_TAG.startswith(body):
-        return 0
-    at = text.find(_TOOL_CALL_TAG)
-    if at >= 0:
-        return at
-    for k in range(min(len(_TOOL_CALL_TAG) - 1, len(text)), 0, -1):
-        if text.endswith(_TOOL_CALL_TAG[:k]):
-            return len(text) - k
-    return len(text)
+    style call (it starts, past whitespace, with "{" or `<|python_tag|>`, or could still) or while it is only
+    whitespace (the whole content may turn out to be none). `released`: what an earlier call returned, so the
+    search goes on from there (a stream asks after every token)."""
+    if not released:
+        body = text.lstrip()
+        if not body or body.startswith(("{", _PYTHON_TAG)) or _PYTHON_TAG.startswith(body):
+            return 0
+    at = text.find(_TOOL_CALL_TAG, max(0, released - len(_TOOL_CALL_TAG)))
+    if at < 0:
+        at = len(text)
+        for k in range(min(len(_TOOL_CALL_TAG) - 1, len(text)), 0, -1):
+            if text.endswith(_TOOL_CALL_TAG[:k]):
+                at = len(text) - k
+                break
+    return at if text[:at].strip() else 0
 
 
 def strip_tool_calls(text: str) -> str:

@@ -140,6 +140,9 @@ async def serve(args: argparse.Namespace) -> None:
         uvicorn.Config(
             app, host=args.host, port=args.port, log_level=args.log_level, access_log=False,
             timeout_graceful_shutdown=graceful_s,
+            # the connection's own peer, not X-Forwarded-For's: nothing here reads a client's address but
+            # connection_aborter, which must find the connection (a local proxy would otherwise hide it)
+            proxy_headers=False,
         )
     )  # fmt: skip
     app.state.abort_connection = connection_aborter(server)

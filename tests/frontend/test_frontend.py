@@ -109,6 +109,9 @@ class ScriptedDecode(pb_grpc.DecodeWorkerServicer):
                     yield pb.DecodeChunk(tokens=[token])
                     if i % 64 == 0:
                         await asyncio.sleep(0)
+            stops = set(request.params.stop_token_ids)  # as an engine, stop at a stop token id
+            cut = next((k for k, t in enumerate(answer) if t in stops), None)
+            answer = answer if cut is None else answer[: cut + 1]
             for i, token_id in enumerate(answer):
                 if "[crash-after-3]" in prompt and i == 3:
                     await context.abort(grpc.StatusCode.UNAVAILABLE, "scripted crash")
@@ -205,7 +208,9 @@ class ScriptedCluster:
         )
         config = FrontendConfig(served_model_name=MODEL, request_timeout_s=2.0, stalled_client_grace_s=1.0)
         app = create_app(config, self.tokenizer, directory, Coordinator(directory, ChannelPool()))
-        self.http = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="warning"))
+        self.http = uvicorn.Server(
+            uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="warning", proxy_headers=False)
+        )  # as server.serve configures it
         app.state.abort_connection = connection_aborter(self.http)  # as server.serve sets it
         self.serving = asyncio.get_running_loop().create_task(self.http.serve())
         while not self.http.started:
@@ -408,7 +413,8 @@ def test_a_stream_whose_client_stops_reading_is_cut_after_its_deadline(scripted:
     try:
         sock.sendall(
             b"POST /v1/chat/completions HTTP/1.1\r\nHost: test\r\nContent-Type: application/json\r\n"
-            b"x-request-id: stalled-reader\r\nContent-Length: %d\r\n\r\n" % len(body) + body
+            b"x-request-id: stalled-reader\r\nx-forwarded-for: 203.0.113.5\r\n"  # a local proxy in front
+            b"Content-Length: %d\r\n\r\n" % len(body) + body
         )
         sent_at = time.monotonic()
         assert sock.recv(64).startswith(b"HTTP/1.1 200")  # then it reads nothing more
@@ -571,13 +577,42 @@ def test_every_response_names_its_request_and_streams_pass_proxies(scripted: Scr
     assert e.value.request_id
     with httpx.stream("POST", url, json=chat("hi", stream=True), timeout=10) as r:
         assert r.headers["cache-control"] == "no-cache" and r.headers["x-accel-buffering"] == "no"
+    # one rule for every path: an id over 128 characters (or unprintable) is replaced, the first of two is kept
+    for path, body in (("/v1/chat/completions", chat("hi")), ("/v1/chat/completions", chat("hi", model="nope")),
+                       ("/v1/completions", ECHO_ONLY)):  # fmt: skip
+        long = httpx.post(f"{scripted.url}{path}", json=body, headers={"x-request-id": "x" * 200}, timeout=10)
+        assert re.fullmatch(r"[0-9a-f]{32}", long.headers["x-request-id"]), (
+            path,
+            long.headers["x-request-id"],
+        )
+        two = httpx.post(f"{scripted.url}{path}", json=body, timeout=10,
+                         headers=[("x-request-id", "first"), ("x-request-id", "second")])  # fmt: skip
+        assert two.headers["x-request-id"] == "first", path
+
+
+def test_a_500_names_its_request_too(scripted: ScriptedCluster, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A bug's 500 is answered outside every middleware (Starlette's ServerErrorMiddleware): it names the
+    request all the same."""
+    from services.frontend import app as app_module
+
+    def broken(*args: Any, **kwargs: Any) -> Any:
+        raise RuntimeError("a bug")
+
+    monkeypatch.setattr(app_module.ChatFormat, "whole", broken)
+    r = httpx.post(
+        f"{scripted.url}/v1/chat/completions", json=chat("hi"), headers={"x-request-id": "cid-500"}
+    )
+    assert r.status_code == 500 and r.json()["error"]["code"] == "internal_error"
+    assert r.headers["x-request-id"] == "cid-500"
 
 
 def test_each_choice_says_what_stopped_it_as_vllm_does(scripted: ScriptedCluster) -> None:
     """vLLM's stop_reason: the stop string, the stop token id (an int), or null for EOS; on the whole answer and
     on the stream's last chunk, for chat and completions. Not sent until 2026-12-07."""
     eos = scripted.tokenizer.eos_token_id
-    cases = [({"stop": ["France"]}, "France"), ({"stop_token_ids": [eos]}, eos), ({}, None)]
+    capital = scripted.tokenizer.encode(" capital")[0]  # the answer's second token
+    cases = [({"stop": ["France"]}, "France"), ({"stop_token_ids": [capital]}, capital), ({}, None),
+             ({"stop_token_ids": [eos]}, None)]  # EOS is checked first, as vLLM does: null  # fmt: skip
     for path, body in (
         ("/v1/chat/completions", chat("hi")),
         ("/v1/completions", {"model": MODEL, "prompt": "hi"}),
@@ -601,6 +636,50 @@ def test_a_reading_client_past_its_deadline_gets_the_timeout_and_the_end_of_the_
                       timeout=10) as r:  # fmt: skip
         events = sse_events(r)
     assert events[-1] == "[DONE]" and events[-2]["error"]["code"] == "timeout", events[-2:]
+
+
+CALL = '<tool_call>{"name": "get_weather", "arguments": {"city": "Paris"}}</tool_call>'
+
+
+@pytest.mark.parametrize(
+    "said",
+    [
+        "Plain words.", "  Leading and trailing  ", f"Let me check. {CALL}", f"\n\nLet me check.{CALL}",
+        f"Hi.{CALL} And.{CALL} Bye.", f"A {CALL}{CALL}", f"\n\n{CALL}", f"  {CALL}",
+        '{"name": "get_weather", "parameters": {"city": "Rome"}}', '<|python_tag|>{"name": "get_weather"}',
+        '{"name": "Bob", "age": 3}', "a < b and {c}", f"{CALL} after",
+    ],
+)  # fmt: skip
+def test_a_choice_with_tools_streams_what_it_answers_whole(scripted: ScriptedCluster, said: str) -> None:
+    """Streamed, a choice with tools carries the same content and calls as the whole answer (the text around
+    calls as it is, no whitespace-only content), each token's logprob once, for each of n choices."""
+    client = openai.OpenAI(base_url=f"{scripted.url}/v1", api_key="none", max_retries=0)
+    kw: dict[str, Any] = {"model": MODEL, "messages": [{"role": "user", "content": f"[say]{said}[/say]"}],
+                          "tools": [WEATHER], "n": 2, "logprobs": True, "temperature": 0}  # fmt: skip
+    whole = client.chat.completions.create(**kw)
+    chunks = [c for c in client.chat.completions.create(**kw, stream=True) if c.choices]
+    for i, choice in enumerate(whole.choices):
+        deltas = [c.choices[0] for c in chunks if c.choices[0].index == i]
+        content = "".join(d.delta.content or "" for d in deltas)
+        assert content == (choice.message.content or ""), (said, content)
+        calls = [(c.function.name, c.function.arguments) for d in deltas for c in d.delta.tool_calls or []]
+        assert calls == [(c.function.name, c.function.arguments) for c in choice.message.tool_calls or []]
+        assert deltas[-1].finish_reason == choice.finish_reason
+        streamed = [t.token for d in deltas if d.logprobs for t in d.logprobs.content]
+        assert streamed == [t.token for t in choice.logprobs.content]
+
+
+def test_a_required_or_named_tool_choice_never_streams_its_call_as_content(scripted: ScriptedCluster) -> None:
+    client = openai.OpenAI(base_url=f"{scripted.url}/v1", api_key="none", max_retries=0)
+    named = {"type": "function", "function": {"name": "get_weather"}}
+    for choice, said in (("required", '[{"name": "get_weather", "parameters": {"city": "Oslo"}}]'),
+                         (named, '{"city": "Oslo"}')):  # fmt: skip
+        msgs = [{"role": "user", "content": f"[say]{said}[/say]"}]
+        deltas = [c.choices[0].delta for c in client.chat.completions.create(
+            model=MODEL, messages=msgs, tools=[WEATHER], tool_choice=choice, stream=True) if c.choices]  # fmt: skip
+        assert not any(d.content for d in deltas)
+        [call] = [c for d in deltas for c in d.tool_calls or []]
+        assert json.loads(call.function.arguments) == {"city": "Oslo"}
 
 
 def test_metrics_count_requests_and_tokens(scripted: ScriptedCluster) -> None:
@@ -985,6 +1064,7 @@ def test_echo_with_max_tokens_0_streams_when_asked(scripted: ScriptedCluster) ->
         assert r.headers["x-request-id"] == "echo-8" and r.headers["content-type"].startswith(
             "text/event-stream"
         )
+        assert r.headers["cache-control"] == "no-cache" and r.headers["x-accel-buffering"] == "no"
         events = sse_events(r)
     assert events[-1] == "[DONE]" and all(e["usage"] is None for e in events[:-1])  # no usage unless asked
     # a prompt of exactly the context length: nothing is generated, so it fits (512 here)
@@ -992,6 +1072,9 @@ def test_echo_with_max_tokens_0_streams_when_asked(scripted: ScriptedCluster) ->
     assert full.status_code == 200, full.text
     over = httpx.post(f"{scripted.url}/v1/completions", json={**ECHO_ONLY, "prompt": [1] * 513}, timeout=10)
     assert over.status_code == 400 and over.json()["error"]["code"] == "context_length_exceeded"
+    # ... while a request that generates has no room left at 512
+    ran = httpx.post(f"{scripted.url}/v1/completions", json={"model": MODEL, "prompt": [1] * 512}, timeout=10)
+    assert ran.status_code == 400 and ran.json()["error"]["code"] == "context_length_exceeded"
 
 
 @pytest.mark.parametrize(

@@ -19,8 +19,11 @@ def test_hermes_tool_calls_are_parsed_with_the_text_around_them() -> None:
     text = 'Let me check.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
     text += '<tool_call>{"name": "get_time", "arguments": {}}</tool_call>'
     content, calls = parse_tool_calls(text, "auto")
-    assert content == "Let me check."
+    assert content == "Let me check.\n"  # the text around the blocks as it is: what a stream of it sends
     assert [(n, json.loads(a)) for n, a in calls] == [("get_weather", {"city": "Paris"}), ("get_time", {})]
+    assert (
+        parse_tool_calls("\n " + text.removeprefix("Let me check.\n"), "auto")[0] is None
+    )  # only whitespace
 
 
 def test_llama3_json_tool_calls_are_parsed() -> None:
@@ -55,6 +58,7 @@ def test_only_calls_of_offered_tools_are_calls() -> None:
     ("text", "content"),
     [
         ("", 0), ("   ", 0), (" {", 0), ("<|py", 0), ("<|python_tag|>{", 0),  # may still be a JSON call
+        ("  <tool_call>{", 0), ("\n\n<tool", 0),  # only whitespace before a call: maybe no content at all
         ("Sure", 4), ("Sure <tool", 5), ("Sure <tool_call>{", 5), ("Sure <tool_call>{}</tool_call> ok", 5),
         ("<", 0), ("a < b", 5),
     ],

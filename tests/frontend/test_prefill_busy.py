@@ -133,6 +133,9 @@ def test_a_prefill_worker_busy_past_the_stall_timeout_answers_the_request_withou
     )
     assert isinstance(outcome, RequestState), outcome
     assert tokens == [ANSWER[0]] and outcome.finish_reason == "length"
+    # the token that ended it is kept, for a stop_reason (None until 2026-12-07 when the prefill's first
+    # token ended a request: a stop token id there was reported as null)
+    assert outcome.stop_reason == str(ANSWER[0])
     assert outcome.migration_log == [] and router.reports == []
     assert (prefills["prefill-a"].calls, prefills["prefill-b"].calls) == (1, 0)
 
