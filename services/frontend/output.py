@@ -206,11 +206,32 @@ def parse_tool_calls(
             return (content if content.strip() else None), calls
     body = text.strip().removeprefix("<|python_tag|>").strip()
     if body.startswith("{"):
-        parts = [_call(p) for p in body.split(";")] if ";" in body else [_call(body)]
-        whole = [p for p in parts if p is not None]
-        if parts and len(whole) == len(parts) and offered(whole):
+        whole = _json_calls(body)
+        if whole and offered(whole):
             return None, whole
     return text, []
+
+
+def _json_calls(body: str) -> list[tuple[str, str]]:
+    """Llama-3 style calls: JSON objects separated by ";" (a ";" inside a string argument separates nothing;
+    until 2026-12-07 splitting on every ";" made such a call content). [] unless the whole body is calls."""
+    decoder = json.JSONDecoder()
+    calls, at = [], 0
+    while True:
+        try:
+            obj, at = decoder.raw_decode(body, at)
+        except ValueError:
+            return []
+        call = _call(json.dumps(obj))
+        if call is None:
+            return []
+        calls.append(call)
+        rest = body[at:].lstrip()
+        if not rest:
+            return calls
+        if not rest.startswith(";"):
+            return []
+        at = len(body) - len(rest[1:].lstrip())
 
 
 _TOOL_CALL_TAG = "<tool_call>"

@@ -33,6 +33,12 @@ def test_llama3_json_tool_calls_are_parsed() -> None:
         '{"name": "f", "parameters": {}}; {"name": "g", "parameters": {"y": 2}}', "auto"
     )
     assert [n for n, _ in two] == ["f", "g"]
+    # a ";" inside an argument separates nothing (it split the call into two broken halves until 2026-12-07)
+    _, semi = parse_tool_calls(
+        '{"name": "f", "parameters": {"q": "a;b"}}; {"name": "g", "parameters": {}}', "auto"
+    )
+    assert [(n, json.loads(a)) for n, a in semi] == [("f", {"q": "a;b"}), ("g", {})]
+    assert parse_tool_calls('{"name": "f", "parameters": {}} and more', "auto")[1] == []
 
 
 def test_plain_text_and_broken_json_stay_content() -> None:
