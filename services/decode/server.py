@@ -116,6 +116,7 @@ class DecodeWorker(EngineWorker, pb_grpc.DecodeWorkerServicer):
     ) -> AsyncIterator[pb.DecodeChunk]:
         request_id = self.request_id(request.request_id, context)
         params = wire.sampling_params(request.params)
+        await self.engine.compile_grammar(params)  # off the engine thread, bounded; before any KV moves
         index = len(request.emitted_token_ids)
         kv: KvExport | None = None
         pulled: Pulled | None = None

@@ -373,7 +373,9 @@ class LLMEngine:
         self._eos_ids = set(getattr(self.tokenizer, "stop_token_ids", ()) or ())
         if loaded.config.eos_token_id is not None:
             self._eos_ids.add(loaded.config.eos_token_id)
-        self._grammars = Grammars(self.tokenizer, loaded.config.vocab_size, sorted(self._eos_ids))
+        self._grammars = self.grammars = Grammars(
+            self.tokenizer, loaded.config.vocab_size, sorted(self._eos_ids)
+        )  # `grammars`: for compiling a request's grammar off the engine thread (AsyncEngine.compile_grammar)
         self._matchers: dict[str, Matcher] = {}  # request id → its grammar's state, for constrained requests
         self._prefix_hits = self._prefix_queries = self._preemptions = 0
         self._step_s = 0.0

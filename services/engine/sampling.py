@@ -44,6 +44,10 @@ def draw_seed(seed: int, index: int) -> int:
 # probabilities, and the draw picked the vocabulary's last token: 1e-38 did, until 2026-12-07). vLLM's
 # threshold (_SAMPLING_EPS).
 GREEDY_BELOW = 1e-5
+# A repetition penalty near 0 (or huge) divides (multiplies) a logit past float32's range: inf, then NaN
+# probabilities, and the draw picked the vocabulary's last token (until 2026-12-07). A penalised logit is kept
+# within this bound instead, small enough that a division by any temperature that samples stays finite.
+LOGIT_BOUND = 1e30
 
 
 @dataclass
@@ -188,7 +192,7 @@ def _penalise(x: torch.Tensor, params: Sequence[SamplingParams], rows: Sequence[
         if len(pr):
             ones = torch.ones(len(pr), dtype=torch.bool, device=dev)  # a device value: True would sync
             seen.index_put_((pr, pc), ones)
-        x = torch.where(seen, torch.where(x > 0, x / rep, x * rep), x)
+        x = torch.where(seen, torch.where(x > 0, x / rep, x * rep).clamp(-LOGIT_BOUND, LOGIT_BOUND), x)
     freq = host_to_device([p.frequency_penalty for p in params], x.dtype, dev)[:, None]
     pres = host_to_device([p.presence_penalty for p in params], x.dtype, dev)[:, None]
     return x - freq * counts - pres * (counts > 0).to(x.dtype)
@@ -227,7 +231,7 @@ def _penalise_seen(
     n = torch.from_numpy(counts[keys]).to(x.dtype)
     if repeats:
         r = per_row(rep)
-        v = torch.where(v > 0, v / r, v * r)
+        v = torch.where(v > 0, v / r, v * r).clamp(-LOGIT_BOUND, LOGIT_BOUND)
     freq = per_row([params[r].frequency_penalty for r in pen])
     pres = per_row([params[r].presence_penalty for r in pen])
     flat[at] = v - freq * n - pres * (n > 0).to(x.dtype)

@@ -8,14 +8,23 @@ imported only when a request asks for a grammar.
 
 from __future__ import annotations
 
+import asyncio
+import concurrent.futures
 import json
 import re
+import threading
 from collections.abc import Iterable, Sequence
 from typing import Any
 
 import torch
 
 KINDS = ("json_schema", "json_object", "regex", "choice", "grammar")
+# A grammar that takes longer to compile is refused. A schema can be made to compile for minutes
+# ('(([a-z]{0,30}){0,30}){0,30}' ran for over 280 s), and a compile cannot be stopped: done on a worker's engine
+# thread or the frontend's event loop, it froze every request there (until 2026-12-07). `compile_within` runs
+# it on a thread of its own, at most COMPILE_THREADS at once.
+COMPILE_TIMEOUT_S = 10.0
+COMPILE_THREADS = 2
 
 
 class GrammarError(ValueError):
@@ -30,20 +39,44 @@ class Grammars:
         self._vocab_size = vocab_size
         self._stop_token_ids = sorted(stop_token_ids)
         self._compiler: Any = None
+        self._lock = threading.Lock()  # the compiler is built once, whichever thread asks first
+        self._pool: concurrent.futures.ThreadPoolExecutor | None = None
+
+    async def compile_within(self, kind: str, spec: str, timeout_s: float | None = None) -> None:
+        """Compile (kind, spec) off the calling thread, so that `matcher` then finds it in xgrammar's cache;
+        GrammarError if it does not compile, or not within `timeout_s` (the compile goes on in its thread, and
+        holds one of COMPILE_THREADS until it ends; a request waiting for a thread waits within the same
+        deadline)."""
+        if kind not in KINDS:
+            raise GrammarError(f"unknown grammar kind {kind!r} (expected one of {', '.join(KINDS)})")
+        with self._lock:
+            if self._pool is None:
+                self._pool = concurrent.futures.ThreadPoolExecutor(COMPILE_THREADS, "grammar-compile")
+        job = asyncio.get_running_loop().run_in_executor(self._pool, self._compiled, kind, spec)
+        job.add_done_callback(lambda f: f.cancelled() or f.exception())  # its error is ours, or nobody's
+        timeout_s = COMPILE_TIMEOUT_S if timeout_s is None else timeout_s
+        try:
+            async with asyncio.timeout(timeout_s):
+                await asyncio.shield(job)  # the compile cannot be stopped; only the wait for it ends
+        except TimeoutError:
+            raise GrammarError(
+                f"the {kind} grammar did not compile within {timeout_s:g} s (too costly; simplify it)"
+            ) from None
+
+    def _compiled(self, kind: str, spec: str) -> Any:
+        try:
+            return self._compile(kind, spec)
+        except GrammarError:
+            raise
+        except Exception as e:  # xgrammar raises RuntimeError/ValueError for a bad schema, regex or EBNF
+            raise GrammarError(f"the {kind} grammar does not compile: {e}") from e
 
     def _compile(self, kind: str, spec: str) -> Any:
         import xgrammar as xgr
 
-        if self._compiler is None:
-            tok = self._tokenizer
-            vocab = [tok.id_to_token(i) for i in range(tok.vocab_size)]
-            info = xgr.TokenizerInfo(
-                vocab,
-                xgr.VocabType.BYTE_LEVEL,
-                vocab_size=self._vocab_size,
-                stop_token_ids=self._stop_token_ids or None,
-            )
-            self._compiler = xgr.GrammarCompiler(info, max_threads=1)
+        with self._lock:
+            if self._compiler is None:
+                self._compiler = self._new_compiler(xgr)
         c = self._compiler
         if kind == "json_schema":
             return c.compile_json_schema(spec, any_whitespace=False)
@@ -58,16 +91,22 @@ class Grammars:
             return c.compile_grammar(spec)
         raise GrammarError(f"unknown grammar kind {kind!r} (expected one of {', '.join(KINDS)})")
 
+    def _new_compiler(self, xgr: Any) -> Any:
+        tok = self._tokenizer
+        vocab = [tok.id_to_token(i) for i in range(tok.vocab_size)]
+        info = xgr.TokenizerInfo(
+            vocab,
+            xgr.VocabType.BYTE_LEVEL,
+            vocab_size=self._vocab_size,
+            stop_token_ids=self._stop_token_ids or None,
+        )
+        return xgr.GrammarCompiler(info, max_threads=1)
+
     def matcher(self, kind: str, spec: str, emitted: Sequence[int] = ()) -> Matcher:
         """A matcher positioned after `emitted` (a resumed request's tokens so far)."""
         import xgrammar as xgr
 
-        try:
-            compiled = self._compile(kind, spec)
-        except GrammarError:
-            raise
-        except Exception as e:  # xgrammar raises RuntimeError/ValueError for a bad schema, regex or EBNF
-            raise GrammarError(f"the {kind} grammar does not compile: {e}") from e
+        compiled = self._compiled(kind, spec)
         m = Matcher(xgr.GrammarMatcher(compiled), self._vocab_size)
         for t in emitted:
             if not m.accept(t):

@@ -278,6 +278,20 @@ class Frontend:
             )
         return self.sampling_params(body, max_tokens, logprobs)
 
+    async def compile_grammar(self, body: GenerationRequest) -> None:
+        """The request's grammar compiled off the event loop, within structured.COMPILE_TIMEOUT_S, before
+        `sampling_params` checks it (then from xgrammar's cache). Compiled on the loop, one costly grammar froze
+        every request this frontend serves (until 2026-12-07)."""
+        try:
+            structured = body.structured()
+        except StructuredError as e:
+            raise bad_request(str(e), param=e.param) from e
+        if structured is not None:
+            try:
+                await self.grammars.compile_within(*structured)
+            except GrammarError as e:
+                raise bad_request(str(e), param=body.structured_param()) from e
+
     def sampling_params(
         self, body: GenerationRequest, max_tokens: int, logprobs: int | None
     ) -> pb.SamplingParams:
@@ -915,6 +929,7 @@ async def chat_completions(
         body.check_tools()
     except StructuredError as e:
         raise bad_request(str(e), param=e.param) from e
+    await fe.compile_grammar(body)
     try:
         messages = [m.as_template_input() for m in body.messages]
         text = fe.tokenizer.apply_chat_template(messages, tools=body.template_tools())
@@ -958,6 +973,7 @@ async def completions(
         body.check_choices()
     except StructuredError as e:
         raise bad_request(str(e), param=e.param) from e
+    await fe.compile_grammar(body)
     vocab = fe.tokenizer.vocab_size
     batch = body.prompts()
     prompts: list[list[int]] = []

@@ -150,6 +150,16 @@ class TransferTicket:
     nixl_device: str = ""
     agent_metadata: bytes = field(default=b"", repr=False)
 
+    def __post_init__(self) -> None:
+        # a ticket comes off the wire (from_json): a field of the wrong type is a bad request here, not an
+        # AttributeError deep in a pull (an INTERNAL until 2026-12-07)
+        for f in dataclasses.fields(self):
+            value, want = getattr(self, f.name), _TICKET_TYPES.get(f.name)
+            if want is not None and (not isinstance(value, want) or isinstance(value, bool)):
+                raise TypeError(f"{f.name} must be {want.__name__}, got {type(value).__name__}")
+        if not all(isinstance(k, str) and isinstance(v, str) for k, v in self.backends.items()):
+            raise TypeError("backends must map backend names to addresses (strings)")
+
     def to_json(self) -> str:
         d = dataclasses.asdict(self)
         d.pop("agent_metadata")
@@ -165,6 +175,12 @@ class TransferTicket:
         except (ValueError, TypeError, AttributeError) as exc:
             raise ValueError(f"transfer_endpoint is not a transfer ticket: {exc}") from exc
 
+
+_TICKET_TYPES: dict[str, type] = {
+    "key": str, "size": int, "checksum": str, "endpoint": str, "backends": dict, "encoding": str,
+    "raw_size": int, "expires_unix_ms": int, "serial": str, "nixl_addr": int, "nixl_device": str,
+    "agent_metadata": bytes,
+}  # fmt: skip
 
 # What publish returns is exactly the ticket.
 Published = TransferTicket

@@ -177,6 +177,7 @@ class PrefillWorker(EngineWorker, pb_grpc.PrefillWorkerServicer):
             _die(f"prefilling {request_id}")
         # one token only: the first one, drawn exactly as a local decode would draw it (same seed, index 0)
         first_only = dataclasses.replace(params, max_tokens=1)
+        await self.engine.compile_grammar(first_only)
         async with self.engine.generate(request_id, prompt, first_only, hold_kv=True) as stream:
             outs = [o async for o in stream]
         out = outs[-1]
@@ -322,7 +323,7 @@ class PrefillWorker(EngineWorker, pb_grpc.PrefillWorkerServicer):
         timer = self._expiry.get(request.request_id)
         if timer is None:
             return pb.ExtendHoldResponse(held=False)
-        if request.ttl_s <= 0:
+        if not request.ttl_s > 0:  # NaN too: it passed `<= 0`, and the hold then expired at once
             raise ValueError(f"ttl_s must be positive, got {request.ttl_s}")
         until_s = min(time.time() + request.ttl_s, self._held_since[request.request_id] + self.kv_max_hold_s)
         timer.cancel()

@@ -218,6 +218,15 @@ class AsyncEngine:
         self._commands.put(_Add(request_id, list(prompt_ids), params, list(output_ids), kv, hold_kv))
         return stream
 
+    async def compile_grammar(self, params: SamplingParams) -> None:
+        """Compile a request's grammar off the engine thread before `generate`, within COMPILE_TIMEOUT_S
+        (services/engine/structured.py): `add_request` then finds it in xgrammar's cache. Compiled on the engine
+        thread, one costly grammar froze every request on the worker. GrammarError (INVALID_ARGUMENT) if it
+        does not compile in time."""
+        assert self.engine is not None, "AsyncEngine.start() has not finished"
+        if params.structured_kind and self.engine.tokenizer is not None:
+            await self.engine.grammars.compile_within(params.structured_kind, params.structured_spec)
+
     async def abort(self, request_id: str) -> None:
         """Stop a request (or drop its held KV). A stream still listening ends with finish_reason "abort"."""
         self._commands.put(_Abort(request_id, notify=True))

@@ -15,6 +15,7 @@ from services.engine.engine import EngineConfig, LLMEngine
 from services.engine.sampling import (
     RowContext,
     SamplingParams,
+    _penalise,
     apply_processors,
     draw_seed,
     sample_batch,
@@ -173,6 +174,20 @@ def test_a_temperature_too_small_to_divide_by_samples_the_argmax() -> None:
             [out] = sample_batch(logits, [p], [index])
             assert out.token_id == argmax, temperature
             assert math.isfinite(out.logprob)
+
+
+def test_an_extreme_repetition_penalty_still_draws_a_seen_token_not_the_last_one() -> None:
+    """repetition_penalty 1e-45 divides a seen positive logit past float range; it drew the vocabulary's last
+    token (NaN probabilities) until 2026-12-07. Now the seen token, boosted to the bound, is drawn, on the CPU's
+    sparse path and the dense one, at any temperature that samples."""
+    logits = _logits(1, seed=10).abs() + 1.0  # every logit positive: the seen one is divided up
+    seen = 7
+    for temperature in (1.0, 1e-4):
+        p = SamplingParams(temperature=temperature, repetition_penalty=1e-45, seed=1)
+        row = RowContext([seen], [])
+        assert sample_batch(logits, [p], [0], [row])[0].token_id == seen
+        processed = _penalise(logits.clone(), [p], [row])  # the dense form a GPU runs
+        assert torch.isfinite(processed).all() and int(processed.argmax()) == seen
 
 
 def test_the_draw_is_the_inverse_cdf_at_a_uniform_hashed_from_seed_and_index() -> None:

@@ -682,6 +682,33 @@ def test_a_required_or_named_tool_choice_never_streams_its_call_as_content(scrip
         assert json.loads(call.function.arguments) == {"city": "Oslo"}
 
 
+def test_a_grammar_too_costly_to_compile_is_refused_and_stalls_nobody(
+    scripted: ScriptedCluster, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A schema whose grammar takes seconds to compile (this one ~3 s here; its 5-deep sibling 15 s, a 30-deep
+    one over 280 s) compiled on the frontend's event loop and froze every request it served (until
+    2026-12-07). It now compiles on a thread of its own and is refused past the deadline (0.5 s here, 10 s by
+    default), while the frontend answers others meanwhile."""
+    from services.engine import structured
+
+    monkeypatch.setattr(structured, "COMPILE_TIMEOUT_S", 0.5)
+    costly = {"type": "json_schema", "json_schema": {"name": "s", "schema": {
+        "type": "string", "pattern": "(([a-z]{0,4}){0,4}){0,4}"}}}  # fmt: skip
+    with ThreadPoolExecutor(1) as pool:
+        refused = pool.submit(
+            httpx.post,
+            f"{scripted.url}/v1/chat/completions",
+            json=chat("hi", response_format=costly),
+            timeout=30,
+        )
+        time.sleep(0.2)  # the compile has started
+        assert httpx.get(f"{scripted.url}/livez", timeout=1.5).status_code == 200  # the loop is free
+        r = refused.result()
+    assert r.status_code == 400 and r.json()["error"]["param"] == "response_format"
+    assert "did not compile within 0.5 s" in r.json()["error"]["message"]
+    time.sleep(3.5)  # let the compile end before the next test needs the CPU
+
+
 def test_metrics_count_requests_and_tokens(scripted: ScriptedCluster) -> None:
     httpx.post(f"{scripted.url}/v1/chat/completions", json=chat("metrics"), timeout=10)
     text = httpx.get(f"{scripted.url}/metrics").text

@@ -206,3 +206,20 @@ def test_a_prefill_worker_fails_its_call_once_its_engine_step_hangs(monkeypatch:
     message, slow = asyncio.run(main())
     assert isinstance(slow, int)  # 0.3 s steps are busy, not stuck: the call answered
     assert "prefill-7" in message and "has not stepped" in message
+
+
+@pytest.mark.parametrize("ttl_s", [float("nan"), 0.0, -1.0])
+def test_an_extend_hold_with_a_ttl_that_is_not_positive_is_refused_and_keeps_the_hold(ttl_s: float) -> None:
+    """ExtendHold(ttl_s=NaN) passed the `<= 0` check, replaced the hold's timer with one that fired at once,
+    and only then failed: the caller was told no, and the KV it meant to keep was freed (until 2026-12-07)."""
+    cancelled: list[bool] = []
+    rescheduled: list[float] = []
+    timer = types.SimpleNamespace(cancel=lambda: cancelled.append(True))
+    worker = types.SimpleNamespace(
+        _expiry={"held-1": timer}, _held_since={"held-1": 0.0}, kv_max_hold_s=60.0,
+        _expire_at=lambda rid, until_s: rescheduled.append(until_s),
+    )  # fmt: skip
+    request = pb.ExtendHoldRequest(request_id="held-1", ttl_s=ttl_s)
+    with pytest.raises(ValueError, match="ttl_s must be positive"):
+        run(lambda: prefill_server.PrefillWorker.ExtendHold(worker, request, None))  # type: ignore[arg-type]
+    assert cancelled == [] and rescheduled == [] and worker._expiry["held-1"] is timer

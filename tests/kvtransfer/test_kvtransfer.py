@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import json
 import multiprocessing as mp
 import os
 import signal
@@ -823,6 +824,11 @@ def test_ticket_from_a_newer_producer_with_unknown_fields_still_parses() -> None
     assert TransferTicket.from_json(text) == ticket
     with pytest.raises(ValueError, match="not a transfer ticket"):
         TransferTicket.from_json("[1, 2]")
+    # a field of the wrong type is refused at parsing (an AttributeError deep in the pull, an INTERNAL, before)
+    for field_name, wrong in (("backends", "x"), ("backends", {TCP: 5}), ("size", "3"), ("size", True)):
+        bad = json.loads(ticket.to_json()) | {field_name: wrong}
+        with pytest.raises(ValueError, match=field_name):
+            TransferTicket.from_json(json.dumps(bad))
 
 
 # --- NIXL reads of the producer's device copy (VRAM on a GPU; the same code path on host memory here) ---
