@@ -47,8 +47,6 @@ class Grammars:
         GrammarError if it does not compile, or not within `timeout_s` (the compile goes on in its thread, and
         holds one of COMPILE_THREADS until it ends; a request waiting for a thread waits within the same
         deadline)."""
-        if kind not in KINDS:
-            raise GrammarError(f"unknown grammar kind {kind!r} (expected one of {', '.join(KINDS)})")
         with self._lock:
             if self._pool is None:
                 self._pool = concurrent.futures.ThreadPoolExecutor(COMPILE_THREADS, "grammar-compile")
@@ -74,6 +72,8 @@ class Grammars:
     def _compile(self, kind: str, spec: str) -> Any:
         import xgrammar as xgr
 
+        if kind not in KINDS:  # before the compiler is built (a second or so, the first time)
+            raise GrammarError(f"unknown grammar kind {kind!r} (expected one of {', '.join(KINDS)})")
         with self._lock:
             if self._compiler is None:
                 self._compiler = self._new_compiler(xgr)
@@ -87,9 +87,8 @@ class Grammars:
         if kind == "choice":
             choices = json.loads(spec)
             return c.compile_regex("|".join(f"(?:{re.escape(s)})" for s in choices))
-        if kind == "grammar":
-            return c.compile_grammar(spec)
-        raise GrammarError(f"unknown grammar kind {kind!r} (expected one of {', '.join(KINDS)})")
+        assert kind == "grammar"
+        return c.compile_grammar(spec)
 
     def _new_compiler(self, xgr: Any) -> Any:
         tok = self._tokenizer

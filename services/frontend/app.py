@@ -52,6 +52,7 @@ from services.frontend.errors import (
     install_error_handlers,
     model_not_found,
     overloaded,
+    response_request_id,
 )
 from services.frontend.output import (
     TextAssembler,
@@ -90,6 +91,7 @@ from services.frontend.protocol import (
 from services.frontend.request_state import EmittedToken, Phase, RequestState
 from services.frontend.timeline import RequestObserver
 from services.rpc import pb
+from services.runtime.http import DeadlineClient
 from services.telemetry import metrics
 from services.telemetry.traffic import SHARE_TOKENS, TrafficLog
 
@@ -308,12 +310,9 @@ class Frontend:
             structured = body.structured()
         except StructuredError as e:
             raise bad_request(str(e), param=e.param) from e
+        # the grammar compiled (a bad one a 400 naming it, before routing) in compile_grammar, which every
+        # endpoint awaits before this
         kind, spec = structured or ("", "")
-        if kind:
-            try:  # compiled here too (xgrammar caches it), so a bad schema is a 400 naming it, before routing
-                self.grammars.matcher(kind, spec)
-            except GrammarError as e:
-                raise bad_request(str(e), param=body.structured_param()) from e
         if body.min_tokens and body.min_tokens > max_tokens:
             raise bad_request(
                 f"min_tokens ({body.min_tokens}) is more than max_tokens ({max_tokens})", param="min_tokens"
@@ -361,8 +360,7 @@ class Frontend:
         metrics.REQUESTS_IN_FLIGHT.labels(endpoint).inc()
         # the client's own x-request-id comes back as it was sent (vLLM does the same); ours is always in
         # x-rackserve-request-id, the key of the timeline, the traces and the request log
-        ours = states[0].request_id
-        headers = {"x-request-id": states[0].client_request_id or ours, "x-rackserve-request-id": ours}
+        headers = _id_headers(states[0].client_request_id, states[0].request_id)
         try:
             if not body.stream:
                 answers = await _unless_disconnected(request, _collect(pieces, len(states)))
@@ -461,6 +459,11 @@ class Frontend:
             if state.pulled_tokens:
                 metrics.PULLED_PROMPT_TOKENS.inc(state.pulled_tokens)
             self.observer.finished(endpoint, state, status, error_type)
+
+
+def _id_headers(client_id: str | None, ours: str) -> dict[str, str]:
+    """A response's ids: the client's x-request-id echoed (ours where it sent none) and ours."""
+    return {"x-request-id": client_id or ours, "x-rackserve-request-id": ours}
 
 
 # An event stream is never cached, and a proxy must pass each event on as it comes: nginx buffers a proxied
@@ -1040,10 +1043,7 @@ def _echo_only(
         prompt_tokens_details=PromptTokensDetails(cached_tokens=0),
     )
     ours = uuid.uuid4().hex
-    headers = {
-        "x-request-id": client_request_id(request.headers.get("x-request-id")) or ours,
-        "x-rackserve-request-id": ours,
-    }
+    headers = _id_headers(client_request_id(request.headers.get("x-request-id")), ours)
     answer = Completion(id=f"cmpl-{ours}", created=int(time.time()), model=body.model, choices=choices)
     if not body.stream:
         answer.usage = usage
@@ -1181,15 +1181,14 @@ async def plan(fe: FrontendDep) -> dict[str, Any]:
         planners = fe.directory.workers("planner")
     except ValueError:  # a directory that does not follow planners (embedded use)
         planners = []
-    async with httpx.AsyncClient(timeout=PLAN_TIMEOUT_S) as client:
+    async with DeadlineClient(PLAN_TIMEOUT_S) as client:
 
         async def ask(p: pb.WorkerInfo) -> dict[str, Any] | None:
             try:
-                async with asyncio.timeout(PLAN_TIMEOUT_S):  # the whole answer: httpx's bounds each read
-                    r = await client.get(f"http://{p.endpoint}/plan")
+                r = await client.get(f"http://{p.endpoint}/plan")
                 r.raise_for_status()
                 return {"planner": p.worker_id, **r.json()}
-            except (httpx.HTTPError, ValueError, TimeoutError) as e:
+            except (httpx.HTTPError, ValueError) as e:
                 log.info("planner %s did not answer GET /plan: %s", p.worker_id, e)
                 return None
 
@@ -1271,7 +1270,7 @@ class RequestIdHeader:
             return await self.app(scope, receive, send)
         # the first x-request-id, as the request's own headers read it (Starlette's get), the same check
         sent = next((v for k, v in scope.get("headers") or [] if k == b"x-request-id"), b"")
-        rid = (client_request_id(sent.decode("latin-1")) or uuid.uuid4().hex).encode("latin-1")
+        rid = response_request_id(sent.decode("latin-1")).encode("latin-1")
 
         async def send_with_id(message: Message) -> None:
             if message["type"] == "http.response.start":

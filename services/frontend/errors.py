@@ -243,7 +243,7 @@ async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
     log.exception("unhandled error on %s %s", request.method, request.url.path, exc_info=exc)
     message = f"internal error: {type(exc).__name__}: {exc}"
     # this handler answers outside every middleware (Starlette's ServerErrorMiddleware): name the request here
-    rid = client_request_id(request.headers.get("x-request-id")) or uuid.uuid4().hex
+    rid = response_request_id(request.headers.get("x-request-id"))
     return ApiError(
         500, message, SERVER_ERROR, code="internal_error", headers={"x-request-id": rid}
     ).response()
@@ -252,6 +252,11 @@ async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
 def client_request_id(value: str | None) -> str | None:
     """The client's x-request-id, if it is one we echo and log: 1 to 128 printable characters."""
     return value if value and len(value) <= 128 and value.isprintable() else None
+
+
+def response_request_id(value: str | None) -> str:
+    """The x-request-id a response carries when no request state names one: the client's, or a fresh one."""
+    return client_request_id(value) or uuid.uuid4().hex
 
 
 def install_error_handlers(app: FastAPI) -> None:

@@ -196,15 +196,15 @@ def parse_tool_calls(
     def offered(calls: list[tuple[str, str]]) -> bool:
         return tools is None or all(name in tools for name, _ in calls)
 
-    if "<tool_call>" in text:
+    if _TOOL_CALL_TAG in text:
         found = [_call(block) for block in _HERMES.findall(text)]
         calls = [c for c in found if c is not None]
         if calls and offered(calls):
             # the text around the blocks, as it is (what a stream of it sends: content_before_calls), unless
             # it is only whitespace
-            content = _HERMES.sub("", text)
+            content = strip_tool_calls(text)
             return (content if content.strip() else None), calls
-    body = text.strip().removeprefix("<|python_tag|>").strip()
+    body = text.strip().removeprefix(_PYTHON_TAG).strip()
     if body.startswith("{"):
         whole = _json_calls(body)
         if whole and offered(whole):
@@ -222,7 +222,7 @@ def _json_calls(body: str) -> list[tuple[str, str]]:
             obj, at = decoder.raw_decode(body, at)
         except ValueError:
             return []
-        call = _call(json.dumps(obj))
+        call = _call_of(obj)
         if call is None:
             return []
         calls.append(call)
@@ -268,6 +268,11 @@ def _call(block: str) -> tuple[str, str] | None:
         obj = json.loads(block)
     except ValueError:
         return None
+    return _call_of(obj)
+
+
+def _call_of(obj: object) -> tuple[str, str] | None:
+    """(name, arguments JSON) of a parsed call object; None if it is not one."""
     if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
         return None
     args = obj.get("arguments", obj.get("parameters", {}))

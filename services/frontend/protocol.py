@@ -37,20 +37,6 @@ class _Request(BaseModel):
     model_config = ConfigDict(strict=True, extra="ignore")
 
 
-class StreamOptions(_Request):
-    include_usage: bool | None = False
-    continuous_usage_stats: Any = Field(
-        default=None, description="Not supported: refused with 400 unless null or false."
-    )
-
-    @field_validator("continuous_usage_stats", mode="before")
-    @classmethod
-    def _refuse(cls, value: Any, info: ValidationInfo) -> Any:
-        if value not in (None, False):
-            raise ValueError("continuous_usage_stats is not supported by rackserve (only null or false)")
-        return value
-
-
 class TextPart(_Request):
     type: Literal["text"]
     text: str
@@ -159,6 +145,7 @@ _NEUTRAL: dict[str, tuple[Any, str]] = {
     "return_token_ids": (lambda v: v in (None, False), "null or false"),
     "best_of": (lambda v: v in (None, 1), "null or 1"),
     "return_token_strs": (lambda v: v in (None, False), "null or false"),
+    "continuous_usage_stats": (lambda v: v in (None, False), "null or false"),
 }
 
 
@@ -210,6 +197,16 @@ def _neutral_only(value: Any, info: ValidationInfo) -> Any:
     if not is_neutral(value):
         raise ValueError(f"{info.field_name} is not supported by rackserve (only {neutral} is accepted)")
     return value
+
+
+class StreamOptions(_Request):
+    include_usage: bool | None = False
+    continuous_usage_stats: Any = _refused_unless("null or false")
+
+    @field_validator("continuous_usage_stats", mode="before")
+    @classmethod
+    def _refuse(cls, value: Any, info: ValidationInfo) -> Any:
+        return _neutral_only(value, info)
 
 
 class GenerationRequest(_Request):

@@ -8,12 +8,12 @@ names, nothing else. A patch is sent only when the count changes from what this 
 from __future__ import annotations
 
 import argparse
-import asyncio
 import logging
 import os
 
 import httpx
 
+from services.runtime.http import DeadlineClient
 from services.telemetry import metrics
 
 log = logging.getLogger("rackserve.planner")
@@ -32,13 +32,12 @@ class KubeScaler:
         timeout_s: float,
     ) -> None:
         self.namespace = namespace
-        self.timeout_s = timeout_s  # of a whole call: httpx's own timeout bounds each read, not the call
         self.deployments = deployments  # pool -> Deployment name
-        self.client = httpx.AsyncClient(
+        self.client = DeadlineClient(
+            timeout_s,
             base_url=api.rstrip("/"),
             headers={"Authorization": f"Bearer {token}"} if token else {},
             verify=verify,
-            timeout=timeout_s,
         )
         self.last: dict[str, int] = {}
 
@@ -67,9 +66,8 @@ class KubeScaler:
         return f"/apis/apps/v1/namespaces/{self.namespace}/deployments/{self.deployments[pool]}/scale"
 
     async def replicas(self, pool: str) -> int:
-        """The Deployment's replicas; httpx.HTTPError, ValueError or TimeoutError when they cannot be read."""
-        async with asyncio.timeout(self.timeout_s):
-            r = await self.client.get(self._path(pool))
+        """The Deployment's replicas; httpx.HTTPError or ValueError when they cannot be read."""
+        r = await self.client.get(self._path(pool))
         r.raise_for_status()
         return int(r.json().get("spec", {}).get("replicas", 0))
 
@@ -80,16 +78,15 @@ class KubeScaler:
                     self.last[pool] = await self.replicas(pool)
                 if self.last[pool] == n:
                     continue
-                async with asyncio.timeout(self.timeout_s):
-                    r = await self.client.patch(
-                        self._path(pool),
-                        content=f'{{"spec":{{"replicas":{int(n)}}}}}',
-                        headers={"Content-Type": "application/merge-patch+json"},
-                    )
+                r = await self.client.patch(
+                    self._path(pool),
+                    content=f'{{"spec":{{"replicas":{int(n)}}}}}',
+                    headers={"Content-Type": "application/merge-patch+json"},
+                )
                 r.raise_for_status()
                 log.info("planner: %s %s replicas %d -> %d", pool, self.deployments[pool], self.last[pool], n)
                 self.last[pool] = n
-            except (httpx.HTTPError, ValueError, TimeoutError) as e:
+            except (httpx.HTTPError, ValueError) as e:
                 metrics.PLANNER_SCALE_ERRORS.labels(pool).inc()
                 self.last.pop(pool, None)
                 log.warning("planner: scaling %s to %d failed: %s", pool, n, e)

@@ -82,6 +82,7 @@ from services.planner.plan import (
 )
 from services.rpc import pb
 from services.runtime.args import add_flag, add_security_arguments, switch
+from services.runtime.http import DeadlineClient
 from services.telemetry import metrics
 from services.telemetry.traffic import TrafficRecord
 
@@ -265,7 +266,7 @@ class Planner:
         ] = {}  # source -> (time, samples) of its last scrape
         self.history: deque[dict[str, Any]] = deque(maxlen=args.history)
         self.current: dict[str, Any] | None = None
-        self.client = httpx.AsyncClient(timeout=SCRAPE_TIMEOUT_S)
+        self.client = DeadlineClient(SCRAPE_TIMEOUT_S)
         # the replays are pure-Python CPU work: in a process of their own they never starve this event loop
         # (its etcd lease keep-alive, its HTTP answers); spawned, since this process runs gRPC threads
         self.pool = _replay_pool()
@@ -284,11 +285,10 @@ class Planner:
     async def _scrape(self, endpoint: str) -> tuple[float, observe.Samples] | None:
         """(when it answered, its samples): the window ends when the numbers were read, not when asked."""
         try:
-            async with asyncio.timeout(SCRAPE_TIMEOUT_S):  # the whole answer (httpx's bounds each read)
-                r = await self.client.get(f"http://{endpoint}/metrics")
+            r = await self.client.get(f"http://{endpoint}/metrics")
             r.raise_for_status()
             return time.monotonic(), observe.parse(r.text)
-        except (httpx.HTTPError, ValueError, TimeoutError) as e:
+        except (httpx.HTTPError, ValueError) as e:
             log.info("planner: scrape of %s failed: %s", endpoint, e)
             return None
 
@@ -344,13 +344,12 @@ class Planner:
         async def read(key: str, endpoint: str) -> None:
             last, held, ahead = self.traffic.get(key, (0, deque(), 0.0))
             try:
-                async with asyncio.timeout(SCRAPE_TIMEOUT_S):
-                    r = await self.client.get(f"http://{endpoint}/traffic", params={"since": last})
+                r = await self.client.get(f"http://{endpoint}/traffic", params={"since": last})
                 r.raise_for_status()
                 body = r.json()
                 got = [TrafficRecord(**x) for x in body["requests"]]
                 ahead = time.time() - float(body["now"])
-            except (httpx.HTTPError, ValueError, KeyError, TypeError, TimeoutError) as e:
+            except (httpx.HTTPError, ValueError, KeyError, TypeError) as e:
                 log.info("planner: GET /traffic of %s failed: %s", endpoint, e)
                 got = []
             held.extend(got)
@@ -535,7 +534,7 @@ class Planner:
         if isinstance(self.scaler, KubeScaler):
             try:
                 return await self.scaler.replicas("prefill"), await self.scaler.replicas("decode")
-            except (httpx.HTTPError, ValueError, TimeoutError) as e:
+            except (httpx.HTTPError, ValueError) as e:
                 log.warning("planner: reading the Deployments' replicas failed: %s", e)
                 return None
         return actual if sum(actual) > 0 else None
@@ -671,15 +670,17 @@ class Planner:
         try:
             return await loop.run_in_executor(self.pool, fn)
         except BrokenProcessPool:
-            log.warning("planner: the replay process died; starting another")
-            self.pool.shutdown(wait=False, cancel_futures=True)
-            self.pool = _replay_pool()
+            self._new_pool()
         try:
             return await loop.run_in_executor(self.pool, fn)
         except BrokenProcessPool:
-            self.pool.shutdown(wait=False, cancel_futures=True)
-            self.pool = _replay_pool()
+            self._new_pool()
             raise
+
+    def _new_pool(self) -> None:
+        log.warning("planner: the replay process died; starting another")
+        self.pool.shutdown(wait=False, cancel_futures=True)
+        self.pool = _replay_pool()
 
     def start_replays(self) -> None:
         """Spawn the replay process now: its start (a Python process importing the simulator) then does not
