@@ -451,8 +451,8 @@ class LLMEngine:
     ) -> Request:
         """Queue a request. output_ids are tokens already emitted (a resumed request continues after them);
         kv, if given, is imported so the tokens it covers need no recompute."""
-        if request_id in self.requests:
-            raise ValueError(f"duplicate request id {request_id!r}")
+        if self.id_in_use(request_id):
+            raise ValueError(f"duplicate request id {request_id!r}: a request or a prefix hold has it")
         prompt = list(prompt_ids)
         if not prompt:
             raise ValueError("the prompt is empty")
@@ -515,6 +515,11 @@ class LLMEngine:
 
     def holds_prefix(self, hold_id: str) -> bool:
         return hold_id in self._prefix_holds
+
+    def id_in_use(self, request_id: str) -> bool:
+        """Whether a live or held request or a prefix hold has this id: release_kv(id) frees all of them, so one
+        id names one thing."""
+        return request_id in self.requests or request_id in self._prefix_holds
 
     def has_unfinished(self) -> bool:
         return self.scheduler.num_unfinished > 0
@@ -769,7 +774,7 @@ class LLMEngine:
         return ExportJob(self.kv, self.kv_layout, list(req.block_ids[:nblocks]), req.all_ids[:n])
 
     def _pin(self, pin_id: str, block_ids: list[int]) -> None:
-        if pin_id in self._prefix_holds or pin_id in self.requests:
+        if self.id_in_use(pin_id):
             raise ValueError(f"hold id {pin_id!r} is already in use on this worker")
         self.blocks.acquire(block_ids)
         self._prefix_holds[pin_id] = list(block_ids)
@@ -789,7 +794,7 @@ class LLMEngine:
         each block's recorded parent is the hash before it (and the first one's is `parent`; None: a run that
         starts mid-prompt whose parent the asker did not name — its own hash already chains it). Returns the
         pinned block ids (maybe none; then nothing is held)."""
-        if hold_id in self._prefix_holds or hold_id in self.requests:
+        if self.id_in_use(hold_id):
             raise ValueError(f"hold id {hold_id!r} is already in use on this worker")
         found: list[int] = []
         for h in hashes:

@@ -414,7 +414,8 @@ class AsyncEngine:
     ) -> None:
         if isinstance(cmd, _Add):
             try:
-                if cmd.request_id in engine.requests:  # e.g. a prefill whose KV is still held
+                # e.g. a prefill whose KV is still held, or a prefix hold of that id
+                if engine.id_in_use(cmd.request_id):
                     raise DuplicateRequestError(
                         f"request id {cmd.request_id!r} is already live on this worker"
                     )

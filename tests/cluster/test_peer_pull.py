@@ -266,6 +266,10 @@ def test_export_prefix_holds_the_longest_exact_run_and_pins_it_against_eviction(
     assert not e.holds_prefix("none")
     with pytest.raises(ValueError, match="already in use"):
         e.export_prefix("mid", ha2[1:])
+    # nor may a request take a hold's id: releasing the one would free the other
+    with pytest.raises(ValueError, match="duplicate request id 'mid'"):
+        e.add_request("mid", a, GREEDY)
+    assert e.holds_prefix("mid") and "mid" not in e.requests
     # pinned: a prompt that needs every free block cannot evict the held ones
     free = e.blocks.num_free
     assert len(long) >= free * BS
