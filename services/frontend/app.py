@@ -1,5 +1,5 @@
 """The FastAPI app: OpenAI's `/v1/chat/completions`, `/v1/completions` and `/v1/models`, plus `/health`
-(readiness), `/livez` (liveness) and `/metrics`.
+(readiness), `/livez` (liveness), `/metrics` and `/metrics/targets` (every service's /metrics, for Prometheus).
 
 A request is validated (dependencies.py), tokenized here, checked against the model's context length, handed
 to the coordinator as a `RequestState`, and answered from the tokens it yields — as one JSON body, or as
@@ -1227,6 +1227,25 @@ async def traffic(fe: FrontendDep, since: int = 0) -> dict[str, Any]:
 async def prometheus_metrics() -> Response:
     body, content_type = metrics.exposition()
     return Response(body, media_type=content_type)
+
+
+# the roles whose /metrics a scraper finds through discovery; the frontend and the planner serve it on their HTTP
+# endpoint, the others on the metrics endpoint they register (none where --metrics-port is -1)
+SCRAPED_ROLES = ("frontend", "router", "prefill", "decode", "planner")
+
+
+@api.get("/metrics/targets")
+async def prometheus_targets(fe: FrontendDep) -> list[dict[str, object]]:
+    """Every registered service's /metrics in Prometheus' HTTP service discovery format (`http_sd_configs`), so
+    a Prometheus outside Kubernetes follows the workers a launcher or the planner starts on ephemeral ports. As
+    open as /metrics itself."""
+    groups: list[dict[str, object]] = []
+    for role in SCRAPED_ROLES:
+        for w in fe.directory.workers(role):
+            target = w.endpoint if role in ("frontend", "planner") else w.metrics_endpoint
+            if target:
+                groups.append({"targets": [target], "labels": {"service": role, "worker_id": w.worker_id}})
+    return groups
 
 
 def create_app(

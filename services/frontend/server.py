@@ -31,7 +31,14 @@ from services.frontend.auth import AuthConfig, load_api_keys
 from services.frontend.coordinator import DEFAULT_MIGRATION_LIMIT, DEFAULT_STALL_TIMEOUT_S, Coordinator
 from services.frontend.timeline import DEFAULT_TIMELINE_HISTORY, RequestObserver
 from services.rpc import pb
-from services.runtime.args import add_flag, add_security_arguments, add_telemetry_arguments, switch
+from services.runtime.args import (
+    add_advertise_host,
+    add_flag,
+    add_security_arguments,
+    add_telemetry_arguments,
+    advertised_host,
+    switch,
+)
 from services.runtime.channels import ChannelPool
 from services.runtime.tls import GrpcTls
 from services.telemetry import tracing
@@ -47,6 +54,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("frontend")
     add_flag(g, "--etcd", "http://127.0.0.1:2379", "etcd endpoint for discovery")
     add_flag(g, "--host", "127.0.0.1", "address to listen on")
+    add_advertise_host(g)
     add_flag(g, "--port", 8000, "HTTP port (0: an ephemeral port; the bound one is registered)", int)
     add_flag(g, "--model", "", "the model's .gguf file or Hugging Face directory; only its tokenizer is read "
              "(default: SmolLM2-135M-Instruct)")  # fmt: skip
@@ -155,8 +163,14 @@ async def serve(args: argparse.Namespace) -> None:
     try:
         await _until_started(server, serving)
         port = server.servers[0].sockets[0].getsockname()[1]
-        host = socket.gethostname() if args.host in ("0.0.0.0", "::", "") else args.host
-        log.info("frontend serving %r on http://%s:%d", config.served_model_name, args.host, port)
+        host = advertised_host(args)
+        log.info(
+            "frontend serving %r on http://%s:%d (registered as %s)",
+            config.served_model_name,
+            args.host,
+            port,
+            host,
+        )
         info = pb.WorkerInfo(
             worker_id=worker_id,
             role=ROLE,

@@ -81,7 +81,13 @@ from services.planner.plan import (
     with_floor,
 )
 from services.rpc import pb
-from services.runtime.args import add_flag, add_security_arguments, switch
+from services.runtime.args import (
+    add_advertise_host,
+    add_flag,
+    add_security_arguments,
+    advertised_host,
+    switch,
+)
 from services.runtime.http import DeadlineClient
 from services.telemetry import metrics
 from services.telemetry.traffic import TrafficRecord
@@ -104,6 +110,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("planner")
     add_flag(g, "--etcd", "http://127.0.0.1:2379", "etcd endpoint for discovery")
     add_flag(g, "--host", "127.0.0.1", "address to listen on and to register")
+    add_advertise_host(g)
     add_flag(
         g, "--port", 0, "HTTP port of /plan and /metrics (0: an ephemeral port, registered in etcd)", int
     )
@@ -792,7 +799,7 @@ async def serve(args: argparse.Namespace) -> None:
                 raise RuntimeError("planner: HTTP server stopped while starting")
             await asyncio.sleep(0.05)
         port = server.servers[0].sockets[0].getsockname()[1]
-        host = socket.gethostname() if args.host in ("0.0.0.0", "::", "") else args.host
+        host = advertised_host(args)
         worker_id = args.worker_id or f"{ROLE}-{socket.gethostname()}-{os.getpid()}"
         info = pb.WorkerInfo(
             worker_id=worker_id, role=ROLE, endpoint=f"{host}:{port}", epoch=int(time.time() * 1000)

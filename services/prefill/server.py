@@ -52,6 +52,7 @@ from services.runtime.args import (
     add_flag,
     add_kv_transfer_arguments,
     add_service_arguments,
+    advertised_host,
     kv_device_copy_bytes,
     kv_sink_config,
 )
@@ -454,7 +455,10 @@ def pull_attributes(span: trace.Span, pull: PullResult) -> None:
 async def serve(args: argparse.Namespace) -> None:
     source = await KvSource.start(
         TransferConfig(
-            backends=tuple(args.kv_backends), host=args.host, device_copy_bytes=kv_device_copy_bytes(args)
+            backends=tuple(args.kv_backends),
+            host=args.host,
+            advertise_host=advertised_host(args),
+            device_copy_bytes=kv_device_copy_bytes(args),
         )
     )
     # a prefill worker pulls too: the prefix blocks a plan's PrefixPull names, from a peer's KvSource

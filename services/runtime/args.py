@@ -27,6 +27,7 @@ from services.kvtransfer.nixl import nixl_installed
 from services.kvtransfer.ticket import TransferConfig
 
 ENV_PREFIX = "RACKSERVE_"
+WILDCARD_HOSTS = ("0.0.0.0", "::", "")
 TOPOLOGY_LABELS = ("node", "rack", "zone")
 # 16 k tokens of an 8B model's bf16 KV, kept for device-direct readers / pulled device-direct and not yet written
 DEFAULT_KV_DEVICE_COPY_BYTES = 2 << 30
@@ -58,11 +59,25 @@ def switch(group: argparse._ArgumentGroup, flag: str, help: str) -> None:
     group.add_argument(flag, action="store_true", default=on, help=f"{help} [env {env}=1]")
 
 
+def add_advertise_host(group: argparse._ArgumentGroup) -> None:
+    add_flag(group, "--advertise-host", "", "address registered in discovery, what peers dial (default: --host, "
+             "or this machine's name where --host is a wildcard such as 0.0.0.0; in a pod, its IP)")  # fmt: skip
+
+
+def advertised_host(args: argparse.Namespace) -> str:
+    """The address other processes reach this one at: --advertise-host, else --host unless it binds every
+    address (a wildcard is no address to dial), then this machine's name."""
+    if args.advertise_host:
+        return str(args.advertise_host)
+    return socket.gethostname() if args.host in WILDCARD_HOSTS else str(args.host)
+
+
 def add_service_arguments(parser: argparse.ArgumentParser) -> None:
     """Flags of any rackserve gRPC service: where etcd is, where to listen, who it is, where it stands."""
     g = parser.add_argument_group("service")
     add_flag(g, "--etcd", "http://127.0.0.1:2379", "etcd endpoint for discovery")
     add_flag(g, "--host", "127.0.0.1", "address to listen on and to register")
+    add_advertise_host(g)
     add_flag(g, "--port", 0, "gRPC port (0: an ephemeral port; the bound one is registered)", int)
     add_flag(g, "--worker-id", "", "id in discovery (default: ROLE-HOSTNAME-PID)")
     add_flag(

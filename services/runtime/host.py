@@ -31,7 +31,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from services.discovery.etcd import EtcdSecurity
 from services.discovery.registration import Registration
 from services.rpc import pb
-from services.runtime.args import topology, worker_id
+from services.runtime.args import advertised_host, topology, worker_id
 from services.runtime.rpc import AdmissionGate, RpcInterceptor
 from services.runtime.tls import GrpcTls, add_port
 from services.telemetry import metrics, tracing
@@ -72,7 +72,7 @@ class ServiceHost:
             self.health_server = grpc.aio.server()
             health_pb2_grpc.add_HealthServicer_to_server(self.health, self.health_server)
             self.health_server.add_insecure_port(f"{args.host}:{args.health_port}")
-        self.endpoint = f"{args.host}:{self.port}"
+        self.endpoint = f"{advertised_host(args)}:{self.port}"
         self.registration: Registration | None = None
         self._signalled = asyncio.Event()
         metrics.process_role = role

@@ -260,15 +260,18 @@ def test_real_prometheus_scrapes_the_cluster_and_answers_a_ttft_quantile(rig: Ri
     prometheus = shutil.which("prometheus")
     if prometheus is None:
         pytest.skip("prometheus missing: apt-get install prometheus")
-    targets = [{"targets": [rig.cluster.endpoints["frontend-a"]], "labels": {"service": "frontend"}}]
+    # the services are found as deploy/prometheus/prometheus.static.yml finds them: the frontend's HTTP service
+    # discovery lists every registered /metrics, the workers' ephemeral metrics ports included
+    want = {rig.cluster.endpoints["frontend-a"]: "frontend"}
     for worker_id in ("router-a", "prefill-a", "decode-a"):
         info = rig.cluster.infos[worker_id]
-        targets.append({"targets": [info.metrics_endpoint], "labels": {"service": info.role}})
+        want[info.metrics_endpoint] = info.role
     shutil.copy(PROMETHEUS / "rules.yml", tmp_path / "rules.yml")
+    discovery = {"url": f"{rig.url}/metrics/targets", "refresh_interval": "1s"}
     config = {
         "global": {"scrape_interval": "1s", "evaluation_interval": "1s"},
         "rule_files": ["rules.yml"],
-        "scrape_configs": [{"job_name": "rackserve", "static_configs": targets}],
+        "scrape_configs": [{"job_name": "rackserve", "http_sd_configs": [discovery]}],
     }
     (tmp_path / "prometheus.yml").write_text(yaml.safe_dump(config))
     port = free_port()
@@ -280,8 +283,10 @@ def test_real_prometheus_scrapes_the_cluster_and_answers_a_ttft_quantile(rig: Ri
             stdout=log, stderr=subprocess.STDOUT, cwd=tmp_path,
         )  # fmt: skip
     try:
-        up = _poll(lambda: _all_up(api, len(targets)), "every target up")
+        up = _poll(lambda: _all_up(api, len(want)), "every target up")
         assert up
+        active = httpx.get(f"{api}/targets", timeout=5).json()["data"]["activeTargets"]
+        assert {t["labels"]["instance"]: t["labels"]["service"] for t in active} == want
         for i in range(3):  # after the first scrapes, so rate() sees the histogram grow
             chat(rig, f"Name a colour, number {i}.", max_tokens=4)
         query = (

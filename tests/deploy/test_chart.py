@@ -24,6 +24,7 @@ import yaml
 
 from services.decode.server import add_arguments as decode_arguments
 from services.frontend.server import add_arguments as frontend_arguments
+from services.planner.server import add_arguments as planner_arguments
 from services.prefill.server import add_arguments as prefill_arguments
 from services.router.server import add_arguments as router_arguments
 from tests.support.paths import REPO
@@ -40,7 +41,9 @@ PARSERS = {
     "router": router_arguments,
     "prefill": prefill_arguments,
     "decode": decode_arguments,
+    "planner": planner_arguments,
 }
+PLANNER_PROFILE = CHART / "ci" / "planner-kubernetes-values.yaml"
 
 
 @pytest.fixture(autouse=True)
@@ -254,10 +257,10 @@ def _parse_with_env(role: str, env: dict[str, Any], monkeypatch: pytest.MonkeyPa
     return parser.parse_args([])
 
 
-@pytest.mark.parametrize("role", ["frontend", "router", "prefill", "decode"])
+@pytest.mark.parametrize("role", ["frontend", "router", "prefill", "decode", "planner"])
 def test_rendered_env_parses_with_the_services_real_flags(role: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """Every RACKSERVE_* variable the chart sets is a flag of that service and holds a value the flag accepts."""
-    objs = render("-f", str(GPU_PROFILE))
+    objs = render("-f", str(GPU_PROFILE), "-f", str(PLANNER_PROFILE))
     c = container(find(objs, "Deployment", f"rs-rackserve-{role}"), role)
     env = env_of(c)
     parser = argparse.ArgumentParser()
@@ -284,6 +287,77 @@ def test_rendered_env_parses_with_the_services_real_flags(role: str, monkeypatch
         assert args.tls_ca_file == "/etc/rackserve/tls/ca.crt"
     if role == "frontend":
         assert args.rate_limit_rps == 20.0 and args.api_key_file == "/etc/rackserve/api-keys/keys"
+    if role == "planner":
+        assert args.scale_mode == "kubernetes" and args.max_workers == 6
+
+
+# where each pod serves /metrics: the env variable holding that port (the frontend and planner: their HTTP port)
+METRICS_PORT_ENV = {
+    "frontend": "RACKSERVE_PORT",
+    "router": "RACKSERVE_METRICS_PORT",
+    "prefill": "RACKSERVE_METRICS_PORT",
+    "decode": "RACKSERVE_METRICS_PORT",
+    "planner": "RACKSERVE_PORT",
+}
+
+
+@pytest.mark.parametrize("profile", PROFILES)
+def test_every_pod_asks_to_be_scraped_on_the_port_that_serves_its_metrics(profile: str) -> None:
+    """deploy/prometheus/prometheus.yml keeps only pods annotated prometheus.io/scrape, at prometheus.io/port."""
+    objs = render("-f", str(CHART / "ci" / profile), "--set", "planner.enabled=true")
+    for role, port_env in METRICS_PORT_ENV.items():
+        dep = find(objs, "Deployment", f"rs-rackserve-{role}")
+        template, c = dep["spec"]["template"], container(dep, role)
+        notes = template["metadata"].get("annotations", {})
+        assert notes.get("prometheus.io/scrape") == "true", (role, notes)
+        assert notes["prometheus.io/path"] == "/metrics"
+        port = int(notes["prometheus.io/port"])
+        assert str(port) == env_of(c)[port_env], (role, port)
+        assert port in {p["containerPort"] for p in c["ports"]}, (role, c["ports"])
+    # the planner dials a frontend's registered endpoint for its /metrics: the pod's IP, not its bare name
+    fe_env = env_of(container(find(objs, "Deployment", "rs-rackserve-frontend"), "frontend"))
+    assert fe_env["RACKSERVE_ADVERTISE_HOST"] == {"fieldRef": {"fieldPath": "status.podIP"}}
+
+
+def test_scrape_annotations_can_be_turned_off_and_the_users_own_win() -> None:
+    objs = render(
+        "--set", "metrics.scrapeAnnotations=false", "--set", "router.podAnnotations.team=inference"
+    )  # fmt: skip
+    router = find(objs, "Deployment", "rs-rackserve-router")["spec"]["template"]["metadata"]
+    assert router["annotations"] == {"team": "inference"}
+    assert (
+        "annotations" not in find(objs, "Deployment", "rs-rackserve-decode")["spec"]["template"]["metadata"]
+    )
+    objs = render("--set-string", "decode.podAnnotations.prometheus\\.io/scrape=false")
+    notes = find(objs, "Deployment", "rs-rackserve-decode")["spec"]["template"]["metadata"]["annotations"]
+    assert notes["prometheus.io/scrape"] == "false" and notes["prometheus.io/port"] == "9090"
+
+
+def test_the_operators_monitors_reach_every_service_that_serves_metrics() -> None:
+    objs = render(
+        "-f", str(GPU_PROFILE), "--set", "planner.enabled=true", "--set", "metrics.podMonitor.enabled=true"
+    )  # fmt: skip
+    monitor = find(objs, "PodMonitor", "rs-rackserve-services")["spec"]
+    selected = next(
+        e["values"]
+        for e in monitor["selector"]["matchExpressions"]
+        if e["key"] == "app.kubernetes.io/component"
+    )
+    endpoint_ports = {e["port"] for e in monitor["podMetricsEndpoints"]}
+    for role in ("router", "prefill", "decode", "planner"):
+        assert role in selected
+        c = container(find(objs, "Deployment", f"rs-rackserve-{role}"), role)
+        served_on = {
+            p["name"] for p in c["ports"] if str(p["containerPort"]) == env_of(c)[METRICS_PORT_ENV[role]]
+        }
+        assert served_on & endpoint_ports, (role, c["ports"])
+    # the frontend (a ServiceMonitor on its Service's http port) must be reachable from the monitoring namespace
+    # on that port even where the profile admits only the ingress controller's clients
+    policy = find(objs, "NetworkPolicy", "rs-rackserve-frontend")["spec"]["ingress"]
+    on_http = [r for r in policy if {"port": 8000, "protocol": "TCP"} in r["ports"]]
+    sources = [s for r in on_http for s in r.get("from", [])]
+    assert {"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "monitoring"}}} in sources
+    assert {"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "ingress-nginx"}}} in sources
 
 
 def test_cpu_pools_keep_device_auto_and_an_explicit_device_wins() -> None:

@@ -7,6 +7,7 @@ a running cluster); so is everything about traces.
 
 from __future__ import annotations
 
+import argparse
 import importlib.util
 import json
 import os
@@ -24,6 +25,7 @@ from grafana_foundation_sdk.cog import plugins
 from grafana_foundation_sdk.models import dashboard, prometheus
 
 from services.frontend.timeline import RecentTimelines
+from services.launcher import add_arguments as launcher_arguments
 from services.telemetry import metrics
 from services.telemetry.waterfall import read_request_log, render_html
 from tests.support.otlp import trace_receiver
@@ -75,13 +77,21 @@ def test_prometheus_config_and_rules_pass_promtool_and_every_alert_unit_test_pas
         assert run.returncode == 0, f"promtool {' '.join(args)}:\n{run.stdout}\n{run.stderr}"
 
 
-def test_static_prometheus_config_is_the_kubernetes_one_with_static_targets() -> None:
+def launcher_defaults() -> argparse.Namespace:
+    parser = argparse.ArgumentParser()
+    launcher_arguments(parser)
+    return parser.parse_args([])
+
+
+def test_static_prometheus_config_is_the_kubernetes_one_discovering_through_the_frontend() -> None:
+    """Outside Kubernetes the targets come from the frontend of `rackserve up` (its default port), which lists
+    what discovery holds (tests/cluster/test_observability.py runs a real Prometheus on it)."""
     k8s = yaml.safe_load((PROMETHEUS / "prometheus.yml").read_text())
     static = yaml.safe_load((PROMETHEUS / "prometheus.static.yml").read_text())
     assert k8s["global"] == static["global"] and k8s["rule_files"] == static["rule_files"] == ["rules.yml"]
     assert k8s["scrape_configs"][0]["kubernetes_sd_configs"] == [{"role": "pod"}]
-    services = {t["labels"]["service"] for t in static["scrape_configs"][0]["static_configs"]}
-    assert services == {"frontend", "router", "prefill", "decode"}
+    [discovery] = static["scrape_configs"][0]["http_sd_configs"]
+    assert discovery["url"] == f"http://127.0.0.1:{launcher_defaults().port}/metrics/targets"
 
 
 def test_every_alert_the_issue_asks_for_exists_and_every_rule_expression_parses() -> None:

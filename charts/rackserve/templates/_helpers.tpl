@@ -261,3 +261,16 @@ livenessProbe:
 - name: RACKSERVE_DRAIN_GRACE_S
   value: {{ .Values.drainGraceSeconds | quote }}
 {{- end -}}
+
+{{- /* A pod template's annotations: the scrape annotations for its metrics port (metrics.scrapeAnnotations) under
+the user's podAnnotations, which win. Call with (dict "root" $ "port" <metrics port> "extra" <podAnnotations>). */ -}}
+{{- define "rackserve.podAnnotations" -}}
+{{- $a := dict -}}
+{{- if .root.Values.metrics.scrapeAnnotations -}}
+{{- $a = dict "prometheus.io/scrape" "true" "prometheus.io/port" (toString .port) "prometheus.io/path" "/metrics" -}}
+{{- end -}}
+{{- $a = merge (deepCopy (.extra | default dict)) $a -}}
+{{- with $a }}
+annotations: {{- toYaml . | nindent 2 }}
+{{- end }}
+{{- end -}}
