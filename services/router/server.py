@@ -52,7 +52,7 @@ from services.router.policy import (
 )
 from services.router.prefix_index import DEFAULT_MAX_ENTRIES, DISK, HOST
 from services.router.reservations import DEFAULT_ARRIVAL_GRACE_S, DEFAULT_TTL_S
-from services.router.state import DEFAULT_FAILURE_EXCLUSION_S, RouterState
+from services.router.state import DEFAULT_FAILURE_EXCLUSION_S, DEFAULT_SILENT_AFTER_S, RouterState
 from services.rpc import pb, pb_grpc
 from services.runtime.args import add_flag, add_service_arguments, env_name
 from services.runtime.errors import WorkerUnavailableError
@@ -116,7 +116,7 @@ class WorkerViews:
     def _on_change(self, kind: str, info: pb.WorkerInfo) -> None:
         self._forget(info.worker_id)
         if kind == "added":
-            self.state.add_worker(worker_state(info))
+            self.state.add_worker(worker_state(info), time.monotonic())
             self.connected[info.worker_id] = False
             self._tasks[info.worker_id] = asyncio.get_running_loop().create_task(
                 self._follow(info), name=f"subscribe {info.worker_id}"
@@ -145,19 +145,35 @@ class WorkerViews:
                     )
                     self.state.forget_blocks(worker_id)  # the snapshot that opens the stream rebuilds them
                     loaded = False  # block events before the first load report are the snapshot, not new work
-                    async for event in stream:
+                    events = aiter(stream)
+                    while True:
+                        # a worker reports its load every second: silence is a frozen, dead or stuck process
+                        async with asyncio.timeout(self.state.silent_after_s):
+                            event = await anext(events, None)
+                        if event is None:
+                            break
                         if not self.connected.get(worker_id):
                             self.connected[worker_id] = True
                             backoff.reset()
                         if event.epoch != info.epoch:
                             continue  # another process behind the same endpoint; etcd will tell us about it
+                        self.state.heard(worker_id, time.monotonic())
                         loaded = self._apply(worker_id, event, loaded)
                 except asyncio.CancelledError:
                     raise
+                except TimeoutError:
+                    stream.cancel()
+                    self.state.lost(worker_id)
+                    level = logging.WARNING if self.connected.get(worker_id) else logging.DEBUG
+                    log.log(level, "%s said nothing for %.1fs: not routed to until it does",
+                            worker_id, self.state.silent_after_s)  # fmt: skip
                 except grpc.aio.AioRpcError as e:
                     # the first failure after a working stream is news; retries of a dead worker are not
                     level = logging.INFO if self.connected.get(worker_id) else logging.DEBUG
-                    if e.code() is not grpc.StatusCode.DEADLINE_EXCEEDED:
+                    if (
+                        e.code() is not grpc.StatusCode.DEADLINE_EXCEEDED
+                    ):  # our own deadline: reopened at once
+                        self.state.lost(worker_id)
                         log.log(level, "subscription to %s: %s %s", worker_id, e.code().name, e.details())
                 if worker_id in self.connected:
                     self.connected[worker_id] = False
@@ -349,6 +365,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         float,
     )  # fmt: skip
     add_flag(
+        g, "--silent-after-s", DEFAULT_SILENT_AFTER_S,
+        "a worker whose event stream says nothing for this long (it reports its load every second; a frozen, "
+        "dead or stuck process stops) is not routed to until it speaks again", float,
+    )  # fmt: skip
+    add_flag(
         g,
         "--index-max-blocks",
         DEFAULT_MAX_ENTRIES,
@@ -390,6 +411,7 @@ async def serve(args: argparse.Namespace) -> None:
         reservation_ttl_s=args.reservation_ttl_s,
         reservation_grace_s=args.reservation_grace_s,
         failure_exclusion_s=args.suppress_s,
+        silent_after_s=args.silent_after_s,
     )
     metrics.INDEXED_BLOCKS.set_function(lambda: len(state.index))
     host = ServiceHost(args, ROLE, [SERVICE_NAME], GATED_METHODS)

@@ -12,7 +12,9 @@ generator's simulator feeds it from its simulated workers through the same metho
     decision = state.route(RouteQuery("req-1", token_ids=prompt), now)
 
 A worker reported as failed is excluded until it re-registers with a new epoch, or `failure_exclusion_s`
-passes (a safety valve: a report can blame a healthy but slow worker).
+passes (a safety valve: a report can blame a healthy but slow worker). A worker whose event stream has said
+nothing for `silent_after_s` (it sends its load every second; a frozen, dead or stuck process stops) is excluded
+until it speaks again — where the caller feeds `heard` and `lost` (the simulator's workers never go silent).
 
 This room holds no request state beyond short-lived reservations, and never does I/O or reads a clock.
 """
@@ -27,6 +29,7 @@ from services.router.prefix_index import DEFAULT_MAX_ENTRIES, HOST, PrefixIndex
 from services.router.reservations import DEFAULT_ARRIVAL_GRACE_S, DEFAULT_TTL_S, Reservations
 
 DEFAULT_FAILURE_EXCLUSION_S = 10.0
+DEFAULT_SILENT_AFTER_S = 3.0  # three missed load heartbeats (services.runtime.worker.LOAD_HEARTBEAT_S)
 LOAD_FIELDS = ("waiting", "running", "queued_prefill_tokens", "active_decode_blocks", "free_blocks", "step_s")
 
 
@@ -38,6 +41,7 @@ class RouterState:
         reservation_ttl_s: float = DEFAULT_TTL_S,
         reservation_grace_s: float = DEFAULT_ARRIVAL_GRACE_S,
         failure_exclusion_s: float = DEFAULT_FAILURE_EXCLUSION_S,
+        silent_after_s: float = DEFAULT_SILENT_AFTER_S,
     ) -> None:
         self.policy = policy
         self.workers: dict[str, WorkerState] = {}
@@ -46,12 +50,15 @@ class RouterState:
         self.failure_exclusion_s = failure_exclusion_s
         self._meters: dict[str, RateMeter] = {}
         self._failed: dict[str, tuple[int, float]] = {}  # worker id -> (epoch reported, excluded until)
+        self.silent_after_s = silent_after_s
+        self._heard: dict[str, float] = {}  # worker id -> when its event stream last said anything
         self.view = ClusterView(self.workers, self.index, self.reservations.pending_overlaps(self.workers))
 
     # ------------------------------------------------------------------------------------------ membership
 
-    def add_worker(self, worker: WorkerState) -> None:
-        """A worker appeared (or re-registered). A new epoch is a new process: its old state is dropped."""
+    def add_worker(self, worker: WorkerState, now: float | None = None) -> None:
+        """A worker appeared (or re-registered). A new epoch is a new process: its old state is dropped. With
+        `now`, it must be heard from (`heard`) within silent_after_s of it, and then as often, to be routed to."""
         old = self.workers.get(worker.worker_id)
         if old is not None and old.epoch != worker.epoch:
             self.remove_worker(worker.worker_id)
@@ -72,12 +79,15 @@ class RouterState:
         if failed is not None and failed[0] != worker.epoch:
             del self._failed[worker.worker_id]
         self.workers[worker.worker_id] = worker
+        if now is not None:
+            self._heard[worker.worker_id] = now
         s = self.policy.settings
         self._meters[worker.worker_id] = RateMeter(s.rate_ewma_alpha, s.rate_min_busy_s)
 
     def remove_worker(self, worker_id: str) -> None:
         """The worker left (lease expired, drained): its index entries and reservations go with it."""
         self.workers.pop(worker_id, None)
+        self._heard.pop(worker_id, None)
         self._meters.pop(worker_id, None)
         self.index.remove_worker(worker_id)
         self.reservations.forget(worker_id)
@@ -88,6 +98,20 @@ class RouterState:
         self._failed[worker_id] = (epoch, now + self.failure_exclusion_s)
 
     # ------------------------------------------------------------------------------------------ worker events
+
+    def heard(self, worker_id: str, now: float) -> None:
+        """The worker's event stream said something (any event: a load heartbeat comes every second)."""
+        if worker_id in self._heard:
+            self._heard[worker_id] = now
+
+    def lost(self, worker_id: str) -> None:
+        """The worker's event stream failed: not routed to until it is heard from again."""
+        if worker_id in self._heard:
+            self._heard[worker_id] = float("-inf")
+
+    def silent(self, now: float) -> list[str]:
+        """The workers not heard from for more than silent_after_s, by id."""
+        return sorted(w for w, t in self._heard.items() if now - t > self.silent_after_s)
 
     def on_load(self, worker_id: str, now: float, **load: float) -> None:
         """A LoadSnapshot: fields of LOAD_FIELDS. It reflects requests reserved before it (minus a grace)."""
@@ -143,8 +167,9 @@ class RouterState:
             w = self.workers.get(worker_id)
             if now >= until or (w is not None and w.epoch != epoch):
                 del self._failed[worker_id]
-        if self._failed:
-            query = replace(query, exclude=query.exclude | frozenset(self._failed))
+        excluded = frozenset(self._failed).union(self.silent(now))
+        if excluded:
+            query = replace(query, exclude=query.exclude | excluded)
         decision = self.policy.route(self.view, query)
         self.reservations.reserve(decision, query, self.workers, now)
         return decision

@@ -2,7 +2,9 @@
 
 `EngineWorker` is the base of both servicers. Its `Subscribe` is the stream a router opens to every worker it
 discovers: first (on request) every cached block hash, then a `LoadSnapshot` and every KV block stored or
-evicted, as they happen — load at most every `LOAD_MIN_INTERVAL_S`, and at least every `LOAD_HEARTBEAT_S`.
+evicted, as they happen — load at most every `LOAD_MIN_INTERVAL_S`, and at least every `LOAD_HEARTBEAT_S` while
+the engine makes progress (a router takes silence for a frozen, dead or stuck worker; a worker whose engine has not
+stepped for `ENGINE_STUCK_S` stops vouching for itself).
 
 `run_engine_worker` is the life of such a process: load the model, start the server, register, wait for
 SIGTERM, drain. This room must never hold a service's own logic (prefilling, decoding).
@@ -24,7 +26,7 @@ from services.engine.engine import LLMEngine
 from services.rpc import pb
 from services.runtime import wire
 from services.runtime.args import engine_config, model_path
-from services.runtime.async_engine import AsyncEngine, LoadStats, RequestTiming
+from services.runtime.async_engine import ENGINE_STUCK_S, AsyncEngine, LoadStats, RequestTiming
 from services.runtime.host import ServiceHost, configure_logging
 from services.runtime.rpc import request_meta
 from services.telemetry import metrics, tracing
@@ -130,7 +132,8 @@ class EngineWorker:
                         for kv in wire.kv_block_events(update):
                             yield event(kv=kv)
                 load = wire.load_snapshot(newest) if newest is not None else last_load
-                if load != last_load or time.monotonic() - last_sent_s >= LOAD_HEARTBEAT_S:
+                beat = time.monotonic() - last_sent_s >= LOAD_HEARTBEAT_S
+                if load != last_load or (beat and self.engine.progress_age_s() < ENGINE_STUCK_S):
                     yield event(load=load)
                     last_load, last_sent_s = load, time.monotonic()
                 await asyncio.sleep(LOAD_MIN_INTERVAL_S)

@@ -221,6 +221,31 @@ def test_failed_worker_is_excluded_until_it_registers_with_a_new_epoch() -> None
     assert "d0" in {state.route(RouteQuery(f"g{i}"), 1.0).decode for i in range(6)}
 
 
+def test_a_worker_silent_past_the_bound_is_not_routed_to_until_it_speaks_again() -> None:
+    state = RouterState(make_policy("least_loaded", "auto"), silent_after_s=3.0)
+    state.add_worker(D("d0"), now=0.0)
+    state.add_worker(D("d1"), now=0.0)
+    state.heard("d0", 2.0)
+    state.heard("d1", 2.5)
+    assert {state.route(RouteQuery(f"a{i}"), 5.0).decode for i in range(6)} == {"d0", "d1"}
+    # d0 said nothing since t=2: past 3 s it is silent, d1 (heard at 2.5) not yet
+    assert state.silent(5.1) == ["d0"]
+    assert {state.route(RouteQuery(f"b{i}"), 5.1).decode for i in range(6)} == {"d1"}
+    state.heard("d0", 5.2)  # its stream speaks again
+    assert "d0" in {state.route(RouteQuery(f"c{i}"), 5.3).decode for i in range(6)}
+    state.lost("d1")  # its stream failed: excluded at once, not after the bound
+    assert {state.route(RouteQuery(f"d{i}"), 5.3).decode for i in range(6)} == {"d0"}
+    state.lost("d0")
+    with pytest.raises(NoWorkerError):
+        state.route(RouteQuery("none"), 5.3)
+    # a new process under the id (a new epoch) gets its own bound from its registration
+    state.add_worker(WorkerState("d1", "decode", epoch=2), now=6.0)
+    assert state.route(RouteQuery("new"), 6.5).decode == "d1"
+    # a worker added without a time (the simulator's) is never taken for silent
+    state.add_worker(D("sim"))
+    assert "sim" not in state.silent(1e9)
+
+
 def test_unhealthy_mismatched_and_excluded_workers_are_never_chosen() -> None:
     tokens = prompt(2048)
     state = router(
