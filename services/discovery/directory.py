@@ -80,6 +80,9 @@ class WorkerDirectory:
         self._by_key: dict[str, pb.WorkerInfo] = {}
         self._key_by_id: dict[str, str] = {}
         self._suppressed_until: dict[str, float] = {}  # worker_id -> time.monotonic() deadline
+        self._suppressed_epoch: dict[
+            str, int
+        ] = {}  # worker_id -> the one process suppressed, where one was named
         self._unsuppress_timers: dict[str, asyncio.TimerHandle] = {}
         self._subscribers: list[Subscriber] = []
         self._changed = asyncio.Event()
@@ -113,9 +116,20 @@ class WorkerDirectory:
 
         return unsubscribe
 
-    def suppress(self, worker_id: str, seconds: float) -> None:
-        """Hide `worker_id` from this directory now, for `seconds` (extends an earlier suppression)."""
+    def suppress(self, worker_id: str, seconds: float, epoch: int | None = None) -> None:
+        """Hide `worker_id` from this directory now, for `seconds` (extends an earlier suppression). With `epoch`,
+        only that process: nothing is hidden if another holds the id already, and one registering under the id
+        meanwhile (a restart) is visible at once."""
         visible_before = self.get(worker_id)
+        current = self._current(worker_id)
+        if epoch is not None and current is not None and current.epoch != epoch:
+            log.info("worker %s: suppression of epoch %d skipped, epoch %d holds the id", worker_id, epoch,
+                     current.epoch)  # fmt: skip
+            return
+        if epoch is None:
+            self._suppressed_epoch.pop(worker_id, None)
+        elif worker_id not in self._suppressed_until or worker_id in self._suppressed_epoch:
+            self._suppressed_epoch[worker_id] = epoch
         until = max(time.monotonic() + seconds, self._suppressed_until.get(worker_id, 0.0))
         self._suppressed_until[worker_id] = until
         old_timer = self._unsuppress_timers.pop(worker_id, None)
@@ -299,6 +313,16 @@ class WorkerDirectory:
         old = self._by_key.get(key)
         self._by_key[key] = info
         self._key_by_id[info.worker_id] = key
+        suppressed_epoch = self._suppressed_epoch.get(info.worker_id)
+        if (
+            suppressed_epoch is not None
+            and suppressed_epoch != info.epoch
+            and self._is_suppressed(info.worker_id)
+        ):
+            # a new process under a suppressed process's id: not the one that failed. The old one was hidden,
+            # so subscribers saw it go already; the new one is simply added.
+            self._lift(info.worker_id)
+            old = None
         if self._is_suppressed(info.worker_id):
             return
         if old is None:
@@ -331,9 +355,22 @@ class WorkerDirectory:
         until = self._suppressed_until.get(worker_id)
         return until is not None and time.monotonic() < until
 
+    def _current(self, worker_id: str) -> pb.WorkerInfo | None:
+        """The registered worker of that id, suppressed or not."""
+        key = self._key_by_id.get(worker_id)
+        return self._by_key.get(key) if key is not None else None
+
+    def _lift(self, worker_id: str) -> None:
+        timer = self._unsuppress_timers.pop(worker_id, None)
+        if timer is not None:
+            timer.cancel()
+        self._suppressed_until.pop(worker_id, None)
+        self._suppressed_epoch.pop(worker_id, None)
+
     def _unsuppress(self, worker_id: str) -> None:
         self._unsuppress_timers.pop(worker_id, None)
         self._suppressed_until.pop(worker_id, None)
+        self._suppressed_epoch.pop(worker_id, None)
         info = self.get(worker_id)
         if info is not None:
             log.info("worker %s visible again after suppression", worker_id)

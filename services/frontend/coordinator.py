@@ -96,7 +96,7 @@ class WorkerView(Protocol):
 
     def workers(self, role: str) -> list[pb.WorkerInfo]: ...
 
-    def suppress(self, worker_id: str, seconds: float) -> None: ...
+    def suppress(self, worker_id: str, seconds: float, epoch: int | None = None) -> None: ...
 
 
 class Coordinator:
@@ -420,7 +420,7 @@ class Coordinator:
         if lost.blame:
             state.failed_worker_ids.append(lost.worker.worker_id)
             self._background.spawn(
-                self._report_failure(state, lost.worker.worker_id, f"{lost.cause}: {lost.detail}"),
+                self._report_failure(state, lost.worker, f"{lost.cause}: {lost.detail}"),
                 name=f"report failure {lost.worker.worker_id}",
             )
         log.warning("request %s: %s worker %s failed after %d tokens (%s): %s", state.request_id, lost.role,
@@ -456,8 +456,11 @@ class Coordinator:
         )
         state.advance(Phase.MIGRATING)
 
-    async def _report_failure(self, state: RequestState, worker_id: str, cause: str) -> None:
-        report = pb.FailureReport(worker_id=worker_id, request_id=state.request_id, cause=cause)
+    async def _report_failure(self, state: RequestState, worker: pb.WorkerRef, cause: str) -> None:
+        worker_id = worker.worker_id
+        report = pb.FailureReport(
+            worker_id=worker_id, request_id=state.request_id, cause=cause, worker_epoch=worker.epoch
+        )
 
         async def tell(router: pb.WorkerInfo) -> None:
             stub = pb_grpc.RouterStub(self.channels.get(router.endpoint))
@@ -468,7 +471,7 @@ class Coordinator:
 
         # Every router keeps its own view of the workers, so every router hears about it; so does this
         # frontend's own view, which the fallback plan uses.
-        self.directory.suppress(worker_id, FAILED_WORKER_SUPPRESS_S)
+        self.directory.suppress(worker_id, FAILED_WORKER_SUPPRESS_S, epoch=worker.epoch or None)
         await asyncio.gather(*(tell(r) for r in self.directory.workers("router")))
 
     async def close(self) -> None:

@@ -75,6 +75,7 @@ class WorkerState:
     rack: str = ""
     zone: str = ""
     kv_bytes_per_token: int = 0  # 0: use CostSettings.kv_bytes_per_token
+    max_model_len: int = 0  # its context length in tokens (0: not said)
     healthy: bool = True  # False: draining, reported failed, or otherwise not to be chosen
     # load, from the worker's last LoadSnapshot
     waiting: int = 0

@@ -89,6 +89,7 @@ def worker_state(info: pb.WorkerInfo) -> WorkerState:
         rack=topo.get("rack", ""),
         zone=topo.get("zone", ""),
         kv_bytes_per_token=info.kv_bytes_per_token,
+        max_model_len=info.max_model_len,
     )
 
 
@@ -283,9 +284,18 @@ class Router(pb_grpc.RouterServicer):
 
     def _route(self, request: pb.RouteRequest) -> pb.RoutePlan:
         """One policy call over the router's state; the decision counted by policy, reason and shape."""
+        tokens = list(request.token_ids)
+        if request.need_prefill and not tokens:
+            raise ValueError("token_ids is empty: there is no prompt to prefill")
+        if tokens and min(tokens) < 0:
+            raise ValueError(f"token_ids holds a negative token id ({min(tokens)})")
+        # the longest context among the workers: a longer prompt fits none (and would only cost hashing time)
+        longest = max((w.max_model_len for w in self.state.workers.values()), default=0)
+        if longest and len(tokens) > longest:
+            raise ValueError(f"{len(tokens)} token ids: longer than any worker's context ({longest} tokens)")
         query = RouteQuery(
             request_id=request.request_id or f"route-{uuid.uuid4().hex}",
-            token_ids=list(request.token_ids),
+            token_ids=tokens,
             exclude=frozenset(request.exclude_worker_ids),
             need_prefill=request.need_prefill,
         )
@@ -303,9 +313,12 @@ class Router(pb_grpc.RouterServicer):
     ) -> pb.Empty:
         if not request.worker_id:
             raise ValueError("worker_id is required")
-        log.info("failure reported for %s (request %s): %s; excluded until it re-registers or %.1fs pass",
+        if not self.state.report_failure(request.worker_id, time.monotonic(), request.worker_epoch):
+            log.debug("failure report for %.200s (epoch %d) ignored: no such process here",
+                      request.worker_id, request.worker_epoch)  # fmt: skip
+            return pb.Empty()
+        log.info("failure reported for %s (request %.200s): %.500s; excluded until it re-registers or %.1fs pass",
                  request.worker_id, request.request_id, request.cause, self.state.failure_exclusion_s)  # fmt: skip
-        self.state.report_failure(request.worker_id, time.monotonic())
         return pb.Empty()
 
 

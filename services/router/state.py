@@ -92,10 +92,14 @@ class RouterState:
         self.index.remove_worker(worker_id)
         self.reservations.forget(worker_id)
 
-    def report_failure(self, worker_id: str, now: float) -> None:
+    def report_failure(self, worker_id: str, now: float, epoch: int = 0) -> bool:
+        """Exclude the worker (the process of `epoch`, 0: the current one) for failure_exclusion_s. False, and
+        nothing kept, for a worker this router does not know or a process that is gone already."""
         w = self.workers.get(worker_id)
-        epoch = w.epoch if w is not None else 0
-        self._failed[worker_id] = (epoch, now + self.failure_exclusion_s)
+        if w is None or (epoch and epoch != w.epoch):
+            return False
+        self._failed[worker_id] = (w.epoch, now + self.failure_exclusion_s)
+        return True
 
     # ------------------------------------------------------------------------------------------ worker events
 

@@ -142,16 +142,43 @@ class RpcInterceptor(grpc.aio.ServerInterceptor):
         if handler.unary_unary is not None:
             return grpc.unary_unary_rpc_method_handler(
                 _wrap_unary(handler.unary_unary, method, gate),
-                request_deserializer=handler.request_deserializer,
+                request_deserializer=_lenient(handler.request_deserializer),
                 response_serializer=handler.response_serializer,
             )
         if handler.unary_stream is not None:
             return grpc.unary_stream_rpc_method_handler(
                 _wrap_stream(handler.unary_stream, method, gate),
-                request_deserializer=handler.request_deserializer,
+                request_deserializer=_lenient(handler.request_deserializer),
                 response_serializer=handler.response_serializer,
             )
         return handler  # client- and bidi-streaming: none in rackserve.v1
+
+
+@dataclass(frozen=True)
+class _Undecodable:
+    """A request whose bytes do not parse (not protobuf, a string field that is not UTF-8): grpc would answer
+    UNKNOWN and log an error; the handler's wrapper answers INVALID_ARGUMENT instead."""
+
+    error: Exception
+
+
+def _lenient(deserializer: Callable[[bytes], Any] | None) -> Callable[[bytes], Any] | None:
+    if deserializer is None:
+        return None
+
+    def parse(raw: bytes) -> Any:
+        try:
+            return deserializer(raw)
+        except Exception as e:  # noqa: BLE001 - protobuf's DecodeError and whatever a parser raises
+            return _Undecodable(e)
+
+    return parse
+
+
+def _undecodable(request: Any, method: str) -> ValueError | None:
+    if isinstance(request, _Undecodable):
+        return ValueError(f"the request's bytes are not a {method} request: {request.error}")
+    return None
 
 
 def _admission(gate: AdmissionGate | None) -> contextlib.AbstractContextManager[Any]:
@@ -161,6 +188,8 @@ def _admission(gate: AdmissionGate | None) -> contextlib.AbstractContextManager[
 def _wrap_unary(behavior: Any, method: str, gate: AdmissionGate | None) -> Any:
     async def unary(request: Any, context: grpc.aio.ServicerContext) -> Any:
         try:
+            if bad := _undecodable(request, method):
+                raise bad
             with _admission(gate):
                 return await behavior(request, context)
         except grpc.aio.AbortError:
@@ -174,6 +203,8 @@ def _wrap_unary(behavior: Any, method: str, gate: AdmissionGate | None) -> Any:
 def _wrap_stream(behavior: Any, method: str, gate: AdmissionGate | None) -> Any:
     async def stream(request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
         try:
+            if bad := _undecodable(request, method):
+                raise bad
             with _admission(gate):
                 async for item in behavior(request, context):
                     yield item

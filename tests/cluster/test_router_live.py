@@ -61,6 +61,43 @@ def indexed_blocks(port: int) -> float:
     return float(line.split()[1])
 
 
+def test_malformed_routes_get_invalid_argument_and_the_next_good_one_routes(cluster: LocalCluster) -> None:
+    """Runs before the test below kills the worker. Each bad call gets a status naming what is wrong, not
+    INTERNAL or UNKNOWN with a traceback in the router's log."""
+    router = cluster.endpoints["router-a"]
+    max_len = cluster.infos["decode-a"].max_model_len
+    assert max_len > 0
+
+    async def calls() -> list[tuple[grpc.StatusCode, str]]:
+        got = []
+        async with grpc.aio.insecure_channel(router) as channel:
+            stub = pb_grpc.RouterStub(channel)
+            bad = [
+                pb.RouteRequest(request_id="neg", token_ids=PROMPT[:20] + [-1] + PROMPT[20:40]),
+                pb.RouteRequest(request_id="long", token_ids=[5] * (max_len + 1)),
+                pb.RouteRequest(request_id="empty", need_prefill=True),
+            ]
+            for request in bad:
+                with pytest.raises(grpc.aio.AioRpcError) as e:
+                    await stub.Route(request, timeout=5.0)
+                got.append((e.value.code(), e.value.details() or ""))
+            # bytes that are no RouteRequest (a string field that is not UTF-8)
+            raw = channel.unary_unary("/rackserve.v1.Router/Route")
+            with pytest.raises(grpc.aio.AioRpcError) as e:
+                await raw(b"\x0a\x02\xff\xfe", timeout=5.0)
+            got.append((e.value.code(), e.value.details() or ""))
+            plan = await stub.Route(pb.RouteRequest(request_id="good", token_ids=PROMPT), timeout=5.0)
+            assert plan.decode.worker_id == "decode-a"
+        return got
+
+    got = run(calls)
+    assert [code for code, _ in got] == [grpc.StatusCode.INVALID_ARGUMENT] * 4, got
+    assert "negative token id (-1)" in got[0][1]
+    assert f"longer than any worker's context ({max_len} tokens)" in got[1][1]
+    assert "no prompt to prefill" in got[2][1]
+    assert "not a /rackserve.v1.Router/Route request" in got[3][1]
+
+
 def test_cached_blocks_reach_the_plan_and_leave_the_index_when_the_worker_dies(
     cluster: LocalCluster, metrics_port: int
 ) -> None:

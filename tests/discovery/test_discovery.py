@@ -333,6 +333,41 @@ def test_suppressed_worker_is_hidden_at_once_and_reappears_after_the_suppression
     run(body())
 
 
+def test_a_suppressed_process_does_not_hide_the_one_that_replaces_it_under_its_id(
+    etcd_server: EtcdServer,
+) -> None:
+    """A failure report names the failed process's epoch: a restart under the same id is visible at once, and a
+    report that arrives after the restart hides nothing."""
+
+    def info(epoch: int) -> pb.WorkerInfo:
+        w = worker_info("d-1")
+        w.epoch = epoch
+        return w
+
+    async def body() -> None:
+        old = await Registration.start(etcd_server.url, info(1), ttl_s=TTL_S)
+        d = await started_directory(etcd_server.url)
+        await d.wait_for("decode", 1, timeout_s=5)
+        events: list[tuple[str, int]] = []
+        d.subscribe(lambda kind, w: events.append((kind, w.epoch)))
+        d.suppress("d-1", 30.0, epoch=1)
+        assert d.workers("decode") == [] and events == [("removed", 1)]
+        await old.close()
+        new = await Registration.start(etcd_server.url, info(2), ttl_s=TTL_S)
+        await eventually(
+            lambda: [w.epoch for w in d.workers("decode")] == [2], 5, "the new process is visible"
+        )
+        assert events == [("removed", 1), ("added", 2)]
+        d.suppress("d-1", 30.0, epoch=1)  # a late report about the old process
+        assert [w.epoch for w in d.workers("decode")] == [2] and events == [("removed", 1), ("added", 2)]
+        d.suppress("d-1", 30.0, epoch=2)  # the new one fails too
+        assert d.workers("decode") == [] and events[-1] == ("removed", 2)
+        await new.close()
+        await d.close()
+
+    run(body())
+
+
 def test_wait_for_times_out_with_an_error_naming_role_count_and_what_is_visible(
     etcd_server: EtcdServer,
 ) -> None:

@@ -159,7 +159,7 @@ class StaticWorkers:
     def workers(self, role: str) -> list[pb.WorkerInfo]:
         return [w for w in self._workers if w.role == role]
 
-    def suppress(self, worker_id: str, seconds: float) -> None:
+    def suppress(self, worker_id: str, seconds: float, epoch: int | None = None) -> None:
         pass
 
 

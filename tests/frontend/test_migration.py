@@ -73,7 +73,9 @@ class ScriptedRouter(pb_grpc.RouterServicer):
         live = [w for w in sorted(self.workers) if w not in request.exclude_worker_ids]
         if not live:
             await context.abort(grpc.StatusCode.UNAVAILABLE, "no decode workers")
-        ref = pb.WorkerRef(worker_id=live[0], endpoint=self.workers[live[0]], role="decode")
+        # each process's epoch, which a failure report must name (d1 -> 101)
+        epoch = 100 + int(live[0].removeprefix("d"))
+        ref = pb.WorkerRef(worker_id=live[0], endpoint=self.workers[live[0]], role="decode", epoch=epoch)
         return pb.RoutePlan(decode=ref, reason="scripted")
 
     async def ReportFailure(self, request: pb.FailureReport, context: grpc.aio.ServicerContext) -> pb.Empty:  # noqa: N802
@@ -89,7 +91,7 @@ class Workers:
     def workers(self, role: str) -> list[pb.WorkerInfo]:
         return [w for w in self.infos if w.role == role and w.worker_id not in self.suppressed]
 
-    def suppress(self, worker_id: str, seconds: float) -> None:
+    def suppress(self, worker_id: str, seconds: float, epoch: int | None = None) -> None:
         self.suppressed.add(worker_id)
 
 
@@ -151,7 +153,7 @@ def test_a_resumed_worker_that_repeats_a_token_index_does_not_repeat_it_to_the_c
     assert [m.from_worker_id for m in state.migration_log] == ["d1", "d2"]
     assert [m.at_token for m in state.migration_log] == [2, 3]
     assert [len(c.emitted_token_ids) for c in decodes["d3"].calls] == [3]
-    assert {r.worker_id for r in router.reports} == {"d1", "d2"}
+    assert {(r.worker_id, r.worker_epoch) for r in router.reports} == {("d1", 101), ("d2", 102)}
     # usage's cached_tokens is the first attempt's, the one the client's first token came from (a resumed
     # worker's 0 overwrote it until 2026-12-07)
     assert state.cached_tokens == 2

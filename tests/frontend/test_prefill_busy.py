@@ -88,7 +88,7 @@ class Directory:
     def workers(self, role: str) -> list[pb.WorkerInfo]:
         return [w for w in self.infos if w.role == role]
 
-    def suppress(self, worker_id: str, seconds: float) -> None:
+    def suppress(self, worker_id: str, seconds: float, epoch: int | None = None) -> None:
         pass
 
     def leave(self, worker_id: str) -> None:

@@ -246,6 +246,19 @@ def test_a_worker_silent_past_the_bound_is_not_routed_to_until_it_speaks_again()
     assert "sim" not in state.silent(1e9)
 
 
+def test_a_late_failure_report_about_a_replaced_process_does_not_exclude_its_successor() -> None:
+    state = router(D("d0"), D("d1"), policy="least_loaded")
+    state.add_worker(
+        WorkerState("d0", "decode", epoch=2)
+    )  # d0 restarted before the report about epoch 1 came
+    assert not state.report_failure("d0", now=0.0, epoch=1)
+    assert "d0" in {state.route(RouteQuery(f"a{i}"), 1.0).decode for i in range(6)}
+    # reports about unknown workers are not kept (a client cannot grow the router's state with made-up ids)
+    assert not state.report_failure("no-such-worker", now=0.0)
+    assert state.report_failure("d0", now=0.0, epoch=2)
+    assert {state.route(RouteQuery(f"b{i}"), 1.0).decode for i in range(6)} == {"d1"}
+
+
 def test_unhealthy_mismatched_and_excluded_workers_are_never_chosen() -> None:
     tokens = prompt(2048)
     state = router(
