@@ -12,13 +12,18 @@ written out first:
                               block shape. A worker that starts on a directory whose manifest matches indexes its
                               blocks (they survive a restart); any difference wipes them, and the log says which.
     DIR/lock                  held (flock) while a worker uses the directory: two workers never share one
-    DIR/blocks/<hash>.kv      one block: magic, a JSON header (codec, dtype, shape, block hash, parent hash, the
-                              encoded tensors' dtypes and shapes, payload length, xxh3-64 of the payload), payload
+    DIR/blocks/<hash>.kv      one block: magic, a JSON header (model fingerprint, block size, codec, dtype, shape,
+                              block hash, parent hash, the encoded tensors' dtypes and shapes, payload length,
+                              xxh3-64 of the payload), payload. A file is checked against all of it when read, so a
+                              block another model wrote (a copied directory) is a miss, not a wrong answer.
 
 The payload is the block in the tier-2 codec (bf16 = the cache dtype as is, fp8, nvfp4 with their scales;
 services/engine/kv_codec.py owns the arithmetic), written to a temporary name and renamed into place, so a file
 under its final name is always whole. A file that does not parse, is short, has another header than expected or
 fails its checksum is a miss: it is deleted, never restored. No fsync: a file lost to a power cut is a miss too.
+A directory that stops taking writes or deletions (its permissions, a read-only or vanished filesystem) turns the
+tier off for writes: the error is logged once, nothing in the engine fails, blocks it can no longer write are
+simply not kept.
 """
 
 from __future__ import annotations
@@ -38,13 +43,13 @@ from typing import Any, BinaryIO
 import torch
 import xxhash
 
-from services.engine.kv_tier import EncodedBlock, TierEntry, TierStats, encoded_block_bytes
+from services.engine.kv_tier import EncodedBlock, TierEntry, TierStats, encode_block, encoded_block_bytes
 from services.engine.nvfp4.recipe import NVFP4Tensor
 
 log = logging.getLogger("rackserve.engine.kv_disk")
 
 MAGIC = b"RSKVBLK1"
-MANIFEST_FORMAT = 1
+MANIFEST_FORMAT = 2  # 2: block headers name the model and block size
 _HEAD = struct.Struct("<8sI")  # magic, header length
 _NAME = re.compile(r"^[0-9a-f]{16}\.kv$")
 _TMP = re.compile(r"^\.[0-9a-f]{16}\.\d+\.tmp$")
@@ -99,6 +104,12 @@ class DiskKvTier:
             "dtype": _dtype_name(dtype),
             "block_shape": list(self.block_shape),
         }
+        # every header names them; a block file is checked against them
+        self.identity = {"model": model_fingerprint, "block_size": block_size}
+        # the encoded tensors' dtypes and shapes, as a header lists them
+        sample = encode_block(codec, torch.zeros(self.block_shape, dtype=dtype), lambda t: t)
+        self.parts = [[_dtype_name(t.dtype), list(t.shape)] for t in _parts(sample)]
+        self.writable = True  # False once the directory refused a write or a deletion
         # one block's file, to refuse a bound that cannot hold one (the header's length varies by a few bytes)
         self.block_nbytes = encoded_block_bytes(codec, self.block_shape, dtype) + 512
         if capacity_bytes < self.block_nbytes:
@@ -130,7 +141,11 @@ class DiskKvTier:
         self.hits = self.misses = self.restores = self.corrupt = self.overlapped = 0
         self.restore_s = 0.0
         self.restore_observer: Callable[[float], None] | None = None
-        self._open_directory()
+        try:
+            self._open_directory()
+        except BaseException:
+            self.close()
+            raise
 
     # ------------------------------------------------------------------------------------------ start-up
     def _open_directory(self) -> None:
@@ -160,8 +175,11 @@ class DiskKvTier:
             for n in blocks:
                 self._unlink(n)
             tmp = manifest_path.with_name(f".manifest.{os.getpid()}.tmp")
-            tmp.write_text(json.dumps(self.manifest, sort_keys=True) + "\n")
-            os.replace(tmp, manifest_path)
+            try:
+                tmp.write_text(json.dumps(self.manifest, sort_keys=True) + "\n")
+                os.replace(tmp, manifest_path)
+            except OSError as exc:
+                raise ValueError(f"kv_disk_path={str(self.path)!r} cannot be used: {exc}") from exc
             return
         indexed = []
         for n in blocks:
@@ -175,7 +193,7 @@ class DiskKvTier:
                 self.corrupt += 1
                 self._unlink(n)
                 continue
-            indexed.append((st.st_mtime_ns, int(n[:16], 16), int(header["parent"]), st.st_size))
+            indexed.append((st.st_mtime_ns, int(n[:16], 16), header["parent"], st.st_size))
         for _, h, parent, size in sorted(indexed):  # oldest first, as they were written
             self._entries[h] = (parent, size)
             self.used_bytes += size
@@ -210,7 +228,8 @@ class DiskKvTier:
     def lookup(self, hashes: list[int]) -> int:
         """How many leading hashes this tier can restore: each file is read and checked now, so a corrupt one
         is a miss (and deleted) before anything counts on it. The entries wait for take()."""
-        staged = {h: e for h, e in self._staged.items() if h in hashes}  # a request still waiting for blocks
+        wanted = set(hashes)
+        staged = {h: e for h, e in self._staged.items() if h in wanted}  # a request still waiting for blocks
         n = 0
         for h in hashes:
             if h not in staged:
@@ -232,10 +251,13 @@ class DiskKvTier:
         on) is simply not here afterwards: the caller announces it only `if block_hash in tier`."""
         was_here = self.discard(block_hash) is not None
         dropped: list[tuple[int, int]] = []
+        if not self.writable:
+            return [(block_hash, parent_hash)] * was_here
         parts = _parts(data)
         payload = b"".join(_raw(t) for t in parts)
         header = json.dumps(
             {
+                **self.identity,
                 "codec": self.codec,
                 "dtype": _dtype_name(self.dtype),
                 "shape": list(self.block_shape),
@@ -254,19 +276,25 @@ class DiskKvTier:
             self._staged.pop(h, None)
             self._unlink(self._name(h))
             dropped.append((h, parent))
-        if self.used_bytes + size > self.capacity_bytes:
+        if (
+            self.used_bytes + size > self.capacity_bytes or not self.writable
+        ):  # (an eviction may have found out)
             return dropped + [(block_hash, parent_hash)] * was_here
         name = self._name(block_hash)
         tmp = self.blocks_dir / f".{name[:16]}.{os.getpid()}.tmp"
         try:
-            with open(tmp, "wb") as f:
-                f.write(_HEAD.pack(MAGIC, len(header)))
-                f.write(header)
-                f.write(payload)
+            try:
+                self._write(tmp, header, payload)
+            except FileNotFoundError:  # blocks/ removed under us: make it again, once
+                self.blocks_dir.mkdir(parents=True, exist_ok=True)
+                self._write(tmp, header, payload)
             os.replace(tmp, self.blocks_dir / name)
         except OSError as exc:
             log.warning("KV disk tier %s: cannot write block %016x: %s", self.path, block_hash, exc)
-            tmp.unlink(missing_ok=True)
+            try:
+                tmp.unlink(missing_ok=True)
+            except OSError as unlink_exc:
+                self._stop_writing(unlink_exc)
             return dropped + [(block_hash, parent_hash)] * was_here
         self._entries[block_hash] = (parent_hash, size)
         self.used_bytes += size
@@ -318,11 +346,28 @@ class DiskKvTier:
     def _name(block_hash: int) -> str:
         return f"{block_hash:016x}.kv"
 
+    @staticmethod
+    def _write(path: Path, header: bytes, payload: bytes) -> None:
+        with open(path, "wb") as f:
+            f.write(_HEAD.pack(MAGIC, len(header)))
+            f.write(header)
+            f.write(payload)
+
     def _unlink(self, name: str) -> None:
+        """Delete a block file the index no longer counts. A deletion the directory refuses never fails the
+        caller (an engine step): the file stays, unindexed, and the tier stops writing."""
         try:
             (self.blocks_dir / name).unlink()
         except FileNotFoundError:
             pass
+        except OSError as exc:
+            self._stop_writing(exc)
+
+    def _stop_writing(self, exc: OSError) -> None:
+        if self.writable:
+            log.warning("KV disk tier %s: the directory refuses changes (%s); no more blocks are written to it "
+                        "until the worker restarts", self.path, exc)  # fmt: skip
+        self.writable = False
 
     def _read_header(self, f: BinaryIO, block_hash: int, size: int) -> tuple[dict[str, Any], int]:
         """Parse and check a file's header against what this tier expects; (header, payload length)."""
@@ -336,16 +381,22 @@ class DiskKvTier:
         if len(raw) != hlen:
             raise ValueError("short header")
         header = json.loads(raw)
+        if not isinstance(header, dict):
+            raise ValueError("its header is not an object")
         expected = {
+            **self.identity,
             "codec": self.codec,
             "dtype": _dtype_name(self.dtype),
             "shape": list(self.block_shape),
             "hash": block_hash,
+            "parts": self.parts,
         }
         for k, v in expected.items():
             if header.get(k) != v:
                 raise ValueError(f"header {k} {header.get(k)!r}, expected {v!r}")
-        plen = int(header["payload_bytes"])
+        plen, parent = header.get("payload_bytes"), header.get("parent")
+        if type(plen) is not int or type(parent) is not int or not isinstance(header.get("xxh3_64"), str):
+            raise ValueError("its header lacks a payload length, a parent hash or a checksum")
         if size != _HEAD.size + hlen + plen:
             raise ValueError(f"{size} bytes, the header says {_HEAD.size + hlen + plen}")
         return header, plen
@@ -367,8 +418,7 @@ class DiskKvTier:
             self.corrupt += 1
             self.discard(block_hash)
             return None
-        parent = int(header["parent"])
-        return TierEntry(parent, _HEAD.size + len(payload), data, tier="disk")
+        return TierEntry(header["parent"], _HEAD.size + len(payload), data, tier="disk")
 
     def _decode_payload(self, header: dict[str, Any], payload: bytes) -> EncodedBlock:
         buf = torch.frombuffer(bytearray(payload), dtype=torch.uint8)

@@ -6,7 +6,12 @@ new engine on the same directory (a restart), and a block the host tier pushes o
 
 from __future__ import annotations
 
+import json
 import logging
+import math
+import shutil
+import struct
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -116,6 +121,90 @@ def test_a_corrupt_or_short_file_is_a_miss_and_is_deleted(tmp_path: Path, damage
     with pytest.raises(KeyError):
         t.take(2)
     assert torch.equal(t.take(1).data, block(1))  # type: ignore[arg-type]
+
+
+def rewrite_header(path: Path, edit: Callable[[dict], object]) -> None:
+    """Replace a block file's JSON header by edit(header), keeping its payload."""
+    raw = path.read_bytes()
+    magic, hlen = struct.unpack("<8sI", raw[:12])
+    header = json.loads(raw[12 : 12 + hlen])
+    new = json.dumps(edit(header)).encode()
+    path.write_bytes(struct.pack("<8sI", magic, len(new)) + new + raw[12 + hlen :])
+
+
+@pytest.mark.parametrize(
+    "edit",
+    [
+        lambda h: [h],
+        lambda h: {k: v for k, v in h.items() if k != "parent"},
+        lambda h: {k: v for k, v in h.items() if k != "payload_bytes"},
+        lambda h: {**h, "parent": "7"},
+        lambda h: {**h, "parts": [[p[0], [math.prod(p[1])]] for p in h["parts"]]},  # the same bytes, flat
+    ],
+    ids=["not an object", "no parent", "no payload length", "a parent that is no number", "other parts"],
+)
+def test_a_malformed_header_is_a_miss_when_read_and_at_start_up_never_an_exception(
+    tmp_path: Path, edit: Callable[[dict], object]
+) -> None:
+    t = tier(tmp_path)
+    t.put(1, 0, block(1))
+    t.put(2, 1, block(2))
+    rewrite_header(tmp_path / "blocks" / f"{2:016x}.kv", edit)
+    assert t.lookup([1, 2]) == 1 and 2 not in t and t.corrupt == 1
+    t.put(2, 1, block(2))
+    t.close()
+    rewrite_header(tmp_path / "blocks" / f"{2:016x}.kv", edit)
+    again = tier(tmp_path)  # indexing at start-up drops it
+    assert again.hashes() == [1] and again.corrupt == 1 and files(tmp_path) == [f"{1:016x}.kv"]
+
+
+def test_a_block_another_model_wrote_is_a_miss_even_in_a_matching_directory(tmp_path: Path) -> None:
+    """A block file carries the model and block size it was computed with: one copied from another model's
+    directory (same layout, same hash name) is never restored as this model's KV."""
+    other = tier(tmp_path / "other", fingerprint="0" * 32)
+    other.put(5, 0, block(5))
+    other.close()
+    mine = tier(tmp_path / "mine")
+    mine.put(4, 0, block(4))
+    mine.close()
+    name = f"{5:016x}.kv"
+    (tmp_path / "mine" / "blocks" / name).write_bytes((tmp_path / "other" / "blocks" / name).read_bytes())
+    again = tier(tmp_path / "mine")
+    assert again.hashes() == [4] and again.corrupt == 1 and again.lookup([5]) == 0
+
+
+def test_a_directory_that_refuses_deletions_never_fails_the_caller_and_stops_the_writes(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A read-only remount or lost permissions: each call that deletes a file (evicting the oldest, a restore's
+    take, a rewrite) goes on; the tier stops writing, and says so once."""
+    probe = tier(tmp_path / "probe")
+    probe.put(1, 0, block(0))
+    size = probe.used_bytes
+    t = tier(tmp_path / "t", capacity=2 * size)
+    t.put(1, 0, block(1))
+    t.put(2, 1, block(2))
+
+    def refuse(self: Path, missing_ok: bool = False) -> None:
+        raise PermissionError(13, "Permission denied", str(self))
+
+    monkeypatch.setattr(Path, "unlink", refuse)
+    with caplog.at_level(logging.WARNING, logger="rackserve.engine.kv_disk"):
+        assert t.put(3, 2, block(3)) == [(1, 0)]  # evicting 1 could not delete its file: no exception
+        assert t.lookup([2]) == 1 and torch.equal(t.take(2).data, block(2))  # type: ignore[arg-type]
+        assert not t.writable and 3 not in t
+        assert t.put(4, 3, block(4)) == [] and 4 not in t  # no more writes
+    assert len([r for r in caplog.records if "refuses changes" in r.message]) == 1
+    assert t.used_bytes == 0 and len(t) == 0  # the index counts only what it still offers
+
+
+def test_the_blocks_directory_removed_under_a_running_tier_is_made_again(tmp_path: Path) -> None:
+    t = tier(tmp_path)
+    t.put(1, 0, block(1))
+    shutil.rmtree(tmp_path / "blocks")
+    t.put(2, 1, block(2))
+    assert 2 in t and files(tmp_path) == [f"{2:016x}.kv"]
+    assert t.lookup([1]) == 0 and 1 not in t  # its file went with the directory: a miss, forgotten
 
 
 def test_a_restart_with_the_same_manifest_keeps_the_blocks(tmp_path: Path) -> None:
@@ -303,4 +392,37 @@ def test_blocks_the_host_tier_pushes_out_go_on_to_disk(
     st = e.stats()
     assert st.tier2 is not None and st.disk is not None
     assert st.tier2.hits + st.disk.hits == len(hashes) and st.disk.hits > 0
+    e.disk.close()
+
+
+def test_a_disk_that_refuses_deletions_costs_the_engine_no_request_and_no_pool_block(
+    smollm2: LoadedModel,
+    prompts: tuple[list[int], list[int]],
+    cold: list[int],
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The disk tier full, then its directory refuses deletions (permissions changed under a running worker):
+    until 2026-12-07 the eviction inside a pool allocation raised, the step failed, and the blocks taken for it
+    were lost to the pool for good, so later prompts waited forever."""
+    a, b = prompts
+    mc = smollm2.config
+    per_block = encoded_block_bytes(
+        "bf16", (mc.num_layers, 2, mc.num_kv_heads, BS, mc.head_dim), torch.bfloat16
+    )
+    e = make(smollm2, kv_disk_path=str(tmp_path), kv_disk_bytes=3 * (per_block + 1024))
+    e.generate([a], GREEDY)
+    e.generate([b], GREEDY)  # the disk tier at its bound
+    assert e.disk is not None and len(e.disk) == 3
+
+    def refuse(self: Path, missing_ok: bool = False) -> None:
+        raise PermissionError(13, "Permission denied", str(self))
+
+    monkeypatch.setattr(Path, "unlink", refuse)
+    for _ in range(2):
+        out, _ = again(e, a)
+        assert out == cold
+        e.generate([b], GREEDY)
+    assert not e.disk.writable
+    assert e.blocks.num_free == POOL  # nothing running: every pool block is free again
     e.disk.close()
