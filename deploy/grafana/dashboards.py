@@ -159,7 +159,8 @@ def overview() -> Board:
         "Error ratio (5xx)",
         [
             q(
-                f"{rate('rackserve_frontend_requests_total', labels=SERVER_ERRORS)} / "
+                # `or vector(0)`: no 5xx yet is a ratio of 0, not no data
+                f"({rate('rackserve_frontend_requests_total', labels=SERVER_ERRORS)} or vector(0)) / "
                 f"{rate('rackserve_frontend_requests_total')}",
                 "5xx ratio",
             )

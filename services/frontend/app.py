@@ -50,6 +50,7 @@ from services.frontend.errors import (
     bad_request,
     client_request_id,
     install_error_handlers,
+    mark_counted,
     model_not_found,
     overloaded,
     response_request_id,
@@ -157,11 +158,10 @@ class Frontend:
         frontends = max(1, len(self.directory.workers("frontend")))
         return int(capacity * self.config.admission_kv_factor / frontends), capacity
 
-    def admit(self, endpoint: str, states: list[RequestState]) -> None:
+    def admit(self, states: list[RequestState]) -> None:
         """Take the request (all its choices) or refuse it with 429 + Retry-After, before any work starts."""
         limit = self.config.max_concurrent_requests
         if limit and self.in_flight >= limit:
-            metrics.REQUESTS.labels(endpoint, "429").inc()
             raise overloaded(f"the frontend is serving its limit of {limit} concurrent requests "
                              "(--max-concurrent-requests); retry later")  # fmt: skip
         charge = sum(
@@ -170,7 +170,6 @@ class Frontend:
         budget, capacity = self.kv_budget() if self.config.admission_kv_factor > 0 else (0, 0)
         # with nothing in flight a request is always taken (even one larger than the budget): it can only wait
         if budget and self.kv_in_flight and self.kv_in_flight + charge > budget:
-            metrics.REQUESTS.labels(endpoint, "429").inc()
             raise overloaded(
                 f"the cluster is at capacity: {self.kv_in_flight} KV tokens in flight, this request needs "
                 f"{charge}, the budget is {budget} ({self.config.admission_kv_factor:g} x the {capacity} tokens "
@@ -350,7 +349,8 @@ class Frontend:
     ) -> Response:
         """Answer with every choice in `states`, `per_prompt` consecutive ones per prompt (or, for best_of,
         the `keep` with the highest cumulative logprob, renumbered 0..keep-1)."""
-        self.admit(endpoint, states)
+        self.admit(states)
+        mark_counted(request)  # from here its end is counted, however it ends
         echoes: list[str | None] = (
             [None] * len(states) if echo is None else [echo[i // per_prompt] for i in range(len(states))]
         )

@@ -21,6 +21,8 @@ from fastapi.responses import JSONResponse
 from pydantic import BaseModel
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from services.telemetry import metrics
+
 log = logging.getLogger("rackserve.frontend")
 
 INVALID_REQUEST = "invalid_request_error"
@@ -222,21 +224,41 @@ def _shown(value: Any) -> str:
     return f" (got {text[:60]}{'…' if len(text) > 60 else ''})"
 
 
+# the endpoints whose requests rackserve_frontend_requests_total counts, each by its `endpoint` label
+COUNTED_ENDPOINTS = {"/v1/chat/completions": "chat_completions", "/v1/completions": "completions"}
+
+
+def mark_counted(request: Request) -> None:
+    """The request was taken: it is counted when it finishes (app.Frontend._finished), not by a handler here."""
+    request.state.counted = True
+
+
+def _answer(request: Request, error: ApiError) -> JSONResponse:
+    """The error's response, counted in the request metrics if the request was refused before it was taken
+    (a bad body or parameter, a key, a limit, admission): those never reach the count at a request's end."""
+    endpoint = COUNTED_ENDPOINTS.get(request.url.path)
+    if endpoint is not None and not getattr(request.state, "counted", False):
+        mark_counted(request)
+        metrics.REQUESTS.labels(endpoint, str(error.status)).inc()
+        metrics.REQUEST_ERRORS.labels(str(error.status), error.code or error.type).inc()
+    return error.response()
+
+
 async def _api_error(request: Request, exc: Exception) -> JSONResponse:
     assert isinstance(exc, ApiError)
-    return exc.response()
+    return _answer(request, exc)
 
 
 async def _request_validation(request: Request, exc: Exception) -> JSONResponse:
     assert isinstance(exc, RequestValidationError)
-    return validation_error(exc.errors()).response()
+    return _answer(request, validation_error(exc.errors()))
 
 
 async def _http_exception(request: Request, exc: Exception) -> JSONResponse:
     assert isinstance(exc, StarletteHTTPException)
     kind = NOT_FOUND if exc.status_code == 404 else INVALID_REQUEST
     message = f"{request.method} {request.url.path}: {exc.detail}"
-    return ApiError(exc.status_code, message, kind, headers=exc.headers).response()
+    return _answer(request, ApiError(exc.status_code, message, kind, headers=exc.headers))
 
 
 async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
@@ -244,9 +266,9 @@ async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
     message = f"internal error: {type(exc).__name__}: {exc}"
     # this handler answers outside every middleware (Starlette's ServerErrorMiddleware): name the request here
     rid = response_request_id(request.headers.get("x-request-id"))
-    return ApiError(
-        500, message, SERVER_ERROR, code="internal_error", headers={"x-request-id": rid}
-    ).response()
+    return _answer(
+        request, ApiError(500, message, SERVER_ERROR, code="internal_error", headers={"x-request-id": rid})
+    )
 
 
 def client_request_id(value: str | None) -> str | None:

@@ -1,8 +1,10 @@
 """`--scale-mode kubernetes`: the planner's decision as the two Deployments' replica counts.
 
 One merge-patch of each Deployment's `scale` subresource (`PATCH .../deployments/NAME/scale`), with the pod's
-service-account token; the chart's Role grants exactly `get` and `patch` on `deployments/scale` for those two
-names, nothing else. A patch is sent only when the count changes from what this planner last set (or read).
+service-account token (re-read from its file every minute, as client-go does: the kubelet rotates a projected
+token, and one read at start is refused once it expires, about an hour on); the chart's Role grants exactly `get`
+and `patch` on `deployments/scale` for those two names, nothing else. A patch is sent only when the count changes
+from what this planner last set (or read).
 """
 
 from __future__ import annotations
@@ -10,6 +12,8 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import time
+from collections.abc import Generator
 
 import httpx
 
@@ -19,6 +23,32 @@ from services.telemetry import metrics
 log = logging.getLogger("rackserve.planner")
 
 SA_DIR = "/var/run/secrets/kubernetes.io/serviceaccount"
+TOKEN_REREAD_S = 60.0
+
+
+class FileToken(httpx.Auth):
+    """A Bearer token from a file, read again once `reread_s` have passed since the last read. A read that fails
+    keeps the last token (the file is replaced atomically, but a reader can still miss it)."""
+
+    def __init__(self, path: str, reread_s: float = TOKEN_REREAD_S) -> None:
+        self.path = path
+        self.reread_s = reread_s
+        self._token = self._read()
+        self._read_at = time.monotonic()
+
+    def _read(self) -> str:
+        with open(self.path) as f:
+            return f.read().strip()
+
+    def auth_flow(self, request: httpx.Request) -> Generator[httpx.Request, httpx.Response, None]:
+        if time.monotonic() - self._read_at >= self.reread_s:
+            try:
+                self._token = self._read()
+            except OSError as e:
+                log.warning("planner: cannot re-read %s (%s); keeping the last token", self.path, e.strerror)
+            self._read_at = time.monotonic()
+        request.headers["Authorization"] = f"Bearer {self._token}"
+        yield request
 
 
 class KubeScaler:
@@ -27,16 +57,18 @@ class KubeScaler:
         api: str,
         namespace: str,
         deployments: dict[str, str],
-        token: str,
+        token: str | FileToken,
         verify: str | bool,
         timeout_s: float,
     ) -> None:
+        """`token`: a fixed Bearer token ("" for none), or a FileToken read again as it rotates."""
         self.namespace = namespace
         self.deployments = deployments  # pool -> Deployment name
         self.client = DeadlineClient(
             timeout_s,
             base_url=api.rstrip("/"),
-            headers={"Authorization": f"Bearer {token}"} if token else {},
+            headers={"Authorization": f"Bearer {token}"} if isinstance(token, str) and token else {},
+            auth=token if isinstance(token, FileToken) else None,
             verify=verify,
         )
         self.last: dict[str, int] = {}
@@ -53,11 +85,12 @@ class KubeScaler:
 
         namespace = args.kube_namespace or read("namespace")
         ca = os.path.join(SA_DIR, "ca.crt")
+        read("token")  # a missing token is an error at start
         return cls(
             args.kube_api,
             namespace,
             {"prefill": args.kube_prefill_deployment, "decode": args.kube_decode_deployment},
-            read("token"),
+            FileToken(os.path.join(SA_DIR, "token")),
             ca if os.path.exists(ca) else True,
             args.kube_timeout_s,
         )

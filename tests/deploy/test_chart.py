@@ -319,6 +319,21 @@ def test_every_pod_asks_to_be_scraped_on_the_port_that_serves_its_metrics(profil
     assert fe_env["RACKSERVE_ADVERTISE_HOST"] == {"fieldRef": {"fieldPath": "status.podIP"}}
 
 
+def test_one_tracing_value_reaches_every_traced_service(monkeypatch: pytest.MonkeyPatch) -> None:
+    objs = render("--set", "tracing.otlpEndpoint=http://otel-collector.observability:4317")
+    for role in ("frontend", "router", "prefill", "decode"):
+        env = env_of(container(find(objs, "Deployment", f"rs-rackserve-{role}"), role))
+        assert (
+            _parse_with_env(role, env, monkeypatch).otlp_endpoint
+            == "http://otel-collector.observability:4317"
+        )
+    assert all(
+        "RACKSERVE_OTLP_ENDPOINT"
+        not in env_of(container(find(render(), "Deployment", f"rs-rackserve-{r}"), r))
+        for r in ("frontend", "decode")
+    )
+
+
 def test_scrape_annotations_can_be_turned_off_and_the_users_own_win() -> None:
     objs = render(
         "--set", "metrics.scrapeAnnotations=false", "--set", "router.podAnnotations.team=inference"

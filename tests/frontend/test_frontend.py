@@ -34,6 +34,7 @@ import httpx
 import openai
 import pytest
 import uvicorn
+from prometheus_client.parser import text_string_to_metric_families
 
 from services.discovery import WorkerDirectory
 from services.engine.tokenizer import Tokenizer
@@ -717,6 +718,45 @@ def test_metrics_count_requests_and_tokens(scripted: ScriptedCluster) -> None:
     )
     assert re.search(r"rackserve_time_to_first_token_seconds_count [1-9]", text)
     assert re.search(r"rackserve_generation_tokens_total [1-9]", text)
+
+
+def _samples(url: str, name: str) -> dict[tuple[tuple[str, str], ...], float]:
+    text = httpx.get(f"{url}/metrics", timeout=10).text
+    return {
+        tuple(sorted(sample.labels.items())): sample.value
+        for family in text_string_to_metric_families(text)
+        for sample in family.samples
+        if sample.name == name
+    }
+
+
+def test_requests_refused_before_they_start_are_counted_once_each(scripted: ScriptedCluster) -> None:
+    """A 400 for a bad body or parameter, a 404 for an unknown model: each is one request with its status in
+    rackserve_frontend_requests_total and one error by type (the error-rate alert and the errors panel read
+    them); until 2026-12-07 only requests that reached a worker were counted. A request that is served counts
+    once, not again by the error handlers."""
+    requests_total, errors_total = (
+        "rackserve_frontend_requests_total",
+        "rackserve_frontend_request_errors_total",
+    )
+    before = _samples(scripted.url, requests_total), _samples(scripted.url, errors_total)
+    url = f"{scripted.url}/v1/chat/completions"
+    assert httpx.post(url, content=b"{not json", timeout=10).status_code == 400
+    assert httpx.post(url, json=chat("hi", temperature=-1), timeout=10).status_code == 400
+    assert httpx.post(url, json={**chat("hi"), "model": "no-such-model"}, timeout=10).status_code == 404
+    assert httpx.post(url, json=chat("counted once"), timeout=10).status_code == 200
+    after = _samples(scripted.url, requests_total), _samples(scripted.url, errors_total)
+
+    def delta(i: int, **labels: str) -> float:
+        key = tuple(sorted(labels.items()))
+        return after[i].get(key, 0.0) - before[i].get(key, 0.0)
+
+    assert delta(0, endpoint="chat_completions", status="400") == 2
+    assert delta(0, endpoint="chat_completions", status="404") == 1
+    assert delta(0, endpoint="chat_completions", status="200") == 1
+    assert sum(v for k, v in after[0].items()) - sum(before[0].values()) == 4
+    assert sum(after[1].values()) - sum(before[1].values()) == 3
+    assert delta(1, status="404", error_type="model_not_found") == 1
 
 
 def test_traffic_log_names_the_earlier_request_a_prompt_shares_its_prefix_with(

@@ -18,6 +18,7 @@ import threading
 import time
 from datetime import date
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -26,7 +27,7 @@ from prometheus_client import REGISTRY, CollectorRegistry, Counter, Gauge, Histo
 
 from loadgen.sim.profile import load_profile
 from services.planner import observe
-from services.planner.kube import KubeScaler
+from services.planner.kube import FileToken, KubeScaler
 from services.planner.plan import (
     Damper,
     Limits,
@@ -174,6 +175,33 @@ def _answer(handler: BaseHTTPRequestHandler, raw: bytes) -> None:
     handler.send_header("Content-Length", str(len(raw)))
     handler.end_headers()
     handler.wfile.write(raw)
+
+
+def test_kubernetes_mode_reads_the_rotated_service_account_token(tmp_path: Path) -> None:
+    """The kubelet rotates a projected token (about hourly); a token read once at start is refused after it
+    expires, and every scale failed from then on."""
+    token = tmp_path / "token"
+    token.write_text("first\n")
+    api = _FakeApiServer()
+    threading.Thread(target=api.serve_forever, daemon=True).start()
+    try:
+        scaler = KubeScaler(
+            f"http://127.0.0.1:{api.server_address[1]}", "prod", {"prefill": "rackserve-prefill",
+            "decode": "rackserve-decode"}, FileToken(str(token), reread_s=0.0), True, 2.0,
+        )  # fmt: skip
+
+        async def go() -> None:
+            await scaler.replicas("prefill")
+            token.write_text("second\n")  # rotated
+            await scaler.replicas("prefill")
+            token.unlink()  # mid-rotation: the last token is kept
+            await scaler.replicas("prefill")
+            await scaler.close()
+
+        asyncio.run(go())
+    finally:
+        api.shutdown()
+    assert [c[2] for c in api.calls if c[0] == "GET"] == ["Bearer first", "Bearer second", "Bearer second"]
 
 
 def test_kubernetes_mode_patches_only_the_scale_subresource_of_the_two_deployments() -> None:

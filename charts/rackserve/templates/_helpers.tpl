@@ -238,6 +238,14 @@ livenessProbe:
   failureThreshold: {{ add 3 (div (add (int $root.Values.drainGraceSeconds) 9) 10) }}
 {{- end -}}
 
+{{/* env of a traced service (frontend, router, workers): where its spans go */}}
+{{- define "rackserve.tracingEnv" -}}
+{{- with .Values.tracing.otlpEndpoint }}
+- name: RACKSERVE_OTLP_ENDPOINT
+  value: {{ . | quote }}
+{{- end }}
+{{- end -}}
+
 {{/* env of a gRPC service pod: listen on and register the pod IP, fixed ports, drain grace */}}
 {{- define "rackserve.serviceEnv" -}}
 - name: RACKSERVE_HOST
