@@ -17,6 +17,7 @@ from typing import Any
 
 from loadgen import report as rep
 from loadgen.workload import Lengths, RequestSpec, poisson_arrivals, synthetic, text_sessions
+from services.runtime.args import client_api_key
 
 
 def add_workload_arguments(p: argparse.ArgumentParser) -> None:
@@ -193,7 +194,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     run = sub.add_parser("run", help="send a workload to an OpenAI-compatible endpoint and report")
     run.add_argument("--url", default="http://127.0.0.1:8000", help="the server's base URL")
     run.add_argument("--model", default=None, help="default: the first model /v1/models lists")
-    run.add_argument("--api-key", default=os.environ.get("OPENAI_API_KEY"))
+    run.add_argument(
+        "--api-key", default=client_api_key() or None,
+        help="the Bearer key (default: $OPENAI_API_KEY, else the first of $RACKSERVE_API_KEY)",
+    )  # fmt: skip
     run.add_argument("--temperature", type=float, default=0.0)
     run.add_argument("--request-timeout-s", type=float, default=300.0)
     run.add_argument("--no-timeline", action="store_true", help="don't fetch /v1/requests/{id}/timeline")

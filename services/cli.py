@@ -11,6 +11,8 @@ import os
 import sys
 import time
 
+from services.runtime.args import client_api_key, positive_int
+
 
 def _build_engine(a: argparse.Namespace):  # noqa: ANN202 - imported lazily
     from services.engine.engine import LLMEngine
@@ -65,7 +67,10 @@ def cmd_timeline(a: argparse.Namespace) -> int:
         if not a.id:
             raise ValueError("--url needs --id (the request id, e.g. the x-request-id response header)")
         headers = {"Authorization": f"Bearer {a.api_key}"} if a.api_key else {}
-        r = httpx.get(f"{a.url.rstrip('/')}/v1/requests/{a.id}/timeline", headers=headers, timeout=10)
+        try:
+            r = httpx.get(f"{a.url.rstrip('/')}/v1/requests/{a.id}/timeline", headers=headers, timeout=10)
+        except httpx.HTTPError as e:
+            raise ValueError(f"{a.url}: {type(e).__name__}: {e}") from e
         if r.status_code != 200:
             raise ValueError(f"{a.url}: HTTP {r.status_code}: {r.text[:300]}")
         records = [r.json()]
@@ -126,6 +131,9 @@ def _run_service(name: str, argv: list[str]) -> int:
         asyncio.run(module.serve(args))
     except KeyboardInterrupt:
         pass
+    except (OSError, ValueError, RuntimeError) as e:  # a setting, a file, a port, etcd, a device: its message
+        print(f"rackserve {name}: error: {type(e).__name__}: {e}", file=sys.stderr)
+        return 1
     return 0
 
 
@@ -192,10 +200,11 @@ def main(argv: list[str] | None = None) -> int:
     )
     tl.add_argument(
         "--api-key",
-        default=os.environ.get("OPENAI_API_KEY", ""),
-        help="with --url: the frontend's Bearer key, where it has keys (default: $OPENAI_API_KEY)",
+        default=client_api_key(),
+        help="with --url: the frontend's Bearer key, where it has keys (default: $OPENAI_API_KEY, else the first "
+        "of $RACKSERVE_API_KEY)",
     )
-    tl.add_argument("--last", type=int, default=20, help="with --log: the last N requests")
+    tl.add_argument("--last", type=positive_int, default=20, help="with --log: the last N requests")
     tl.add_argument("--out", default="timeline.html", help="the HTML file to write")
     tl.set_defaults(func=cmd_timeline)
 
@@ -209,7 +218,7 @@ def main(argv: list[str] | None = None) -> int:
     a = parser.parse_args(argv)
     try:
         return int(a.func(a))
-    except (FileNotFoundError, ValueError) as e:
+    except (OSError, ValueError, RuntimeError) as e:
         print(f"rackserve: error: {e}", file=sys.stderr)
         return 2
 

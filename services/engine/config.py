@@ -195,5 +195,17 @@ class EngineConfig:
             raise ValueError(
                 "kv_disk_bytes needs the prefix cache: the disk tier keeps evicted cached blocks"
             )
+        # each would leave the scheduler nothing to run, and a request waiting for good
+        for name in (
+            "kv_cache_bytes",
+            "num_kv_blocks",
+            "num_threads",
+            "max_model_len",
+            "max_num_batched_tokens",
+        ):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must be >= 0 (0: the default), got {getattr(self, name)}")
+        if self.max_num_seqs < 1:
+            raise ValueError(f"max_num_seqs must be at least 1, got {self.max_num_seqs}")
         if self.max_num_batched_tokens and self.max_num_batched_tokens < self.block_size:
             raise ValueError("max_num_batched_tokens must be at least block_size (or 0: by device)")

@@ -473,6 +473,12 @@ class LLMEngine:
             raise PromptTooLongError(
                 f"prompt of {total} tokens does not fit the context length of {self.max_model_len} tokens"
             )
+        need = self.blocks.blocks_for(total + 1)
+        if need > self.blocks.num_blocks:  # it would wait for blocks forever
+            raise NoFreeBlocksError(
+                f"the request needs {need} KV blocks; this worker's whole cache has "
+                f"{self.blocks.num_blocks} ({self.blocks.num_blocks * self.blocks.block_size} tokens)"
+            )
         req = Request(request_id, prompt, params.with_seed(), list(output_ids), hold_kv=hold_kv)
         if len(req.output_ids) >= params.max_tokens:
             raise ValueError(

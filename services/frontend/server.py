@@ -37,6 +37,7 @@ from services.runtime.args import (
     add_security_arguments,
     add_telemetry_arguments,
     advertised_host,
+    port_number,
     switch,
 )
 from services.runtime.channels import ChannelPool
@@ -55,7 +56,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_flag(g, "--etcd", "http://127.0.0.1:2379", "etcd endpoint for discovery")
     add_flag(g, "--host", "127.0.0.1", "address to listen on")
     add_advertise_host(g)
-    add_flag(g, "--port", 8000, "HTTP port (0: an ephemeral port; the bound one is registered)", int)
+    add_flag(g, "--port", 8000, "HTTP port (0: an ephemeral port; the bound one is registered)", port_number)
     add_flag(g, "--model", "", "the model's .gguf file or Hugging Face directory; only its tokenizer is read "
              "(default: SmolLM2-135M-Instruct)")  # fmt: skip
     add_flag(

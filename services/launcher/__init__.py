@@ -12,6 +12,7 @@ import math
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -19,26 +20,39 @@ import threading
 import time
 import urllib.error
 import urllib.request
-from collections import Counter
+from collections import Counter, deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from services.engine import config as engine_cfg
 from services.engine.config import EngineConfig, parse_device_spec
 from services.router.policy import DEFAULT_MODE, MODES
+from services.runtime.args import non_negative_int, port_number, positive_int
 from services.runtime.ports import free_port
 
 ROLES = ("router", "prefill", "decode", "frontend", "planner")
 PLAN_POLL_S = 1.0  # how often `up --planner` reads the planner's decision
+# settings of one process, never of all: inherited from the launcher's environment they would give every child the
+# same port (or id), where `up` gives each its own
+PER_PROCESS_ENV = tuple(
+    f"RACKSERVE_{name}"
+    for name in ("HOST", "ADVERTISE_HOST", "PORT", "HEALTH_PORT", "METRICS_PORT", "WORKER_ID")
+)
+TAIL_LINES = 20  # of each child's output, shown when it exits unexpectedly (also with --quiet)
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--etcd", default=os.environ.get("RACKSERVE_ETCD", ""), help="use this etcd instead of starting one"
     )
-    p.add_argument("--prefill", type=int, default=1, help="prefill workers")
-    p.add_argument("--decode", type=int, default=1, help="decode workers")
-    p.add_argument("--port", type=int, default=8000, help="frontend HTTP port")
+    p.add_argument("--prefill", type=non_negative_int, default=1, help="prefill workers")
+    p.add_argument(
+        "--decode",
+        type=positive_int,
+        default=1,
+        help="decode workers (at least one: nothing answers without one)",
+    )
+    p.add_argument("--port", type=port_number, default=8000, help="frontend HTTP port")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument(
         "--model", default="", help="a .gguf file or a Hugging Face directory (default: SmolLM2-135M)"
@@ -183,6 +197,14 @@ class Proc:
     pump: threading.Thread | None = None
     drained: bool = False  # SIGTERMed by the planner's decision: its exit is expected
     gpu: int | None = None  # the GPU a worker runs on
+    tail: deque[str] = field(default_factory=lambda: deque(maxlen=TAIL_LINES))  # its last lines of output
+
+    def exited(self) -> str:
+        """Why it stopped, as the launcher reports it: its status and its last lines."""
+        lines = "".join(f"  [{self.name}] {line}" for line in self.tail)
+        return f"{self.name} exited with status {self.popen.returncode}" + (
+            f"; its last lines:\n{lines}" if lines else ""
+        )
 
 
 @dataclass(frozen=True)
@@ -271,11 +293,14 @@ class Cluster:
 
     # ----------------------------------------------------------------------------------------- starting
     def spawn(self, name: str, cmd: list[str], env: dict[str, str] | None = None) -> Proc:
+        inherited = {k: v for k, v in os.environ.items() if k not in PER_PROCESS_ENV}
+        # through the lifeline: stopped by the kernel if this launcher dies without stopping it (SIGKILL)
+        lifeline = [sys.executable, "-m", "services.launcher.lifeline", str(os.getpid())]
         popen = subprocess.Popen(
-            cmd,
+            lifeline + cmd,
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
-            env={**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1", **(env or {})},
+            env={**inherited, "HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1", **(env or {})},
             start_new_session=True,  # Ctrl-C reaches the launcher only; it stops the children in order
         )
         proc = Proc(name, popen)
@@ -291,10 +316,16 @@ class Cluster:
 
     def _pump(self, proc: Proc) -> None:
         assert proc.popen.stdout is not None
+        relay = not self.args.quiet
         for raw in proc.popen.stdout:
-            if not self.args.quiet:
-                sys.stdout.write(f"[{proc.name}] {raw.decode(errors='replace')}")
-                sys.stdout.flush()
+            line = raw.decode(errors="replace")
+            proc.tail.append(line)
+            if relay:
+                try:
+                    sys.stdout.write(f"[{proc.name}] {line}")
+                    sys.stdout.flush()
+                except (BrokenPipeError, ValueError):  # our stdout is gone: keep draining the child's pipe
+                    relay = False
 
     def start_etcd(self) -> None:
         if self.args.etcd:
@@ -420,11 +451,12 @@ class Cluster:
     def wait_ready(self) -> None:
         """Ready means: the frontend answers /health and sees the router and every worker we started."""
         deadline = time.monotonic() + self.args.ready_timeout_s
-        url = f"http://{self.args.host}:{self.args.port}/health"
+        url = f"{frontend_url(self.args)}/health"
         while time.monotonic() < deadline:
             for p in self.live():
                 if p.popen.poll() is not None:
-                    raise SystemExit(f"rackserve up: {p.name} exited with status {p.popen.returncode}")
+                    p.pump.join(2.0) if p.pump is not None else None
+                    raise SystemExit(f"rackserve up: {p.exited()}")
             try:
                 with urllib.request.urlopen(url, timeout=2) as r:
                     seen = json.loads(r.read()).get("workers", {})
@@ -447,8 +479,8 @@ class Cluster:
         if self._stopping:
             return
         self._stopping = True
-        signal.signal(signal.SIGINT, signal.SIG_IGN)
-        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+            signal.signal(sig, signal.SIG_IGN)
         deadline = time.monotonic() + grace_s
         for tier in (("planner",), ("frontend",), ("decode", "prefill"), ("router",), ("etcd",)):
             group = [p for p in self.live() if p.name.split("-")[0] in tier and p.popen.poll() is None]
@@ -488,23 +520,58 @@ def engine_flags(a: argparse.Namespace, placement: GpuPlacement | None) -> list[
     return engine
 
 
+def frontend_url(a: argparse.Namespace) -> str:
+    host = f"[{a.host}]" if ":" in a.host else a.host  # an IPv6 address is bracketed in a URL
+    return f"http://{host}:{a.port}"
+
+
+def check_args(a: argparse.Namespace) -> None:
+    """What the services would refuse one by one, later, refused here at once and named."""
+    if a.model and not os.path.exists(a.model):
+        raise SystemExit(f"rackserve up: --model {a.model}: no such file or directory")
+    if a.mode == "disagg" and a.prefill == 0 and not a.planner:
+        raise SystemExit(
+            "rackserve up: --mode disagg needs prefill workers (--prefill 0 would prefill locally)"
+        )
+    try:
+        EngineConfig(
+            kv_cache_bytes=a.kv_cache_bytes or 0,
+            kv_tier2_bytes=a.kv_tier2_bytes,
+            kv_tier2_codec=a.kv_tier2_codec,
+            kv_disk_path=a.kv_disk_path,
+            kv_disk_bytes=a.kv_disk_bytes,
+            num_threads=a.threads,
+        )
+    except (TypeError, ValueError) as e:
+        raise SystemExit(f"rackserve up: {e}") from e
+    # the port must be ours: a frontend already there (another `up`) would answer the readiness checks
+    family = socket.AF_INET6 if ":" in a.host else socket.AF_INET
+    with socket.socket(family) as s:
+        try:
+            s.bind((a.host, a.port))
+        except OSError as e:
+            raise SystemExit(f"rackserve up: --port {a.port} on {a.host}: {e.strerror}") from e
+
+
 def run(args: argparse.Namespace) -> int:
+    check_args(args)
     cluster = Cluster(args)
 
     def on_signal(signum: int, _frame: object) -> None:
         raise KeyboardInterrupt
 
-    # both, explicitly: a launcher started in the background inherits SIGINT ignored (the shell's rule for `&`),
-    # and "Ctrl-C stops everything" must still hold for a SIGINT sent to it
-    signal.signal(signal.SIGTERM, on_signal)
-    signal.signal(signal.SIGINT, on_signal)
+    # all three, explicitly: a launcher started in the background inherits SIGINT ignored (the shell's rule for
+    # `&`), "Ctrl-C stops everything" must still hold for a SIGINT sent to it, and a closed terminal (SIGHUP)
+    # stops the cluster as SIGTERM does
+    for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+        signal.signal(sig, on_signal)
     try:
         cluster.start_etcd()
         cluster.start_services()
         cluster.wait_ready()
         if args.planner:
             threading.Thread(target=cluster.follow_plan, name="plan", daemon=True).start()
-        url = f"http://{args.host}:{args.port}"
+        url = frontend_url(args)
         print(
             f"\nrackserve is ready: {url}  (etcd {cluster.etcd_url}; {args.prefill} prefill, {args.decode} decode"
             + (f"; planner on :{cluster.planner_port}, scaling them" if args.planner else "")
@@ -520,10 +587,9 @@ def run(args: argparse.Namespace) -> int:
         while True:
             for p in cluster.live():
                 if p.popen.poll() is not None and not p.drained:
-                    print(
-                        f"rackserve up: {p.name} exited with status {p.popen.returncode}; stopping",
-                        flush=True,
-                    )
+                    if p.pump is not None:
+                        p.pump.join(2.0)  # its last lines
+                    print(f"rackserve up: {p.exited()}\nrackserve up: stopping", flush=True)
                     return 1
             time.sleep(0.5)
     except KeyboardInterrupt:

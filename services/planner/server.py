@@ -86,6 +86,7 @@ from services.runtime.args import (
     add_flag,
     add_security_arguments,
     advertised_host,
+    port_number,
     switch,
 )
 from services.runtime.http import DeadlineClient
@@ -112,7 +113,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_flag(g, "--host", "127.0.0.1", "address to listen on and to register")
     add_advertise_host(g)
     add_flag(
-        g, "--port", 0, "HTTP port of /plan and /metrics (0: an ephemeral port, registered in etcd)", int
+        g,
+        "--port",
+        0,
+        "HTTP port of /plan and /metrics (0: an ephemeral port, registered in etcd)",
+        port_number,
     )
     add_flag(g, "--worker-id", "", "id in discovery (default: planner-HOSTNAME-PID)")
     add_flag(g, "--lease-ttl-s", 10.0, "etcd lease TTL of the planner's registration", float)

@@ -38,6 +38,25 @@ def env_name(flag: str) -> str:
     return ENV_PREFIX + flag.lstrip("-").replace("-", "_").upper()
 
 
+def client_api_key() -> str:
+    """The Bearer key a client command (`rackserve timeline`, `rackserve bench run`) sends by default: $OPENAI_API_KEY
+    (what OpenAI clients read), else the first of $RACKSERVE_API_KEY (what `rackserve up` and the frontend read)."""
+    return os.environ.get("OPENAI_API_KEY") or os.environ.get("RACKSERVE_API_KEY", "").split(",")[0].strip()
+
+
+def port_number(raw: str) -> int:
+    """A TCP port, 0 (an ephemeral one) to 65535: grpc would bind 99999 mod 65536 without a word."""
+    port = int(raw)
+    if not 0 <= port <= 65535:
+        raise argparse.ArgumentTypeError(f"{raw} is no port (0 to 65535; 0: an ephemeral one)")
+    return port
+
+
+def port_or_off(raw: str) -> int:
+    """A port, or -1 for off."""
+    return -1 if int(raw) == -1 else port_number(raw)
+
+
 def add_flag(
     group: argparse._ArgumentGroup,
     flag: str,
@@ -46,10 +65,12 @@ def add_flag(
     type: Callable[[str], Any] = str,
     choices: tuple[str, ...] | None = None,
 ) -> None:
-    """Add `flag` to group, its default read from RACKSERVE_<FLAG> when that variable is set."""
+    """Add `flag` to group, its default read from RACKSERVE_<FLAG> when that variable is set. The variable's text is
+    converted when this parser parses (argparse converts a string default as it converts an argument), so a bad
+    value is this command's usage error naming the flag, and no concern of other commands' parsers."""
     env = env_name(flag)
     raw = os.environ.get(env)
-    value = type(raw) if raw is not None else default
+    value = raw if raw is not None else default
     group.add_argument(flag, type=type, default=value, choices=choices, help=f"{help} [env {env}]")
 
 
@@ -78,7 +99,7 @@ def add_service_arguments(parser: argparse.ArgumentParser) -> None:
     add_flag(g, "--etcd", "http://127.0.0.1:2379", "etcd endpoint for discovery")
     add_flag(g, "--host", "127.0.0.1", "address to listen on and to register")
     add_advertise_host(g)
-    add_flag(g, "--port", 0, "gRPC port (0: an ephemeral port; the bound one is registered)", int)
+    add_flag(g, "--port", 0, "gRPC port (0: an ephemeral port; the bound one is registered)", port_number)
     add_flag(g, "--worker-id", "", "id in discovery (default: ROLE-HOSTNAME-PID)")
     add_flag(
         g, "--lease-ttl-s", 3.0, "etcd lease TTL: a dead process vanishes from discovery after this", float
@@ -93,7 +114,7 @@ def add_service_arguments(parser: argparse.ArgumentParser) -> None:
     for label in TOPOLOGY_LABELS:
         add_flag(g, f"--{label}", "", f"topology label {label!r}")
     add_flag(g, "--health-port", 0, "also serve grpc.health.v1 alone, in plaintext, on this port (for "
-             "Kubernetes gRPC probes, which cannot speak mutual TLS; 0: off)", int)  # fmt: skip
+             "Kubernetes gRPC probes, which cannot speak mutual TLS; 0: off)", port_number)  # fmt: skip
     add_security_arguments(parser)
     add_telemetry_arguments(parser, metrics_port=True)
 
@@ -121,7 +142,7 @@ def add_telemetry_arguments(parser: argparse.ArgumentParser, metrics_port: bool)
     g = parser.add_argument_group("telemetry")
     if metrics_port:
         add_flag(g, "--metrics-port", 0, "HTTP port of /metrics (0: an ephemeral port, registered in etcd; "
-                 "-1: off)", int)  # fmt: skip
+                 "-1: off)", port_or_off)  # fmt: skip
     add_flag(g, "--otlp-endpoint", "", "OpenTelemetry collector for traces, OTLP/gRPC, e.g. "
              "http://otel-collector:4317 (empty: tracing off)")  # fmt: skip
     add_flag(g, "--otlp-batch-delay-ms", 1000, "how often batched spans are exported", int)
@@ -147,14 +168,14 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     add_flag(g, "--max-model-len", 0, "context length (0: the model's)", int)
     switch(g, "--no-prefix-caching", "turn the prefix cache off")
     add_flag(g, "--kv-tier2-bytes", 0, "host memory for KV tier 2: cached blocks evicted from the KV cache are "
-             "kept there and restored on a prefix hit (0: off; docs/kv-tiers.md)", _non_negative_int)  # fmt: skip
+             "kept there and restored on a prefix hit (0: off; docs/kv-tiers.md)", non_negative_int)  # fmt: skip
     add_flag(g, "--kv-tier2-codec", EngineConfig.kv_tier2_codec, "how tier 2 keeps a block: bf16 (lossless, the "
              "cache dtype as is), fp8 or nvfp4 (compressed)", choices=TIER2_CODECS)  # fmt: skip
     add_flag(g, "--kv-disk-path", "", "directory of this worker's local-disk KV tier, below tier 2: blocks pushed "
              "out of host memory (or, with tier 2 off, out of the KV cache) are kept there, one file each, and "
              "survive a restart of the same model (docs/kv-tiers.md)")  # fmt: skip
     add_flag(g, "--kv-disk-bytes", 0, "disk bytes the KV disk tier may take (0: off; needs --kv-disk-path)",
-             _non_negative_int)  # fmt: skip
+             non_negative_int)  # fmt: skip
     switch(g, "--no-kv-async-restore", "write blocks restored from a KV tier, and KV imported from a prefill "
            "worker, before the step, not beside it")  # fmt: skip
     add_flag(g, "--threads", 1, "torch CPU threads for this worker (0: torch's default)", int)
@@ -176,14 +197,14 @@ KV_BACKENDS = (
 )  # services.kvtransfer's names; not imported here (it loads numpy and NIXL)
 
 
-def _non_negative_int(text: str) -> int:
+def non_negative_int(text: str) -> int:
     value = int(text)
     if value < 0:
         raise argparse.ArgumentTypeError(f"must be at least 0, got {value}")
     return value
 
 
-def _positive_int(text: str) -> int:
+def positive_int(text: str) -> int:
     value = int(text)
     if value < 1:
         raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
@@ -212,7 +233,7 @@ def add_kv_transfer_arguments(parser: argparse.ArgumentParser, role: str) -> Non
         add_flag(g, "--kv-compress", "none", "transfer-only KV compression", choices=("none", "fp8", "nvfp4"))
         add_flag(g, "--kv-device-copy-bytes", DEFAULT_KV_DEVICE_COPY_BYTES, "GPU: device memory for the KV copies "
                  "kept for device-direct readers (cuda_ipc, NIXL VRAM) until one has read them, taken out of the KV "
-                 "cache's plan; past it readers get the host bytes (0: none kept)", _non_negative_int)  # fmt: skip
+                 "cache's plan; past it readers get the host bytes (0: none kept)", non_negative_int)  # fmt: skip
     if role in ("decode", "prefill"):  # a prefill worker pulls too: a peer's prefix blocks (PrefixPull)
         add_flag(
             g, "--kv-backend-preference", ("cuda_ipc", "shm", "nixl", "tcp"),
@@ -222,7 +243,7 @@ def add_kv_transfer_arguments(parser: argparse.ArgumentParser, role: str) -> Non
         add_flag(g, "--kv-device-pull-bytes", DEFAULT_KV_DEVICE_PULL_BYTES, "GPU: device memory device-direct "
                  "pulls (cuda_ipc, NIXL VRAM) may hold until the engine has written them into its cache, taken out "
                  "of the KV cache's plan; past it a pull reads the host bytes (0: never device-direct)",
-                 _non_negative_int)  # fmt: skip
+                 non_negative_int)  # fmt: skip
         switch(
             g, "--kv-nixl-verify-checksum", "verify the producer's checksum on NIXL pulls too (default: size and "
             "publication only; TCP and shm pulls always verify it)",
@@ -231,7 +252,7 @@ def add_kv_transfer_arguments(parser: argparse.ArgumentParser, role: str) -> Non
             g, "--kv-release-timeout-s", 2.0, "deadline of the Release (ack) sent to the producer", float
         )
         add_flag(
-            g, "--kv-nixl-lanes", 2, "NIXL agents (threads) a large pull is split over; 1: one", _positive_int
+            g, "--kv-nixl-lanes", 2, "NIXL agents (threads) a large pull is split over; 1: one", positive_int
         )
         add_flag(
             g, "--kv-prefix-pull-deadline-s", 2.0, "deadline of a prefix pull from a peer (ExportPrefix, transfer "

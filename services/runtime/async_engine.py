@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 from services.engine.engine import EngineStats, KvExport, LLMEngine, RequestOutput
-from services.engine.kv_cache import KvEvent, NoFreeBlocksError
+from services.engine.kv_cache import KvEvent
 from services.engine.sampling import SamplingParams
 from services.engine.scheduler import RequestStatus
 from services.runtime.errors import DuplicateRequestError, EngineClosedError
@@ -419,16 +419,10 @@ class AsyncEngine:
                     raise DuplicateRequestError(
                         f"request id {cmd.request_id!r} is already live on this worker"
                     )
+                # refused there too: a request the whole cache cannot hold (it would wait for blocks forever)
                 engine.add_request(
                     cmd.request_id, cmd.prompt_ids, cmd.params, cmd.output_ids, cmd.kv, cmd.hold_kv
                 )
-                need = engine.blocks.blocks_for(len(cmd.prompt_ids) + len(cmd.output_ids) + 1)
-                if need > engine.blocks.num_blocks:  # it would wait for blocks forever
-                    engine.abort(cmd.request_id)
-                    raise NoFreeBlocksError(
-                        f"the request needs {need} KV blocks; this worker's whole cache has "
-                        f"{engine.blocks.num_blocks} ({engine.blocks.num_blocks * engine.blocks.block_size} tokens)"
-                    )
                 waiting[cmd.request_id] = None
             except Exception as e:  # noqa: BLE001 - the request's own error, raised by its stream
                 items.append((cmd.request_id, e))

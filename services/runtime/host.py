@@ -43,6 +43,9 @@ _SERVING = health_pb2.HealthCheckResponse.SERVING
 _NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
 # After abort_rest(), how long the aborted requests get to send their final status before the server stops.
 _ABORT_SETTLE_S = 2.0
+# grpc turns SO_REUSEPORT on by default: a second process given the same port would bind it too and take half
+# its connections, silently; off, it fails to start instead
+NO_SHARED_PORT = [("grpc.so_reuseport", 0)]
 _SERVER_STOP_GRACE_S = 1.0
 
 
@@ -61,7 +64,9 @@ class ServiceHost:
         self.gate = AdmissionGate()
         self.health = health.aio.HealthServicer()
         self.services = ["", *services]  # "" is the whole server, as health checkers ask by default
-        self.server = grpc.aio.server(interceptors=[RpcInterceptor(self.gate, gated_methods)])
+        self.server = grpc.aio.server(
+            interceptors=[RpcInterceptor(self.gate, gated_methods)], options=NO_SHARED_PORT
+        )
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         self.tls = GrpcTls.from_args(args)  # also what this service's own channels to its peers use
         self.etcd_security = EtcdSecurity.from_args(args)
@@ -69,7 +74,7 @@ class ServiceHost:
         # Health alone on a plaintext port: it says SERVING or not and nothing else, so probes need no certificate.
         self.health_server: grpc.aio.Server | None = None
         if getattr(args, "health_port", 0):
-            self.health_server = grpc.aio.server()
+            self.health_server = grpc.aio.server(options=NO_SHARED_PORT)
             health_pb2_grpc.add_HealthServicer_to_server(self.health, self.health_server)
             self.health_server.add_insecure_port(f"{args.host}:{args.health_port}")
         self.endpoint = f"{advertised_host(args)}:{self.port}"

@@ -14,6 +14,7 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from tests.support.cluster import local_cluster, run, start_process
+from tests.support.etcd import free_port
 
 pytestmark = pytest.mark.cluster  # starts etcd and routers
 
@@ -45,3 +46,26 @@ def test_a_service_listening_on_every_address_registers_one_its_peers_can_dial(
         # both registered endpoints are dialled as a peer would dial them, and answer
         for endpoint in (advertised, wildcard):
             assert run(lambda e=endpoint: serving(e), 10.0) == health_pb2.HealthCheckResponse.SERVING
+
+
+def test_a_second_service_given_a_taken_port_fails_instead_of_sharing_it(
+    tmp_path: pytest.TempPathFactory,
+) -> None:
+    """grpc sets SO_REUSEPORT by default: a second router on the same port bound it too, both said `serving`,
+    and the kernel split connections between them (so did three services of `rackserve up` given one
+    RACKSERVE_PORT). Now the second one does not start."""
+    log_dir = str(tmp_path)
+    port = free_port()
+
+    def start(etcd_url: str) -> list:
+        return [start_process("services.router.server", "first", etcd_url, log_dir, "--port", str(port))]
+
+    with local_cluster(log_dir, start, {"router": 1}) as c:
+        second = start_process("services.router.server", "second", c.etcd.url, log_dir, "--port", str(port))
+        try:
+            assert second.popen.wait(60) != 0
+        finally:
+            if second.popen.poll() is None:
+                second.popen.kill()
+        assert "Failed to bind" in second.log_tail() or "address already in use" in second.log_tail().lower()
+        assert c.endpoints["first"].endswith(f":{port}")

@@ -1,0 +1,121 @@
+"""`rackserve up` refusing what cannot work before it starts anything, saying why a child died, and a launcher
+killed outright taking its children with it."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+
+from tests.support.etcd import free_port
+from tests.support.paths import REPO
+
+pytestmark = pytest.mark.cluster  # starts processes
+
+
+def up(
+    *flags: str, env: dict[str, str] | None = None, timeout_s: float = 120.0
+) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "services.cli", "up", "--port", str(free_port()), *flags],
+        capture_output=True, text=True, timeout=timeout_s, cwd=REPO, env={**os.environ, **(env or {})},
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("flags", "said"),
+    [
+        (["--decode", "0"], "argument --decode: "),
+        (["--prefill", "-2"], "argument --prefill: "),
+        (["--port", "99999"], "argument --port: "),
+        (["--model", "/no/such/model.gguf"], "--model /no/such/model.gguf: no such file"),
+        (["--prefill", "0", "--mode", "disagg"], "--mode disagg needs prefill workers"),
+        (["--kv-disk-path", "/tmp/x"], "kv_disk_path needs kv_disk_bytes"),
+    ],
+)
+def test_settings_that_cannot_work_are_refused_before_anything_starts(flags: list[str], said: str) -> None:
+    """Until 2026-12-07 `--decode 0` waited out the 180 s readiness timeout, a bad port or model was a
+    traceback in a child, and `--prefill -2` was taken."""
+    t0 = time.monotonic()
+    done = up(*flags, timeout_s=60)
+    assert done.returncode != 0 and said in done.stderr, done.stderr + done.stdout
+    assert "[etcd]" not in done.stdout and time.monotonic() - t0 < 30  # nothing was started
+
+
+def test_a_port_already_served_is_refused_not_taken_for_a_ready_cluster() -> None:
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", 0))
+        held.listen()
+        port = held.getsockname()[1]
+        done = subprocess.run(
+            [sys.executable, "-m", "services.cli", "up", "--port", str(port)],
+            capture_output=True, text=True, timeout=60, cwd=REPO,
+        )  # fmt: skip
+    assert done.returncode != 0 and f"--port {port} on 127.0.0.1: Address already in use" in done.stderr
+
+
+def test_a_child_that_dies_is_named_with_its_last_lines_even_quiet() -> None:
+    """One setting every worker refuses (RACKSERVE_MAX_NUM_SEQS=0, which `up` leaves to the environment): the
+    launcher stops and shows the worker's own message. A per-process setting in the launcher's environment
+    (RACKSERVE_PORT, here a port already taken) no longer reaches the children: the router starts."""
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", 0))
+        held.listen()
+        env = {"RACKSERVE_MAX_NUM_SEQS": "0", "RACKSERVE_PORT": str(held.getsockname()[1])}
+        done = up("--quiet", "--dtype", "float32", env=env)
+    out = done.stdout + done.stderr
+    assert done.returncode != 0, out
+    assert "-0 exited with status 1; its last lines:" in out, out
+    assert "max_num_seqs must be at least 1" in out, out
+    assert "router exited" not in out, out
+
+
+LAUNCHER = textwrap.dedent(
+    """
+    import os, subprocess, sys, time
+    child = subprocess.Popen([sys.executable, "-m", "services.launcher.lifeline", str(os.getpid()),
+                              "sleep", "600"], start_new_session=True)
+    print(child.pid, flush=True)
+    time.sleep(600)
+    """
+)
+
+
+def test_a_child_started_through_the_lifeline_stops_when_the_launcher_is_killed() -> None:
+    """`up` SIGKILLed (or the OOM killer) left every child running: a whole cluster nobody owned. The kernel now
+    sends each child SIGTERM when the launcher dies (what `up` itself sends on Ctrl-C)."""
+    launcher = subprocess.Popen([sys.executable, "-c", LAUNCHER], stdout=subprocess.PIPE, text=True, cwd=REPO)
+    try:
+        assert launcher.stdout is not None
+        child = int(launcher.stdout.readline())
+        deadline = time.monotonic() + 10
+        while _comm(child) != "sleep":  # the lifeline has set its signal and become the command
+            assert time.monotonic() < deadline, "the child never became `sleep`"
+            time.sleep(0.05)
+        launcher.send_signal(signal.SIGKILL)
+        launcher.wait(10)
+        deadline = time.monotonic() + 10
+        while _comm(child) not in ("", "<zombie>"):
+            assert time.monotonic() < deadline, f"pid {child} outlived its killed launcher"
+            time.sleep(0.05)
+    finally:
+        if launcher.poll() is None:
+            launcher.kill()
+
+
+def _comm(pid: int) -> str:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+        if fields[0] == "Z":
+            return "<zombie>"
+        with open(f"/proc/{pid}/comm") as f:
+            return f.read().strip()
+    except FileNotFoundError:
+        return ""
