@@ -38,6 +38,7 @@ PER_PROCESS_ENV = tuple(
     f"RACKSERVE_{name}"
     for name in ("HOST", "ADVERTISE_HOST", "PORT", "HEALTH_PORT", "METRICS_PORT", "WORKER_ID")
 )
+TIER_GRACE_S = 5.0  # what each tier of a stopping cluster gets at least (Cluster.stop)
 TAIL_LINES = 20  # of each child's output, shown when it exits unexpectedly (also with --quiet)
 
 
@@ -474,21 +475,31 @@ class Cluster:
     def stop(self, grace_s: float = 30.0) -> None:
         """Frontend first (no new work), then workers (they drain in-flight streams), then router, then etcd.
 
-        Further Ctrl-C / SIGTERM are ignored while stopping; nothing waits past grace_s before being killed.
+        Nothing waits past grace_s before being killed, except that each tier after one that used it up still gets
+        TIER_GRACE_S (a stuck worker must not cost the router and etcd their clean exit). A second Ctrl-C or
+        SIGTERM while stopping kills what is left at once.
         """
         if self._stopping:
             return
         self._stopping = True
+        hurry = threading.Event()
+
+        def kill_now(signum: int, _frame: object) -> None:
+            hurry.set()  # (no print here: a handler may run in the middle of one)
+
         for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
-            signal.signal(sig, signal.SIG_IGN)
+            signal.signal(sig, kill_now)
         deadline = time.monotonic() + grace_s
         for tier in (("planner",), ("frontend",), ("decode", "prefill"), ("router",), ("etcd",)):
             group = [p for p in self.live() if p.name.split("-")[0] in tier and p.popen.poll() is None]
             for p in group:
-                p.popen.send_signal(signal.SIGTERM)
+                p.popen.send_signal(signal.SIGKILL if hurry.is_set() else signal.SIGTERM)
+            until = max(deadline, time.monotonic() + TIER_GRACE_S)
             for p in group:
                 try:
-                    p.popen.wait(timeout=max(0.1, deadline - time.monotonic()))
+                    while p.popen.poll() is None and not hurry.is_set() and time.monotonic() < until:
+                        time.sleep(0.05)
+                    p.popen.wait(timeout=0 if hurry.is_set() else max(0.0, until - time.monotonic()))
                 except subprocess.TimeoutExpired:
                     print(f"rackserve up: {p.name} did not stop in time; killing it", flush=True)
                     p.popen.kill()

@@ -13,6 +13,7 @@ import time
 
 import pytest
 
+from tests.support.cluster import rackserve_up
 from tests.support.etcd import free_port
 from tests.support.paths import REPO
 
@@ -119,3 +120,28 @@ def _comm(pid: int) -> str:
             return f.read().strip()
     except FileNotFoundError:
         return ""
+
+
+def test_a_second_ctrl_c_ends_a_stop_that_waits_on_a_stuck_worker() -> None:
+    """A frozen worker used to hold the launcher for its whole 30 s stop budget (the router and etcd then got
+    0.1 s; each tier now gets at least 5 s), and further Ctrl-Cs were ignored."""
+    with rackserve_up("--dtype", "float32", "--prefill", "0", "--decode", "1") as (proc, _url):
+        children = subprocess.run(
+            ["pgrep", "-P", str(proc.pid)], capture_output=True, text=True
+        ).stdout.split()
+        decode = next(pid for pid in children if "--worker-id decode-0" in _cmdline(int(pid)))
+        os.kill(int(decode), signal.SIGSTOP)
+        t0 = time.monotonic()
+        proc.send_signal(signal.SIGINT)
+        time.sleep(2.0)  # it is stopping the frontend, then waits for the frozen worker
+        assert proc.poll() is None
+        proc.send_signal(signal.SIGINT)  # the impatient second Ctrl-C
+        proc.wait(20)
+        assert time.monotonic() - t0 < 15
+        for pid in children:
+            assert _comm(int(pid)) in ("", "<zombie>"), f"{pid} outlived the launcher"
+
+
+def _cmdline(pid: int) -> str:
+    with open(f"/proc/{pid}/cmdline", "rb") as f:
+        return f.read().replace(b"\0", b" ").decode()
