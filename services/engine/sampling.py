@@ -301,8 +301,14 @@ def _sample_rows(x: torch.Tensor, params: Sequence[SamplingParams], indices: Seq
         assert p.seed is not None, "the engine assigns a seed before sampling"
         u.append((draw_seed(p.seed, i) >> 10) * 2.0**-53)
     cdf = probs.cumsum_(-1)
-    target = host_to_device(u, cdf.dtype, dev)[:, None] * cdf[:, -1:]
-    return torch.searchsorted(cdf, target, right=True).squeeze(1).clamp_(max=vocab - 1)
+    total = cdf[:, -1:]
+    target = host_to_device(u, cdf.dtype, dev)[:, None] * total
+    drawn = torch.searchsorted(cdf, target, right=True).squeeze(1)
+    # u within 2^-25 of 1 is 1.0 in float32 (about one draw in 30 million), and u x total can round up to the total
+    # itself: nothing passes it, and the search runs off the end, onto the vocabulary's last token, masked or not.
+    # The first token whose cumulative sum reaches the total is the last one with any probability: never past it.
+    last = (cdf < total).sum(-1)
+    return torch.minimum(drawn, last)
 
 
 TOP_P_CANDIDATES = 1024  # on a CPU the nucleus is looked for among a row's most probable tokens first

@@ -219,6 +219,23 @@ def test_draws_over_many_indices_follow_the_distribution_and_never_pick_a_masked
     assert chi2 < 20.5  # 5 degrees of freedom: p = 0.001
 
 
+def test_a_uniform_that_rounds_to_one_never_draws_a_masked_token() -> None:
+    """Seed 64667561's first uniform is 0.99999999..., 1.0 in float32: nothing in the cumulative sum passed u x
+    the total, and the vocabulary's last token came out whatever masked it (top_k, top_p, min_p, a grammar).
+    Until 2026-12-07; now the last token with any probability."""
+    seed = 64667561
+    u = (draw_seed(seed, 0) >> 10) * 2.0**-53
+    assert u < 1.0 and np.float32(u) == 1.0
+    logits = _logits(1, seed=3)
+    logits[0, VOCAB - 1] = logits[0].min() - 1  # the last token is the least likely: masked by each below
+    top = int(logits[0].argmax())
+    for kw in ({"top_k": 1}, {"top_p": 1e-6}, {"min_p": 1.0}):
+        picked = sample_batch(logits, [SamplingParams(temperature=1.0, seed=seed, **kw)], [0])[0].token_id
+        assert picked == top, kw
+    # unmasked, it is the last token of the row, as the inverse CDF at u -> 1 says
+    assert sample_batch(logits, [SamplingParams(temperature=1.0, seed=seed)], [0])[0].token_id == VOCAB - 1
+
+
 def test_logprobs_are_the_raw_log_softmax_in_one_copy() -> None:
     logits = _logits(2, seed=9)
     params = [
