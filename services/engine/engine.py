@@ -43,7 +43,14 @@ from services.engine.kv_disk import DiskKvTier
 from services.engine.kv_tier import HostKvTier, TierStats, decode_entries
 from services.engine.loader import ACTIVATION_SCALE_SUFFIX, LoadedModel, load_model, model_fingerprint
 from services.engine.model import AttnMetadata, PagedKvCache, PrefillSegment, Transformer
-from services.engine.sampling import RowContext, Sampled, SamplingParams, sample_batch, worst_case_batch
+from services.engine.sampling import (
+    RowContext,
+    Sampled,
+    SamplingParams,
+    sample_batch,
+    unpack_bitmask,
+    worst_case_batch,
+)
 from services.engine.scheduler import Request, RequestStatus, RestoreGroup, Scheduler, SchedulerOutput
 from services.engine.structured import GrammarError, Grammars, Matcher
 from services.engine.varlen import SDPA_FRESH_MIN_TOKENS, PrefillChunk, plan_prefill
@@ -692,7 +699,14 @@ class LLMEngine:
         if len(req.output_ids) < p.min_tokens:
             banned = sorted(set(p.stop_token_ids) | (set() if p.ignore_eos else self._eos_ids))
         matcher = self._matchers.get(req.request_id)
-        return RowContext(req.prompt_ids, req.output_ids, banned, matcher.bitmask() if matcher else None)
+        mask = matcher.bitmask() if matcher else None
+        if banned and mask is not None:
+            allowed = unpack_bitmask(mask, self.model_config.vocab_size).nonzero().flatten().tolist()
+            if set(allowed) <= set(banned):
+                # the grammar is complete and may only end: min_tokens cannot make it longer, and banning the end
+                # left no token at all (greedy took token 0, a draw the last one). The grammar wins.
+                banned = []
+        return RowContext(req.prompt_ids, req.output_ids, banned, mask)
 
     # ------------------------------------------------------------------------------------------ helpers
     def generate(
