@@ -315,6 +315,14 @@ class LLMEngine:
             "paged KV cache on %s: %d blocks of %d tokens, %.3f GiB",
             device, num_blocks, cfg.block_size, num_blocks * per_block / (1 << 30),
         )  # fmt: skip
+        if self.max_model_len > num_blocks * cfg.block_size:
+            # a sequence longer than the whole cache would preempt itself and wait for blocks forever; vLLM refuses
+            # to start, this serves the contexts it can hold (and says so: discovery advertises the shorter one)
+            log.warning(
+                "context length %d tokens capped at %d: the KV cache holds no more (%d blocks of %d)",
+                self.max_model_len, num_blocks * cfg.block_size, num_blocks, cfg.block_size,
+            )  # fmt: skip
+            self.max_model_len = num_blocks * cfg.block_size
         self.tier2: HostKvTier | None = None
         if cfg.kv_tier2_bytes:
             self.tier2 = HostKvTier(

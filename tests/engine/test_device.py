@@ -210,7 +210,8 @@ class UpWorkers:
         proc = self.cluster.add_worker(role)
         worker = argparse.ArgumentParser()
         add_engine_arguments(worker)
-        argv = list(proc.popen.args)[3:]  # after `python -c CODE`: the role, then the worker's flags
+        args = list(proc.popen.args)  # the lifeline (services.launcher.lifeline), then `python -c CODE`, ...
+        argv = args[args.index("-c") + 2 :]  # ... the role, then the worker's flags
         assert argv[0] == role
         known, _ = worker.parse_known_args(argv[1:])
         return engine_config(known)

@@ -231,8 +231,27 @@ def test_kv_import_refuses_another_layout_or_model():
         other_model.add_request("r", p, GREEDY, output_ids=[1], kv=kv)
     with pytest.raises(KvMismatchError, match="different tokens"):
         engine().add_request("r", [t + 1 for t in p], GREEDY, output_ids=[1], kv=kv)
-    with pytest.raises(NoFreeBlocksError):
+    # a cache of 3 blocks of 4 holds no 15-token context: its context length is 12
+    with pytest.raises(PromptTooLongError, match="context length of 12 tokens"):
         engine(num_kv_blocks=3).add_request("r", p, GREEDY, output_ids=[1], kv=kv)
+
+
+def test_a_cache_smaller_than_the_context_caps_the_context_instead_of_hanging():
+    """A sequence longer than the whole KV cache preempted itself and waited for blocks forever (the engine audit:
+    a 64-slot pool, a 63-token prompt, 198 empty steps). The context is capped at what the cache holds."""
+    e = engine(num_kv_blocks=4)  # 4 blocks of 4 tokens
+    assert e.max_model_len == 16
+    e.add_request("fits", list(range(10, 20)), SamplingParams(max_tokens=50, temperature=0))
+    out, reason, steps = [], None, 0
+    while e.has_unfinished():
+        steps += 1
+        assert steps < 100, "the request never finished"
+        for o in e.step():
+            out += o.new_token_ids
+            reason = o.finish_reason or reason
+    assert reason == "length" and len(out) == 6
+    with pytest.raises(PromptTooLongError, match="context length of 16 tokens"):
+        e.add_request("long", list(range(10, 26)), GREEDY)
 
 
 def test_bad_requests_are_refused_with_a_clear_error():
