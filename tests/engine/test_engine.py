@@ -13,7 +13,6 @@ from services.engine.engine import (
     LLMEngine,
     PromptTooLongError,
 )
-from services.engine.kv_cache import NoFreeBlocksError
 from services.engine.sampling import SamplingParams
 from tests.conftest import tiny_llama
 
