@@ -488,12 +488,6 @@ class LLMEngine:
             raise PromptTooLongError(
                 f"prompt of {total} tokens does not fit the context length of {self.max_model_len} tokens"
             )
-        need = self.blocks.blocks_for(total + 1)
-        if need > self.blocks.num_blocks:  # it would wait for blocks forever
-            raise NoFreeBlocksError(
-                f"the request needs {need} KV blocks; this worker's whole cache has "
-                f"{self.blocks.num_blocks} ({self.blocks.num_blocks * self.blocks.block_size} tokens)"
-            )
         req = Request(request_id, prompt, params.with_seed(), list(output_ids), hold_kv=hold_kv)
         if len(req.output_ids) >= params.max_tokens:
             raise ValueError(
@@ -502,9 +496,10 @@ class LLMEngine:
         if params.structured_kind:
             if self.tokenizer is None:
                 raise GrammarError("constrained decoding needs the model's tokenizer; this engine has none")
-            # the grammar's state after the tokens already emitted (a resumed request replays them)
+            # the grammar's state after the tokens already emitted (a resumed request replays them; forced ones
+            # are the prompt's)
             self._matchers[request_id] = self._grammars.matcher(
-                params.structured_kind, params.structured_spec, req.output_ids
+                params.structured_kind, params.structured_spec, req.output_ids[len(params.forced_token_ids) :]
             )
         if kv is not None:
             self._import_into(req, kv)
@@ -590,12 +585,15 @@ class LLMEngine:
         req.output_ids.append(s.token_id)
         p = req.params
         n_out = len(req.output_ids)
+        # forced tokens (echo's teacher forcing) are the prompt's: the grammar, min_tokens and the penalties start
+        # after them, as for the same request not forced
+        n_forced = len(p.forced_token_ids)
         reason: str | None = None
         stop_reason: str | int | None = None
-        matcher = self._matchers.get(req.request_id)
+        matcher = self._matchers.get(req.request_id) if n_out > n_forced else None
         if matcher is not None and matcher.accept(s.token_id) and matcher.terminated:
             reason, stop_reason = "stop", s.token_id  # the grammar is complete (it accepted end-of-sequence)
-        elif n_out >= p.min_tokens and n_out > len(p.forced_token_ids):
+        elif n_out - n_forced >= p.min_tokens and n_out > n_forced:
             if s.token_id in p.stop_token_ids:
                 reason, stop_reason = "stop", s.token_id
             elif not p.ignore_eos and s.token_id in self._eos_ids:
@@ -703,8 +701,10 @@ class LLMEngine:
     def _row_context(self, req: Request) -> RowContext:
         """What the request's processors read: its tokens, and end-of-sequence held back until min_tokens."""
         p = req.params
+        forced = min(len(p.forced_token_ids), len(req.output_ids))  # echo's forced tokens are the prompt's
+        prompt, output = req.prompt_ids + req.output_ids[:forced], req.output_ids[forced:]
         banned: list[int] = []
-        if len(req.output_ids) < p.min_tokens:
+        if len(output) < p.min_tokens:
             banned = sorted(set(p.stop_token_ids) | (set() if p.ignore_eos else self._eos_ids))
         matcher = self._matchers.get(req.request_id)
         mask = matcher.bitmask() if matcher else None
@@ -714,7 +714,7 @@ class LLMEngine:
                 # the grammar is complete and may only end: min_tokens cannot make it longer, and banning the end
                 # left no token at all (greedy took token 0, a draw the last one). The grammar wins.
                 banned = []
-        return RowContext(req.prompt_ids, req.output_ids, banned, mask)
+        return RowContext(prompt, output, banned, mask)
 
     # ------------------------------------------------------------------------------------------ helpers
     def generate(

@@ -372,7 +372,11 @@ def sample_batch(
     drawn = [r for r, p in enumerate(params) if not p.greedy]
     if drawn:
         at = host_to_device(drawn, torch.long, x.device)
-        picked = _sample_rows(x[at], [params[r] for r in drawn], [indices[r] for r in drawn])
+        # forced tokens are the prompt (echo's teacher forcing): the first draw after them is draw 0, as it is
+        # for the same request not forced
+        picked = _sample_rows(
+            x[at], [params[r] for r in drawn], [indices[r] - len(params[r].forced_token_ids) for r in drawn]
+        )
         tokens[at] = picked.to(tokens.device)
     forced = [
         (r, p.forced_token_ids[indices[r]])

@@ -419,7 +419,7 @@ class AsyncEngine:
                     raise DuplicateRequestError(
                         f"request id {cmd.request_id!r} is already live on this worker"
                     )
-                # refused there too: a request the whole cache cannot hold (it would wait for blocks forever)
+                # refused there too: a request the whole cache cannot hold (the context is capped at the cache)
                 engine.add_request(
                     cmd.request_id, cmd.prompt_ids, cmd.params, cmd.output_ids, cmd.kv, cmd.hold_kv
                 )

@@ -253,6 +253,31 @@ def test_a_cache_smaller_than_the_context_caps_the_context_instead_of_hanging():
         e.add_request("long", list(range(10, 26)), GREEDY)
 
 
+@pytest.mark.parametrize(
+    "params",
+    [
+        SamplingParams(max_tokens=12, temperature=1.0, seed=42),
+        SamplingParams(max_tokens=12, temperature=0.8, seed=7, presence_penalty=1.5, frequency_penalty=0.7),
+        SamplingParams(max_tokens=12, temperature=0, repetition_penalty=1.3, min_tokens=10),
+    ],
+    ids=["seeded", "penalised", "min_tokens"],
+)
+def test_an_echoed_prompt_taught_token_by_token_generates_what_the_plain_request_does(params):
+    """Completions' echo with logprobs runs the prompt teacher-forced (its tokens become forced outputs, so the
+    workers report their logprobs). Those tokens are the prompt's: until 2026-12-07 they moved the seeded draw's
+    index, counted as output for presence/frequency penalties and toward min_tokens, and the completion changed."""
+    import dataclasses
+
+    prompt = prompts(3)[2]
+    plain = engine().generate([prompt], params)[0]
+    taught = dataclasses.replace(
+        params, max_tokens=params.max_tokens + len(prompt) - 1, forced_token_ids=tuple(prompt[1:])
+    )
+    out = engine().generate([prompt[:1]], taught)[0]
+    assert out[: len(prompt) - 1] == prompt[1:]
+    assert out[len(prompt) - 1 :] == plain
+
+
 def test_bad_requests_are_refused_with_a_clear_error():
     e = engine()
     with pytest.raises(PromptTooLongError, match="context length of 512"):
