@@ -126,6 +126,15 @@ class FrontendConfig:
     stalled_client_grace_s: float = 10.0
 
 
+def _longest_token(tokenizer: Tokenizer) -> int:
+    """The most characters one token's string has (byte-level tokens: one character per byte)."""
+    longest = 1
+    for i in range(tokenizer.vocab_size):
+        with contextlib.suppress(ValueError):  # an id without a token (a padded vocabulary)
+            longest = max(longest, len(tokenizer.id_to_token(i)))
+    return longest
+
+
 class Frontend:
     """What every endpoint shares: the config, the tokenizer, the worker view and the coordinator."""
 
@@ -144,6 +153,9 @@ class Frontend:
         self.coordinator = coordinator
         self.token_texts = TokenTexts(tokenizer)
         self.grammars = Grammars(tokenizer, tokenizer.vocab_size, tokenizer.stop_token_ids)
+        # the most characters of text one token covers (with a margin for normalizers): a text longer than the
+        # context times this has more tokens than the context, whatever they are
+        self.chars_per_token_bound = 4 * _longest_token(tokenizer)
         self.created = int(time.time())
         self.in_flight = 0
         self.kv_in_flight = 0  # KV tokens charged to the requests in flight (ADMISSION_OUTPUT_TOKENS)
@@ -278,6 +290,36 @@ class Frontend:
                 code="context_length_exceeded",
             )
         return self.sampling_params(body, max_tokens, logprobs)
+
+    async def encode(self, text: str, add_special_tokens: bool, param: str | None = None) -> list[int]:
+        """`text`'s token ids, on a thread: a few megabytes take seconds, which on the event loop stalled every
+        other request (until 2026-12-07). With `param` (a generation's prompt), a text certainly longer than the
+        context is refused before any of that work, naming `param`."""
+        if param is not None:
+            limit = self.max_model_len()
+            if len(text) > limit * self.chars_per_token_bound:
+                raise bad_request(
+                    f"This model's maximum context length is {limit} tokens; the {param} has {len(text)} "
+                    "characters, more than that many tokens can hold",
+                    param=param,
+                    code="context_length_exceeded",
+                )
+        return await asyncio.to_thread(self.tokenizer.encode, text, add_special_tokens)
+
+    async def encode_chat(
+        self,
+        messages: list[Any],
+        tools: Any,
+        add_special_tokens: bool,
+        param: str | None = "messages",
+        **kw: Any,
+    ) -> list[int]:
+        """The chat template on a thread (one with 120,000 messages took 3 s of the event loop), then `encode`."""
+        try:
+            text = await asyncio.to_thread(self.tokenizer.apply_chat_template, messages, tools=tools, **kw)
+        except ChatTemplateError as e:
+            raise bad_request(f"messages: {e}", param="messages") from e
+        return await self.encode(text, add_special_tokens, param)
 
     async def compile_grammar(self, body: GenerationRequest) -> None:
         """The request's grammar compiled off the event loop, within structured.COMPILE_TIMEOUT_S, before
@@ -933,12 +975,8 @@ async def chat_completions(
     except StructuredError as e:
         raise bad_request(str(e), param=e.param) from e
     await fe.compile_grammar(body)
-    try:
-        messages = [m.as_template_input() for m in body.messages]
-        text = fe.tokenizer.apply_chat_template(messages, tools=body.template_tools())
-        prompt = fe.tokenizer.encode(text, add_special_tokens=body.add_special_tokens is True)
-    except ChatTemplateError as e:
-        raise bad_request(f"messages: {e}", param="messages") from e
+    messages = [m.as_template_input() for m in body.messages]
+    prompt = await fe.encode_chat(messages, body.template_tools(), body.add_special_tokens is True)
     max_tokens_param = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
     states = fe.start(
         request,
@@ -983,7 +1021,7 @@ async def completions(
     for i, p in enumerate(batch):
         param = "prompt" if len(batch) == 1 else f"prompt[{i}]"
         if isinstance(p, str):  # BOS/EOS as the tokenizer's metadata asks (vLLM's default for completions)
-            prompts.append(fe.tokenizer.encode(p, add_special_tokens=body.add_special_tokens is not False))
+            prompts.append(await fe.encode(p, body.add_special_tokens is not False, "prompt"))
             continue
         bad = next((t for t in p if not 0 <= t < vocab), None)
         if bad is not None:
@@ -1069,18 +1107,17 @@ async def tokenize(
     if body.model is not None:
         fe.check_model(body.model)
     caller.check_model(fe.config.served_model_name)  # the served model's tokenizer, named or not
+    # counted whatever their length (no context bound), but off the event loop
     if body.messages is not None:
-        try:
-            text = fe.tokenizer.apply_chat_template(
-                [m.as_template_input() for m in body.messages],
-                add_generation_prompt=body.add_generation_prompt is not False,
-                tools=[t.model_dump(exclude_none=True) for t in body.tools] if body.tools else None,
-            )
-        except ChatTemplateError as e:
-            raise bad_request(f"messages: {e}", param="messages") from e
-        ids = fe.tokenizer.encode(text, add_special_tokens=body.add_special_tokens is True)
+        ids = await fe.encode_chat(
+            [m.as_template_input() for m in body.messages],
+            [t.model_dump(exclude_none=True) for t in body.tools] if body.tools else None,
+            body.add_special_tokens is True,
+            param=None,
+            add_generation_prompt=body.add_generation_prompt is not False,
+        )
     else:
-        ids = fe.tokenizer.encode(body.prompt or "", add_special_tokens=body.add_special_tokens is not False)
+        ids = await fe.encode(body.prompt or "", body.add_special_tokens is not False)
     return {"count": len(ids), "max_model_len": fe.max_model_len(), "tokens": ids}
 
 

@@ -26,6 +26,11 @@ from pydantic import (
 )
 
 MAX_STOP_STRINGS = 16
+MAX_STOP_STRING_CHARS = (
+    1024  # each; a stop string is looked for after every token (one megabyte made that O(T^2))
+)
+MAX_STOP_TOKEN_IDS = 1024  # each one is checked per token on the worker, every choice carries the list
+MAX_CHOICES = 128  # prompts x best_of (or n) of one /v1/completions request: each is a request to the cluster
 MAX_TOP_LOGPROBS = 20
 MAX_N = 16  # choices per request (each one is a request of its own to the cluster)
 MAX_LOGIT_BIAS_ENTRIES = 300  # OpenAI's limit
@@ -227,7 +232,9 @@ class GenerationRequest(_Request):
     )
     n: Annotated[int, Field(ge=1, le=MAX_N)] | None = None
     stop: str | list[str] | None = None
-    stop_token_ids: list[Annotated[int, Field(ge=0)]] | None = None
+    stop_token_ids: (
+        Annotated[list[Annotated[int, Field(ge=0)]], Field(max_length=MAX_STOP_TOKEN_IDS)] | None
+    ) = None
     include_stop_str_in_output: bool | None = None
     ignore_eos: bool | None = None
     min_tokens: Annotated[int, Field(ge=0, le=INT32_MAX)] | None = None
@@ -284,6 +291,8 @@ class GenerationRequest(_Request):
             raise ValueError(f"at most {MAX_STOP_STRINGS} stop strings, got {len(strings)}")
         if any(not s for s in strings):
             raise ValueError("stop strings must be non-empty")
+        if any(len(s) > MAX_STOP_STRING_CHARS for s in strings):
+            raise ValueError(f"a stop string may have at most {MAX_STOP_STRING_CHARS} characters")
         return stop
 
     @field_validator("logit_bias")
@@ -501,10 +510,18 @@ class CompletionRequest(GenerationRequest):
         return prompt
 
     def check_choices(self) -> None:
-        """A StructuredError naming the parameter when best_of, n and max_tokens disagree."""
+        """A StructuredError naming the parameter when best_of, n and max_tokens disagree, or when the prompts
+        times best_of (or n) pass MAX_CHOICES."""
         if self.best_of is not None and self.best_of < self.num_choices:
             raise StructuredError(
                 "best_of", f"best_of ({self.best_of}) must be at least n ({self.num_choices})"
+            )
+        per_prompt = self.best_of or self.num_choices
+        if len(self.prompts()) * per_prompt > MAX_CHOICES:
+            raise StructuredError(
+                "best_of" if self.best_of else "n",
+                f"{len(self.prompts())} prompts x {per_prompt} choices each is "
+                f"{len(self.prompts()) * per_prompt} requests to the cluster; at most {MAX_CHOICES}",
             )
         if self.max_tokens == 0 and not self.echo:
             raise StructuredError("max_tokens", "max_tokens=0 needs echo=true (it scores the prompt only)")

@@ -710,6 +710,27 @@ def test_a_grammar_too_costly_to_compile_is_refused_and_stalls_nobody(
     time.sleep(3.5)  # let the compile end before the next test needs the CPU
 
 
+def test_a_text_longer_than_any_context_is_refused_before_it_is_tokenized(
+    scripted: ScriptedCluster, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """More characters than the context's tokens could hold whatever they are (the context, 512 here, times the
+    longest token's characters, with a margin): a 400 before any tokenizing, which on megabytes took seconds."""
+    calls: list[int] = []
+    encode = scripted.tokenizer.encode
+    monkeypatch.setattr(
+        scripted.tokenizer, "encode", lambda text, *a, **kw: calls.append(len(text)) or encode(text, *a, **kw)
+    )
+    r = httpx.post(f"{scripted.url}/v1/chat/completions", json=chat("x" * 200_000), timeout=30)
+    assert "more than that many tokens can hold" in assert_error(
+        r, 400, "invalid_request_error", "messages", "context_length_exceeded"
+    )
+    r = httpx.post(
+        f"{scripted.url}/v1/completions", json={"model": MODEL, "prompt": "y" * 200_000}, timeout=30
+    )
+    assert_error(r, 400, "invalid_request_error", "prompt", "context_length_exceeded")
+    assert calls == []
+
+
 def test_metrics_count_requests_and_tokens(scripted: ScriptedCluster) -> None:
     httpx.post(f"{scripted.url}/v1/chat/completions", json=chat("metrics"), timeout=10)
     text = httpx.get(f"{scripted.url}/metrics").text
@@ -1148,6 +1169,12 @@ def test_echo_with_max_tokens_0_streams_when_asked(scripted: ScriptedCluster) ->
     ("body", "param", "says"),
     [
         ({"model": MODEL, "prompt": ["a"] * 65}, "prompt", "at most 64 prompts"),
+        # one request fanning out to 1,024 cluster requests, each carrying a 600k-entry list (3.6 GB of the
+        # frontend's memory, 200 ms of every engine step: the security audit, until 2026-12-07)
+        ({"model": MODEL, "prompt": ["a"] * 16, "best_of": 16}, "best_of", "256 requests to the cluster"),
+        ({"model": MODEL, "prompt": ["a"] * 16, "n": 16}, "n", "at most 128"),
+        ({"model": MODEL, "prompt": "hi", "stop_token_ids": list(range(1025))}, "stop_token_ids", "1024"),
+        ({"model": MODEL, "prompt": "hi", "stop": ["x" * 1025]}, "stop", "at most 1024 characters"),
         ({"model": MODEL, "prompt": [1, 999999]}, "prompt", "999999"),
         ({"model": MODEL, "prompt": ""}, "prompt", "empty"),
         ({"model": MODEL, "prompt": "hi", "logprobs": 50}, "logprobs", "20"),
