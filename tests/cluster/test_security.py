@@ -208,7 +208,7 @@ def test_keys_and_prompts_never_reach_logs_or_metrics(guarded_frontend: tuple[st
 
 
 def test_keys_compare_in_constant_time_against_every_key(monkeypatch: pytest.MonkeyPatch) -> None:
-    keys = load_api_keys("sk-one,sk-two,sk-three")
+    keys = load_api_keys("sk-one-1,sk-two-2,sk-three-3")
     guard = Guard(AuthConfig(keys))
     calls: list[int] = []
     real = hmac.compare_digest
@@ -219,24 +219,56 @@ def test_keys_compare_in_constant_time_against_every_key(monkeypatch: pytest.Mon
         return real(a, b)
 
     monkeypatch.setattr(hmac, "compare_digest", counting)
-    for presented in ("sk-one", "sk-three", "sk-missing"):
+    for presented in ("sk-one-1", "sk-three-3", "sk-missing"):
         calls.clear()
         try:
             guard.authenticate(f"Bearer {presented}")
         except ApiError as e:
             assert e.status == 401
         assert len(calls) == 3, "every key is compared, whichever matches"
-    assert keys[0].digest == hashlib.sha256(b"sk-one").digest()
+    assert keys[0].digest == hashlib.sha256(b"sk-one-1").digest()
     assert "sk-" not in repr(keys)  # the secret itself is not kept, so it cannot be printed
 
 
 def test_key_file_errors_name_the_line(tmp_path: Path) -> None:
     bad = tmp_path / "keys"
-    bad.write_text("sk-ok\nsk-bad colour=blue\n")
+    bad.write_text("sk-ok-ok-ok\nsk-bad-bad colour=blue\n")
     with pytest.raises(ValueError, match="line 2"):
         load_api_keys(key_file=str(bad))
     with pytest.raises(ValueError, match="no such file|No such file"):
         load_api_keys(key_file=str(tmp_path / "missing"))
+
+
+@pytest.mark.parametrize(
+    ("text", "says"),
+    [
+        # a secret on the wrong word: the error names the line, never the word
+        ("name=team-a sk-LIVESECRET123\n", "line 1: word 2 is not name=NAME"),
+        ("sk-first-key name=team-a\nsk-second-key name=team-a\n", "the same name is given twice: team-a"),
+        ("sk-same-secret name=a\nsk-same-secret name=b\n", "the same key is given twice: (not shown)"),
+        ("sk-1\n", "shorter than 8 characters"),
+    ],
+    ids=["secret-as-second-word", "duplicate-name", "duplicate-secret", "too-short"],
+)
+def test_key_file_mistakes_are_refused_without_printing_a_secret(
+    tmp_path: Path, text: str, says: str
+) -> None:
+    """From the security audit (until 2026-12-07): the misplaced secret was printed in the error; two keys of
+    one name shared a rate limit and read each other's timelines; a secret listed twice silently took the
+    last line's scope; a one-character key was taken."""
+    keys = tmp_path / "keys"
+    keys.write_text(text)
+    with pytest.raises(ValueError) as e:
+        load_api_keys(key_file=str(keys))
+    assert says in str(e.value) and "LIVESECRET" not in str(e.value) and "same-secret" not in str(e.value)
+
+
+def test_a_hash_inside_a_key_is_part_of_it_and_a_hash_after_a_space_a_comment(tmp_path: Path) -> None:
+    """`sk-abc#Zq9x` authenticated as `sk-abc` (the rest taken for a comment) until 2026-12-07."""
+    keys = tmp_path / "keys"
+    keys.write_text("# a comment\nsk-abc#Zq9xYY name=hashy  # the rest of the line\n")
+    (key,) = load_api_keys(key_file=str(keys))
+    assert key.name == "hashy" and key.digest == hashlib.sha256(b"sk-abc#Zq9xYY").digest()
 
 
 def test_rackserve_up_passes_the_key_in_the_environment_not_argv(monkeypatch: pytest.MonkeyPatch) -> None:
