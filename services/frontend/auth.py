@@ -93,11 +93,12 @@ def load_api_keys(flag_value: str = "", key_file: str = "") -> tuple[ApiKey, ...
                         "(expected KEY [name=NAME] [models=a,b])"
                     )
             keys.append(ApiKey.from_secret(words[0], name, models))
-    for what, values in (("name", [k.name for k in keys]), ("key", [k.digest for k in keys])):
-        repeated = {v for v in values if values.count(v) > 1}
-        if repeated:  # two keys of one name share a rate limit and read each other's timelines
-            shown = sorted(str(v) for v in repeated) if what == "name" else ["(not shown)"]
-            raise ValueError(f"API keys: the same {what} is given twice: {', '.join(shown)}")
+    names = [k.name for k in keys]
+    repeated = sorted({n for n in names if names.count(n) > 1})
+    if repeated:  # two keys of one name share a rate limit and read each other's timelines
+        raise ValueError(f"API keys: the same name is given twice: {', '.join(repeated)}")
+    if len({k.digest for k in keys}) < len(keys):  # which one is not shown: it is a secret
+        raise ValueError("API keys: the same key is given twice: (not shown)")
     return tuple(keys)
 
 
