@@ -115,6 +115,8 @@ class FrontendConfig:
     max_model_len: int = 0  # 0: the smallest the decode workers advertise, else DEFAULT_MAX_MODEL_LEN
     request_timeout_s: float = 600.0
     max_body_bytes: int = 4 << 20
+    # the whole body must arrive within this (408 past it): a client that trickles one holds its memory
+    body_timeout_s: float = 30.0
     # API keys and the per-key rate limit (services/frontend/auth.py); none: the API is open
     auth: AuthConfig = field(default_factory=AuthConfig)
     max_concurrent_requests: int = 0  # requests in flight before new ones get 429 (0: no limit)

@@ -6,6 +6,7 @@ malformed JSON) and validates it against the pydantic model (400 naming the fiel
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
 
@@ -27,18 +28,28 @@ def _too_large(limit: int) -> ApiError:
 
 
 async def limited_body(request: Request) -> bytes:
-    """The raw body, refused with 413 as soon as it is known to exceed `max_body_bytes`."""
-    limit: int = request.app.state.config.max_body_bytes
+    """The raw body, refused with 413 as soon as it is known to exceed `max_body_bytes`, and with 408 when it has
+    not arrived whole within `body_timeout_s` (a client trickling megabytes held them in memory for good)."""
+    config = request.app.state.config
+    limit: int = config.max_body_bytes
     declared = request.headers.get("content-length")
     if declared is not None and declared.isdigit() and int(declared) > limit:
         raise _too_large(limit)
     chunks: list[bytes] = []
     size = 0
-    async for chunk in request.stream():  # a chunked upload has no content-length: count as it arrives
-        size += len(chunk)
-        if size > limit:
-            raise _too_large(limit)
-        chunks.append(chunk)
+    try:
+        async with asyncio.timeout(config.body_timeout_s):
+            async for (
+                chunk
+            ) in request.stream():  # a chunked upload has no content-length: count as it arrives
+                size += len(chunk)
+                if size > limit:
+                    raise _too_large(limit)
+                chunks.append(chunk)
+    except TimeoutError:
+        raise ApiError(
+            408, f"the request body did not arrive within {config.body_timeout_s:g} s", code="request_timeout"
+        ) from None
     return b"".join(chunks)
 
 

@@ -68,6 +68,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         g, "--request-timeout-s", 600.0, "deadline of one request, from arrival to its last token", float
     )
     add_flag(g, "--max-body-bytes", 4 << 20, "largest request body accepted (413 above)", int)
+    add_flag(g, "--body-timeout-s", 30.0, "a request body must arrive whole within this (408 past it)", float)
+    add_flag(g, "--max-connections", 2048, "open HTTP connections and requests at once before new ones get 503 "
+             "(uvicorn's limit_concurrency; streams included, so above --max-concurrent-requests)", int)  # fmt: skip
     add_flag(g, "--max-concurrent-requests", 256, "requests in flight before new ones get 429 with "
              "Retry-After (0: no limit)", int)  # fmt: skip
     add_flag(g, "--admission-kv-factor", 2.0, "KV tokens in flight (prompt + up to 256 output tokens each) allowed "
@@ -119,6 +122,7 @@ async def serve(args: argparse.Namespace) -> None:
         max_model_len=args.max_model_len,
         request_timeout_s=args.request_timeout_s,
         max_body_bytes=args.max_body_bytes,
+        body_timeout_s=args.body_timeout_s,
         auth=AuthConfig(
             load_api_keys(args.api_key, args.api_key_file), args.rate_limit_rps, args.rate_limit_burst
         ),
@@ -149,6 +153,7 @@ async def serve(args: argparse.Namespace) -> None:
         uvicorn.Config(
             app, host=args.host, port=args.port, log_level=args.log_level, access_log=False,
             timeout_graceful_shutdown=graceful_s,
+            limit_concurrency=args.max_connections or None,
             # the connection's own peer, not X-Forwarded-For's: nothing here reads a client's address but
             # connection_aborter, which must find the connection (a local proxy would otherwise hide it)
             proxy_headers=False,

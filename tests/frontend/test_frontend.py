@@ -207,7 +207,9 @@ class ScriptedCluster:
                 worker_id="decode-scripted", role="decode", endpoint=decode_endpoint, max_model_len=512
             ),
         )
-        config = FrontendConfig(served_model_name=MODEL, request_timeout_s=2.0, stalled_client_grace_s=1.0)
+        config = FrontendConfig(
+            served_model_name=MODEL, request_timeout_s=2.0, stalled_client_grace_s=1.0, body_timeout_s=1.0
+        )
         app = create_app(config, self.tokenizer, directory, Coordinator(directory, ChannelPool()))
         self.http = uvicorn.Server(
             uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="warning", proxy_headers=False)
@@ -729,6 +731,28 @@ def test_a_text_longer_than_any_context_is_refused_before_it_is_tokenized(
     )
     assert_error(r, 400, "invalid_request_error", "prompt", "context_length_exceeded")
     assert calls == []
+
+
+def test_a_body_that_does_not_arrive_in_time_is_a_408(
+    scripted: ScriptedCluster,
+) -> None:
+    """A client that sends its headers and then trickles (or holds) its body kept the request's memory for as
+    long as it liked (150 such held 600 MB; the security audit, until 2026-12-07). Here --body-timeout-s is 1."""
+    host, port = scripted.url.removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port)), timeout=10) as s:
+        s.sendall(
+            b"POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
+            b"content-length: 1000\r\n\r\n" + b'{"model": "' + b"x" * 20
+        )
+        answer = b""
+        while b"\r\n\r\n" not in answer or not answer.rstrip().endswith(b"}"):
+            chunk = s.recv(65536)
+            if not chunk:
+                break
+            answer += chunk
+    head, _, body = answer.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 408"), answer[:200]
+    assert json.loads(body)["error"]["code"] == "request_timeout"
 
 
 def test_metrics_count_requests_and_tokens(scripted: ScriptedCluster) -> None:
