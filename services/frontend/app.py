@@ -120,6 +120,9 @@ class FrontendConfig:
     # API keys and the per-key rate limit (services/frontend/auth.py); none: the API is open
     auth: AuthConfig = field(default_factory=AuthConfig)
     max_concurrent_requests: int = 0  # requests in flight before new ones get 429 (0: no limit)
+    # one API key's requests in flight before its new ones get 429 (0: no limit of its own): one key within its
+    # rate can otherwise hold every slot of max_concurrent_requests with long requests
+    max_concurrent_per_key: int = 0
     # KV tokens admitted in flight, as a multiple of what the decode workers report they hold, before new ones
     # get 429 (0: no KV budget). 1.0 = one full pool running; above it the rest waits in the workers' queues.
     admission_kv_factor: float = 0.0
@@ -162,6 +165,7 @@ class Frontend:
         self.in_flight = 0
         self.kv_in_flight = 0  # KV tokens charged to the requests in flight (ADMISSION_OUTPUT_TOKENS)
         self._kv_charged: dict[str, int] = {}  # request id -> its charge
+        self._in_flight_by_key: dict[str, int] = {}  # API key name -> its requests in flight
         self.traffic = TrafficLog()  # the recent prompts' shapes, for the planner's replay (GET /traffic)
 
     def kv_budget(self) -> tuple[int, int]:
@@ -178,6 +182,10 @@ class Frontend:
         if limit and self.in_flight >= limit:
             raise overloaded(f"the frontend is serving its limit of {limit} concurrent requests "
                              "(--max-concurrent-requests); retry later")  # fmt: skip
+        key, per_key = states[0].api_key_name, self.config.max_concurrent_per_key
+        if per_key and self._in_flight_by_key.get(key, 0) >= per_key:
+            raise overloaded(f"this API key has its limit of {per_key} requests in flight on this frontend "
+                             "(--max-concurrent-per-key); retry later")  # fmt: skip
         charge = sum(
             len(st.prompt_token_ids) + min(st.params.max_tokens, ADMISSION_OUTPUT_TOKENS) for st in states
         )
@@ -190,6 +198,7 @@ class Frontend:
                 "the decode workers hold, --admission-kv-factor); retry later"
             )
         self.in_flight += 1
+        self._in_flight_by_key[key] = self._in_flight_by_key.get(key, 0) + 1
         self.kv_in_flight += charge
         self._kv_charged[states[0].request_id] = charge
 
@@ -489,6 +498,10 @@ class Frontend:
         self, endpoint: str, states: list[RequestState], status: int, error_type: str | None = None
     ) -> None:
         self.in_flight -= 1
+        key = states[0].api_key_name
+        self._in_flight_by_key[key] -= 1
+        if not self._in_flight_by_key[key]:
+            del self._in_flight_by_key[key]
         self.kv_in_flight -= self._kv_charged.pop(states[0].request_id, 0)
         metrics.REQUESTS_IN_FLIGHT.labels(endpoint).dec()
         metrics.REQUESTS.labels(endpoint, str(status)).inc()

@@ -73,6 +73,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
              "(uvicorn's limit_concurrency; streams included, so above --max-concurrent-requests)", int)  # fmt: skip
     add_flag(g, "--max-concurrent-requests", 256, "requests in flight before new ones get 429 with "
              "Retry-After (0: no limit)", int)  # fmt: skip
+    add_flag(g, "--max-concurrent-per-key", 0, "one API key's requests in flight before its new ones get 429 "
+             "(0: no limit of its own; set it below --max-concurrent-requests to keep one key from holding "
+             "them all)", int)  # fmt: skip
     add_flag(g, "--admission-kv-factor", 2.0, "KV tokens in flight (prompt + up to 256 output tokens each) allowed "
              "as a multiple of what the decode workers hold, before new requests get 429 with Retry-After "
              "(1: one full pool; above it the rest waits in the workers' queues; 0: no KV budget)", float)  # fmt: skip
@@ -127,6 +130,7 @@ async def serve(args: argparse.Namespace) -> None:
             load_api_keys(args.api_key, args.api_key_file), args.rate_limit_rps, args.rate_limit_burst
         ),
         max_concurrent_requests=args.max_concurrent_requests,
+        max_concurrent_per_key=args.max_concurrent_per_key,
         admission_kv_factor=args.admission_kv_factor,
     )
     if not config.auth.keys:

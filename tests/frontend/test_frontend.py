@@ -167,8 +167,9 @@ class StaticWorkers:
 class ScriptedCluster:
     """The real app on a real port, with the scripted router and worker, on one event loop in a thread."""
 
-    def __init__(self, tokenizer: Tokenizer) -> None:
+    def __init__(self, tokenizer: Tokenizer, **config: Any) -> None:
         self.tokenizer = tokenizer
+        self.config = config  # FrontendConfig fields over the defaults below
         self.decode = ScriptedDecode(tokenizer)
         self.router = ScriptedRouter()
         self.loop = asyncio.new_event_loop()
@@ -208,7 +209,13 @@ class ScriptedCluster:
             ),
         )
         config = FrontendConfig(
-            served_model_name=MODEL, request_timeout_s=2.0, stalled_client_grace_s=1.0, body_timeout_s=1.0
+            **{
+                "served_model_name": MODEL,
+                "request_timeout_s": 2.0,
+                "stalled_client_grace_s": 1.0,
+                "body_timeout_s": 1.0,
+                **self.config,
+            }
         )
         app = create_app(config, self.tokenizer, directory, Coordinator(directory, ChannelPool()))
         self.http = uvicorn.Server(
@@ -753,6 +760,30 @@ def test_a_body_that_does_not_arrive_in_time_is_a_408(
     head, _, body = answer.partition(b"\r\n\r\n")
     assert head.startswith(b"HTTP/1.1 408"), answer[:200]
     assert json.loads(body)["error"]["code"] == "request_timeout"
+
+
+def test_one_key_cannot_hold_every_slot_with_long_requests(tokenizer: Tokenizer) -> None:
+    """--max-concurrent-per-key: a key within its rate held all of --max-concurrent-requests with requests that
+    run long (here ones that hang to their 2 s deadline), and every other key got 429 (the security audit)."""
+    from services.frontend.auth import AuthConfig, load_api_keys
+
+    keys = AuthConfig(load_api_keys("sk-team-a-1,sk-team-b-2"))  # named key-0 and key-1
+    with ScriptedCluster(tokenizer, auth=keys, max_concurrent_requests=8, max_concurrent_per_key=2) as c:
+
+        def post(key: str, content: str) -> httpx.Response:
+            headers = {"Authorization": f"Bearer {key}"}
+            return httpx.post(f"{c.url}/v1/chat/completions", json=chat(content), headers=headers, timeout=30)
+
+        with ThreadPoolExecutor(2) as pool:
+            held = [pool.submit(post, "sk-team-a-1", "[hang]") for _ in range(2)]
+            time.sleep(0.5)  # both admitted and hanging
+            third = post("sk-team-a-1", "hi")
+            assert "--max-concurrent-per-key" in assert_error(
+                third, 429, "rate_limit_error", code="overloaded"
+            )
+            assert post("sk-team-b-2", "hi").status_code == 200  # another key still gets in
+            assert [f.result().status_code for f in held] == [504, 504]
+        assert post("sk-team-a-1", "hi").status_code == 200  # its slots are free again
 
 
 def test_metrics_count_requests_and_tokens(scripted: ScriptedCluster) -> None:
