@@ -14,6 +14,7 @@ import json
 import re
 import threading
 from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -31,6 +32,16 @@ class GrammarError(ValueError):
     """The grammar does not compile (a bad schema, regex or EBNF)."""
 
 
+@dataclass
+class _Compile:
+    """One compile asked for: its job, how many requests wait for it, and whether it started or never will."""
+
+    job: asyncio.Future[None] = field(init=False)  # set as soon as it is made
+    waiters: int = 0
+    started: bool = False  # (these two under Grammars._lock: the compile thread reads and sets them)
+    abandoned: bool = False
+
+
 class Grammars:
     """Compiles grammars for one tokenizer (compilations are cached by xgrammar) and opens matchers."""
 
@@ -41,52 +52,56 @@ class Grammars:
         self._compiler: Any = None
         self._lock = (
             threading.Lock()
-        )  # the compiler is built once, whichever thread asks first; guards the sets
+        )  # the compiler is built once, whichever thread asks; guards what follows
         self._pool: concurrent.futures.ThreadPoolExecutor | None = None
         self._ready: set[tuple[str, str]] = set()  # compiled: xgrammar's cache holds them
-        # (kind, spec) -> the compile under way and whether anyone still waits for it
-        self._running: dict[tuple[str, str], tuple[asyncio.Future[Any], threading.Event]] = {}
+        self._running: dict[
+            tuple[str, str], _Compile
+        ] = {}  # the compiles asked for and not ended (loop thread)
 
     async def compile_within(self, kind: str, spec: str, timeout_s: float | None = None) -> None:
         """Compile (kind, spec) off the calling thread, so that `matcher` then finds it in xgrammar's cache;
         GrammarError if it does not compile, or not within `timeout_s` (the compile goes on in its thread, and
         holds one of COMPILE_THREADS until it ends; a request waiting for a thread waits within the same
         deadline). A grammar compiled before needs no thread (costly compiles running cannot hold it up); a
-        request for one being compiled waits for that compile, not a second; a compile whose every waiter has
-        given up before it started is never run."""
+        request for one asked for already waits for that compile, never a second; a compile that every request
+        asking for it has given up on before it started is never run."""
         key = (kind, spec)
         with self._lock:
             if key in self._ready:
                 return
             if self._pool is None:
                 self._pool = concurrent.futures.ThreadPoolExecutor(COMPILE_THREADS, "grammar-compile")
-            running = self._running.get(key)
-        if running is None:
-            wanted = threading.Event()
-            wanted.set()  # before it can start
-            job = asyncio.get_running_loop().run_in_executor(self._pool, self._compile_if_wanted, key, wanted)
-            job.add_done_callback(lambda f: f.cancelled() or f.exception())  # its error is ours, or nobody's
-            entry = (job, wanted)
-            job.add_done_callback(
-                lambda _: self._running.pop(key) if self._running.get(key) is entry else None
-            )
-            running = self._running[key] = entry
-        job, wanted = running
+        c = self._running.get(key)
+        if c is None:
+            c = self._running[key] = _Compile()
+            c.job = asyncio.get_running_loop().run_in_executor(self._pool, self._run, key, c)
+            c.job.add_done_callback(
+                lambda f: f.cancelled() or f.exception()
+            )  # its error is ours, or nobody's
+            c.job.add_done_callback(lambda _: self._running.pop(key) if self._running.get(key) is c else None)
+        c.waiters += 1
         timeout_s = COMPILE_TIMEOUT_S if timeout_s is None else timeout_s
         try:
             async with asyncio.timeout(timeout_s):
-                await asyncio.shield(job)  # the compile cannot be stopped; only the wait for it ends
+                await asyncio.shield(c.job)  # the compile cannot be stopped; only the wait for it ends
         except TimeoutError:
-            if not job.done() and self._running.get(key) is running:
-                wanted.clear()  # if it has not started, it never will (the next request for it starts anew)
-                del self._running[key]
             raise GrammarError(
                 f"the {kind} grammar did not compile within {timeout_s:g} s (too costly; simplify it)"
             ) from None
+        finally:
+            c.waiters -= 1
+            if not c.waiters and not c.job.done():
+                with self._lock:
+                    c.abandoned = not c.started  # still queued: it never starts (a later request asks anew)
+                if c.abandoned and self._running.get(key) is c:
+                    del self._running[key]
 
-    def _compile_if_wanted(self, key: tuple[str, str], wanted: threading.Event) -> None:
-        if not wanted.is_set():  # queued behind costly compiles until its waiters gave up
-            raise GrammarError(f"the {key[0]} grammar waited for a compile thread past its deadline")
+    def _run(self, key: tuple[str, str], c: _Compile) -> None:
+        with self._lock:
+            if c.abandoned:  # queued behind costly compiles until every request for it gave up
+                raise GrammarError(f"the {key[0]} grammar waited for a compile thread past its deadline")
+            c.started = True
         self._compiled(*key)
         with self._lock:
             self._ready.add(key)

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import asyncio
 import json
+from collections import Counter
+from typing import Any
 
 import pytest
 
@@ -18,21 +20,38 @@ def costly(depth: int) -> str:
 
 def test_costly_compiles_holding_every_thread_hold_up_no_grammar_compiled_before(gguf_path: str) -> None:
     """Two costly schemas took both compile threads; every later json_object request was refused for as long as
-    they ran, and the refused ones still compiled afterwards, one after another (the security audit, until
-    2026-12-07). A grammar compiled before needs no thread, and a compile nobody waits for any more never runs:
-    the next request for it starts at once."""
+    they ran, and each refused request left a compile queued that ran later anyway (the security audit, until
+    2026-12-07). Now a grammar compiled before needs no thread; requests for one grammar share one compile (one
+    that gives up does not take it from another still waiting); a compile nobody waits for any more never runs."""
     tok = Tokenizer.from_gguf(gguf_path)
     g = Grammars(tok, tok.vocab_size, tok.stop_token_ids)
+    compiles: Counter[tuple[str, str]] = Counter()
+    real = g._compiled
 
-    async def body() -> list[BaseException | None]:
+    def counted(kind: str, spec: str) -> Any:
+        compiles[kind, spec] += 1
+        return real(kind, spec)
+
+    g._compiled = counted  # type: ignore[method-assign]
+
+    async def body() -> list[Any]:
         await g.compile_within("json_object", "", 30.0)  # compiled once, early
-        tries = [g.compile_within("json_schema", costly(d), 0.3) for d in (4, 5)]
-        refused = await asyncio.gather(*tries, return_exceptions=True)
+        held = [g.compile_within("json_schema", costly(d), 0.3) for d in (4, 5)]
+        refused = await asyncio.gather(*held, return_exceptions=True)  # both still compiling
         await g.compile_within("json_object", "", 0.3)  # both threads busy: passes anyway
         with pytest.raises(GrammarError, match="did not compile within 0.3 s"):
-            await g.compile_within("regex", "[a-z]+", 0.3)  # new, queued behind them: refused
-        await g.compile_within("regex", "[a-z]+", 60.0)  # asked again: compiled (the abandoned one never ran)
-        return list(refused)
+            await g.compile_within("regex", "[0-9]+", 0.3)  # queued behind them, and given up on
+        impatient = g.compile_within("regex", "[a-z]+", 0.3)
+        patient = g.compile_within("regex", "[a-z]+", 60.0)
+        shared = await asyncio.gather(impatient, patient, return_exceptions=True)
+        await asyncio.gather(*[g.compile_within("regex", "[b-y]+", 60.0) for _ in range(3)])  # one compile
+        await g.compile_within("json_schema", costly(4), 60.0)  # compiled already: not again
+        assert compiles["regex", "[0-9]+"] == 0  # given up before it started: never ran
+        await g.compile_within("regex", "[0-9]+", 60.0)  # asked again: compiled now
+        return [*refused, *shared]
 
-    refused = asyncio.run(body())
-    assert all(isinstance(e, GrammarError) for e in refused), refused
+    refused_a, refused_b, impatient, patient = asyncio.run(body())
+    assert all(isinstance(e, GrammarError) for e in (refused_a, refused_b, impatient))
+    assert patient is None  # the one still waiting got its grammar
+    assert compiles["json_schema", costly(4)] == 1 and compiles["regex", "[a-z]+"] == 1
+    assert compiles["regex", "[0-9]+"] == 1 and compiles["regex", "[b-y]+"] == 1
