@@ -259,6 +259,11 @@ class Tokenizer:
         `add_special_tokens`, adds the bos/eos the model's metadata asks for."""
         return self._backend.encode(text, add_special_tokens=add_special_tokens).ids
 
+    def encode_batch(self, texts: Sequence[str], add_special_tokens: bool = False) -> list[list[int]]:
+        """`encode` of each text. The batch call releases the GIL while it works (a single `encode` holds it), so
+        a thread running it leaves the rest of the process running: the frontend tokenizes this way."""
+        return [e.ids for e in self._backend.encode_batch(list(texts), add_special_tokens=add_special_tokens)]
+
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = False) -> str:
         return self._backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
 

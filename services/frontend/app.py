@@ -315,7 +315,8 @@ class Frontend:
                     param=param,
                     code="context_length_exceeded",
                 )
-        return await asyncio.to_thread(self.tokenizer.encode, text, add_special_tokens)
+        (ids,) = await asyncio.to_thread(self.tokenizer.encode_batch, [text], add_special_tokens)
+        return ids
 
     async def encode_chat(
         self,

@@ -719,6 +719,21 @@ def test_a_grammar_too_costly_to_compile_is_refused_and_stalls_nobody(
     time.sleep(3.5)  # let the compile end before the next test needs the CPU
 
 
+def test_tokenizing_megabytes_leaves_the_event_loop_free(scripted: ScriptedCluster) -> None:
+    """A 3.4 MB /tokenize takes seconds to tokenize; on the event loop (and on a thread holding the GIL, as the
+    tokenizer's single-text call does) every other request waited for it: /livez answered after 3 s and a
+    victim's median latency went from 0.07 s to 22 s (the security audit; until 2026-12-07)."""
+    text = "hello world, the quick brown fox. " * 100_000
+    with ThreadPoolExecutor(1) as pool:
+        counting = pool.submit(httpx.post, f"{scripted.url}/tokenize", json={"prompt": text}, timeout=60)
+        time.sleep(0.3)  # the tokenizing has started
+        assert (
+            httpx.get(f"{scripted.url}/livez", timeout=1.0).status_code == 200
+        )  # the loop answers meanwhile
+        r = counting.result()
+    assert r.status_code == 200 and r.json()["count"] > 500_000
+
+
 def test_a_text_longer_than_any_context_is_refused_before_it_is_tokenized(
     scripted: ScriptedCluster, monkeypatch: pytest.MonkeyPatch
 ) -> None:
