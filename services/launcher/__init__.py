@@ -7,9 +7,11 @@ here is what runs there. This room only starts, watches and stops processes; it 
 from __future__ import annotations
 
 import argparse
+import concurrent.futures
 import json
 import math
 import os
+import queue
 import shutil
 import signal
 import socket
@@ -291,9 +293,20 @@ class Cluster:
     _lock: threading.Lock = field(default_factory=threading.Lock)
     _stopping: bool = False
     placement: GpuPlacement | None = None
+    # spawns asked for by other threads (the planner's), made by the main thread (see spawn)
+    _spawns: queue.Queue[tuple[Callable[[], Proc], concurrent.futures.Future[Proc]]] = field(
+        default_factory=queue.Queue
+    )
 
     # ----------------------------------------------------------------------------------------- starting
     def spawn(self, name: str, cmd: list[str], env: dict[str, str] | None = None) -> Proc:
+        """Start a child through the lifeline, always from the main thread: the kernel ties PR_SET_PDEATHSIG to
+        the thread that forked, so a child forked by a thread that then ends would be stopped with it. Another
+        thread's spawn waits for the main thread's loop (serve_spawns) to make it."""
+        if threading.current_thread() is not threading.main_thread():
+            made: concurrent.futures.Future[Proc] = concurrent.futures.Future()
+            self._spawns.put((lambda: self.spawn(name, cmd, env), made))
+            return made.result(timeout=60.0)
         inherited = {k: v for k, v in os.environ.items() if k not in PER_PROCESS_ENV}
         # through the lifeline: stopped by the kernel if this launcher dies without stopping it (SIGKILL)
         lifeline = [sys.executable, "-m", "services.launcher.lifeline", str(os.getpid())]
@@ -310,6 +323,22 @@ class Cluster:
         with self._lock:
             self.procs.append(proc)
         return proc
+
+    def serve_spawns(self, wait_s: float) -> None:
+        """On the main thread: make the spawns other threads asked for, waiting up to wait_s for the first."""
+        try:
+            make, made = self._spawns.get(timeout=wait_s)
+        except queue.Empty:
+            return
+        while True:
+            try:
+                made.set_result(make())
+            except BaseException as e:  # noqa: BLE001 - the asking thread raises it
+                made.set_exception(e)
+            try:
+                make, made = self._spawns.get_nowait()
+            except queue.Empty:
+                return
 
     def live(self) -> list[Proc]:
         with self._lock:
@@ -558,6 +587,8 @@ def check_args(a: argparse.Namespace) -> None:
     # the port must be ours: a frontend already there (another `up`) would answer the readiness checks
     family = socket.AF_INET6 if ":" in a.host else socket.AF_INET
     with socket.socket(family) as s:
+        # as uvicorn binds: a previous run's connections in TIME_WAIT do not make the port taken
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
             s.bind((a.host, a.port))
         except OSError as e:
@@ -602,7 +633,7 @@ def run(args: argparse.Namespace) -> int:
                         p.pump.join(2.0)  # its last lines
                     print(f"rackserve up: {p.exited()}\nrackserve up: stopping", flush=True)
                     return 1
-            time.sleep(0.5)
+            cluster.serve_spawns(0.5)  # the planner's new workers, forked here (see Cluster.spawn)
     except KeyboardInterrupt:
         print("\nrackserve up: stopping", flush=True)
         return 0

@@ -3,16 +3,21 @@ killed outright taking its children with it."""
 
 from __future__ import annotations
 
+import argparse
 import os
 import signal
 import socket
 import subprocess
 import sys
 import textwrap
+import threading
 import time
+from typing import Any
 
 import pytest
 
+from services.launcher import Cluster, check_args
+from services.launcher import add_arguments as launcher_arguments
 from tests.support.cluster import rackserve_up
 from tests.support.etcd import free_port
 from tests.support.paths import REPO
@@ -145,3 +150,51 @@ def test_a_second_ctrl_c_ends_a_stop_that_waits_on_a_stuck_worker() -> None:
 def _cmdline(pid: int) -> str:
     with open(f"/proc/{pid}/cmdline", "rb") as f:
         return f.read().replace(b"\0", b" ").decode()
+
+
+def _launcher_args(*argv: str) -> argparse.Namespace:
+    parser = argparse.ArgumentParser()
+    launcher_arguments(parser)
+    return parser.parse_args(list(argv))
+
+
+def test_a_port_left_in_time_wait_by_an_earlier_run_is_not_refused() -> None:
+    """The port check bound without SO_REUSEADDR, so for a minute after an earlier cluster served clients (its
+    connections in TIME_WAIT) `up` refused a port uvicorn would bind (the desk review)."""
+    with socket.socket() as server:
+        server.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        server.bind(("127.0.0.1", 0))
+        server.listen()
+        port = server.getsockname()[1]
+        client = socket.create_connection(("127.0.0.1", port))
+        conn, _ = server.accept()
+        conn.close()  # the server's side closes first: its end of the connection stays in TIME_WAIT
+        client.close()
+    check_args(_launcher_args("--port", str(port)))  # no SystemExit
+
+
+def test_a_child_asked_for_by_another_thread_outlives_that_thread() -> None:
+    """PR_SET_PDEATHSIG follows the thread that forked: the planner's thread starting workers itself meant its
+    end (an exception) stopped every worker it had started (the desk review). Spawns are made on the main
+    thread."""
+    cluster = Cluster(_launcher_args("--quiet"))
+    made: dict[str, Any] = {}
+
+    def ask() -> None:
+        made["p"] = cluster.spawn("sleeper", ["sleep", "600"])
+        deadline = time.monotonic() + 10
+        while _comm(made["p"].popen.pid) != "sleep":  # the lifeline has asked for its signal: then this ends
+            assert time.monotonic() < deadline
+            time.sleep(0.02)
+
+    asker = threading.Thread(target=ask)
+    asker.start()
+    while asker.is_alive():
+        cluster.serve_spawns(0.1)
+    asker.join()
+    try:
+        time.sleep(0.5)
+        assert made["p"].popen.poll() is None, "the child died with the thread that asked for it"
+    finally:
+        made["p"].popen.kill()
+        made["p"].popen.wait(5)
