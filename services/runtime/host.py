@@ -92,7 +92,12 @@ class ServiceHost:
             endpoint=self.endpoint,
             topology=topology(self.args),
             epoch=self.epoch_ms,
-            metrics_endpoint=self.metrics_server.endpoint if self.metrics_server is not None else "",
+            # where others dial it (the advertised host, as for the gRPC endpoint: a wildcard is no address)
+            metrics_endpoint=(
+                f"{advertised_host(self.args)}:{self.metrics_server.endpoint.rsplit(':', 1)[1]}"
+                if self.metrics_server is not None
+                else ""
+            ),
             **fields,  # type: ignore[arg-type]
         )
 

@@ -35,6 +35,9 @@ def test_a_service_listening_on_every_address_registers_one_its_peers_can_dial(
         advertised, wildcard = c.endpoints["advertised"], c.endpoints["wildcard"]
         assert advertised.rsplit(":", 1)[0] == "127.0.0.1"
         assert wildcard.rsplit(":", 1)[0] == socket.gethostname()
+        # and the metrics endpoint the planner and /metrics/targets dial, the same way (the desk review)
+        assert c.infos["advertised"].metrics_endpoint.rsplit(":", 1)[0] == "127.0.0.1"
+        assert c.infos["wildcard"].metrics_endpoint.rsplit(":", 1)[0] == socket.gethostname()
 
         async def serving(endpoint: str) -> int:
             async with grpc.aio.insecure_channel(endpoint) as channel:
