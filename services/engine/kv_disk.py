@@ -28,6 +28,7 @@ simply not kept.
 
 from __future__ import annotations
 
+import errno
 import fcntl
 import json
 import logging
@@ -49,6 +50,7 @@ from services.engine.nvfp4.recipe import NVFP4Tensor
 log = logging.getLogger("rackserve.engine.kv_disk")
 
 MAGIC = b"RSKVBLK1"
+REFUSED = (errno.EACCES, errno.EPERM, errno.EROFS)  # a directory's answers that do not change by themselves
 MANIFEST_FORMAT = 2  # 2: block headers name the model and block size
 _HEAD = struct.Struct("<8sI")  # magic, header length
 _NAME = re.compile(r"^[0-9a-f]{16}\.kv$")
@@ -290,7 +292,10 @@ class DiskKvTier:
                 self._write(tmp, header, payload)
             os.replace(tmp, self.blocks_dir / name)
         except OSError as exc:
-            log.warning("KV disk tier %s: cannot write block %016x: %s", self.path, block_hash, exc)
+            if exc.errno in REFUSED:  # the directory refuses writes for good: stop (logged once)
+                self._stop_writing(exc)
+            else:  # a full disk, say, may pass: this block is lost, the next one is tried
+                log.warning("KV disk tier %s: cannot write block %016x: %s", self.path, block_hash, exc)
             try:
                 tmp.unlink(missing_ok=True)
             except OSError as unlink_exc:

@@ -6,6 +6,7 @@ new engine on the same directory (a restart), and a block the host tier pushes o
 
 from __future__ import annotations
 
+import errno
 import json
 import logging
 import math
@@ -196,6 +197,25 @@ def test_a_directory_that_refuses_deletions_never_fails_the_caller_and_stops_the
         assert t.put(4, 3, block(4)) == [] and 4 not in t  # no more writes
     assert len([r for r in caplog.records if "refuses changes" in r.message]) == 1
     assert t.used_bytes == 0 and len(t) == 0  # the index counts only what it still offers
+
+
+def test_a_directory_that_refuses_writes_stops_the_writes_and_says_so_once(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A read-only remount refuses the writes themselves; a full disk (ENOSPC) may pass and is only logged."""
+    t = tier(tmp_path)
+    t.put(1, 0, block(1))
+
+    def refuse(path: Path, header: bytes, payload: bytes) -> None:
+        raise OSError(errno.EROFS, "Read-only file system", str(path))
+
+    monkeypatch.setattr(DiskKvTier, "_write", staticmethod(refuse))
+    with caplog.at_level(logging.WARNING, logger="rackserve.engine.kv_disk"):
+        for h in (2, 3, 4):
+            t.put(h, h - 1, block(h))
+    assert not t.writable and t.hashes() == [1]
+    assert len([r for r in caplog.records if "refuses changes" in r.message]) == 1
+    assert torch.equal(t.take(1).data, block(1))  # type: ignore[arg-type]  # what it holds still restores
 
 
 def test_the_blocks_directory_removed_under_a_running_tier_is_made_again(tmp_path: Path) -> None:
