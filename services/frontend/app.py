@@ -25,7 +25,7 @@ import logging
 import secrets
 import time
 import uuid
-from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Collection, Iterator, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Collection, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Annotated, Any, Protocol, TypeVar
 
@@ -436,8 +436,15 @@ class Frontend:
             raise
         stream = self._sse(endpoint, states, per_prompt, fmt, first, pieces, body.include_usage)
         cut_at = max(s.deadline_s for s in states) + self.config.stalled_client_grace_s
+
+        async def closed() -> None:
+            """After the response, however it ended: a stream whose generator never ran (its client gone before
+            the first write) never reached its own cleanup, and kept its admission and the workers' calls."""
+            await pieces.aclose()
+            self._finished(endpoint, states, CLIENT_CLOSED_REQUEST, "client_closed")
+
         return EventStreamResponse(
-            stream, cut_at, media_type="text/event-stream", headers={**headers, **SSE_HEADERS}
+            stream, cut_at, closed, media_type="text/event-stream", headers={**headers, **SSE_HEADERS}
         )
 
     def _pieces(
@@ -498,6 +505,9 @@ class Frontend:
     def _finished(
         self, endpoint: str, states: list[RequestState], status: int, error_type: str | None = None
     ) -> None:
+        """The request leaves admission and is counted: once, whichever of its ends comes first."""
+        if states[0].request_id not in self._kv_charged:
+            return
         self.in_flight -= 1
         key = states[0].api_key_name
         self._in_flight_by_key[key] -= 1
@@ -537,9 +547,16 @@ class EventStreamResponse(StreamingResponse):
     would otherwise block them for good, and hold its admission slot and KV budget past the request's deadline
     and a drain's end. Cut, the connection is closed and the request is recorded as the client's (499)."""
 
-    def __init__(self, content: AsyncGenerator[str, None], cut_at: float, **kwargs: Any) -> None:
+    def __init__(
+        self,
+        content: AsyncGenerator[str, None],
+        cut_at: float,
+        closed: Callable[[], Awaitable[None]] | None = None,
+        **kwargs: Any,
+    ) -> None:
         super().__init__(content, **kwargs)
         self.cut_at = cut_at
+        self.closed = closed
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         try:
@@ -559,6 +576,8 @@ class EventStreamResponse(StreamingResponse):
             iterator = self.body_iterator
             if isinstance(iterator, AsyncGenerator):
                 await iterator.aclose()
+            if self.closed is not None:
+                await self.closed()
 
 
 # ---- from the coordinator's tokens to pieces of the answer ---------------------------------------------------

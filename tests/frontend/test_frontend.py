@@ -217,7 +217,7 @@ class ScriptedCluster:
                 **self.config,
             }
         )
-        app = create_app(config, self.tokenizer, directory, Coordinator(directory, ChannelPool()))
+        app = self.app = create_app(config, self.tokenizer, directory, Coordinator(directory, ChannelPool()))
         self.http = uvicorn.Server(
             uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="warning", proxy_headers=False)
         )  # as server.serve configures it
@@ -799,6 +799,42 @@ def test_one_key_cannot_hold_every_slot_with_long_requests(tokenizer: Tokenizer)
             assert post("sk-team-b-2", "hi").status_code == 200  # another key still gets in
             assert [f.result().status_code for f in held] == [504, 504]
         assert post("sk-team-a-1", "hi").status_code == 200  # its slots are free again
+
+
+def test_a_stream_whose_client_leaves_before_the_first_write_leaves_admission(
+    scripted: ScriptedCluster,
+) -> None:
+    """The client goes away while the response's first write waits (its window shut): the event generator never
+    ran, so its cleanup never did, and the request kept its admission slot (and, per key, one of the key's) for
+    good, with the workers' calls running (the desk review; until 2026-12-07). Called here as uvicorn calls the
+    app, with a `send` that never completes."""
+    body = json.dumps(chat("hi", stream=True)).encode()
+    fe = scripted.app.state.frontend
+    before = fe.in_flight
+
+    async def call() -> None:
+        parts = [{"type": "http.request", "body": body, "more_body": False}]
+
+        async def receive() -> dict[str, Any]:
+            if parts:
+                return parts.pop()
+            await asyncio.sleep(0.5)  # after the request was taken
+            return {"type": "http.disconnect"}
+
+        async def send(message: dict[str, Any]) -> None:
+            if message["type"] == "http.response.start":
+                await asyncio.sleep(3600)  # the client's window is shut: the first write never completes
+
+        scope = {
+            "type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": "POST", "scheme": "http",
+            "path": "/v1/chat/completions", "raw_path": b"/v1/chat/completions", "query_string": b"",
+            "root_path": "", "client": ("127.0.0.1", 50000), "server": ("127.0.0.1", scripted.port),
+            "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())],
+        }  # fmt: skip
+        await asyncio.wait_for(scripted.app(scope, receive, send), 10)
+
+    asyncio.run_coroutine_threadsafe(call(), scripted.loop).result(20)
+    assert fe.in_flight == before and not fe._in_flight_by_key
 
 
 def test_metrics_count_requests_and_tokens(scripted: ScriptedCluster) -> None:
