@@ -146,13 +146,10 @@ class WorkerViews:
                     )
                     self.state.forget_blocks(worker_id)  # the snapshot that opens the stream rebuilds them
                     loaded = False  # block events before the first load report are the snapshot, not new work
-                    events = aiter(stream)
-                    while True:
-                        # a worker reports its load every second: silence is a frozen, dead or stuck process
-                        async with asyncio.timeout(self.state.silent_after_s):
-                            event = await anext(events, None)
-                        if event is None:
-                            break
+                    # a worker reports its load every second; RouterState.silent() excludes one that stops (a
+                    # frozen, dead or stuck process) from its last event's time. The stream itself is not cut
+                    # on silence: after a stall of this router's own loop every stream would be, at once.
+                    async for event in stream:
                         if not self.connected.get(worker_id):
                             self.connected[worker_id] = True
                             backoff.reset()
@@ -162,12 +159,6 @@ class WorkerViews:
                         loaded = self._apply(worker_id, event, loaded)
                 except asyncio.CancelledError:
                     raise
-                except TimeoutError:
-                    stream.cancel()
-                    self.state.lost(worker_id)
-                    level = logging.WARNING if self.connected.get(worker_id) else logging.DEBUG
-                    log.log(level, "%s said nothing for %.1fs: not routed to until it does",
-                            worker_id, self.state.silent_after_s)  # fmt: skip
                 except grpc.aio.AioRpcError as e:
                     # the first failure after a working stream is news; retries of a dead worker are not
                     level = logging.INFO if self.connected.get(worker_id) else logging.DEBUG
@@ -255,6 +246,7 @@ class Router(pb_grpc.RouterServicer):
     def __init__(self, state: RouterState) -> None:
         self.state = state
         self.policy = state.policy
+        self._silent: list[str] = []  # the workers last found silent, to log each change once
 
     async def Route(  # noqa: N802 - gRPC method name
         self, request: pb.RouteRequest, context: grpc.aio.ServicerContext
@@ -299,8 +291,15 @@ class Router(pb_grpc.RouterServicer):
             exclude=frozenset(request.exclude_worker_ids),
             need_prefill=request.need_prefill,
         )
+        now = time.monotonic()
+        silent = self.state.silent(now)
+        if silent != self._silent:
+            for worker_id in sorted(set(silent) - set(self._silent)):
+                log.warning("%s has said nothing for over %.1fs: not routed to until it does",
+                            worker_id, self.state.silent_after_s)  # fmt: skip
+            self._silent = silent
         try:
-            decision = self.state.route(query, time.monotonic())
+            decision = self.state.route(query, now)
         except NoWorkerError as e:
             metrics.NO_WORKER.inc()
             raise WorkerUnavailableError(str(e)) from e
