@@ -46,3 +46,24 @@ def test_min_tokens_past_a_complete_grammar_ends_as_without_it(engine: LLMEngine
     out, reason = run(engine, prompt, held)
     assert (out, reason) == run(engine, prompt, free), tok.decode(out)
     assert tok.decode(out) in ("yes<|im_end|>", "no<|im_end|>")
+
+
+def test_an_echoed_prompt_taught_token_by_token_meets_the_grammar_only_after_it(engine: LLMEngine) -> None:
+    """Echo with logprobs forces the prompt as the first outputs: those are the prompt's, and the grammar starts
+    after them (until 2026-12-07 they were fed to it: refused, ignored, and its state was not the one the
+    completion should start from). The completion equals the same request's without echo."""
+    tok = engine.tokenizer
+    assert tok is not None
+    # the prompt holds a token the grammar takes at its start ("maybe", the user's first word): fed to it, it
+    # would move the grammar on to " so"
+    prompt = tok.encode_chat([{"role": "user", "content": "maybe: is the sky blue? Answer yes or no."}])
+    choice = {"structured_kind": "choice", "structured_spec": json.dumps(["yes", "no", "maybe so"])}
+    for temperature in (0.0, 1.0):
+        plain = SamplingParams(max_tokens=8, temperature=temperature, seed=5, **choice)
+        taught = SamplingParams(
+            max_tokens=8 + len(prompt) - 1, temperature=temperature, seed=5, forced_token_ids=tuple(prompt[1:]),
+            **choice,
+        )  # fmt: skip
+        out, reason = run(engine, prompt[:1], taught)
+        assert out[: len(prompt) - 1] == prompt[1:]
+        assert (out[len(prompt) - 1 :], reason) == run(engine, prompt, plain)

@@ -872,6 +872,7 @@ def test_requests_refused_before_they_start_are_counted_once_each(scripted: Scri
     assert httpx.post(url, json=chat("hi", temperature=-1), timeout=10).status_code == 400
     assert httpx.post(url, json={**chat("hi"), "model": "no-such-model"}, timeout=10).status_code == 404
     assert httpx.post(url, json=chat("counted once"), timeout=10).status_code == 200
+    assert httpx.post(url, json=chat("[hang]"), timeout=10).status_code == 504  # taken, then failed
     after = _samples(scripted.url, requests_total), _samples(scripted.url, errors_total)
 
     def delta(i: int, **labels: str) -> float:
@@ -881,8 +882,9 @@ def test_requests_refused_before_they_start_are_counted_once_each(scripted: Scri
     assert delta(0, endpoint="chat_completions", status="400") == 2
     assert delta(0, endpoint="chat_completions", status="404") == 1
     assert delta(0, endpoint="chat_completions", status="200") == 1
-    assert sum(v for k, v in after[0].items()) - sum(before[0].values()) == 4
-    assert sum(after[1].values()) - sum(before[1].values()) == 3
+    assert delta(0, endpoint="chat_completions", status="504") == 1  # at its end, not again by the handler
+    assert sum(v for k, v in after[0].items()) - sum(before[0].values()) == 5
+    assert sum(after[1].values()) - sum(before[1].values()) == 4
     assert delta(1, status="404", error_type="model_not_found") == 1
 
 
