@@ -204,10 +204,13 @@ def test_bad_params_are_invalid_argument_naming_the_field(
 def test_prompts_that_cannot_run_are_refused_with_the_limit_named(cluster: LocalCluster) -> None:
     max_len = cluster.infos["decode-a"].max_model_len
     capacity_tokens = cluster.infos["decode-a"].kv_capacity_blocks * cluster.infos["decode-a"].block_size
+    # the context is capped at what the cache holds: a prompt past it is refused as too long, never left to wait
+    # for blocks it cannot get
+    assert max_len <= capacity_tokens
     cases = [
         ([1] * max_len, grpc.StatusCode.INVALID_ARGUMENT, "context length"),
         ([], grpc.StatusCode.INVALID_ARGUMENT, "empty"),
-        ([1] * (capacity_tokens + 1), grpc.StatusCode.RESOURCE_EXHAUSTED, "KV blocks"),
+        ([1] * (capacity_tokens + 1), grpc.StatusCode.INVALID_ARGUMENT, "context length"),
     ]
     for prompt, code, words in cases:
         request = pb.DecodeRequest(prompt_token_ids=prompt, params=greedy(4))
