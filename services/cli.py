@@ -131,10 +131,8 @@ def _run_service(name: str, argv: list[str]) -> int:
         asyncio.run(module.serve(args))
     except KeyboardInterrupt:
         pass
-    except (
-        OSError,
-        ValueError,
-    ) as e:  # a setting, a file, a port, etcd: its message (a bug keeps its traceback)
+    # a setting, a file, a port, etcd: its message (a bug keeps its traceback)
+    except (OSError, ValueError) as e:
         print(f"rackserve {name}: error: {type(e).__name__}: {e}", file=sys.stderr)
         return 1
     return 0

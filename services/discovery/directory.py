@@ -80,9 +80,8 @@ class WorkerDirectory:
         self._by_key: dict[str, pb.WorkerInfo] = {}
         self._key_by_id: dict[str, str] = {}
         self._suppressed_until: dict[str, float] = {}  # worker_id -> time.monotonic() deadline
-        self._suppressed_epoch: dict[
-            str, int
-        ] = {}  # worker_id -> the one process suppressed, where one was named
+        # worker_id -> the one process suppressed, where one was named
+        self._suppressed_epoch: dict[str, int] = {}
         self._unsuppress_timers: dict[str, asyncio.TimerHandle] = {}
         self._subscribers: list[Subscriber] = []
         self._changed = asyncio.Event()

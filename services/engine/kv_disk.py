@@ -278,9 +278,8 @@ class DiskKvTier:
             self._staged.pop(h, None)
             self._unlink(self._name(h))
             dropped.append((h, parent))
-        if (
-            self.used_bytes + size > self.capacity_bytes or not self.writable
-        ):  # (an eviction may have found out)
+        # (not writable: an eviction above may have found out)
+        if self.used_bytes + size > self.capacity_bytes or not self.writable:
             return dropped + [(block_hash, parent_hash)] * was_here
         name = self._name(block_hash)
         tmp = self.blocks_dir / f".{name[:16]}.{os.getpid()}.tmp"
@@ -296,10 +295,7 @@ class DiskKvTier:
                 self._stop_writing(exc)
             else:  # a full disk, say, may pass: this block is lost, the next one is tried
                 log.warning("KV disk tier %s: cannot write block %016x: %s", self.path, block_hash, exc)
-            try:
-                tmp.unlink(missing_ok=True)
-            except OSError as unlink_exc:
-                self._stop_writing(unlink_exc)
+            self._unlink(tmp.name)
             return dropped + [(block_hash, parent_hash)] * was_here
         self._entries[block_hash] = (parent_hash, size)
         self.used_bytes += size

@@ -50,14 +50,12 @@ class Grammars:
         self._vocab_size = vocab_size
         self._stop_token_ids = sorted(stop_token_ids)
         self._compiler: Any = None
-        self._lock = (
-            threading.Lock()
-        )  # the compiler is built once, whichever thread asks; guards what follows
+        # the compiler is built once, whichever thread asks; guards what follows
+        self._lock = threading.Lock()
         self._pool: concurrent.futures.ThreadPoolExecutor | None = None
         self._ready: set[tuple[str, str]] = set()  # compiled: xgrammar's cache holds them
-        self._running: dict[
-            tuple[str, str], _Compile
-        ] = {}  # the compiles asked for and not ended (loop thread)
+        # the compiles asked for and not ended (loop thread)
+        self._running: dict[tuple[str, str], _Compile] = {}
 
     async def compile_within(self, kind: str, spec: str, timeout_s: float | None = None) -> None:
         """Compile (kind, spec) off the calling thread, so that `matcher` then finds it in xgrammar's cache;
@@ -76,9 +74,8 @@ class Grammars:
         if c is None:
             c = self._running[key] = _Compile()
             c.job = asyncio.get_running_loop().run_in_executor(self._pool, self._run, key, c)
-            c.job.add_done_callback(
-                lambda f: f.cancelled() or f.exception()
-            )  # its error is ours, or nobody's
+            # its error is ours, or nobody's
+            c.job.add_done_callback(lambda f: f.cancelled() or f.exception())
             c.job.add_done_callback(lambda _: self._running.pop(key) if self._running.get(key) is c else None)
         c.waiters += 1
         timeout_s = COMPILE_TIMEOUT_S if timeout_s is None else timeout_s

@@ -203,7 +203,9 @@ class Proc:
     tail: deque[str] = field(default_factory=lambda: deque(maxlen=TAIL_LINES))  # its last lines of output
 
     def exited(self) -> str:
-        """Why it stopped, as the launcher reports it: its status and its last lines."""
+        """Why it stopped, as the launcher reports it: its status and its last lines (once its pump has read them)."""
+        if self.pump is not None:
+            self.pump.join(2.0)
         lines = "".join(f"  [{self.name}] {line}" for line in self.tail)
         return f"{self.name} exited with status {self.popen.returncode}" + (
             f"; its last lines:\n{lines}" if lines else ""
@@ -485,7 +487,6 @@ class Cluster:
         while time.monotonic() < deadline:
             for p in self.live():
                 if p.popen.poll() is not None:
-                    p.pump.join(2.0) if p.pump is not None else None
                     raise SystemExit(f"rackserve up: {p.exited()}")
             try:
                 with urllib.request.urlopen(url, timeout=2) as r:
@@ -629,8 +630,6 @@ def run(args: argparse.Namespace) -> int:
         while True:
             for p in cluster.live():
                 if p.popen.poll() is not None and not p.drained:
-                    if p.pump is not None:
-                        p.pump.join(2.0)  # its last lines
                     print(f"rackserve up: {p.exited()}\nrackserve up: stopping", flush=True)
                     return 1
             cluster.serve_spawns(0.5)  # the planner's new workers, forked here (see Cluster.spawn)

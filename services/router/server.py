@@ -162,9 +162,8 @@ class WorkerViews:
                 except grpc.aio.AioRpcError as e:
                     # the first failure after a working stream is news; retries of a dead worker are not
                     level = logging.INFO if self.connected.get(worker_id) else logging.DEBUG
-                    if (
-                        e.code() is not grpc.StatusCode.DEADLINE_EXCEEDED
-                    ):  # our own deadline: reopened at once
+                    # DEADLINE_EXCEEDED is our own deadline: the stream is reopened at once, nothing is lost
+                    if e.code() is not grpc.StatusCode.DEADLINE_EXCEEDED:
                         self.state.lost(worker_id)
                         log.log(level, "subscription to %s: %s %s", worker_id, e.code().name, e.details())
                 if worker_id in self.connected:
