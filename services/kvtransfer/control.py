@@ -1,7 +1,7 @@
 """The messages of a pull's control exchange, typed: what the sink and the source say to each other.
 
-    sink -> source  Open(key, backend[, eager][, device])
-                                                       {"op":"open","key":…,"backend":…[,"eager":true][,"device":true]}
+    sink -> source  Open(key, serial, backend[, eager][, device])
+                                       {"op":"open","key":…,"serial":…,"backend":…[,"eager":true][,"device":true]}
     source -> sink  Grant(size, checksum, encoding, serial[, shm | nixl | cuda_ipc])
                                                        {"ok":true,"size":…,"checksum":…,"encoding":…,"serial":…,…}
                     or Refusal(error, detail)          {"ok":false,"error":…,"detail":…}
@@ -54,17 +54,21 @@ def _op(msg: Mapping[str, Any], expected: str) -> None:
 
 @dataclass(frozen=True)
 class Open:
-    """Sink -> source: pin the publication `key` and say how to read it over `backend`. An eager NIXL reader
-    already READs the region its ticket names, so the reply need not carry the agent metadata. `device`: a NIXL
-    reader wants the producer's device copy (raw bytes in GPU memory), not the published bytes."""
+    """Sink -> source: pin the publication `key` and say how to read it over `backend`. `serial` is the one in
+    the reader's ticket: the publication's secret, so only a holder of the ticket (which travels inside the
+    services' gRPC calls, under their TLS) can read it — the source refuses any other as not found. An eager
+    NIXL reader already READs the region its ticket names, so the reply need not carry the agent metadata.
+    `device`: a NIXL reader wants the producer's device copy (raw bytes in GPU memory), not the published
+    bytes."""
 
     key: str
+    serial: str
     backend: str
     eager: bool = False
     device: bool = False
 
     def to_wire(self) -> dict[str, Any]:
-        msg: dict[str, Any] = {"op": "open", "key": self.key, "backend": self.backend}
+        msg: dict[str, Any] = {"op": "open", "key": self.key, "serial": self.serial, "backend": self.backend}
         if self.eager:
             msg["eager"] = True
         if self.device:
@@ -76,6 +80,7 @@ class Open:
         _op(msg, "open")
         return cls(
             key=_field(msg, "open", "key", str),
+            serial=_field(msg, "open", "serial", str),
             backend=_field(msg, "open", "backend", str),
             eager=_field(msg, "open", "eager", bool, False),
             device=_field(msg, "open", "device", bool, False),

@@ -1,6 +1,6 @@
 """The control channel every pull starts with: length-prefixed JSON messages over one TCP connection.
 
-    sink -> source  Open(key, backend "tcp"|"shm"|"nixl"|"cuda_ipc"[, eager])
+    sink -> source  Open(key, serial, backend "tcp"|"shm"|"nixl"|"cuda_ipc"[, eager])
     source -> sink  Grant(size, checksum, encoding, serial, <backend fields>) or Refusal(error, detail)
     tcp:       N raw payload bytes follow the reply on the same connection
     shm, nixl, cuda_ipc: the sink reads through the side channel, then sends Done(); closing also unpins

@@ -518,7 +518,7 @@ class KvSink:
         self, ticket: TransferTicket, backend: str, eager: bool = False, device: bool = False
     ) -> tuple[socket.socket, bool]:
         """Send an open on a kept idle connection to the producer (True: reused) or on a new one."""
-        msg = Open(ticket.key, backend, eager, device)
+        msg = Open(ticket.key, ticket.serial, backend, eager, device)
         idle = self._idle.get(ticket.endpoint, [])
         while idle:
             sock, since = idle.pop()
@@ -743,10 +743,9 @@ def _check_reply(ticket: TransferTicket, backend: str, reply: Reply) -> Grant:
         if reply.error == NOT_FOUND:
             raise TransferNotFound(f"producer {ticket.endpoint} does not hold {ticket.key!r}")
         raise TransferUnavailable(f"producer refused {backend} for {ticket.key!r}: {reply.to_wire()}")
-    if ticket.serial and reply.serial != ticket.serial:
+    if ticket.serial and reply.serial != ticket.serial:  # a source refuses another serial; older ones did not
         raise TransferNotFound(
-            f"producer {ticket.endpoint} no longer holds the publication of {ticket.key!r} this ticket names "
-            f"(serial {ticket.serial}; it now holds {reply.serial})"
+            f"producer {ticket.endpoint} no longer holds the publication of {ticket.key!r} this ticket names"
         )
     if reply.size != ticket.size or reply.checksum != ticket.checksum:
         raise TransferIntegrityError(

@@ -12,10 +12,12 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import hmac
 import itertools
 import json
 import logging
 import os
+import secrets
 import socket
 import time
 import uuid
@@ -102,7 +104,9 @@ class KvSource:
         self._warned_share = False
         # held by publications' device copies, and reserved for copies being made
         self._device = DeviceBudget(config.device_copy_bytes)
-        self._serials = (f"{uuid.uuid4().hex[:12]}-{n}" for n in itertools.count(1))
+        # a publication's serial: which one it is (this source, a counter) and its secret (128 random bits),
+        # which a reader must present (Open.serial) and which only the ticket carries
+        self._serials = (f"{uuid.uuid4().hex[:12]}-{n}-{secrets.token_hex(16)}" for n in itertools.count(1))
         self.node_id = node_id()
         host, port = listener.getsockname()[:2]
         self.endpoint = f"{config.advertise_host or host}:{port}"
@@ -466,7 +470,9 @@ class KvSource:
                 return False
             key, backend = open_.key, open_.backend
             pub = self._pubs.get(key)
-            if pub is None:
+            # the serial is the publication's secret: a reader without its ticket learns nothing, not even
+            # whether the key is published
+            if pub is None or not hmac.compare_digest(open_.serial.encode(), pub.serial.encode()):
                 await protocol.send_message(conn, Refusal(NOT_FOUND, key))
                 return True
             reply = Grant(len(pub.view), pub.checksum, pub.encoding, pub.serial)

@@ -34,10 +34,10 @@ def frame_as_before(msg: dict[str, Any]) -> bytes:
 MD = b"\x00agent metadata\xff"
 # (typed message, the dict the untyped code built for the same fields)
 SAME_FIELDS = [
-    (Open("req-1/kv", "tcp"), {"op": "open", "key": "req-1/kv", "backend": "tcp"}),
+    (Open("req-1/kv", "s-7", "tcp"), {"op": "open", "key": "req-1/kv", "serial": "s-7", "backend": "tcp"}),
     (
-        Open("req-1/kv", "nixl", eager=True),
-        {"op": "open", "key": "req-1/kv", "backend": "nixl", "eager": True},
+        Open("req-1/kv", "s-7", "nixl", eager=True),
+        {"op": "open", "key": "req-1/kv", "serial": "s-7", "backend": "nixl", "eager": True},
     ),
     (
         Grant(4096, "xxh3:0123abcd", "raw", "s-7"),
@@ -106,18 +106,24 @@ def test_each_message_travels_as_the_same_bytes_and_parses_back_to_itself(messag
 
 
 def test_the_open_is_byte_for_byte_the_documented_frame() -> None:
-    assert protocol.encode(Open("k", "shm")) == b'\x00\x00\x00\x27{"op":"open","key":"k","backend":"shm"}'
+    frame = b'{"op":"open","key":"k","serial":"s","backend":"shm"}'
+    assert protocol.encode(Open("k", "s", "shm")) == b"\x00\x00\x00\x34" + frame
 
 
 @pytest.mark.parametrize(
     ("parse", "msg", "says"),
     [
-        (Open.from_wire, {"op": "close", "key": "k", "backend": "tcp"}, "expected open"),
-        (Open.from_wire, {"op": "open", "backend": "tcp"}, "open: missing 'key'"),
-        (Open.from_wire, {"op": "open", "key": 7, "backend": "tcp"}, "open: 'key' must be str, got 7"),
+        (Open.from_wire, {"op": "close", "key": "k", "serial": "s", "backend": "tcp"}, "expected open"),
+        (Open.from_wire, {"op": "open", "serial": "s", "backend": "tcp"}, "open: missing 'key'"),
+        (Open.from_wire, {"op": "open", "key": "k", "backend": "tcp"}, "open: missing 'serial'"),
         (
             Open.from_wire,
-            {"op": "open", "key": "k", "backend": "tcp", "eager": "yes"},
+            {"op": "open", "key": 7, "serial": "s", "backend": "tcp"},
+            "open: 'key' must be str, got 7",
+        ),
+        (
+            Open.from_wire,
+            {"op": "open", "key": "k", "serial": "s", "backend": "tcp", "eager": "yes"},
             "'eager' must be bool",
         ),
         (reply_from_wire, {"size": 1}, "reply: 'ok' must be true or false"),
@@ -177,16 +183,60 @@ def test_a_real_source_refuses_a_malformed_open_with_a_clear_error_and_still_ser
             wrong_op = await exchange(source.endpoint, frame_as_before({"op": "read", "key": "good"}))
             assert wrong_op == {"ok": False, "error": "bad_request", "detail": "expected open"}
             bad_key = await exchange(
-                source.endpoint, frame_as_before({"op": "open", "key": 3, "backend": "tcp"})
+                source.endpoint, frame_as_before({"op": "open", "key": 3, "serial": "s", "backend": "tcp"})
             )
             assert bad_key == {
                 "ok": False,
                 "error": "bad_request",
                 "detail": "open: 'key' must be str, got 3",
             }
-            unknown = await exchange(source.endpoint, protocol.encode(Open("nope", TCP)))
+            unknown = await exchange(source.endpoint, protocol.encode(Open("nope", ticket.serial, TCP)))
             assert unknown == {"ok": False, "error": "not_found", "detail": "nope"}
             assert bytes((await sink.pull(ticket, 5.0)).data) == b"kv bytes" * 100
+        finally:
+            await sink.close()
+            await source.close()
+
+    asyncio.run(go())
+
+
+def test_only_the_ticket_reads_a_publication_and_a_guess_learns_not_even_that_it_exists() -> None:
+    """The transfer listeners take connections from anything that reaches their port; a publication's serial,
+    which only its ticket carries (inside the services' gRPC calls), is what lets a reader in. A reader that
+    knows the key but not the serial — none, the public part of it, another publication's — gets the very reply
+    an unpublished key gets, and the ticket's holder still reads the bytes."""
+
+    async def exchange(endpoint: str, msg: dict[str, Any]) -> dict[str, Any]:
+        host, _, port = endpoint.rpartition(":")
+        sock = socket.create_connection((host, int(port)), timeout=5)
+        try:
+            sock.setblocking(False)
+            await asyncio.get_running_loop().sock_sendall(sock, frame_as_before(msg))
+            return await asyncio.wait_for(protocol.recv_message(sock), 5)
+        finally:
+            sock.close()
+
+    async def go() -> None:
+        source = await KvSource.start(TransferConfig(backends=(TCP,)))
+        sink = await KvSink.start(TransferConfig(backends=(TCP,)))
+        try:
+            ticket = await source.publish("req-1/kv", b"secret kv" * 100, ttl_s=30)
+            other = await source.publish("req-2/kv", b"other kv" * 100, ttl_s=30)
+            public, _, secret = ticket.serial.rpartition("-")
+            assert len(secret) == 32 and public  # 128 random bits after the source's id and counter
+            unpublished = await exchange(
+                source.endpoint, {"op": "open", "key": "req-3/kv", "serial": "", "backend": "tcp"}
+            )
+            assert unpublished == {"ok": False, "error": "not_found", "detail": "req-3/kv"}
+            for guess in ("", public, public + "-" + "0" * 32, other.serial, ticket.serial + "0"):
+                reply = await exchange(
+                    source.endpoint, {"op": "open", "key": "req-1/kv", "serial": guess, "backend": "tcp"}
+                )
+                assert reply == {"ok": False, "error": "not_found", "detail": "req-1/kv"}, guess
+            no_serial = await exchange(source.endpoint, {"op": "open", "key": "req-1/kv", "backend": "tcp"})
+            assert no_serial == {"ok": False, "error": "bad_request", "detail": "open: missing 'serial'"}
+            assert bytes((await sink.pull(ticket, 5.0)).data) == b"secret kv" * 100
+            assert bytes((await sink.pull(other, 5.0)).data) == b"other kv" * 100
         finally:
             await sink.close()
             await source.close()
