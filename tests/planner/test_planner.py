@@ -1008,7 +1008,8 @@ def test_up_planner_moves_capacity_from_prefill_to_decode_without_losing_a_reque
     ]
     cmd += ["--max-workers", "3", "--max-prefill", "2", "--max-decode", "2"]
     cmd += ["--slo-ttft-ms", "1000", "--slo-itl-ms", "20", "--ready-timeout-s", "420"]
-    cmd += ["--planner-flag", "scale-down-window-s=3"]  # any other planner flag passes through `up`
+    # any other planner flag passes through `up`; half the default window keeps the test's length down
+    cmd += ["--planner-flag", "scale-down-window-s=3", "--planner-flag", "min-window-requests=5"]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     assert proc.stdout is not None
     lines: list[str] = []
@@ -1075,16 +1076,16 @@ def test_up_planner_moves_capacity_from_prefill_to_decode_without_losing_a_reque
         )
 
         def two_sized_decisions() -> dict:
-            # a sized decision needs 10 finished arrivals
+            # a sized decision needs 5 finished arrivals (min-window-requests)
             first = wait_plan(lambda p: p.get("candidates"), 240)
             return wait_plan(lambda p: p["time"] > first["time"] and p.get("candidates"), 240)
 
         # long prompts, one token each: still 2 prefill + 1 decode, TTFT the binding SLO. "Long" is sized to this
-        # machine: a prefill of ~3 s, well past the 1 s TTFT SLO, yet quick enough for 10 arrivals per window
+        # machine: a prefill of ~3 s, well past the 1 s TTFT SLO, yet quick enough for 5 arrivals per window
         # (a CPU without native bf16 prefills ~35 tokens/s per worker, one with AVX-512 bf16 many times that)
         t0 = time.monotonic()
-        client("calibrate", 99, 120, 1, once=True)
-        words = max(40, min(200, round(120 * 3.0 / (time.monotonic() - t0))))
+        client("calibrate", 99, 60, 1, once=True)
+        words = max(15, min(200, round(60 * 3.0 / (time.monotonic() - t0))))
         a = run_phase("long_prompts", range(3), words, 1, two_sized_decisions)
         assert a["desired"] == {"prefill": 2, "decode": 1} and a["binding_slo"] == "ttft", a
         assert a["limits"]["scale_down_window_s"] == 3.0, a["limits"]
