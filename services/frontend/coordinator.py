@@ -172,6 +172,8 @@ class Coordinator:
             self.holds.release(state)  # a rebuild will not pull it
         # A remote prefill only runs a bare prompt: once tokens exist, the decode worker rebuilds (or pulls).
         state.plan = await self._route(state, need_prefill=not state.emitted and kv is None)
+        if state.placement is None:
+            state.placement = state.plan
         state.advance(Phase.ROUTED)
         if migrating:
             m = state.migration_log[-1]
@@ -181,6 +183,7 @@ class Coordinator:
             if migrating:
                 state.migration_log[-1].to_worker_id = state.plan.prefill.worker_id
             response = await self._prefill(state, state.plan.prefill)
+            state.prefill_worker = state.plan.prefill.worker_id
             first = emitted_token(response.first_token)
             state.emitted.append(first)
             state.first_token_arrived()
@@ -370,8 +373,9 @@ class Coordinator:
         except grpc.aio.AioRpcError as e:
             detail = call_failed(e, "decode")
             if kv is not None and first_chunk and is_transfer_failure(e):
-                # The pull failed, not the decode worker: the prefill copy is gone (or bad), so rebuild.
-                state.held_kv = None
+                # The pull failed, not the decode worker: the prefill copy is gone (or bad, or out of reach of
+                # this worker), so rebuild — and tell its producer, which may be alive and holding it, to free it
+                self.holds.release(state)
                 producer = pb.WorkerRef(worker_id=kv.producer_worker_id, endpoint=kv.producer_endpoint,
                                         role="prefill", epoch=kv.producer_epoch)  # fmt: skip
                 raise WorkerLost(

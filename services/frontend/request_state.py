@@ -112,7 +112,11 @@ class RequestState:
     client_cursor: int = 0  # emitted[:client_cursor] has been handed to the client
     phase: Phase = Phase.QUEUED
     timeline: list[tuple[Phase, float]] = field(default_factory=list)  # (phase, unix time s) per transition
-    plan: pb.RoutePlan | None = None
+    plan: pb.RoutePlan | None = None  # the current attempt's
+    # the router's placement of the request (its first plan: a migration's plan only replaces a worker, and the
+    # migration log says which), and the prefill worker that ran its prompt, whichever attempt it was
+    placement: pb.RoutePlan | None = None
+    prefill_worker: str | None = None
     failed_worker_ids: list[str] = field(default_factory=list)
     migrations: int = 0
     cached_tokens: int = 0
@@ -211,11 +215,7 @@ class RequestState:
             "cached_tokens": self.cached_tokens,
             "pulled_tokens": self.pulled_tokens,
             "decode_worker": self.plan.decode.worker_id if self.plan is not None else None,
-            "prefill_worker": (
-                self.plan.prefill.worker_id
-                if self.plan is not None and self.plan.HasField("prefill")
-                else None
-            ),
+            "prefill_worker": self.prefill_worker,
             "ttft_s": None if self.ttft_s is None else round(self.ttft_s, 6),
             "transfer": (
                 {
@@ -226,7 +226,7 @@ class RequestState:
                 if self.transfer_backend
                 else None
             ),
-            "route_reason": self.plan.reason if self.plan is not None else None,
+            "route_reason": self.placement.reason if self.placement is not None else None,
             "decode_queue_s": round(self.decode_queue_s, 6),
             "migrations": self.migrations,
             "migration_log": [m.as_dict() for m in self.migration_log],

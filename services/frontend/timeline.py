@@ -52,7 +52,7 @@ def timeline_record(
                 "duration_s": round(until - t, 6),
             }
         )
-    plan = state.plan
+    plan = state.placement
     span_context = tracing.parse_traceparent(state.traceparent)
     record.update(
         {

@@ -9,6 +9,7 @@ the client gets from `Coordinator.generate`. Real faults on real workers are tes
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import AsyncIterator
 
 import grpc
@@ -17,6 +18,7 @@ import pytest
 from services.frontend.coordinator import Coordinator
 from services.frontend.errors import ApiError
 from services.frontend.request_state import Phase, RequestState
+from services.frontend.timeline import timeline_record
 from services.rpc import pb, pb_grpc
 from services.runtime.channels import ChannelPool
 from tests.support.cluster import greedy, run
@@ -181,3 +183,116 @@ def test_with_every_router_down_a_local_fallback_plan_serves_the_request() -> No
     assert isinstance(state, RequestState) and state.phase is Phase.DONE
     assert [t for b in batches for t in b] == ANSWER
     assert state.plan is not None and "fallback" in state.plan.reason
+
+
+# ---- a disaggregated request: a scripted prefill worker that holds the prompt's KV ----------------------------
+
+
+class ScriptedPrefill(pb_grpc.PrefillWorkerServicer):
+    """Answers ANSWER[0] and a KvHandle naming itself as the producer; records the Releases it gets."""
+
+    def __init__(self) -> None:
+        self.endpoint = ""
+        self.released: list[str] = []
+
+    async def Prefill(
+        self, request: pb.PrefillRequest, context: grpc.aio.ServicerContext
+    ) -> pb.PrefillResponse:  # noqa: N802
+        kv = pb.KvHandle(
+            request_id=request.request_id, producer_worker_id="p1", producer_endpoint=self.endpoint,
+            producer_epoch=7, num_tokens=len(request.token_ids), expires_unix_ms=int((time.time() + 30) * 1000),
+        )  # fmt: skip
+        return pb.PrefillResponse(first_token=pb.Token(token_id=ANSWER[0], index=0), kv=kv)
+
+    async def Release(self, request: pb.ReleaseRequest, context: grpc.aio.ServicerContext) -> pb.Empty:  # noqa: N802
+        self.released.append(request.request_id)
+        return pb.Empty()
+
+    async def ExtendHold(  # noqa: N802
+        self, request: pb.ExtendHoldRequest, context: grpc.aio.ServicerContext
+    ) -> pb.ExtendHoldResponse:
+        return pb.ExtendHoldResponse(held=True, expires_unix_ms=int((time.time() + 30) * 1000))
+
+
+class CorruptPull(pb_grpc.DecodeWorkerServicer):
+    """A decode worker whose pull of the KV arrived corrupt: DATA_LOSS before any token (the producer is fine)."""
+
+    async def Decode(  # noqa: N802
+        self, request: pb.DecodeRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[pb.DecodeChunk]:
+        await context.abort(grpc.StatusCode.DATA_LOSS, "KV checksum mismatch")
+        yield pb.DecodeChunk()
+
+
+class DisaggRouter(pb_grpc.RouterServicer):
+    """First plan: prefill p1 then decode d1; every later plan: decode d2 alone."""
+
+    def __init__(self, prefill: str, d1: str, d2: str) -> None:
+        self.prefill, self.d1, self.d2, self.calls = prefill, d1, d2, 0
+
+    async def Route(self, request: pb.RouteRequest, context: grpc.aio.ServicerContext) -> pb.RoutePlan:  # noqa: N802
+        self.calls += 1
+        if self.calls == 1:
+            return pb.RoutePlan(
+                prefill=pb.WorkerRef(worker_id="p1", endpoint=self.prefill, role="prefill", epoch=7),
+                decode=pb.WorkerRef(worker_id="d1", endpoint=self.d1, role="decode", epoch=1),
+                reason="disagg: scripted",
+            )
+        return pb.RoutePlan(
+            decode=pb.WorkerRef(worker_id="d2", endpoint=self.d2, role="decode", epoch=2),
+            reason="scripted retry",
+        )
+
+    async def ReportFailure(self, request: pb.FailureReport, context: grpc.aio.ServicerContext) -> pb.Empty:  # noqa: N802
+        return pb.Empty()
+
+
+async def disaggregated(first_decode: pb_grpc.DecodeWorkerServicer) -> tuple[RequestState, ScriptedPrefill]:
+    """One request: prefill on p1, decode on `first_decode` (d1), whose failure moves it to a decode worker d2
+    that finishes; returns the state once the request is over and the prefill worker's Releases have landed."""
+    prefill = ScriptedPrefill()
+    sp, prefill.endpoint = await serve(prefill, pb_grpc.add_PrefillWorkerServicer_to_server)
+    s1, d1 = await serve(first_decode, pb_grpc.add_DecodeWorkerServicer_to_server)
+    s2, d2 = await serve(ScriptedDecode("ok"), pb_grpc.add_DecodeWorkerServicer_to_server)
+    sr, router = await serve(DisaggRouter(prefill.endpoint, d1, d2), pb_grpc.add_RouterServicer_to_server)
+    infos = [
+        pb.WorkerInfo(worker_id="router-s", role="router", endpoint=router),
+        pb.WorkerInfo(worker_id="p1", role="prefill", endpoint=prefill.endpoint, epoch=7),
+    ]
+    channels = ChannelPool()
+    coordinator = Coordinator(Workers(infos), channels, stall_timeout_s=5.0)
+    state = coordinator.new_request("r1", [1, 2, 3], greedy(len(ANSWER)), timeout_s=20.0)
+    try:
+        got = [t.token_id async for batch in coordinator.generate(state) for t in batch.tokens]
+        assert got == ANSWER and state.phase is Phase.DONE
+        for _ in range(100):  # a Release is sent in the background
+            if prefill.released:
+                break
+            await asyncio.sleep(0.02)
+    finally:
+        await coordinator.close()
+        await channels.close()
+        for s in (sp, s1, s2, sr):
+            await s.stop(0)
+    return state, prefill
+
+
+def test_a_failed_pull_tells_the_live_prefill_worker_to_free_its_copy() -> None:
+    """A corrupt pull (DATA_LOSS) rebuilds the request on another decode worker; the prefill worker, alive and
+    holding the prompt's KV, is told to free it (it kept it for its whole TTL until 2026-12-07)."""
+    state, prefill = run(lambda: disaggregated(CorruptPull()), 30)
+    assert [(m.cause, m.path) for m in state.migration_log] == [("transfer_failed", "rebuild")]
+    assert prefill.released == ["r1"]
+
+
+def test_a_migrated_requests_record_names_the_prefill_worker_and_the_placement() -> None:
+    """The request's log line and timeline name the prefill worker that ran its prompt and the router's
+    placement after the decode worker died (null and the retry plan's reason until 2026-12-07)."""
+    state, _ = run(lambda: disaggregated(ScriptedDecode("die")), 30)
+    assert [m.path for m in state.migration_log] == ["re-transfer"]
+    record = state.summary()
+    assert (record["prefill_worker"], record["decode_worker"]) == ("p1", "d2")
+    assert record["route_reason"] == "disagg: scripted"
+    timeline = timeline_record(state, "/v1/completions", 200)
+    assert timeline["workers"] == {"prefill": "p1", "decode": "d2"}
+    assert timeline["route"]["reason"] == "disagg: scripted"
