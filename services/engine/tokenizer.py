@@ -28,6 +28,7 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers, processors
 from tokenizers import Tokenizer as _BackendTokenizer
 
+from services.engine import tool_fallback
 from services.engine.gguf_file import GgufFile
 
 # llama.cpp's token types as GGUF stores them in `tokenizer.ggml.token_type`.
@@ -116,6 +117,8 @@ class Tokenizer:
         }
         self._template_vars = {name: text for name, text in named.items() if text is not None}
         self._compiled_template: jinja2.Template | None = None
+        # whether the template writes tools / an assistant's tool_calls into the prompt (probed once, lazily)
+        self._renders: dict[str, bool] = {}
 
     # ---- construction -------------------------------------------------------------------------------------
 
@@ -282,7 +285,11 @@ class Tokenizer:
     def apply_chat_template(
         self, messages: list[dict], add_generation_prompt: bool = True, tools: list[dict] | None = None
     ) -> str:
-        """The prompt string for `messages`, exactly as transformers' `apply_chat_template` renders it."""
+        """The prompt string for `messages`, exactly as transformers' `apply_chat_template` renders it — except
+        where the template has no place for tools or for an assistant's earlier `tool_calls` (SmolLM2's, like
+        many small models' templates, drops both without a word): then the tools go into the system message
+        and the calls into the assistant's text, in the Hermes `<tool_call>` format the frontend parses
+        (`tool_fallback`), so that a tool offered is a tool the model is told of."""
         if self.chat_template is None:
             raise ChatTemplateError("this tokenizer has no chat template (none in the model files)")
         if not messages:
@@ -294,13 +301,12 @@ class Tokenizer:
                 )
         # Like transformers: a key whose value is None is absent (templates test presence, not None).
         chat = [{k: v for k, v in message.items() if v is not None} for message in messages]
-        if self._compiled_template is None:
-            try:
-                self._compiled_template = _chat_template_env().from_string(self.chat_template)
-            except jinja2.TemplateError as exc:
-                raise ChatTemplateError(f"the model's chat template does not compile: {exc}") from exc
+        if tools and not self.template_renders("tools"):
+            chat, tools = tool_fallback.with_tools(chat, tools), None
+        if any(m.get("tool_calls") for m in chat) and not self.template_renders("tool_calls"):
+            chat = tool_fallback.with_calls_as_text(chat)
         try:
-            return self._compiled_template.render(
+            return self._template().render(
                 messages=chat,
                 tools=tools or None,
                 documents=None,
@@ -309,6 +315,34 @@ class Tokenizer:
             )
         except jinja2.TemplateError as exc:
             raise ChatTemplateError(f"chat template rejected the messages: {exc}") from exc
+
+    def _template(self) -> jinja2.Template:
+        if self._compiled_template is None:
+            assert self.chat_template is not None
+            try:
+                self._compiled_template = _chat_template_env().from_string(self.chat_template)
+            except jinja2.TemplateError as exc:
+                raise ChatTemplateError(f"the model's chat template does not compile: {exc}") from exc
+        return self._compiled_template
+
+    def template_renders(self, what: str) -> bool:
+        """Whether the chat template writes `what` ("tools", or "tool_calls" of an assistant message) into the
+        prompt: a probe conversation naming a function only there is rendered once and searched for its
+        name. A template that fails on the probe does not (the fallback's messages are plain ones)."""
+        if what not in self._renders:
+            try:
+                chat, tools = tool_fallback.probe(what)
+                text = self._template().render(
+                    messages=chat,
+                    tools=tools,
+                    documents=None,
+                    add_generation_prompt=True,
+                    **self._template_vars,
+                )
+                self._renders[what] = tool_fallback.PROBE_NAME in text
+            except jinja2.TemplateError:
+                self._renders[what] = False
+        return self._renders[what]
 
     def encode_chat(self, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
         """Ids of the chat-templated prompt. The template writes its own special tokens, so none are added."""

@@ -301,7 +301,7 @@ WEATHER = {
 ASK_WEATHER = [{"role": "user", "content": "What is the weather in Paris?"}]
 
 
-def test_a_forced_tool_call_returns_arguments_that_validate(client: Any) -> None:
+def test_a_forced_tool_call_returns_arguments_that_validate(client: Any, url: str, tok: Tokenizer) -> None:
     import json
 
     import jsonschema
@@ -353,7 +353,19 @@ def test_a_forced_tool_call_returns_arguments_that_validate(client: Any) -> None
         max_tokens=24,
     )
     assert follow.choices[0].finish_reason in ("stop", "length") and follow.choices[0].message.content
-    assert follow.usage.prompt_tokens > r.usage.prompt_tokens  # the tool result reached the prompt
+    # the tools, the earlier call and its result all reach the prompt (SmolLM2's template renders only the
+    # result: the frontend writes the tools and the call, and until 2026-12-07 both were dropped)
+    history = [
+        *ASK_WEATHER,
+        {"role": "assistant", "content": None, "tool_calls": [call.model_dump()]},
+        {"role": "tool", "tool_call_id": call.id, "content": '{"temperature": 21}'},
+    ]
+    body = {"model": MODEL, "messages": history, "tools": [WEATHER]}
+    seen = httpx.post(f"{url}/tokenize", json=body, timeout=30).json()
+    prompt = tok.decode(seen["tokens"])
+    assert follow.usage.prompt_tokens == seen["count"]
+    assert '"name": "get_weather"' in prompt.split("<|im_start|>user")[0]  # offered, in the system message
+    assert "<tool_call>" in prompt.split("<|im_start|>assistant")[1] and '{"temperature": 21}' in prompt
 
 
 def test_tokenize_detokenize_and_version(url: str, tok: Tokenizer) -> None:

