@@ -153,7 +153,10 @@ def chat_logprobs(tokens: Sequence[EmittedToken], texts: TokenTexts) -> ChatLogp
 def completion_logprobs(
     tokens: Sequence[EmittedToken], texts: TokenTexts, text_offset: int
 ) -> CompletionLogprobs:
-    """The legacy shape; `text_offset` is where the first of `tokens` starts in the completion text."""
+    """The legacy shape; `text_offset` is where the first of `tokens` starts in the completion text. Each
+    position's `top_logprobs` holds the token that is there (sampled or echoed) first, then the top
+    alternatives — up to `logprobs` + 1 entries, as OpenAI documents and vLLM answers (until 2026-12-07 the
+    token itself was missing wherever it was not among the top, and `logprobs: 0` gave empty dicts)."""
     out = CompletionLogprobs()
     for t in tokens:
         if t.logprob is None:
@@ -161,7 +164,10 @@ def completion_logprobs(
         text = texts(t.token_id)[0]
         out.tokens.append(text)
         out.token_logprobs.append(t.logprob)
-        out.top_logprobs.append({texts(i)[0]: lp for i, lp in t.top_logprobs})
+        top = {text: t.logprob}
+        for i, lp in t.top_logprobs:
+            top.setdefault(texts(i)[0], lp)
+        out.top_logprobs.append(top)
         out.text_offset.append(text_offset)
         text_offset += len(text)
     return out

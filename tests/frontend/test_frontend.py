@@ -343,6 +343,18 @@ def test_stream_usage_and_logprobs(scripted: ScriptedCluster) -> None:
     assert lp["top_logprobs"][1] == {" capital": -0.25}
 
 
+def test_legacy_top_logprobs_always_hold_the_token_itself(scripted: ScriptedCluster) -> None:
+    """OpenAI: "the API will always return the logprob of the sampled token, so there may be up to logprobs+1
+    elements"; with `logprobs: 0` each position is the token alone (an empty dict until 2026-12-07, which a
+    harness taking the max of it crashed on)."""
+    for k in (0, 2):
+        body = {"model": MODEL, "prompt": [1, 2, 3], "logprobs": k, "max_tokens": 4}
+        lp = httpx.post(f"{scripted.url}/v1/completions", json=body).json()["choices"][0]["logprobs"]
+        assert lp["tokens"] and len(lp["top_logprobs"]) == len(lp["tokens"])
+        for token, logprob, top in zip(lp["tokens"], lp["token_logprobs"], lp["top_logprobs"], strict=True):
+            assert next(iter(top.items())) == (token, logprob) and len(top) <= k + 1
+
+
 def test_worker_invalid_argument_is_400(scripted: ScriptedCluster) -> None:
     for stream in (False, True):
         r = httpx.post(
