@@ -478,8 +478,8 @@ class Frontend:
             piece: Piece | None = first
             while piece is not None:
                 if piece.text or piece.finish_reason or piece.echo or (fmt.logprobs and piece.tokens):
-                    event = fmt.chunk(piece)
-                    if event is not None:  # None: held back (a tool call is parsed once it is whole)
+                    # none: held back (a tool call is parsed once it is whole)
+                    for event in fmt.chunk(piece):
                         yield _event(event)
                 piece = await anext(pieces, None)
             if include_usage:  # best_of > n never streams, so every choice streamed is the client's
@@ -782,7 +782,7 @@ class ResponseFormat(Protocol):
 
     def opening(self, choices: int) -> Sequence[BaseModel]: ...
 
-    def chunk(self, piece: Piece) -> BaseModel | None: ...
+    def chunk(self, piece: Piece) -> Sequence[BaseModel]: ...
 
     def usage_chunk(self, usage: Usage) -> BaseModel: ...
 
@@ -830,8 +830,9 @@ class ChatFormat:
             for i in range(choices)
         ]
 
-    def chunk(self, piece: Piece) -> BaseModel | None:
+    def chunk(self, piece: Piece) -> Sequence[BaseModel]:
         tokens, text = piece.tokens, piece.text
+        calls: list[ToolCall] = []
         delta = ChatDelta(content=text or None)
         finish = piece.finish_reason
         if self.tool_mode is not None:
@@ -841,7 +842,7 @@ class ChatFormat:
             if finish is None:
                 safe = content_before_calls(held.text, held.released) if self.tool_mode == "auto" else 0
                 if safe <= held.released and not (self.logprobs and held.tokens):
-                    return None
+                    return []
                 delta = ChatDelta(content=held.text[held.released : safe] or None)
                 held.released = max(held.released, safe)
             else:
@@ -859,11 +860,23 @@ class ChatFormat:
                 )
             tokens, held.tokens = held.tokens, []
         logprobs = chat_logprobs(tokens, self.texts) if self.logprobs else None
+        if calls:
+            # the calls, then the finish in a chunk of its own with an empty delta, as OpenAI sends it: the
+            # SDK's stream helper ends a call (`tool_calls.function.arguments.done`) only when a later chunk
+            # comes, so calls and finish in one chunk never ended (until 2026-12-07)
+            done = ChatChunkChoice(
+                index=piece.index,
+                delta=ChatDelta(),
+                finish_reason=_finish(finish),
+                stop_reason=piece.stop_reason,
+            )
+            return [self._chunk([ChatChunkChoice(index=piece.index, delta=delta, logprobs=logprobs)]),
+                    self._chunk([done])]  # fmt: skip
         choice = ChatChunkChoice(
             index=piece.index, delta=delta, logprobs=logprobs, finish_reason=_finish(finish),
             stop_reason=piece.stop_reason,
         )  # fmt: skip
-        return self._chunk([choice])
+        return [self._chunk([choice])]
 
     def _tool_calls(self, text: str, finish: str | None) -> tuple[str | None, list[ToolCall], str | None]:
         assert self.tool_mode is not None
@@ -935,7 +948,7 @@ class CompletionFormat:
         _extend(out, completion_logprobs(tokens, self.texts, offset))
         return out
 
-    def chunk(self, piece: Piece) -> BaseModel:
+    def chunk(self, piece: Piece) -> Sequence[BaseModel]:
         logprobs = None
         if self.logprobs:
             offset = self._text_offset.get(piece.index, 0)
@@ -947,7 +960,7 @@ class CompletionFormat:
             index=piece.index, text=text, logprobs=logprobs, finish_reason=_finish(piece.finish_reason),
             stop_reason=piece.stop_reason,
         )  # fmt: skip
-        return self._completion([choice])
+        return [self._completion([choice])]
 
     def usage_chunk(self, usage: Usage) -> BaseModel:
         return self._completion([], usage)

@@ -368,6 +368,32 @@ def test_a_forced_tool_call_returns_arguments_that_validate(client: Any, url: st
     assert "<tool_call>" in prompt.split("<|im_start|>assistant")[1] and '{"temperature": 21}' in prompt
 
 
+def test_the_sdks_stream_helper_ends_each_streamed_tool_call(client: Any) -> None:
+    """`client.chat.completions.stream` (the SDK's helper) emits `tool_calls.function.arguments.done`, with the
+    arguments parsed into the tool's model, for a required and a named call: the finish comes in a chunk after
+    the calls, as OpenAI sends it (one chunk held both until 2026-12-07, and the helper never ended the call)."""
+    import openai
+    from pydantic import BaseModel, Field
+
+    class GetWeather(BaseModel):
+        city: str = Field(max_length=20)
+
+    for choice in ("required", {"type": "function", "function": {"name": "GetWeather"}}):
+        with client.chat.completions.stream(
+            model=MODEL, messages=ASK_WEATHER, tools=[openai.pydantic_function_tool(GetWeather)],
+            tool_choice=choice, max_completion_tokens=80, temperature=0,
+        ) as stream:  # fmt: skip
+            events = list(stream)
+            final = stream.get_final_completion()
+        done = [e for e in events if e.type == "tool_calls.function.arguments.done"]
+        [call] = final.choices[0].message.tool_calls
+        assert [(e.name, e.parsed_arguments) for e in done] == [
+            ("GetWeather", call.function.parsed_arguments)
+        ]
+        assert isinstance(call.function.parsed_arguments, GetWeather), choice
+        assert final.choices[0].finish_reason == ("tool_calls" if choice == "required" else "stop")
+
+
 def test_tokenize_detokenize_and_version(url: str, tok: Tokenizer) -> None:
     r = httpx.post(f"{url}/tokenize", json={"model": MODEL, "prompt": "Hello world"}, timeout=30)
     assert r.status_code == 200 and r.json()["tokens"] == tok.encode("Hello world")
