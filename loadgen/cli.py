@@ -199,7 +199,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="the Bearer key (default: $OPENAI_API_KEY, else the first of $RACKSERVE_API_KEY)",
     )  # fmt: skip
     run.add_argument("--temperature", type=float, default=0.0)
-    run.add_argument("--request-timeout-s", type=float, default=300.0)
+    run.add_argument(
+        "--request-timeout-s", type=float, default=300.0,
+        help="each request's whole deadline, from sending it to [DONE]; a request past it is a timeout error",
+    )  # fmt: skip
     run.add_argument("--no-timeline", action="store_true", help="don't fetch /v1/requests/{id}/timeline")
     run.add_argument("--no-progress", action="store_true")
     add_workload_arguments(run)

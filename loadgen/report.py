@@ -2,8 +2,10 @@
 
 A run is a list of `RequestResult`s. `summarize` turns it into p50/p90/p99 of TTFT, inter-token gaps and
 end-to-end latency, throughput, goodput under an SLO and error counts — overall and for each group of
-short/long prompt × short/long output ("don't judge by one average"). Output: a markdown table, a JSON file,
-PNG plots, and `compare_markdown` for two or more runs. This module never talks to a server or a simulator.
+short/long prompt × short/long output ("don't judge by one average"). The prefix hit rate is cached prompt
+tokens over the prompt tokens of the successful requests that report `cached_tokens`. Output: a markdown table, a
+JSON file, PNG plots, and `compare_markdown` for two or more runs. This module never talks to a server or a
+simulator.
 """
 
 from __future__ import annotations
@@ -31,7 +33,8 @@ class RequestResult:
     status: int = 200
     error: str | None = None
     ttft_s: float | None = None
-    itl_s: list[float] = field(default_factory=list)  # every gap between consecutive token arrivals
+    # one gap per token after the first: a chunk of k tokens after a gap g gives k gaps of g/k (client.token_gaps)
+    itl_s: list[float] = field(default_factory=list)
     e2e_s: float | None = None
     server_request_id: str | None = None
     phases_s: dict[str, float] | None = None  # queue/prefill/transfer/decode, when the server reports them
@@ -108,7 +111,11 @@ def _stats(results: Sequence[RequestResult], duration_s: float, slo: Slo) -> dic
         if not r.ok:
             key = str(r.status) if r.status else "client"
             errors[key] = errors.get(key, 0) + 1
-    cached = [r.cached_tokens for r in ok if r.cached_tokens is not None]
+    # The hit rate is over the requests that report cached_tokens: a server that leaves it out of some answers
+    # says nothing about their prompts, which would otherwise count as misses.
+    reporting = [r for r in ok if r.cached_tokens is not None]
+    cached_tokens = sum(r.cached_tokens or 0 for r in reporting)
+    reporting_in_tokens = sum(r.input_tokens for r in reporting)
     return {
         "requests": len(results),
         "ok": len(ok),
@@ -123,7 +130,7 @@ def _stats(results: Sequence[RequestResult], duration_s: float, slo: Slo) -> dic
         "output_tokens_per_s": out_tokens / duration_s if duration_s > 0 else 0.0,
         "goodput_requests_per_s": len(good) / duration_s if duration_s > 0 else 0.0,
         "slo_attainment": len(good) / len(results) if results else 0.0,
-        "prefix_hit_rate": (sum(cached) / in_tokens) if cached and in_tokens else None,
+        "prefix_hit_rate": cached_tokens / reporting_in_tokens if reporting_in_tokens else None,
         "phase_mean_s": phases,
     }
 
@@ -229,7 +236,8 @@ def compare_markdown(reports: Sequence[dict[str, Any]], names: Sequence[str]) ->
         s = rep["overall"]
 
         def ratio(a: float | None, b: float | None) -> str:
-            return "–" if not a or not b else f"{a / b:.2f}×"
+            # A zero (a run with no goodput) is a ratio of 0.00×; only a missing value or a zero base has none.
+            return "–" if a is None or b is None or b == 0 else f"{a / b:.2f}×"
 
         lines.append(
             f"| {name} | {ratio(s['ttft_s']['p50'], base['ttft_s']['p50'])} | "

@@ -105,6 +105,27 @@ def test_prefix_hit_rate_is_cached_over_prompt_tokens():
     assert s["prefix_hit_rate"] == pytest.approx(0.4)
 
 
+def test_prefix_hit_rate_counts_only_the_prompts_of_requests_that_report_cached_tokens():
+    """A request without cached_tokens says nothing about its prompt: it is not a miss."""
+    results = [_r(0, 0.1, [0.01], n_in=100, cached=80), _r(1, 0.1, [0.01], n_in=100, cached=None)]
+    s = rep.summarize(results, rep.Slo(), rep.Grouping(1000, 1000), duration_s=1.0)["overall"]
+    assert s["prefix_hit_rate"] == pytest.approx(0.8)
+    none = rep.summarize([_r(0, 0.1, [0.01])], rep.Slo(), rep.Grouping(1000, 1000), duration_s=1.0)
+    assert none["overall"]["prefix_hit_rate"] is None
+
+
+def test_compare_shows_a_run_without_goodput_as_a_zero_ratio():
+    """0.00× when a run met no SLO; "–" only where the base is 0 (nothing to divide by)."""
+    good = rep.summarize([_r(0, 0.2, [0.02])], rep.Slo(), rep.Grouping(1000, 1000), duration_s=1)
+    # every request too slow for the 2 s TTFT SLO: no goodput
+    slow = rep.summarize([_r(0, 5.0, [0.02])], rep.Slo(), rep.Grouping(1000, 1000), duration_s=1)
+    assert slow["overall"]["goodput_requests_per_s"] == 0
+    md = rep.compare_markdown([good, slow], ["good", "slow"])
+    assert "| slow | 25.00× | 25.00× | 1.00× | 1.00× | 0.00× |" in md
+    md = rep.compare_markdown([slow, good], ["slow", "good"])
+    assert "| good | 0.04× | 0.04× | 1.00× | 1.00× | – |" in md
+
+
 def test_compare_puts_runs_side_by_side_with_ratios_to_the_first():
     a = rep.summarize(
         [_r(0, 0.2, [0.02]), _r(1, 0.2, [0.02])], rep.Slo(), rep.Grouping(1000, 1000), duration_s=1
