@@ -33,6 +33,7 @@ import httpx
 from fastapi import APIRouter, Depends, FastAPI, Request, Response
 from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import BaseModel
+from starlette.middleware.cors import CORSMiddleware
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from services.engine.sampling import draw_seed
@@ -129,6 +130,9 @@ class FrontendConfig:
     # A stream's client that has stopped reading (its connection open) is cut this long after the request's
     # deadline: past it the response's writes give up and the request leaves admission (GET it: a 499).
     stalled_client_grace_s: float = 10.0
+    # origins a browser may call the API from (CORS; "*": any); none: no CORS headers, a browser's preflight
+    # is refused as before
+    allowed_origins: tuple[str, ...] = ()
 
 
 def _longest_token(tokenizer: Tokenizer) -> int:
@@ -1209,6 +1213,17 @@ async def list_models(fe: FrontendDep, caller: Annotated[Principal, Depends(auth
     return ModelList(data=[ModelCard(id=name, created=fe.created, max_model_len=fe.max_model_len())])
 
 
+@api.get("/v1/models/{model:path}")
+async def retrieve_model(
+    model: str, fe: FrontendDep, caller: Annotated[Principal, Depends(authorize)]
+) -> ModelCard:
+    """One model (OpenAI's `GET /v1/models/{model}`, the SDK's `models.retrieve`): 404 for a model not served,
+    403 for one the caller's key may not use (as a generation request for it is answered)."""
+    fe.check_model(model)
+    caller.check_model(model)
+    return ModelCard(id=model, created=fe.created, max_model_len=fe.max_model_len())
+
+
 @api.get("/livez")
 async def livez() -> dict[str, str]:
     """Liveness: the process serves HTTP (what a restart would fix); readiness is /health."""
@@ -1357,6 +1372,15 @@ def create_app(
     install_error_handlers(app)
     app.include_router(api)
     app.add_middleware(RequestIdHeader)
+    if config.allowed_origins:
+        # outermost: a browser's preflight (OPTIONS, no Authorization) is answered before authentication
+        app.add_middleware(
+            CORSMiddleware,
+            allow_origins=list(config.allowed_origins),
+            allow_methods=["GET", "POST", "OPTIONS"],
+            allow_headers=["*"],
+            expose_headers=["x-request-id", "x-rackserve-request-id", "retry-after"],
+        )
     return app
 
 

@@ -1561,3 +1561,61 @@ async def _load(endpoint: str, condition: Callable[[pb.LoadSnapshot], bool], tim
             if e.code() != grpc.StatusCode.DEADLINE_EXCEEDED:
                 raise
         return False
+
+
+def test_the_sdk_retrieves_the_served_model_and_a_missing_one_is_a_404(tokenizer: Tokenizer) -> None:
+    """`client.models.retrieve` (GET /v1/models/{model}, a 404 for every id until 2026-12-07): the served model's
+    card; another id is OpenAI's 404 model_not_found; a key restricted to other models gets the 403 a generation
+    request for it gets."""
+    import openai
+
+    from services.frontend.auth import ApiKey, AuthConfig
+
+    keys = AuthConfig((ApiKey.from_secret("sk-all-models-1", "all"), ApiKey.from_secret(
+        "sk-other-model-2", "other", frozenset({"another-model"}))))  # fmt: skip
+    with ScriptedCluster(tokenizer, auth=keys) as c:
+        client = openai.OpenAI(base_url=f"{c.url}/v1", api_key="sk-all-models-1", max_retries=0)
+        card = client.models.retrieve(MODEL)
+        assert (card.id, card.object, card.owned_by) == (MODEL, "model", "rackserve")
+        assert card.model_dump() == client.models.list().data[0].model_dump()
+        with pytest.raises(openai.NotFoundError) as missing:
+            client.models.retrieve("gpt-4o")
+        assert missing.value.body["code"] == "model_not_found" and missing.value.body["param"] == "model"
+        other = openai.OpenAI(base_url=f"{c.url}/v1", api_key="sk-other-model-2", max_retries=0)
+        with pytest.raises(openai.PermissionDeniedError):
+            other.models.retrieve(MODEL)
+        assert httpx.get(f"{c.url}/v1/models/{MODEL}").status_code == 401  # no key, no card
+
+
+def test_cors_is_off_by_default_and_allowed_origins_answer_a_browsers_preflight(
+    tokenizer: Tokenizer, scripted: ScriptedCluster
+) -> None:
+    """--allowed-origins: a browser on an allowed origin gets its preflight (OPTIONS, no key) answered and can read
+    the answer and its x-request-id; another origin gets no allow header. Without the flag, no CORS headers (a
+    preflight is a 405, as before)."""
+    from services.frontend.auth import AuthConfig, load_api_keys
+
+    preflight = {
+        "Origin": "https://app.example",
+        "Access-Control-Request-Method": "POST",
+        "Access-Control-Request-Headers": "authorization, content-type",
+    }
+    off = httpx.options(f"{scripted.url}/v1/chat/completions", headers=preflight)
+    assert off.status_code == 405 and "access-control-allow-origin" not in off.headers
+    with ScriptedCluster(
+        tokenizer,
+        auth=AuthConfig(load_api_keys("sk-browser-key-1")),
+        allowed_origins=("https://app.example",),
+    ) as c:
+        ok = httpx.options(f"{c.url}/v1/chat/completions", headers=preflight)
+        assert ok.status_code == 200 and ok.headers["access-control-allow-origin"] == "https://app.example"
+        assert "POST" in ok.headers["access-control-allow-methods"]
+        assert "authorization" in ok.headers["access-control-allow-headers"].lower()
+        other = httpx.options(
+            f"{c.url}/v1/chat/completions", headers={**preflight, "Origin": "https://evil.example"}
+        )
+        assert "access-control-allow-origin" not in other.headers
+        headers = {"Origin": "https://app.example", "Authorization": "Bearer sk-browser-key-1"}
+        r = httpx.post(f"{c.url}/v1/chat/completions", json=chat("hi"), headers=headers, timeout=30)
+        assert r.status_code == 200 and r.headers["access-control-allow-origin"] == "https://app.example"
+        assert "x-request-id" in r.headers["access-control-expose-headers"]
