@@ -2,9 +2,9 @@
 
     obs = Observation(...)                       # one interval of what the cluster measured (observe.py)
     profile = live_profile(base, obs)            # the simulator's cost profile with the live rates
-    preds = evaluate(obs, profile, candidates(limits), mode, seed)   # replay through loadgen.sim per (P, D)
+    preds = evaluate(obs, profile, candidates(limits, mode), mode, seed)   # replay through loadgen.sim per (P, D)
     target, binding = choose(preds, slo)         # the fewest workers that meet both SLOs
-    desired = damp(actual, target, limits, damper, now)   # one step per pool, a hold-down, the bounds
+    desired = damp(actual, target, limits, damper, now, mode)   # one step per pool, a hold-down, the bounds
 
 The replay: the window's request rate, input/output length distributions and prefix hit rate become a
 synthetic trace (Poisson arrivals, lengths drawn from the measured histograms, the hit rate as a shared prefix),
@@ -326,9 +326,15 @@ class Prediction:
         }
 
 
-def candidates(limits: Limits) -> list[tuple[int, int]]:
+def least_prefill(limits: Limits, mode: str = "disagg") -> int:
+    """The fewest prefill workers a plan may have: `--min-prefill`, and at least one unless the router runs in
+    agg mode (its decode workers prefill their own prompts: an agg cluster needs no prefill pool at all)."""
+    return limits.min_prefill if mode == "agg" else max(1, limits.min_prefill)
+
+
+def candidates(limits: Limits, mode: str = "disagg") -> list[tuple[int, int]]:
     out = []
-    for p in range(max(1, limits.min_prefill), limits.max_prefill + 1):
+    for p in range(least_prefill(limits, mode), limits.max_prefill + 1):
         for d in range(limits.min_decode, limits.max_decode + 1):
             if not limits.max_workers or p + d <= limits.max_workers:
                 out.append((p, d))
@@ -860,9 +866,14 @@ class Damper:
 
 
 def damp(
-    actual: tuple[int, int], target: tuple[int, int], limits: Limits, damper: Damper, now: float
+    actual: tuple[int, int],
+    target: tuple[int, int],
+    limits: Limits,
+    damper: Damper,
+    now: float,
+    mode: str = "disagg",
 ) -> tuple[int, int]:
-    p = damper.step("prefill", actual[0], target[0], max(1, limits.min_prefill), limits.max_prefill, now)
+    p = damper.step("prefill", actual[0], target[0], least_prefill(limits, mode), limits.max_prefill, now)
     d = damper.step("decode", actual[1], target[1], limits.min_decode, limits.max_decode, now)
     if limits.max_workers and p + d > limits.max_workers:
         # a step up that the budget cannot hold yet waits for the other pool's step down to land

@@ -287,6 +287,11 @@ class Planner:
         # one decides and acts while the others stand by, measuring, to take over where it stops
         self.leader = True
         self.holder: str | None = None  # the leader's worker id, as the last campaign round read it
+        # the registration lease this replica last led under (its leader key lives and dies with it), and whether
+        # a round since then saw another replica hold the key: either way another replica may have decided
+        # between this one's decisions, and a return to the lead then starts over
+        self.term: int | None = None
+        self.rival = False
         # --replay-from recent: per frontend (id and epoch), the last seq read, the records since, and how far
         # this host's clock is ahead of the frontend's
         self.traffic: dict[str, tuple[int, deque[TrafficRecord], float]] = {}
@@ -387,15 +392,29 @@ class Planner:
         """A window with enough arrivals (--min-window-requests) and a finished request to replay."""
         return obs.requests >= self.args.min_window_requests and obs.done > 0
 
-    def lead(self, holder: str | None, leads: bool) -> None:
-        """What a campaign round found: this replica leads, or `holder` does (None: no one it could see)."""
+    def lead(self, holder: str | None, leads: bool, term: int | None = None) -> None:
+        """What a campaign round found: this replica leads, or `holder` does (None: no one it could see, as
+        when etcd did not answer). `term`: the registration lease the round campaigned under."""
         was, self.leader, self.holder = self.leader, leads, holder
         metrics.PLANNER_LEADER.set(1.0 if leads else 0.0)
+        if not leads and holder is not None:
+            self.rival = True
         if leads and not was:
-            log.info("planner: leading now")
-            # its seasons are the ones it restored at its start plus what it measured since, standing by: no
-            # less than the old leader saved; the damping starts over from what runs
-            self.desired = None
+            if self.rival or term != self.term:
+                log.info("planner: leading now")
+                # another replica may have led since this one last did: its seasons are the ones it restored at
+                # its start plus what it measured since, standing by (no less than the old leader saved); the
+                # damping starts over from what runs
+                self.desired = None
+                self.damper = Damper(self.args.hold_down_s, self.args.scale_down_window_s)
+            else:
+                # its key never left it (the same lease, and no round saw another holder): no other replica
+                # decided while it stood by (an etcd hiccup), so its last decision and damping still stand.
+                # Starting over from what runs would leave out the workers its last steps started that are
+                # still loading, and drain one of them despite the hold-down
+                log.info("planner: leading again; no other replica led meanwhile, its last decision stands")
+        if leads:
+            self.term, self.rival = term, False
         elif was and not leads:
             log.info("planner: standing by (%s leads)", holder or "no one yet")
             # a standby exports no decision: dashboards take the pools' desired sizes from the leader alone
@@ -435,7 +454,7 @@ class Planner:
             if self.forecast is not None:
                 # wall-clock time: a season is a time of day (the damper's `now` is monotonic)
                 obs.replay_rate_rps = self.forecast.update(wall, obs.rate_rps, obs.window_s)
-            pairs = candidates(limits)
+            pairs = candidates(limits, self.args.router_mode)
             replay = functools.partial(
                 evaluate,
                 obs,
@@ -461,7 +480,7 @@ class Planner:
             asked = await self._asked(actual)
             if asked is not None and (asked[0] < limits.min_prefill or asked[1] < limits.min_decode):
                 sized, outcome, base, target = True, "", asked, asked
-        desired = damp(base, target, limits, self.damper, now) if sized else base
+        desired = damp(base, target, limits, self.damper, now, self.args.router_mode) if sized else base
         if not outcome:
             dp, dd = desired[0] - base[0], desired[1] - base[1]
             if dp == dd == 0:
@@ -752,7 +771,7 @@ async def _campaign(planner: Planner, election: Election, client: aetcd.Client |
         planner.lead(None, False)
         await close_quietly(client)
         return None
-    planner.lead(holder, election.leads(holder))
+    planner.lead(holder, election.leads(holder), election.registration.lease_id)
     return client
 
 

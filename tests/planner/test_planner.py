@@ -487,6 +487,148 @@ def test_a_planner_that_stops_leading_scales_nothing_and_exports_no_decision() -
     assert REGISTRY.get_sample_value("rackserve_planner_leader") == 1.0
 
 
+# 300-token prompts, one output token each, at 1 request/s: a window the stubbed or in-process replays size on
+SIZABLE = Observation(
+    window_s=20, requests=20, input_tokens=[(256, 0.0), (512, 20.0)], output_tokens=[(1, 20.0)],
+    prompt_tokens=20 * 300, generation_tokens=20, input_samples=[300] * 20, output_samples=[1] * 20,
+    ttft_p90_s=0.5,
+)  # fmt: skip
+
+
+def _local_planner(flags: list[str], registered: tuple[int, int]) -> Any:
+    """A planner in local mode whose measurement is SIZABLE and whose directory lists `registered` workers."""
+    from types import SimpleNamespace
+
+    from services.planner.server import Planner, add_arguments
+
+    p = argparse.ArgumentParser()
+    add_arguments(p)
+    pools = dict(zip(("prefill", "decode"), registered, strict=True))
+    directory = SimpleNamespace(workers=lambda role: [object()] * pools.get(role, 0))
+    planner = Planner(p.parse_args(["--scale-mode", "local", *flags]), directory)  # type: ignore[arg-type]
+
+    async def measure() -> Observation:
+        return SIZABLE
+
+    planner.measure = measure  # type: ignore[method-assign]
+    return planner
+
+
+@pytest.mark.parametrize(
+    ("standby", "lease_after", "kept"),
+    [
+        # one round etcd did not answer, the same lease after it: no other replica can have held the key
+        (RuntimeError("etcd did not answer"), 7, True),
+        # a round saw another replica hold the key: it may have decided meanwhile
+        ("planner-other", 7, False),
+        # the lease (and the key with it) expired while etcd did not answer: another may have led unseen
+        (RuntimeError("etcd did not answer"), 8, False),
+    ],
+)
+def test_a_planner_back_in_the_lead_keeps_its_last_decision_only_if_no_other_replica_led_between(
+    monkeypatch: pytest.MonkeyPatch, standby: Any, lease_after: int, kept: bool
+) -> None:
+    """Local mode, a 60 s hold-down: the planner scales decode 1 -> 2 (the new worker still loading: etcd lists
+    1 + 1), then stands by for a campaign round, leads again and sizes for 1 decode worker. After a mere etcd
+    hiccup its last decision stands: decode stays at 2 (held down), not drained from what etcd lists. Where
+    another replica held the key, or its own lease ran out, it starts over from what runs."""
+    from types import SimpleNamespace
+
+    import services.planner.server as server
+
+    targets = iter([(1, 2), (1, 1)])
+    monkeypatch.setattr(
+        server,
+        "choose",
+        lambda preds, goal, *a: (SimpleNamespace(prefill=(t := next(targets))[0], decode=t[1]), "itl"),
+    )
+    monkeypatch.setattr(server, "attainable", lambda preds, goal, *a: goal)
+    planner = _local_planner(["--hold-down-s", "60", "--max-prefill", "1", "--max-decode", "2"], (1, 1))
+    rounds: list[Any] = ["planner-me", standby, "planner-me"]
+
+    # services/discovery/election.py's rounds, as etcd would answer them, under a registration lease of 7
+    class Election:
+        registration = SimpleNamespace(lease_id=7)
+
+        async def campaign(self, client: Any, timeout_s: float) -> str | None:
+            got = rounds.pop(0)
+            if isinstance(got, Exception):
+                raise got
+            return got
+
+        def leads(self, holder: str | None) -> bool:
+            return holder == "planner-me"
+
+    election = Election()
+
+    async def replay(fn: Any) -> list[Prediction]:
+        return []
+
+    async def connect() -> object:
+        return object()
+
+    planner.replay, planner.connect = replay, connect
+
+    async def go() -> list[dict]:
+        client = await server._campaign(planner, election, object())  # type: ignore[arg-type]
+        first = await planner.tick(now=0.0)
+        client = await server._campaign(planner, election, client)  # type: ignore[arg-type]
+        election.registration.lease_id = lease_after
+        await server._campaign(planner, election, client)  # type: ignore[arg-type]
+        second = await planner.tick(now=6.0)
+        await planner.close()
+        return [first, second]
+
+    first, second = asyncio.run(go())
+    assert planner.leader and (first["outcome"], first["desired"]) == (
+        "scale_up",
+        {"prefill": 1, "decode": 2},
+    )
+    assert second["actual"] == {"prefill": 1, "decode": 1} and second["outcome"] == "hold"
+    if kept:
+        assert second["desired"] == {"prefill": 1, "decode": 2}
+        assert planner.damper.last_change == {"decode": 0.0}
+    else:
+        assert second["desired"] == {"prefill": 1, "decode": 1}
+        assert planner.damper.last_change == {}
+
+
+def test_an_agg_planner_with_min_prefill_0_plans_no_prefill_pool() -> None:
+    """`--router-mode agg --min-prefill 0`: the decode workers prefill their own prompts, so (0, D) is a
+    candidate, replayed as the agg cluster it is (the same p90s as (1, D): agg routes no prompt to a prefill
+    pool), and the damper steps prefill down to 0. In disagg mode the floor stays one prefill worker."""
+    import services.planner.server as server
+
+    limits = Limits(0, 2, 1, 2)
+    assert candidates(limits, "agg")[:2] == [(0, 1), (0, 2)]
+    assert min(p for p, _ in candidates(limits)) == 1 and min(p for p, _ in candidates(limits, "auto")) == 1
+    assert damp((1, 1), (0, 1), limits, Damper(0.0), 0.0, "agg") == (0, 1)
+    assert damp((1, 1), (0, 1), limits, Damper(0.0), 0.0) == (1, 1)
+    none, one = evaluate(SIZABLE, CPU, [(0, 1), (1, 1)], "agg")
+    assert none.failed == 0 and none.requests > 0
+    assert (none.ttft_p90_s, none.itl_p90_s) == (one.ttft_p90_s, one.itl_p90_s)
+
+    planner = _local_planner(["--router-mode", "agg", "--min-prefill", "0", "--max-prefill", "2",
+                              "--max-decode", "2", "--hold-down-s", "0"], (1, 1))  # fmt: skip
+
+    # the replay in this process (no spawned one): what the planner asks of it is the same
+    async def replay(fn: Any) -> Any:
+        return fn()
+
+    planner.replay = replay
+
+    async def go() -> dict:
+        decision = await planner.tick(now=0.0)
+        await planner.close()
+        return decision
+
+    decision = asyncio.run(go())
+    assert decision["target"]["prefill"] == 0 and decision["desired"]["prefill"] == 0
+    assert {(c["prefill"], c["decode"]) for c in decision["candidates"]} >= {(0, 1), (0, 2)}
+    with pytest.raises(ValueError, match="min-prefill"):
+        server._config(argparse.Namespace(**{**vars(planner.args), "router_mode": "disagg"}))
+
+
 @pytest.mark.cluster  # the replay runs in the planner's spawned process
 def test_the_planner_service_corrects_its_target_only_from_windows_on_unchanged_pools() -> None:
     """`rackserve planner --correction`: a window is compared with its replay only when the pools that serve
