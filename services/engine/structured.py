@@ -28,6 +28,16 @@ COMPILE_TIMEOUT_S = 10.0
 COMPILE_THREADS = 2
 
 
+# xgrammar's messages start with its log prefix: "[14:43:36] /project/cpp/regex_converter.cc:94: " — the time and
+# the library's own source file, nothing a client can act on (and none of its business)
+_XGRAMMAR_PREFIX = re.compile(r"^\[[0-9:.]+\]\s+\S+:\d+:\s*")
+
+
+def _client_message(e: Exception) -> str:
+    """What a compile error says, without the library's log prefix."""
+    return _XGRAMMAR_PREFIX.sub("", str(e)).strip()
+
+
 class GrammarError(ValueError):
     """The grammar does not compile (a bad schema, regex or EBNF)."""
 
@@ -109,7 +119,7 @@ class Grammars:
         except GrammarError:
             raise
         except Exception as e:  # xgrammar raises RuntimeError/ValueError for a bad schema, regex or EBNF
-            raise GrammarError(f"the {kind} grammar does not compile: {e}") from e
+            raise GrammarError(f"the {kind} grammar does not compile: {_client_message(e)}") from e
 
     def _compile(self, kind: str, spec: str) -> Any:
         import xgrammar as xgr

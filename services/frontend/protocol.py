@@ -66,6 +66,18 @@ class ChatMessage(_Request):
     tool_calls: list[ToolCallParam] | None = None  # an assistant's earlier calls
     tool_call_id: str | None = None  # a tool message: the call it answers
 
+    @model_validator(mode="after")
+    def _complete(self) -> ChatMessage:
+        """What OpenAI requires of each role (a 400 there, and until 2026-12-07 an empty turn here): content,
+        except an assistant's that makes calls; and a tool message names the call it answers."""
+        if self.content is None and not (self.role == "assistant" and self.tool_calls):
+            if self.role == "assistant":
+                raise ValueError("an assistant message needs content or tool_calls")
+            raise ValueError(f"a {self.role} message needs content")
+        if self.role == "tool" and not self.tool_call_id:
+            raise ValueError("a tool message needs tool_call_id, the id of the call it answers")
+        return self
+
     def as_template_input(self) -> dict[str, Any]:
         """The message as a chat template reads it (text parts joined with newlines, as vLLM joins them;
         OpenAI's "developer" is "system"; a call's JSON arguments as an object, as HF templates expect)."""

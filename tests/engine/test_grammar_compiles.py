@@ -55,3 +55,22 @@ def test_costly_compiles_holding_every_thread_hold_up_no_grammar_compiled_before
     assert patient is None  # the one still waiting got its grammar
     assert compiles["json_schema", costly(4)] == 1 and compiles["regex", "[a-z]+"] == 1
     assert compiles["regex", "[0-9]+"] == 1 and compiles["regex", "[b-y]+"] == 1
+
+
+@pytest.mark.parametrize(
+    ("kind", "spec", "says"),
+    [
+        ("regex", "((", "Regex parsing error at position 3: The parenthesis is not closed."),
+        ("grammar", "root ::= x", 'EBNF parser error at line 1, column 10: Rule "x" is not defined'),
+    ],
+)
+def test_a_grammar_that_does_not_compile_says_why_without_the_librarys_source_paths(
+    gguf_path: str, kind: str, spec: str, says: str
+) -> None:
+    """The 400 a client gets says what is wrong with its grammar; xgrammar's log prefix (a time and the path of
+    its own C++ source file, in every message until 2026-12-07) is not part of it."""
+    tok = Tokenizer.from_gguf(gguf_path)
+    g = Grammars(tok, tok.vocab_size, tok.stop_token_ids)
+    with pytest.raises(GrammarError) as e:
+        asyncio.run(g.compile_within(kind, spec, 30.0))
+    assert str(e.value) == f"the {kind} grammar does not compile: {says}"

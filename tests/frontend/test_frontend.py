@@ -1206,6 +1206,31 @@ def test_no_router_is_503_with_retry_after(lonely: tuple[str, str]) -> None:
             "invalid_value",
             "valid string (got 5)",
         ),
+        # what OpenAI requires of each role: until 2026-12-07 these rendered as empty turns
+        (
+            {"model": MODEL, "messages": [{"role": "user"}]},
+            400,
+            "messages[0]",
+            "invalid_value",
+            "needs content",
+        ),
+        (
+            {"model": MODEL, "messages": [{"role": "user", "content": "hi"}, {"role": "assistant"}]},
+            400,
+            "messages[1]",
+            "invalid_value",
+            "an assistant message needs content or tool_calls",
+        ),
+        (
+            {
+                "model": MODEL,
+                "messages": [{"role": "user", "content": "hi"}, {"role": "tool", "content": "21"}],
+            },
+            400,
+            "messages[1]",
+            "invalid_value",
+            "needs tool_call_id",
+        ),
     ],
     ids=[
         "max_tokens-string",
@@ -1237,6 +1262,9 @@ def test_no_router_is_503_with_retry_after(lonely: tuple[str, str]) -> None:
         "tool_choice-object-without-name",
         "content-part-not-text",
         "content-part-text-not-a-string",
+        "user-without-content",
+        "assistant-without-content-or-calls",
+        "tool-without-call-id",
     ],  # fmt: skip
 )
 def test_chat_request_errors(
