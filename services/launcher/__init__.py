@@ -25,6 +25,7 @@ import urllib.request
 from collections import Counter, deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 from services.engine import config as engine_cfg
 from services.engine.config import EngineConfig, parse_device_spec
@@ -33,7 +34,13 @@ from services.runtime.args import non_negative_int, port_number, positive_int
 from services.runtime.ports import free_port
 
 ROLES = ("router", "prefill", "decode", "frontend", "planner")
+WORKER_ROLES = ("prefill", "decode")
 PLAN_POLL_S = 1.0  # how often `up --planner` reads the planner's decision
+# following the plan failed (a fork refused, ...): the next try waits PLAN_POLL_S, doubling up to this
+PLAN_RETRY_MAX_S = 30.0
+# a planner that exits is started again after 1 s, doubling up to this; one that ran PLANNER_STEADY_S starts at 1 s
+PLANNER_RESTART_MAX_S = 30.0
+PLANNER_STEADY_S = 60.0
 # settings of one process, never of all: inherited from the launcher's environment they would give every child the
 # same port (or id), where `up` gives each its own
 PER_PROCESS_ENV = tuple(
@@ -199,7 +206,10 @@ class Proc:
     popen: subprocess.Popen[bytes]
     pump: threading.Thread | None = None
     drained: bool = False  # SIGTERMed by the planner's decision: its exit is expected
+    # a worker the planner's decision added: its exit (at its start or later) costs its pool a worker, not `up`
+    planned: bool = False
     gpu: int | None = None  # the GPU a worker runs on
+    started: float = field(default_factory=time.monotonic)
     tail: deque[str] = field(default_factory=lambda: deque(maxlen=TAIL_LINES))  # its last lines of output
 
     def exited(self) -> str:
@@ -299,16 +309,32 @@ class Cluster:
     _spawns: queue.Queue[tuple[Callable[[], Proc], concurrent.futures.Future[Proc]]] = field(
         default_factory=queue.Queue
     )
+    _planner_cmd: list[str] = field(default_factory=list)
+    planner_restarts: int = 0
+    _planner_restart_at: float | None = None
+    _planner_backoff_s: float = 1.0
+    # the `time` of the last decision followed; a pool whose planned worker exited starts none until a newer one
+    _decision: object = None
+    _held: dict[str, object] = field(default_factory=dict)
+    _budget_said: bool = False
 
     # ----------------------------------------------------------------------------------------- starting
-    def spawn(self, name: str, cmd: list[str], env: dict[str, str] | None = None) -> Proc:
+    def spawn(
+        self, name: str, cmd: list[str], env: dict[str, str] | None = None, planned: bool = False
+    ) -> Proc:
         """Start a child through the lifeline, always from the main thread: the kernel ties PR_SET_PDEATHSIG to
         the thread that forked, so a child forked by a thread that then ends would be stopped with it. Another
         thread's spawn waits for the main thread's loop (serve_spawns) to make it."""
         if threading.current_thread() is not threading.main_thread():
             made: concurrent.futures.Future[Proc] = concurrent.futures.Future()
-            self._spawns.put((lambda: self.spawn(name, cmd, env), made))
-            return made.result(timeout=60.0)
+            self._spawns.put((lambda: self.spawn(name, cmd, env, planned), made))
+            try:
+                return made.result(timeout=60.0)
+            except concurrent.futures.TimeoutError:
+                # not made yet: it never will be (serve_spawns skips a cancelled spawn), so no child goes untracked
+                if made.cancel():
+                    raise
+                return made.result()
         inherited = {k: v for k, v in os.environ.items() if k not in PER_PROCESS_ENV}
         # through the lifeline: stopped by the kernel if this launcher dies without stopping it (SIGKILL)
         lifeline = [sys.executable, "-m", "services.launcher.lifeline", str(os.getpid())]
@@ -319,7 +345,7 @@ class Cluster:
             env={**inherited, "HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1", **(env or {})},
             start_new_session=True,  # Ctrl-C reaches the launcher only; it stops the children in order
         )
-        proc = Proc(name, popen)
+        proc = Proc(name, popen, planned=planned)
         proc.pump = threading.Thread(target=self._pump, args=(proc,), daemon=True)
         proc.pump.start()
         with self._lock:
@@ -333,10 +359,15 @@ class Cluster:
         except queue.Empty:
             return
         while True:
-            try:
-                made.set_result(make())
-            except BaseException as e:  # noqa: BLE001 - the asking thread raises it
-                made.set_exception(e)
+            if made.set_running_or_notify_cancel():
+                try:
+                    made.set_result(make())
+                except Exception as e:  # noqa: BLE001 - the asking thread raises it
+                    made.set_exception(e)
+                except BaseException as e:
+                    # Ctrl-C or SIGTERM in the middle of a fork: the asking thread learns it, and `up` stops
+                    made.set_exception(e)
+                    raise
             try:
                 make, made = self._spawns.get_nowait()
             except queue.Empty:
@@ -414,10 +445,13 @@ class Cluster:
                 plan += [f"--{name}", str(getattr(a, name.replace("-", "_")))]
             for name, value in a.planner_flag:
                 plan += [f"--{name}", value]
-            self.spawn("planner", base + ["planner", *common, *plan])
+            self._planner_cmd = base + ["planner", *common, *plan]
+            self.spawn("planner", self._planner_cmd)
 
-    def add_worker(self, role: str) -> Proc:
-        """A new worker with the next unused index (a drained worker's id is never reused)."""
+    def add_worker(self, role: str, planned: bool = False) -> Proc:
+        """A new worker with the next unused index (a drained worker's id is never reused). A planned one (the
+        planner's decision) that has already exited when its spawn returns is not added to the pool: the main
+        thread's watch has reported it."""
         base, common, engine = self._worker_cmd
         wid = f"{role}-{self.next_index[role]}"
         self.next_index[role] += 1
@@ -432,9 +466,14 @@ class Cluster:
         if self.placement is not None:
             gpu = self.placement.pick(self.gpus_occupied())
             device = self.placement.flags(gpu)
-        proc = self.spawn(wid, base + [role, *common, *engine, *device, *disk, "--worker-id", wid])
+        proc = self.spawn(
+            wid, base + [role, *common, *engine, *device, *disk, "--worker-id", wid], planned=planned
+        )
         proc.gpu = gpu
-        self.pools[role].append(proc)
+        with self._lock:
+            # the watch (main thread) drops a planned worker's exit from procs, whichever thread sees it first
+            if proc in self.procs:
+                self.pools[role].append(proc)
         return proc
 
     def describe_gpus(self) -> str:
@@ -452,33 +491,144 @@ class Cluster:
         """SIGTERM the newest worker of a pool: it leaves discovery at once, finishes its in-flight requests
         (up to its --drain-grace-s), then exits. The decision is printed before the signal, so the log reads
         in causal order (the worker's own output is relayed by another thread and could otherwise come first)."""
-        proc = self.pools[role].pop()
-        proc.drained = True
+        with self._lock:
+            proc = self.pools[role].pop()
+            proc.drained = True
         print(f"rackserve up: planner: draining {proc.name} ({role} -> {want})", flush=True)
         proc.popen.send_signal(signal.SIGTERM)
         return proc
 
+    def workers_running(self) -> int:
+        """This launcher's worker processes still running, draining ones included: what a GPU's shares are sized
+        for (GpuPlacement) and --max-workers bounds."""
+        return sum(1 for p in self.live() if p.name.split("-")[0] in WORKER_ROLES and p.popen.poll() is None)
+
+    def own_target(self, plan: dict[str, Any], role: str) -> int:
+        """How many workers of `role` this launcher should run for the decision. The planner's `desired` counts
+        every worker registered in etcd, this launcher's and any other's (started by hand, another `up` on the
+        same etcd); the decision names the registered ones (`registered`, read with `actual`), so the others are
+        those not among this launcher's processes (its draining ones included, registered until they exit), and
+        its own pool is given `desired` less them. Its workers still loading are in its pool and not yet
+        registered: counted once."""
+        want = int(plan["desired"][role])
+        registered = plan.get("registered")
+        if not isinstance(registered, dict) or not isinstance(registered.get(role), list):
+            return want
+        mine = {p.name for p in self.live()}
+        others = sum(1 for worker_id in registered[role] if worker_id not in mine)
+        return max(0, want - others)
+
     def follow_plan(self) -> None:
-        """`--planner`: poll the planner's decision and start or drain workers until each pool matches it."""
+        """`--planner`: poll the planner's decision and start or drain workers until each pool matches it. A
+        failure (a fork refused under memory pressure, ...) is logged and tried again after a backoff."""
         url = f"http://127.0.0.1:{self.planner_port}/plan"
+        failures = 0
         while not self._stopping:
-            time.sleep(PLAN_POLL_S)
+            time.sleep(min(PLAN_RETRY_MAX_S, PLAN_POLL_S * 2**failures))
             try:
-                with urllib.request.urlopen(url, timeout=2) as r:
-                    plan = json.loads(r.read())
-            except (urllib.error.URLError, OSError, ValueError):
+                try:
+                    with urllib.request.urlopen(url, timeout=2) as r:
+                        plan = json.loads(r.read())
+                except (urllib.error.URLError, OSError, ValueError):
+                    # the planner not answering (restarting, say) is no failure of ours
+                    continue
+                self.apply_plan(plan)
+                failures = 0
+            except (KeyboardInterrupt, SystemExit):
+                # raised by a spawn the main thread was making when Ctrl-C came: `up` is stopping
+                return
+            except Exception as e:  # noqa: BLE001 - whatever it was, the next decision is followed
+                failures = min(failures + 1, 5)
+                wait = min(PLAN_RETRY_MAX_S, PLAN_POLL_S * 2**failures)
+                print(
+                    f"rackserve up: planner: could not follow its decision ({type(e).__name__}: {e}); "
+                    f"trying again in {wait:.0f}s",
+                    flush=True,
+                )
+
+    def apply_plan(self, plan: dict[str, Any]) -> None:
+        """Start or drain this launcher's workers toward one decision: drains first, so a worker moved between
+        pools leaves before its replacement starts, and no start while the workers running (draining ones
+        included, which keep their GPU memory until they exit) are at the most `up` may run (most_workers)."""
+        # only a sized decision moves workers: before one, desired merely echoes what discovery shows (and a
+        # planner that could not reach etcd for its election stands by, deciding nothing)
+        if plan.get("outcome") in ("starting", "no_data", "idle", "standby") or self._stopping:
+            return
+        self._decision = plan.get("time")
+        targets = {role: self.own_target(plan, role) for role in WORKER_ROLES}
+        for role in WORKER_ROLES:
+            most = targets[role]
+            while len(self.pools[role]) > most and not self._stopping:
+                self.drain_worker(role, most)
+        budget = most_workers(self.args)
+        for role in WORKER_ROLES:
+            least = targets[role]
+            while len(self.pools[role]) < least and not self._stopping:
+                with self._lock:
+                    held = role in self._held and self._held[role] == self._decision
+                    if not held:
+                        self._held.pop(role, None)
+                if held:
+                    break
+                if self.workers_running() >= budget:
+                    if not self._budget_said:
+                        print(
+                            f"rackserve up: planner: {role} -> {least} waits for a draining worker to exit "
+                            f"({budget} workers at most)",
+                            flush=True,
+                        )
+                        self._budget_said = True
+                    return
+                p = self.add_worker(role, planned=True)
+                self._budget_said = False
+                if p in self.pools[role]:
+                    print(f"rackserve up: planner: started {p.name} ({role} -> {least})", flush=True)
+
+    def watch(self) -> Proc | None:
+        """On the main thread: the first child whose exit stops `up`, else None. The planner is optional: one
+        that exits is started again after a backoff. A worker the planner's decision added that exits (at its
+        start, or later by itself) leaves its pool, and that pool starts no other until the next decision."""
+        now = time.monotonic()
+        for p in self.live():
+            if p.drained or p.popen.poll() is None:
                 continue
-            # only a sized decision moves workers: before one, desired merely echoes what discovery shows (and a
-            # planner that could not reach etcd for its election stands by, deciding nothing)
-            if plan.get("outcome") in ("starting", "no_data", "idle", "standby") or self._stopping:
-                continue
-            for role in ("prefill", "decode"):
-                want = int(plan["desired"][role])
-                while len(self.pools[role]) < want and not self._stopping:
-                    p = self.add_worker(role)
-                    print(f"rackserve up: planner: started {p.name} ({role} -> {want})", flush=True)
-                while len(self.pools[role]) > want and not self._stopping:
-                    self.drain_worker(role, want)
+            if p.name == "planner" and self._planner_cmd:
+                self._planner_exited(p, now)
+            elif p.planned:
+                self._planned_worker_exited(p)
+            else:
+                return p
+        if self._planner_restart_at is not None and now >= self._planner_restart_at and not self._stopping:
+            self._planner_restart_at = None
+            self.planner_restarts += 1
+            print(f"rackserve up: planner: restart {self.planner_restarts}", flush=True)
+            self.spawn("planner", self._planner_cmd)
+        return None
+
+    def _planner_exited(self, p: Proc, now: float) -> None:
+        with self._lock:
+            self.procs.remove(p)
+        if now - p.started >= PLANNER_STEADY_S:
+            self._planner_backoff_s = 1.0
+        wait = self._planner_backoff_s
+        self._planner_backoff_s = min(PLANNER_RESTART_MAX_S, wait * 2)
+        self._planner_restart_at = now + wait
+        print(
+            f"rackserve up: {p.exited()}\nrackserve up: starting the planner again in {wait:.0f}s", flush=True
+        )
+
+    def _planned_worker_exited(self, p: Proc) -> None:
+        role = p.name.split("-")[0]
+        with self._lock:
+            self.procs.remove(p)
+            if p in self.pools[role]:
+                self.pools[role].remove(p)
+            self._held[role] = self._decision
+        print(
+            f"rackserve up: planner: {p.exited()}\nrackserve up: planner: {p.name} left the {role} pool; "
+            "the next decision starts another",
+            flush=True,
+        )
 
     def wait_ready(self) -> None:
         """Ready means: the frontend answers /health and sees the router and every worker we started."""
@@ -628,10 +778,10 @@ def run(args: argparse.Namespace) -> int:
             flush=True,
         )
         while True:
-            for p in cluster.live():
-                if p.popen.poll() is not None and not p.drained:
-                    print(f"rackserve up: {p.exited()}\nrackserve up: stopping", flush=True)
-                    return 1
+            failed = cluster.watch()
+            if failed is not None:
+                print(f"rackserve up: {failed.exited()}\nrackserve up: stopping", flush=True)
+                return 1
             cluster.serve_spawns(0.5)  # the planner's new workers, forked here (see Cluster.spawn)
     except KeyboardInterrupt:
         print("\nrackserve up: stopping", flush=True)

@@ -299,6 +299,13 @@ class Planner:
     def actual(self) -> tuple[int, int]:
         return len(self.directory.workers("prefill")), len(self.directory.workers("decode"))
 
+    def registered(self) -> dict[str, list[str]]:
+        """The worker ids `actual` counts: a launcher following the plan (`up --planner`) tells its own workers
+        from others registered in the same etcd by them."""
+        return {
+            role: sorted(w.worker_id for w in self.directory.workers(role)) for role in ("prefill", "decode")
+        }
+
     async def _scrape(self, endpoint: str) -> tuple[float, observe.Samples] | None:
         """(when it answered, its samples): the window ends when the numbers were read, not when asked."""
         try:
@@ -619,6 +626,7 @@ class Planner:
                 "leader": self.holder,
                 "scale_mode": self.args.scale_mode,
                 "actual": {"prefill": actual[0], "decode": actual[1]},
+                "registered": self.registered(),
             }
         if self.current is None:
             return {
@@ -626,6 +634,7 @@ class Planner:
                 "scale_mode": self.args.scale_mode,
                 "desired": {"prefill": actual[0], "decode": actual[1]},
                 "actual": {"prefill": actual[0], "decode": actual[1]},
+                "registered": self.registered(),
                 "binding_slo": "none",
                 "candidates": [],
                 "history": [],
@@ -634,6 +643,7 @@ class Planner:
         return {
             **self.current,
             "actual": {"prefill": actual[0], "decode": actual[1]},
+            "registered": self.registered(),
             "history": list(self.history),
         }
 

@@ -504,7 +504,9 @@ def _local_planner(flags: list[str], registered: tuple[int, int]) -> Any:
     p = argparse.ArgumentParser()
     add_arguments(p)
     pools = dict(zip(("prefill", "decode"), registered, strict=True))
-    directory = SimpleNamespace(workers=lambda role: [object()] * pools.get(role, 0))
+    directory = SimpleNamespace(
+        workers=lambda role: [SimpleNamespace(worker_id=f"{role}-{i}") for i in range(pools.get(role, 0))]
+    )
     planner = Planner(p.parse_args(["--scale-mode", "local", *flags]), directory)  # type: ignore[arg-type]
 
     async def measure() -> Observation:
@@ -512,6 +514,18 @@ def _local_planner(flags: list[str], registered: tuple[int, int]) -> Any:
 
     planner.measure = measure  # type: ignore[method-assign]
     return planner
+
+
+def test_the_plan_names_the_registered_workers_it_counts() -> None:
+    """`registered`: the ids `actual` counts, in every shape of the plan, so `up --planner` can tell its own
+    workers from others registered in the same etcd."""
+    planner = _local_planner([], (1, 2))
+    want = {"prefill": ["prefill-0"], "decode": ["decode-0", "decode-1"]}
+    assert planner.plan()["outcome"] == "starting" and planner.plan()["registered"] == want
+    planner.current = {"outcome": "hold"}
+    assert planner.plan()["registered"] == want and planner.plan()["actual"] == {"prefill": 1, "decode": 2}
+    planner.lead("planner-other", False)
+    assert planner.plan()["outcome"] == "standby" and planner.plan()["registered"] == want
 
 
 @pytest.mark.parametrize(
