@@ -7,7 +7,7 @@ comes first; a request still running at the end of the duration is allowed to fi
 
 Token-id prompts go to /v1/completions, chat prompts to /v1/chat/completions, both with `stream: true` and
 `stream_options.include_usage` (the server's token counts win over our estimates). `ignore_eos` is sent too: vLLM
-honours it, rackserve ignores it, so `output_tokens` is what actually arrived. A request succeeds when its stream
+and rackserve honour it, so each answer has the workload's output length. A request succeeds when its stream
 ends with `data: [DONE]`, no choice finished with "abort" or "error", and it took less than `request_timeout_s`
 in all; anything else, an exception included, is that request's error and never stops the run.
 
