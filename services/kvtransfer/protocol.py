@@ -58,7 +58,10 @@ async def recv_message(sock: socket.socket) -> dict[str, Any]:
         raise ValueError(f"control message of {n} bytes exceeds {MAX_MESSAGE_BYTES}")
     body = bytearray(n)
     await recv_exactly(sock, memoryview(body))
-    msg = json.loads(body)
+    try:
+        msg = json.loads(body)
+    except RecursionError as exc:  # "[[[[…": nested past the parser's stack, within the size bound
+        raise ValueError("control message is nested too deeply") from exc
     if not isinstance(msg, dict):
         raise ValueError("control message is not a JSON object")
     return msg

@@ -424,6 +424,11 @@ class KvSink:
                 raise TransferPeerGone(
                     f"producer {ticket.endpoint} went away during {ticket.key} over {backend}: {exc}"
                 ) from exc
+            except ValueError as exc:  # what the grant names does not hold what it says (a short shm segment)
+                raise TransferIntegrityError(
+                    f"producer {ticket.endpoint}'s grant of {ticket.key} over {backend} does not match its data: "
+                    f"{exc}"
+                ) from exc
         finally:
             self._put_back(ticket, sock, reusable)
 
@@ -535,9 +540,13 @@ class KvSink:
                 raise
         loop = asyncio.get_running_loop()
         host, _, port = ticket.endpoint.rpartition(":")
-        sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
-        protocol.tune(sock, self.config.socket_buffer_bytes)
         try:
+            # out of file descriptors is a pull that failed, which the caller rebuilds, not a bug (INTERNAL)
+            sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
+        except OSError as exc:
+            raise TransferPeerGone(f"no socket for producer {ticket.endpoint}: {exc}") from exc
+        try:
+            protocol.tune(sock, self.config.socket_buffer_bytes)
             await loop.sock_connect(sock, (host.strip("[]"), int(port)))
             await protocol.send_message(sock, msg)
             return sock, False

@@ -16,7 +16,6 @@ import hmac
 import itertools
 import json
 import logging
-import os
 import secrets
 import socket
 import time
@@ -55,6 +54,7 @@ from .ticket import (
 )
 
 log = logging.getLogger("rackserve.kvtransfer")
+ACCEPT_RETRY_S = 0.1  # after a failed accept (file descriptors exhausted, say), the next try
 
 
 @dataclass
@@ -92,6 +92,8 @@ class KvSource:
         self.config = config
         self._listener = listener
         self._nixl = nixl
+        # this source's claim on the shm segments it makes (their names, and the lock a sweeper checks)
+        self._shm_owner = shm.Owner(config.shm_dir) if SHM in config.backends else None
         self._pubs: dict[str, _Publication] = {}
         self._preparing: dict[str, bool] = {}  # keys a publish is preparing -> retracted meanwhile
         # publish's encode, copy, checksum and registrations: two at a time (each is a pass over memory)
@@ -261,7 +263,8 @@ class KvSource:
         owner: Any = payload
         segment = None
         if SHM in self.config.backends:
-            segment = shm.Segment(self.config.shm_dir, f"{shm.PREFIX}{os.getpid()}-{uuid.uuid4().hex}", view)
+            assert self._shm_owner is not None
+            segment = shm.Segment(self.config.shm_dir, self._shm_owner.segment_name(), view)
             view.release()
             view, owner = segment.view(), segment
         elif self._nixl is not None and len(view) >= buffers.HUGE_PAGE_BYTES:
@@ -437,10 +440,27 @@ class KvSource:
 
     # --- serving ---
     async def _accept_loop(self) -> None:
+        """Accept control connections for good: a failed accept (out of file descriptors, a connection reset
+        before it was taken) is logged and retried, never the end of the listener (it was until 2026-12-07, and
+        every later pull of this worker's KV then waited out its deadline)."""
         loop = asyncio.get_running_loop()
+        failing = False
         while True:
-            conn, _ = await loop.sock_accept(self._listener)
-            protocol.tune(conn, self.config.socket_buffer_bytes)
+            try:
+                conn, _ = await loop.sock_accept(self._listener)
+            except OSError as exc:
+                if not failing:
+                    log.warning("KV transfer listener: accept failed (%s); retrying", exc)
+                failing = True
+                await asyncio.sleep(ACCEPT_RETRY_S)
+                continue
+            failing = False
+            try:
+                protocol.tune(conn, self.config.socket_buffer_bytes)
+            except OSError as exc:
+                log.debug("KV pull connection dropped before it was served: %s", exc)
+                conn.close()
+                continue
             self._conns.spawn(self._serve(conn))
 
     async def _serve(self, conn: socket.socket) -> None:
@@ -456,6 +476,9 @@ class KvSource:
     async def _serve_one(self, conn: socket.socket, timeout: float) -> bool:
         """One pull: open, reply, data or the sink's read, done. True when the connection may serve another."""
         pub: _Publication | None = None
+        # the publication this reader pinned: only a granted open pins, and only its pin comes off at the end (a
+        # refused open took another reader's pin until 2026-12-07, freeing the bytes under its read)
+        pinned: _Publication | None = None
         nixl_reader = device_reader = False
         try:
             try:
@@ -498,6 +521,7 @@ class KvSource:
                 await protocol.send_message(conn, Refusal(UNAVAILABLE, backend))
                 return True
             pub.pins += 1
+            pinned = pub
             device_reader = reply.cuda_ipc or (reply.nixl is not None and open_.device)
             if self.debug_on_pull is not None:
                 self.debug_on_pull(key)
@@ -526,12 +550,12 @@ class KvSource:
         finally:
             if nixl_reader:
                 self._nixl_readers -= 1
-            if pub is not None and pub.pins > 0:
-                pub.pins -= 1
-                if pub.retracted and pub.pins == 0:
-                    self._free(pub)
-                elif pub.device_served and pub.pins == 0 and pub.device_copy is not None:
-                    self._free_device(pub)
+            if pinned is not None:
+                pinned.pins -= 1
+                if pinned.retracted and pinned.pins == 0:
+                    self._free(pinned)
+                elif pinned.device_served and pinned.pins == 0 and pinned.device_copy is not None:
+                    self._free_device(pinned)
 
     async def _send_payload(self, conn: socket.socket, view: memoryview) -> None:
         loop = asyncio.get_running_loop()
@@ -586,4 +610,6 @@ class KvSource:
             with contextlib.suppress(Exception):
                 await asyncio.wrap_future(self._nixl.submit(lambda: None))
             await asyncio.to_thread(self._nixl.close)
+        if self._shm_owner is not None:
+            self._shm_owner.close()
         log.info("KV source %s closed", self.endpoint)

@@ -10,6 +10,8 @@ import multiprocessing as mp
 import os
 import signal
 import socket
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -370,9 +372,50 @@ def test_segments_of_a_killed_producer_are_swept_by_the_next_source() -> None:
     assert not any(n.startswith(f"{shm_mod.PREFIX}{pid}-") for n in os.listdir("/dev/shm"))
 
 
+OWNER = """
+import sys, time
+from services.kvtransfer import shm
+owner = shm.Owner("/dev/shm", pid=int(sys.argv[1]))
+segment = shm.Segment("/dev/shm", owner.segment_name(), b"kv" * 1000)
+print(segment.name, flush=True)
+time.sleep(600)
+"""
+
+
+@pytest.mark.cluster
+def test_a_sweep_goes_by_the_owners_lock_not_by_a_pid_from_another_namespace() -> None:
+    """Pods sharing the host's /dev/shm each see their own PIDs (every worker is PID 1 of its pod). Until
+    2026-12-07 a sweep asked whether the pid in a segment's name was alive here: a killed PID-1 worker's
+    segments stayed for good (PID 1 is alive everywhere), and a live worker's whose pid means nothing here
+    were swept under its readers. Stand-ins: owners that name themselves PID 1 and a pid no process has."""
+    owners = {
+        pid: subprocess.Popen([sys.executable, "-c", OWNER, str(pid)], stdout=subprocess.PIPE, text=True)
+        for pid in (1, 4_000_000)
+    }
+    try:
+        names = {pid: p.stdout.readline().strip() for pid, p in owners.items() if p.stdout is not None}
+        assert all(names.values()) and not os.path.exists("/proc/4000000")
+        shm_mod.sweep_orphans("/dev/shm")
+        assert all(os.path.exists(f"/dev/shm/{n}") for n in names.values())  # both owners live
+        owners[1].kill()
+        owners[1].wait()
+        shm_mod.sweep_orphans("/dev/shm")
+        assert not os.path.exists(f"/dev/shm/{names[1]}") and os.path.exists(f"/dev/shm/{names[4_000_000]}")
+        assert not any(
+            n.startswith(names[1].rsplit("-", 1)[0]) for n in os.listdir("/dev/shm")
+        )  # its lock too
+    finally:
+        for p in owners.values():
+            p.kill()
+            p.wait()
+        shm_mod.sweep_orphans("/dev/shm")
+
+
 # --- lifetimes, in one process ---
 def own_segments() -> list[str]:
-    return [n for n in os.listdir("/dev/shm") if n.startswith(f"{shm_mod.PREFIX}{os.getpid()}-")]
+    """This process's shm segments (not the lock files its sources hold)."""
+    mine = f"{shm_mod.PREFIX}{os.getpid()}-"
+    return [n for n in os.listdir("/dev/shm") if n.startswith(mine) and not n.endswith(".lock")]
 
 
 def test_ttl_expiry_retracts_and_unlinks_the_shm_segment() -> None:
