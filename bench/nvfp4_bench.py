@@ -14,6 +14,7 @@ The model-level comparison (perplexity, token agreement) belongs to the engine b
 
 from __future__ import annotations
 
+import argparse
 import platform
 import statistics
 import time
@@ -159,6 +160,10 @@ def report() -> str:
 
 
 def main() -> None:
+    # no options; --help says what it does instead of running it (it takes minutes)
+    argparse.ArgumentParser(
+        prog="python -m bench.nvfp4_bench", description=(__doc__ or "").split("\n\n")[0]
+    ).parse_args()
     text = report()
     print(text)
     RESULTS.parent.mkdir(parents=True, exist_ok=True)
