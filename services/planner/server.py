@@ -332,7 +332,7 @@ class Planner:
             await self._read_traffic({k: ep for k, (role, ep) in sources.items() if role == "frontend"})
         front: observe.Samples = {}
         workers: dict[str, tuple[str, observe.Samples, observe.Samples]] = {}
-        windows: list[float] = []
+        fronts: list[tuple[float, observe.Samples]] = []  # per frontend: its window and its deltas over it
         fresh: dict[str, tuple[float, observe.Samples]] = {}
         for (key, (role, _)), answer in zip(sources.items(), got, strict=True):
             prev = self.prev.get(key)
@@ -346,15 +346,21 @@ class Planner:
             if role == "frontend":
                 if prev is None:
                     continue  # a frontend first seen now: its counters span its whole life, not a window
-                windows.append(now - prev[0])
-                for k, v in d.items():
-                    front[k] = front.get(k, 0.0) + v
+                fronts.append((now - prev[0], d))
             else:
                 workers[key] = (role, d, samples)
-        if not windows or max(windows) <= 0:
+        window = max((span for span, _ in fronts), default=0.0)
+        if window <= 0:
             self.prev = fresh
             return None
-        obs = observe.observation(front, workers, max(windows))
+        for span, d in fronts:
+            # Frontends' windows differ where a scrape failed (its window is since its last good one): each
+            # frontend's counts are scaled to the common window, so their rates add up. Summed as they were,
+            # over the longest window, a frontend that answered every time counted for less (until 2026-12-07).
+            scale = window / span if span > 0 else 0.0
+            for k, v in d.items():
+                front[k] = front.get(k, 0.0) + v * scale
+        obs = observe.observation(front, workers, window)
         if self._sizable(obs):
             self.prev = fresh
         else:  # keep the window open; only sources first seen now start from here

@@ -326,6 +326,49 @@ def test_a_scrape_that_trickles_is_cut_at_its_deadline() -> None:
     assert scraped_s < SCRAPE_TIMEOUT_S + 5 and read_s < SCRAPE_TIMEOUT_S + 5
 
 
+def test_frontends_whose_windows_differ_add_up_to_the_clusters_rate() -> None:
+    """Two frontends at 1 request/s each; one scrape of frontend A fails, so A's next window is twice B's. Their
+    counts were summed over the longest window (90 requests in 60 s: 1.5/s, until 2026-12-07); each is now scaled
+    to the common window, and the rate is the cluster's 2/s."""
+    from types import SimpleNamespace
+
+    from services.planner.server import Planner, add_arguments
+
+    arrived = (f"{observe._hist_name(m.PROMPT_TOKENS_PER_REQUEST)}_count", ())
+    finished = (f"{observe._hist_name(m.OUTPUT_TOKENS_PER_REQUEST)}_count", ())
+    # per round, per frontend: (scrape time, requests so far), or None for a failed scrape
+    rounds = [
+        {"a": (0.0, 0), "b": (0.0, 0)},
+        {"a": None, "b": (30.0, 30)},
+        {"a": (60.0, 60), "b": (60.0, 60)},
+    ]
+    frontends = [SimpleNamespace(worker_id=f, epoch=1, endpoint=f) for f in ("a", "b")]
+    p = argparse.ArgumentParser()
+    add_arguments(p)
+    planner = Planner(
+        p.parse_args([]), SimpleNamespace(workers=lambda role: frontends if role == "frontend" else [])
+    )  # type: ignore[arg-type]
+    at = iter(range(len(rounds) * 2))
+
+    async def scrape(endpoint: str) -> tuple[float, observe.Samples] | None:
+        answer = rounds[next(at) // 2][endpoint]
+        return (
+            None if answer is None else (answer[0], {arrived: float(answer[1]), finished: float(answer[1])})
+        )
+
+    planner._scrape = scrape  # type: ignore[method-assign]
+
+    async def go() -> list[Observation | None]:
+        try:
+            return [await planner.measure() for _ in rounds]
+        finally:
+            await planner.close()
+
+    first, second, third = asyncio.run(go())
+    assert first is None and second is not None and second.rate_rps == pytest.approx(1.0)  # B alone, 30 s
+    assert third is not None and third.window_s == 60.0 and third.rate_rps == pytest.approx(2.0)
+
+
 class _MetricsServer(ThreadingHTTPServer):
     """A real HTTP server answering /metrics with a registry's Prometheus text, as a frontend does."""
 
