@@ -164,17 +164,19 @@ def test_a_malformed_message_is_refused_naming_what_is_wrong(parse: Any, msg: di
     assert isinstance(caught.value, ValueError)  # the framing's errors and the messages' are handled alike
 
 
-def test_a_real_source_refuses_a_malformed_open_with_a_clear_error_and_still_serves_a_good_one() -> None:
-    async def exchange(endpoint: str, frame: bytes) -> dict[str, Any]:
-        host, _, port = endpoint.rpartition(":")
-        sock = socket.create_connection((host, int(port)), timeout=5)
-        try:
-            sock.setblocking(False)
-            await asyncio.get_running_loop().sock_sendall(sock, frame)
-            return await asyncio.wait_for(protocol.recv_message(sock), 5)
-        finally:
-            sock.close()
+async def exchange(endpoint: str, frame: bytes) -> dict[str, Any]:
+    """Send one framed message to a real source on a connection of its own; its reply."""
+    host, _, port = endpoint.rpartition(":")
+    sock = socket.create_connection((host, int(port)), timeout=5)
+    try:
+        sock.setblocking(False)
+        await asyncio.get_running_loop().sock_sendall(sock, frame)
+        return await asyncio.wait_for(protocol.recv_message(sock), 5)
+    finally:
+        sock.close()
 
+
+def test_a_real_source_refuses_a_malformed_open_with_a_clear_error_and_still_serves_a_good_one() -> None:
     async def go() -> None:
         source = await KvSource.start(TransferConfig(backends=(TCP,)))
         sink = await KvSink.start(TransferConfig(backends=(TCP,)))
@@ -206,15 +208,8 @@ def test_only_the_ticket_reads_a_publication_and_a_guess_learns_not_even_that_it
     knows the key but not the serial — none, the public part of it, another publication's — gets the very reply
     an unpublished key gets, and the ticket's holder still reads the bytes."""
 
-    async def exchange(endpoint: str, msg: dict[str, Any]) -> dict[str, Any]:
-        host, _, port = endpoint.rpartition(":")
-        sock = socket.create_connection((host, int(port)), timeout=5)
-        try:
-            sock.setblocking(False)
-            await asyncio.get_running_loop().sock_sendall(sock, frame_as_before(msg))
-            return await asyncio.wait_for(protocol.recv_message(sock), 5)
-        finally:
-            sock.close()
+    async def ask(endpoint: str, msg: dict[str, Any]) -> dict[str, Any]:
+        return await exchange(endpoint, frame_as_before(msg))
 
     async def go() -> None:
         source = await KvSource.start(TransferConfig(backends=(TCP,)))
@@ -224,16 +219,16 @@ def test_only_the_ticket_reads_a_publication_and_a_guess_learns_not_even_that_it
             other = await source.publish("req-2/kv", b"other kv" * 100, ttl_s=30)
             public, _, secret = ticket.serial.rpartition("-")
             assert len(secret) == 32 and public  # 128 random bits after the source's id and counter
-            unpublished = await exchange(
+            unpublished = await ask(
                 source.endpoint, {"op": "open", "key": "req-3/kv", "serial": "", "backend": "tcp"}
             )
             assert unpublished == {"ok": False, "error": "not_found", "detail": "req-3/kv"}
             for guess in ("", public, public + "-" + "0" * 32, other.serial, ticket.serial + "0"):
-                reply = await exchange(
+                reply = await ask(
                     source.endpoint, {"op": "open", "key": "req-1/kv", "serial": guess, "backend": "tcp"}
                 )
                 assert reply == {"ok": False, "error": "not_found", "detail": "req-1/kv"}, guess
-            no_serial = await exchange(source.endpoint, {"op": "open", "key": "req-1/kv", "backend": "tcp"})
+            no_serial = await ask(source.endpoint, {"op": "open", "key": "req-1/kv", "backend": "tcp"})
             assert no_serial == {"ok": False, "error": "bad_request", "detail": "open: missing 'serial'"}
             assert bytes((await sink.pull(ticket, 5.0)).data) == b"secret kv" * 100
             assert bytes((await sink.pull(other, 5.0)).data) == b"other kv" * 100
