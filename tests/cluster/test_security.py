@@ -278,7 +278,7 @@ def test_rackserve_up_passes_the_key_in_the_environment_not_argv(monkeypatch: py
     spawned: list[tuple[str, list[str], dict[str, str]]] = []
     cluster = Cluster(args)
 
-    def spawn(name: str, cmd: list[str], env: dict[str, str] | None = None) -> Proc:
+    def spawn(name: str, cmd: list[str], env: dict[str, str] | None = None, planned: bool = False) -> Proc:
         spawned.append((name, cmd, env or {}))
         return Proc(name, popen=None)  # type: ignore[arg-type]  # nothing started: the argv is what is checked
 
