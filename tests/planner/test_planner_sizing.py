@@ -5,6 +5,7 @@ starts from its own recommendation and keeps to the damping and the budget."""
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import pytest
@@ -211,28 +212,30 @@ def _size_before(run: dict, t: float) -> int:
     return sum([e for e in run["timeline"] if e["t"] < t][-1]["desired"])
 
 
-def test_a_planner_told_the_future_grows_before_a_step_and_serves_more_of_it() -> None:
+@functools.cache
+def _step_case() -> tuple[Profile, list, list, float, dict]:
+    """The trace's second half at ten times the rate of its first: (profile, specs, hashes, when the step comes,
+    the plain planner's run of it). The plain run is the baseline of the foresight and the floor tests alike."""
     profile = load_profile("h200_node")
     raw = mooncake(load_records(limit=400), scale=1, materialize=False)
-    specs = pe.warp(raw, [0.2, 2])  # the second half of the trace at ten times the rate of the first
+    specs = pe.warp(raw, [0.2, 2])
     hashes = block_hashes_for(specs, profile.block_size)
-    step = _second_half_starts(raw, specs)
-    runs = {fs: _small_planner(specs, hashes, profile, foresight_s=fs) for fs in (0.0, 20.0)}
+    return profile, specs, hashes, _second_half_starts(raw, specs), _small_planner(specs, hashes, profile)
+
+
+def test_a_planner_told_the_future_grows_before_a_step_and_serves_more_of_it() -> None:
+    profile, specs, hashes, step, plain = _step_case()
+    runs = {0.0: plain, 20.0: _small_planner(specs, hashes, profile, foresight_s=20.0)}
     # workers asked for ahead of the step
     assert _size_before(runs[20.0], step) > _size_before(runs[0.0], step)
     assert runs[20.0]["good"] > runs[0.0]["good"] and runs[20.0]["errors"] == runs[0.0]["errors"] == 0
 
 
 def test_a_floor_over_the_step_holds_the_pools_at_it_and_serves_more_of_the_step() -> None:
-    profile = load_profile("h200_node")
-    raw = mooncake(load_records(limit=400), scale=1, materialize=False)
-    specs = pe.warp(raw, [0.2, 2])
-    hashes = block_hashes_for(specs, profile.block_size)
-    step = _second_half_starts(raw, specs)
-    floor = Floor(
-        int(step) - 20, int(step) + 30, 4, 1
-    )  # asked for a start-up (10 s) and more ahead of the step
-    runs = {n: _small_planner(specs, hashes, profile, floors=[floor] if n else []) for n in (0, 1)}
+    profile, specs, hashes, step, plain = _step_case()
+    # asked for a start-up (10 s) and more ahead of the step
+    floor = Floor(int(step) - 20, int(step) + 30, 4, 1)
+    runs = {0: plain, 1: _small_planner(specs, hashes, profile, floors=[floor])}
     inside = [e for e in runs[1]["timeline"] if step <= e["t"] < floor.end_s]
     assert inside and all(e["desired"][0] >= 4 and e["desired"][1] >= 1 for e in inside)
     assert _size_before(runs[1], step) >= 5 > _size_before(runs[0], step)
