@@ -5,7 +5,9 @@ starts from its own recommendation and keeps to the damping and the budget."""
 
 from __future__ import annotations
 
+import concurrent.futures
 import functools
+import multiprocessing
 from typing import Any
 
 import pytest
@@ -207,35 +209,50 @@ def _small_planner(specs: list, hashes: list, profile: Profile, **kw: Any) -> di
                           scale_down_window_s=30.0, **kw)  # fmt: skip
 
 
+def _small_planners(
+    specs: list, hashes: list, profile: Profile, variants: dict[Any, dict]
+) -> dict[Any, dict]:
+    """`_small_planner` of each variant's `kw`, two at a time in processes of their own: each run is a
+    single-threaded simulation of tens of seconds, and the suite otherwise leaves the second core idle."""
+    ctx = multiprocessing.get_context("spawn")  # no fork of a process that may hold gRPC or torch threads
+    with concurrent.futures.ProcessPoolExecutor(2, mp_context=ctx) as pool:
+        jobs = {k: pool.submit(_small_planner, specs, hashes, profile, **kw) for k, kw in variants.items()}
+        return {k: job.result() for k, job in jobs.items()}
+
+
 def _size_before(run: dict, t: float) -> int:
     """The workers the planner's last decision before `t` wanted."""
     return sum([e for e in run["timeline"] if e["t"] < t][-1]["desired"])
 
 
 @functools.cache
-def _step_case() -> tuple[Profile, list, list, float, dict]:
-    """The trace's second half at ten times the rate of its first: (profile, specs, hashes, when the step comes,
-    the plain planner's run of it). The plain run is the baseline of the foresight and the floor tests alike."""
+def _step_case() -> tuple[float, Floor, dict[str, dict]]:
+    """The trace's second half at ten times the rate of its first: (when the step comes, a floor over it, the
+    planner's runs of it: plain, with foresight, with the floor). The plain run is the baseline of the foresight
+    and the floor tests alike."""
     profile = load_profile("h200_node")
     raw = mooncake(load_records(limit=400), scale=1, materialize=False)
     specs = pe.warp(raw, [0.2, 2])
     hashes = block_hashes_for(specs, profile.block_size)
-    return profile, specs, hashes, _second_half_starts(raw, specs), _small_planner(specs, hashes, profile)
+    step = _second_half_starts(raw, specs)
+    # asked for a start-up (10 s) and more ahead of the step
+    floor = Floor(int(step) - 20, int(step) + 30, 4, 1)
+    runs = _small_planners(specs, hashes, profile, {"plain": {}, "foresight": {"foresight_s": 20.0},
+                                                     "floor": {"floors": [floor]}})  # fmt: skip
+    return step, floor, runs
 
 
 def test_a_planner_told_the_future_grows_before_a_step_and_serves_more_of_it() -> None:
-    profile, specs, hashes, step, plain = _step_case()
-    runs = {0.0: plain, 20.0: _small_planner(specs, hashes, profile, foresight_s=20.0)}
+    step, _, both = _step_case()
+    runs = {0.0: both["plain"], 20.0: both["foresight"]}
     # workers asked for ahead of the step
     assert _size_before(runs[20.0], step) > _size_before(runs[0.0], step)
     assert runs[20.0]["good"] > runs[0.0]["good"] and runs[20.0]["errors"] == runs[0.0]["errors"] == 0
 
 
 def test_a_floor_over_the_step_holds_the_pools_at_it_and_serves_more_of_the_step() -> None:
-    profile, specs, hashes, step, plain = _step_case()
-    # asked for a start-up (10 s) and more ahead of the step
-    floor = Floor(int(step) - 20, int(step) + 30, 4, 1)
-    runs = {0: plain, 1: _small_planner(specs, hashes, profile, floors=[floor])}
+    step, floor, both = _step_case()
+    runs = {0: both["plain"], 1: both["floor"]}
     inside = [e for e in runs[1]["timeline"] if step <= e["t"] < floor.end_s]
     assert inside and all(e["desired"][0] >= 4 and e["desired"][1] >= 1 for e in inside)
     assert _size_before(runs[1], step) >= 5 > _size_before(runs[0], step)
@@ -270,12 +287,11 @@ def test_a_planner_that_learned_yesterday_grows_before_todays_step_and_serves_mo
     specs, day_s = pe.repeat_days(one, 2)
     hashes = block_hashes_for(specs, profile.block_size)
     step = day_s + _second_half_starts(raw, one, 1 / 3)  # the second day's step
-    runs = {
-        name: _small_planner(
-            specs, hashes, profile, forecast=make_forecast(name, 13.0, season_s=day_s, span_s=15.0, seasons=1)
-        )
+    forecasts = {
+        name: make_forecast(name, 13.0, season_s=day_s, span_s=15.0, seasons=1)
         for name in ("none", "seasonal")
     }
+    runs = _small_planners(specs, hashes, profile, {name: {"forecast": f} for name, f in forecasts.items()})
     # day 1: nothing measured a day ago, so the two decide alike up to its step
     assert _size_before(runs["seasonal"], step - day_s) == _size_before(runs["none"], step - day_s)
     # day 2: the seasonal one asks for workers ahead of the step, and more of the day's requests are served well
