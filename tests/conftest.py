@@ -103,6 +103,19 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             item.add_marker(pytest.mark.cluster)
 
 
+def pytest_collection_finish(session: pytest.Session) -> None:
+    """A test module may define `start_early()`: a long child process it needs (one that computes alone, a
+    single-threaded minute), started here, once the selection is known, so that it runs beside the tests before
+    it instead of alone when the module's turn comes. Only for modules with a selected test; never when only
+    collecting."""
+    if session.config.option.collectonly or _FAST:
+        return
+    for module in {id(m): m for m in (getattr(i, "module", None) for i in session.items) if m}.values():
+        start = getattr(module, "start_early", None)
+        if callable(start):
+            start()
+
+
 def _refuse_processes() -> None:
     import subprocess
 

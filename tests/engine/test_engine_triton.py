@@ -8,10 +8,14 @@ other test modules import triton for real, so the engines run in a child process
 
 from __future__ import annotations
 
+import atexit
 import json
 import os
 import subprocess
 import sys
+import tempfile
+from collections.abc import Iterator
+from typing import Any
 
 import pytest
 
@@ -148,16 +152,39 @@ def _child() -> None:
     print(json.dumps(result))
 
 
-@pytest.fixture(scope="module")
-def res() -> dict:
-    """Both engines' outputs, from one child process."""
+_child_proc: list[tuple[subprocess.Popen[bytes], Any, Any]] = []
+
+
+def start_early() -> None:
+    """The child (~40 s alone on the interpreter), started when the suite's selection is known (conftest), so it
+    runs beside the tests before this module's; its output goes to files (a pipe nobody reads could fill)."""
+    if _child_proc:
+        return
     env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(REPO)}
-    proc = subprocess.run(
-        [sys.executable, __file__, "--child"], capture_output=True, text=True, timeout=600, env=env, cwd=REPO
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    res = json.loads(proc.stdout.strip().splitlines()[-1])
-    return res
+    out, err = tempfile.TemporaryFile(), tempfile.TemporaryFile()
+    proc = subprocess.Popen([sys.executable, __file__, "--child"], stdout=out, stderr=err, env=env, cwd=REPO)
+    _child_proc.append((proc, out, err))
+    # a session that ends before this module runs (-x, a Ctrl-C) does not leave it running
+    atexit.register(lambda: proc.poll() is None and proc.kill())
+
+
+@pytest.fixture(scope="module")
+def res() -> Iterator[dict]:
+    """Both engines' outputs, from one child process."""
+    start_early()
+    proc, out, err = _child_proc[0]
+    try:
+        proc.wait(timeout=600)
+        out.seek(0)
+        err.seek(0)
+        assert proc.returncode == 0, err.read().decode(errors="replace")[-3000:]
+        yield json.loads(out.read().decode().strip().splitlines()[-1])
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        out.close()
+        err.close()
 
 
 def test_triton_decode_attention_in_the_engine_gives_the_torch_paths_tokens(res):

@@ -242,6 +242,7 @@ def _step_case() -> tuple[float, Floor, dict[str, dict]]:
     return step, floor, runs
 
 
+@pytest.mark.cluster  # its planner runs go to child processes
 def test_a_planner_told_the_future_grows_before_a_step_and_serves_more_of_it() -> None:
     step, _, both = _step_case()
     runs = {0.0: both["plain"], 20.0: both["foresight"]}
@@ -250,6 +251,7 @@ def test_a_planner_told_the_future_grows_before_a_step_and_serves_more_of_it() -
     assert runs[20.0]["good"] > runs[0.0]["good"] and runs[20.0]["errors"] == runs[0.0]["errors"] == 0
 
 
+@pytest.mark.cluster  # its planner runs go to child processes
 def test_a_floor_over_the_step_holds_the_pools_at_it_and_serves_more_of_the_step() -> None:
     step, floor, both = _step_case()
     runs = {0: both["plain"], 1: both["floor"]}
@@ -280,6 +282,7 @@ def test_repeat_days_runs_the_shape_again_with_other_users() -> None:
     assert pe.repeat_days(specs, 1) == (specs, pytest.approx(day_s))
 
 
+@pytest.mark.cluster  # its planner runs go to child processes
 def test_a_planner_that_learned_yesterday_grows_before_todays_step_and_serves_more_of_it() -> None:
     profile = load_profile("h200_node")
     raw = mooncake(load_records(limit=300), scale=1, materialize=False)
