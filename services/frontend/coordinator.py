@@ -345,10 +345,10 @@ class Coordinator:
                     state.advance(Phase.DECODING)
                     # usage counts the cache of the attempt the first token came from: a request rebuilt after
                     # a migration (its prompt plus the tokens already sent) reports its own, not the client's;
-                    # what a prefix pull brought describes the latest plan's pull, as the timeline shows it
-                    if kv is None:
-                        if state.first_token_unix_s is None:
-                            state.cached_tokens = chunk.cached_tokens
+                    # so does what a prefix pull brought, which the timeline shows beside the placement's pull
+                    # (the latest attempt's, beside the first plan's and so above cached_tokens, until 2026-12-07)
+                    if kv is None and state.first_token_unix_s is None:
+                        state.cached_tokens = chunk.cached_tokens
                         state.pulled_tokens = chunk.pulled_tokens
                     if chunk.transfer_backend:
                         state.transfer_bytes, state.transfer_s = chunk.transfer_bytes, chunk.transfer_s

@@ -53,8 +53,10 @@ class ScriptedDecode(pb_grpc.DecodeWorkerServicer):
                 tokens=[pb.Token(token_id=ANSWER[i], index=i)],
                 finished=last,
                 finish_reason="length" if last else "",
-                # a fresh request's prompt partly cached; a resumed one reports none, as a real engine does
+                # a fresh request's prompt partly cached (pulled from a peer); a resumed one reports none, as a
+                # real engine does
                 cached_tokens=(0 if start else 2) if sent == 0 else 0,
+                pulled_tokens=(0 if start else 2) if sent == 0 else 0,
             )
             sent += 1
             i += 1
@@ -157,8 +159,8 @@ def test_a_resumed_worker_that_repeats_a_token_index_does_not_repeat_it_to_the_c
     assert [len(c.emitted_token_ids) for c in decodes["d3"].calls] == [3]
     assert {(r.worker_id, r.worker_epoch) for r in router.reports} == {("d1", 101), ("d2", 102)}
     # usage's cached_tokens is the first attempt's, the one the client's first token came from (a resumed
-    # worker's 0 overwrote it until 2026-12-07)
-    assert state.cached_tokens == 2
+    # worker's 0 overwrote it until 2026-12-07), and so is what a prefix pull brought to it
+    assert state.cached_tokens == 2 and state.pulled_tokens == 2
 
 
 def test_a_worker_that_skips_a_token_index_is_failed_and_the_request_resumes_at_the_gap() -> None:
