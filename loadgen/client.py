@@ -253,7 +253,7 @@ class LoadGenerator:
             status=stream.status,
             error=stream.error,
             ttft_s=arrivals[0] - start if arrivals else None,
-            itl_s=token_gaps(stream.chunks, output_tokens),
+            itl_s=token_gaps(_running_counts(stream.chunks), output_tokens),
             e2e_s=end - start,
             server_request_id=stream.server_id,
             cached_tokens=cached,
@@ -369,6 +369,15 @@ def _stream_error(error: Any) -> tuple[str, int]:
         code = int(code)
     status = code if isinstance(code, int) and not isinstance(code, bool) else 500
     return str(message or "error in stream")[:200], status
+
+
+def _running_counts(chunks: list[tuple[float, int | None]]) -> list[tuple[float, int | None]]:
+    """The chunks, with their token counts only where the server sent a running count (two text chunks or more
+    carried one): a server that puts its final usage on the last text chunk would otherwise have that chunk
+    carry every token of the answer."""
+    if sum(1 for _, k in chunks if k is not None) >= 2:
+        return chunks
+    return [(t, None) for t, _ in chunks]
 
 
 def _content(delta: Any) -> Any:

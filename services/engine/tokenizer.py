@@ -117,8 +117,6 @@ class Tokenizer:
         }
         self._template_vars = {name: text for name, text in named.items() if text is not None}
         self._compiled_template: jinja2.Template | None = None
-        # whether the template writes tools / an assistant's tool_calls into the prompt (probed once, lazily)
-        self._renders: dict[str, bool] = {}
 
     # ---- construction -------------------------------------------------------------------------------------
 
@@ -301,20 +299,39 @@ class Tokenizer:
                 )
         # Like transformers: a key whose value is None is absent (templates test presence, not None).
         chat = [{k: v for k, v in message.items() if v is not None} for message in messages]
-        if tools and not self.template_renders("tools"):
+        tools = tools or None
+        # Whether the template writes the earlier calls and the tools into this very prompt: rendered with and
+        # without them (a probe conversation misjudged templates that show tools only beside a system message,
+        # or that insist on their own call ids); where it makes no difference, they are written here.
+        if any(m.get("tool_calls") for m in chat):
+            bare = [{k: v for k, v in m.items() if k != "tool_calls"} for m in chat]
+            if not self._differs((chat, tools), (bare, tools), add_generation_prompt):
+                chat = tool_fallback.with_calls_as_text(chat)
+        if tools and not self._differs((chat, tools), (chat, None), add_generation_prompt):
             chat, tools = tool_fallback.with_tools(chat, tools), None
-        if any(m.get("tool_calls") for m in chat) and not self.template_renders("tool_calls"):
-            chat = tool_fallback.with_calls_as_text(chat)
         try:
-            return self._template().render(
-                messages=chat,
-                tools=tools or None,
-                documents=None,
-                add_generation_prompt=add_generation_prompt,
-                **self._template_vars,
-            )
+            return self._render(chat, tools, add_generation_prompt)
         except jinja2.TemplateError as exc:
             raise ChatTemplateError(f"chat template rejected the messages: {exc}") from exc
+
+    def _render(self, chat: list[dict], tools: list[dict] | None, add_generation_prompt: bool) -> str:
+        return self._template().render(
+            messages=chat,
+            tools=tools,
+            documents=None,
+            add_generation_prompt=add_generation_prompt,
+            **self._template_vars,
+        )
+
+    def _differs(
+        self, a: tuple[list[dict], list[dict] | None], b: tuple[list[dict], list[dict] | None], gen: bool
+    ) -> bool:
+        """Whether the (messages, tools) pairs `a` and `b` render differently; a render that fails counts as
+        different (the template cares: the final render reports its error)."""
+        try:
+            return self._render(*a, gen) != self._render(*b, gen)
+        except jinja2.TemplateError:
+            return True
 
     def _template(self) -> jinja2.Template:
         if self._compiled_template is None:
@@ -324,25 +341,6 @@ class Tokenizer:
             except jinja2.TemplateError as exc:
                 raise ChatTemplateError(f"the model's chat template does not compile: {exc}") from exc
         return self._compiled_template
-
-    def template_renders(self, what: str) -> bool:
-        """Whether the chat template writes `what` ("tools", or "tool_calls" of an assistant message) into the
-        prompt: a probe conversation naming a function only there is rendered once and searched for its
-        name. A template that fails on the probe does not (the fallback's messages are plain ones)."""
-        if what not in self._renders:
-            try:
-                chat, tools = tool_fallback.probe(what)
-                text = self._template().render(
-                    messages=chat,
-                    tools=tools,
-                    documents=None,
-                    add_generation_prompt=True,
-                    **self._template_vars,
-                )
-                self._renders[what] = tool_fallback.PROBE_NAME in text
-            except jinja2.TemplateError:
-                self._renders[what] = False
-        return self._renders[what]
 
     def encode_chat(self, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
         """Ids of the chat-templated prompt. The template writes its own special tokens, so none are added."""

@@ -2,9 +2,10 @@
 
 A model's chat template decides how offered tools and an assistant's earlier calls appear in the prompt. Many
 small models' templates (SmolLM2's among them) render neither: the tools and the calls vanish, and a request
-that offers tools becomes, silently, a chat without them. Where the template is such a one (the tokenizer probes
-it once, `Tokenizer.template_renders`), the prompt says what the template would not, in the Hermes format — the
-one the frontend's `auto` parser reads back (`services/frontend/output.py: parse_tool_calls`):
+that offers tools becomes, silently, a chat without them. Where the template renders a request the same with
+them as without them (`Tokenizer.apply_chat_template` renders it both ways), the prompt says what the template
+would not, in the Hermes format — the one the frontend's `auto` parser reads back
+(`services/frontend/output.py: parse_tool_calls`):
 
 - the tools, as JSON lines inside `<tools></tools>` with how to call them, at the end of the first system
   message (a system message of their own first, if the chat has none);
@@ -18,9 +19,6 @@ from __future__ import annotations
 
 import json
 from typing import Any
-
-# a function name no real request offers: the probe looks for it in the rendered prompt
-PROBE_NAME = "rackserve_template_probe"
 
 _TOOLS_INTRO = (
     "# Tools\n\n"
@@ -74,20 +72,3 @@ def with_calls_as_text(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
         rest["content"] = f"{text}\n{blocks}" if text else blocks
         out.append(rest)
     return out
-
-
-def probe(what: str) -> tuple[list[dict[str, Any]], list[dict[str, Any]] | None]:
-    """A conversation (and tools) that names PROBE_NAME only in `what`: "tools" or "tool_calls"."""
-    function = {
-        "name": PROBE_NAME,
-        "description": "probe",
-        "parameters": {"type": "object", "properties": {}},
-    }
-    ask = {"role": "user", "content": "hello"}
-    if what == "tools":
-        return [ask], [{"type": "function", "function": function}]
-    if what == "tool_calls":
-        call = {"id": "call_0", "type": "function", "function": {"name": PROBE_NAME, "arguments": {}}}
-        answer = {"role": "assistant", "content": "", "tool_calls": [call]}
-        return [ask, answer, {"role": "tool", "tool_call_id": "call_0", "content": "ok"}, ask], None
-    raise ValueError(f"no probe for {what!r}")

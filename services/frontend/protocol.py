@@ -65,14 +65,18 @@ class ChatMessage(_Request):
 
     tool_calls: list[ToolCallParam] | None = None  # an assistant's earlier calls
     tool_call_id: str | None = None  # a tool message: the call it answers
+    # an assistant's earlier call in OpenAI's older functions API: rendered as the one tool call it is
+    function_call: FunctionCallParam | None = None
 
     @model_validator(mode="after")
     def _complete(self) -> ChatMessage:
         """What OpenAI requires of each role (a 400 there, and until 2026-12-07 an empty turn here): content,
-        except an assistant's that makes calls; and a tool message names the call it answers."""
-        if self.content is None and not (self.role == "assistant" and self.tool_calls):
+        except an assistant's that makes calls (`tool_calls`, or the older `function_call`); and a tool message
+        names the call it answers."""
+        calls = self.tool_calls or self.function_call is not None
+        if self.content is None and not (self.role == "assistant" and calls):
             if self.role == "assistant":
-                raise ValueError("an assistant message needs content or tool_calls")
+                raise ValueError("an assistant message needs content, tool_calls or function_call")
             raise ValueError(f"a {self.role} message needs content")
         if self.role == "tool" and not self.tool_call_id:
             raise ValueError("a tool message needs tool_call_id, the id of the call it answers")
@@ -89,11 +93,14 @@ class ChatMessage(_Request):
         out: dict[str, Any] = {"role": role, "content": text}
         if self.name is not None:
             out["name"] = self.name
-        if self.tool_calls:
+        calls = self.tool_calls or []
+        if not calls and self.function_call is not None:
+            calls = [ToolCallParam(id=f"call_{self.function_call.name}", function=self.function_call)]
+        if calls:
             out["tool_calls"] = [
                 {"id": c.id, "type": "function",
                  "function": {"name": c.function.name, "arguments": _json_or_text(c.function.arguments)}}
-                for c in self.tool_calls
+                for c in calls
             ]  # fmt: skip
         if self.tool_call_id is not None:
             out["tool_call_id"] = self.tool_call_id

@@ -88,12 +88,18 @@ class _Publication:
 class KvSource:
     """Holds published payloads and serves pulls. Create with `await KvSource.start(config)`."""
 
-    def __init__(self, config: TransferConfig, listener: socket.socket, nixl: NixlAgent | None) -> None:
+    def __init__(
+        self,
+        config: TransferConfig,
+        listener: socket.socket,
+        nixl: NixlAgent | None,
+        shm_owner: shm.Owner | None = None,
+    ) -> None:
         self.config = config
         self._listener = listener
         self._nixl = nixl
         # this source's claim on the shm segments it makes (their names, and the lock a sweeper checks)
-        self._shm_owner = shm.Owner(config.shm_dir) if SHM in config.backends else None
+        self._shm_owner = shm_owner
         self._pubs: dict[str, _Publication] = {}
         self._preparing: dict[str, bool] = {}  # keys a publish is preparing -> retracted meanwhile
         # publish's encode, copy, checksum and registrations: two at a time (each is a pass over memory)
@@ -121,14 +127,17 @@ class KvSource:
     @classmethod
     async def start(cls, config: TransferConfig | None = None) -> KvSource:
         config = config or TransferConfig()
+        owner = None
+        if SHM in config.backends:
+            shm.sweep_orphans(config.shm_dir)
+            # first: a shm_dir it cannot write fails the start with nothing left open
+            owner = shm.Owner(config.shm_dir)
         nixl = open_agent_if_enabled(
             "source", NIXL in config.backends, config.nixl_progress_thread, config.nixl_log_level
         )
-        if SHM in config.backends:
-            shm.sweep_orphans(config.shm_dir)
         listener = socket.create_server((config.host, config.port), backlog=128)
         listener.setblocking(False)
-        source = cls(config, listener, nixl)
+        source = cls(config, listener, nixl, owner)
         log.info("KV source listening on %s, backends %s", source.endpoint, sorted(source.advertise()))
         return source
 

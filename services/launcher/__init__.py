@@ -507,8 +507,9 @@ class Cluster:
         """How many workers of `role` this launcher should run for the decision. The planner's `desired` counts
         every worker registered in etcd, this launcher's and any other's (started by hand, another `up` on the
         same etcd); the decision names the registered ones (`registered`, read with `actual`), so the others are
-        those not among this launcher's processes (its draining ones included, registered until they exit), and
-        its own pool is given `desired` less them. Its workers still loading are in its pool and not yet
+        those not among this launcher's processes (its draining ones included: a worker deregisters as its
+        drain begins, but the decision may have been read before), and its own pool is given `desired` less
+        them. Its workers still loading are in its pool and not yet
         registered: counted once."""
         want = int(plan["desired"][role])
         registered = plan.get("registered")

@@ -402,7 +402,7 @@ CALL = {
 }
 TOOL_CHAT = [
     {"role": "user", "content": "Weather in Paris?"},
-    {"role": "assistant", "content": None, "tool_calls": [CALL]},
+    {"role": "assistant", "content": "", "tool_calls": [CALL]},  # as the frontend sends a call's turn
     {"role": "tool", "tool_call_id": "call_1", "content": '{"temperature": 21}'},
 ]
 
@@ -414,7 +414,6 @@ def test_smollm2s_template_drops_tools_so_the_prompt_carries_them_and_the_earlie
     from services.frontend.output import parse_tool_calls
 
     tok = Tokenizer.from_gguf(smollm2_gguf_path())
-    assert not tok.template_renders("tools") and not tok.template_renders("tool_calls")
     bare = tok.apply_chat_template(TOOL_CHAT)
     prompt = tok.apply_chat_template(TOOL_CHAT, tools=[WEATHER_TOOL])
     assert prompt.startswith("<|im_start|>system\n") and prompt != bare
@@ -432,17 +431,49 @@ def test_smollm2s_template_drops_tools_so_the_prompt_carries_them_and_the_earlie
     assert own.startswith("<|im_start|>system\nBe brief.\n\n# Tools") and own.count("<|im_start|>system") == 1
 
 
+RENDERS_BOTH = (
+    "{% if tools %}{{ tools | tojson }}\n{% endif %}{% for m in messages %}{{ m.role }}: {{ m.content }}"
+    "{% for c in m.tool_calls or [] %}[{{ c.function.name }}({{ c.function.arguments | tojson }})]{% endfor %}"
+    "\n{% endfor %}"
+)
+# tools only beside a system message (as some templates write them into it)
+TOOLS_IN_SYSTEM = (
+    "{% for m in messages %}{{ m.role }}: {{ m.content }}{% if m.role == 'system' and tools %} {{ tools | tojson }}"
+    "{% endif %}{% for c in m.tool_calls or [] %}[{{ c.function.name }}]{% endfor %}\n{% endfor %}"
+)
+# call ids of exactly 9 characters, or it refuses (as Mistral's templates do)
+OWN_IDS = (
+    "{% if tools %}[AVAILABLE_TOOLS]{{ tools | tojson }}\n{% endif %}"
+    "{% for m in messages %}{% for c in m.tool_calls or [] %}{% if c.id | length != 9 %}"
+    "{{ raise_exception('call ids are 9 characters') }}{% endif %}[TOOL_CALLS]{{ c.function.name }}{% endfor %}"
+    "{{ m.role }}: {{ m.content }}\n{% endfor %}"
+)
+
+
+@pytest.mark.parametrize(
+    ("template", "messages"),
+    [
+        (RENDERS_BOTH, TOOL_CHAT),
+        (TOOLS_IN_SYSTEM, [{"role": "system", "content": "Be brief."}, *TOOL_CHAT]),
+        (
+            OWN_IDS,
+            [
+                {**m, "tool_calls": [{**CALL, "id": "abcdefghi"}]} if m.get("tool_calls") else m
+                for m in TOOL_CHAT
+            ],
+        ),
+    ],
+    ids=["renders-both", "tools-beside-a-system-message", "its-own-call-ids"],
+)
 def test_a_template_that_renders_tools_and_calls_renders_them_itself_as_transformers_does(
-    tok: Tokenizer, reference
+    tok: Tokenizer, reference, template: str, messages: list[dict]
 ) -> None:
-    template = (
-        "{% if tools %}{{ tools | tojson }}\n{% endif %}{% for m in messages %}{{ m.role }}: {{ m.content }}"
-        "{% for c in m.tool_calls or [] %}[{{ c.function.name }}({{ c.function.arguments | tojson }})]{% endfor %}"
-        "\n{% endfor %}"
-    )
+    """Whether a template renders the tools and calls is judged on the request itself (rendered with and without
+    them): a probe conversation of our own misjudged a template that writes tools only beside a system message,
+    and one that refuses call ids not of its own shape (the desk review, 2026-12-07)."""
     ours = Tokenizer(tok._backend, chat_template=template)
-    assert ours.template_renders("tools") and ours.template_renders("tool_calls")
     expected = reference.apply_chat_template(
-        TOOL_CHAT, tools=[WEATHER_TOOL], chat_template=template, tokenize=False, add_generation_prompt=False
+        messages, tools=[WEATHER_TOOL], chat_template=template, tokenize=False, add_generation_prompt=False
     )
-    assert ours.apply_chat_template(TOOL_CHAT, tools=[WEATHER_TOOL], add_generation_prompt=False) == expected
+    assert ours.apply_chat_template(messages, tools=[WEATHER_TOOL], add_generation_prompt=False) == expected
+    assert "<tool_call>" not in expected and "<tools>" not in expected

@@ -1219,7 +1219,7 @@ def test_no_router_is_503_with_retry_after(lonely: tuple[str, str]) -> None:
             400,
             "messages[1]",
             "invalid_value",
-            "an assistant message needs content or tool_calls",
+            "an assistant message needs content, tool_calls or function_call",
         ),
         (
             {
@@ -1593,8 +1593,8 @@ async def _load(endpoint: str, condition: Callable[[pb.LoadSnapshot], bool], tim
 
 def test_the_sdk_retrieves_the_served_model_and_a_missing_one_is_a_404(tokenizer: Tokenizer) -> None:
     """`client.models.retrieve` (GET /v1/models/{model}, a 404 for every id until 2026-12-07): the served model's
-    card; another id is OpenAI's 404 model_not_found; a key restricted to other models gets the 403 a generation
-    request for it gets."""
+    card; another id is OpenAI's 404 model_not_found, and so is the served model for a key restricted to other
+    models (the list leaves it out for that key too)."""
     import openai
 
     from services.frontend.auth import ApiKey, AuthConfig
@@ -1610,8 +1610,9 @@ def test_the_sdk_retrieves_the_served_model_and_a_missing_one_is_a_404(tokenizer
             client.models.retrieve("gpt-4o")
         assert missing.value.body["code"] == "model_not_found" and missing.value.body["param"] == "model"
         other = openai.OpenAI(base_url=f"{c.url}/v1", api_key="sk-other-model-2", max_retries=0)
-        with pytest.raises(openai.PermissionDeniedError):
+        with pytest.raises(openai.NotFoundError) as hidden:
             other.models.retrieve(MODEL)
+        assert hidden.value.body["code"] == "model_not_found" and other.models.list().data == []
         assert httpx.get(f"{c.url}/v1/models/{MODEL}").status_code == 401  # no key, no card
 
 

@@ -165,3 +165,21 @@ def test_a_tool_choice_the_tools_cannot_meet_is_refused_naming_it(extra: dict) -
     with pytest.raises(StructuredError) as e:
         body.check_tools()
     assert e.value.param == "tool_choice"
+
+
+def test_an_assistant_turn_of_the_older_functions_api_is_its_call() -> None:
+    """OpenAI asks an assistant message for content "unless tool_calls or function_call is specified": a history
+    from the older functions API (content null, a function_call) is its one call in the prompt, not a 400."""
+    legacy = ChatMessage.model_validate(
+        {
+            "role": "assistant",
+            "content": None,
+            "function_call": {"name": "get_weather", "arguments": '{"city": "Paris"}'},
+        }
+    )
+    assert legacy.as_template_input()["tool_calls"] == [
+        {"id": "call_get_weather", "type": "function",
+         "function": {"name": "get_weather", "arguments": {"city": "Paris"}}}
+    ]  # fmt: skip
+    with pytest.raises(ValueError, match="needs content, tool_calls or function_call"):
+        ChatMessage.model_validate({"role": "assistant", "content": None})

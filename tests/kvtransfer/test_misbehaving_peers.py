@@ -207,3 +207,34 @@ def test_an_open_nested_past_the_parsers_stack_is_dropped_quietly_and_the_source
     errors, data = asyncio.run(at_a_source())
     assert errors == [] and data == b"ok" * 100
     assert [r.getMessage() for r in caplog.records if r.levelname == "ERROR"] == []
+
+
+def test_a_sink_out_of_file_descriptors_fails_the_pull_as_a_transfer_error(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """No socket for a new connection (EMFILE) was a bare OSError out of the pull: the decode worker answered
+    INTERNAL instead of rebuilding the request."""
+    from services.kvtransfer import sink as sink_mod
+
+    async def go() -> BaseException:
+        source = await KvSource.start(TransferConfig(backends=(TCP,)))
+        sink = await KvSink.start(TransferConfig(backends=(TCP,)))
+        try:
+            ticket = await source.publish("no-fds", b"kv" * 100, ttl_s=30)
+
+            def no_fds(*_: Any, **__: Any) -> socket.socket:
+                raise OSError(24, "Too many open files")
+
+            monkeypatch.setattr(sink_mod.socket, "socket", no_fds)
+            try:
+                await sink.pull(ticket, 3.0)
+            except BaseException as exc:  # noqa: BLE001 - the test looks at whatever came out
+                return exc
+            raise AssertionError("the pull returned data")
+        finally:
+            monkeypatch.undo()
+            await sink.close()
+            await source.close()
+
+    error = asyncio.run(go())
+    assert isinstance(error, TransferPeerGone) and "Too many open files" in str(error), repr(error)

@@ -164,6 +164,17 @@ def test_itl_over_a_real_stream_has_one_gap_per_token_after_the_first():
     assert len(at_end_gaps) == 11 and 0 < max(at_end_gaps) < 0.1
 
 
+def test_a_final_usage_on_the_last_text_chunk_is_the_answers_count_not_that_chunks():
+    """4 one-token chunks 100 ms apart, the last also carrying the answer's usage (4 tokens): 3 gaps of about
+    100 ms (the last chunk was taken to hold all 4 tokens, 6 gaps, until the desk review of 2026-12-07)."""
+    script = [(0.1, chunk("ab")) for _ in range(3)]
+    script += [(0.1, chunk("ab", usage={"prompt_tokens": 8, "completion_tokens": 4})), (0.0, DONE)]
+    results, _ = run({"last": script})
+    gaps = results["last"].itl_s
+    assert results["last"].ok and results["last"].output_tokens == 4
+    assert len(gaps) == 3 and min(gaps) > 0.05
+
+
 def test_the_request_timeout_is_a_deadline_for_the_whole_request():
     """A stream that trickles a token every 0.2 s never waits long on one read, but runs past a 0.5 s deadline."""
     scripts = {
