@@ -300,17 +300,24 @@ class Tokenizer:
         # Like transformers: a key whose value is None is absent (templates test presence, not None).
         chat = [{k: v for k, v in message.items() if v is not None} for message in messages]
         tools = tools or None
+        gen = add_generation_prompt
         # Whether the template writes the earlier calls and the tools into this very prompt: rendered with and
         # without them (a probe conversation misjudged templates that show tools only beside a system message,
-        # or that insist on their own call ids); where it makes no difference, they are written here.
-        if any(m.get("tool_calls") for m in chat):
+        # or that insist on their own call ids); where it makes no difference, they are written here. A render
+        # that fails decides nothing: the template cares, and the last render reports its error.
+        has_calls = any(m.get("tool_calls") for m in chat)
+        prompt = self._render_or_none(chat, tools, gen) if tools or has_calls else None
+        if prompt is not None and has_calls:
             bare = [{k: v for k, v in m.items() if k != "tool_calls"} for m in chat]
-            if not self._differs((chat, tools), (bare, tools), add_generation_prompt):
+            if prompt == self._render_or_none(bare, tools, gen):
                 chat = tool_fallback.with_calls_as_text(chat)
-        if tools and not self._differs((chat, tools), (chat, None), add_generation_prompt):
-            chat, tools = tool_fallback.with_tools(chat, tools), None
+                prompt = self._render_or_none(chat, tools, gen)
+        if prompt is not None and tools and prompt == self._render_or_none(chat, None, gen):
+            chat, tools, prompt = tool_fallback.with_tools(chat, tools), None, None
+        if prompt is not None:
+            return prompt
         try:
-            return self._render(chat, tools, add_generation_prompt)
+            return self._render(chat, tools, gen)
         except jinja2.TemplateError as exc:
             raise ChatTemplateError(f"chat template rejected the messages: {exc}") from exc
 
@@ -323,15 +330,13 @@ class Tokenizer:
             **self._template_vars,
         )
 
-    def _differs(
-        self, a: tuple[list[dict], list[dict] | None], b: tuple[list[dict], list[dict] | None], gen: bool
-    ) -> bool:
-        """Whether the (messages, tools) pairs `a` and `b` render differently; a render that fails counts as
-        different (the template cares: the final render reports its error)."""
+    def _render_or_none(
+        self, chat: list[dict], tools: list[dict] | None, add_generation_prompt: bool
+    ) -> str | None:
         try:
-            return self._render(*a, gen) != self._render(*b, gen)
+            return self._render(chat, tools, add_generation_prompt)
         except jinja2.TemplateError:
-            return True
+            return None
 
     def _template(self) -> jinja2.Template:
         if self._compiled_template is None:

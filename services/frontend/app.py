@@ -44,7 +44,6 @@ from services.frontend.coordinator import Coordinator, WorkerView
 from services.frontend.dependencies import json_body, openapi_body
 from services.frontend.errors import (
     CLIENT_CLOSED_REQUEST,
-    INVALID_REQUEST,
     NOT_FOUND,
     SERVER_ERROR,
     SERVICE_UNAVAILABLE,
@@ -1221,10 +1220,7 @@ async def retrieve_model(
     """One model (OpenAI's `GET /v1/models/{model}`, the SDK's `models.retrieve`): 404 for a model not served,
     and for one the caller's key may not use, as OpenAI answers it (the list leaves it out too)."""
     if caller.models is not None and model not in caller.models:
-        raise ApiError(
-            404, f"The model {model!r} does not exist or this key may not use it", INVALID_REQUEST, "model",
-            "model_not_found",
-        )  # fmt: skip
+        raise model_not_found(model, None)
     fe.check_model(model)
     return ModelCard(id=model, created=fe.created, max_model_len=fe.max_model_len())
 

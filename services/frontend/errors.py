@@ -69,10 +69,12 @@ def bad_request(message: str, param: str | None = None, code: str | None = None)
     return ApiError(400, message, INVALID_REQUEST, param, code)
 
 
-def model_not_found(model: str, served: str) -> ApiError:
+def model_not_found(model: str, served: str | None) -> ApiError:
+    """404 for a model not served; `served` None: the caller may not know which is (its key may not use it)."""
+    why = f"; this server serves {served!r}" if served is not None else " or this key may not use it"
     return ApiError(
         404,
-        f"The model {model!r} does not exist; this server serves {served!r}",
+        f"The model {model!r} does not exist{why}",
         INVALID_REQUEST,
         "model",
         "model_not_found",

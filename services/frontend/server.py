@@ -37,6 +37,7 @@ from services.runtime.args import (
     add_security_arguments,
     add_telemetry_arguments,
     advertised_host,
+    comma_list,
     port_number,
     switch,
 )
@@ -68,7 +69,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         g, "--request-timeout-s", 600.0, "deadline of one request, from arrival to its last token", float
     )
     add_flag(g, "--allowed-origins", "", "origins browsers may call the API from, `,`-separated (CORS; `*`: any; "
-             "default: none, no CORS headers)")  # fmt: skip
+             "default: none, no CORS headers)", comma_list)  # fmt: skip
     add_flag(g, "--max-body-bytes", 4 << 20, "largest request body accepted (413 above)", int)
     add_flag(g, "--body-timeout-s", 30.0, "a request body must arrive whole within this (408 past it)", float)
     add_flag(g, "--max-connections", 2048, "open HTTP connections and requests at once before new ones get 503 "
@@ -134,7 +135,7 @@ async def serve(args: argparse.Namespace) -> None:
         max_concurrent_requests=args.max_concurrent_requests,
         max_concurrent_per_key=args.max_concurrent_per_key,
         admission_kv_factor=args.admission_kv_factor,
-        allowed_origins=tuple(o.strip() for o in args.allowed_origins.split(",") if o.strip()),
+        allowed_origins=args.allowed_origins,
     )
     if not config.auth.keys:
         log.warning("no API key configured: the API is open to anyone who can reach port %d", args.port)

@@ -484,7 +484,6 @@ class KvSource:
 
     async def _serve_one(self, conn: socket.socket, timeout: float) -> bool:
         """One pull: open, reply, data or the sink's read, done. True when the connection may serve another."""
-        pub: _Publication | None = None
         # the publication this reader pinned: only a granted open pins, and only its pin comes off at the end (a
         # refused open took another reader's pin until 2026-12-07, freeing the bytes under its read)
         pinned: _Publication | None = None

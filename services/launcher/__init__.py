@@ -212,6 +212,11 @@ class Proc:
     started: float = field(default_factory=time.monotonic)
     tail: deque[str] = field(default_factory=lambda: deque(maxlen=TAIL_LINES))  # its last lines of output
 
+    @property
+    def role(self) -> str:
+        """The service it runs: its name up to the index (`decode-3` -> `decode`)."""
+        return self.name.split("-")[0]
+
     def exited(self) -> str:
         """Why it stopped, as the launcher reports it: its status and its last lines (once its pump has read them)."""
         if self.pump is not None:
@@ -501,7 +506,7 @@ class Cluster:
     def workers_running(self) -> int:
         """This launcher's worker processes still running, draining ones included: what a GPU's shares are sized
         for (GpuPlacement) and --max-workers bounds."""
-        return sum(1 for p in self.live() if p.name.split("-")[0] in WORKER_ROLES and p.popen.poll() is None)
+        return sum(1 for p in self.live() if p.role in WORKER_ROLES and p.popen.poll() is None)
 
     def own_target(self, plan: dict[str, Any], role: str) -> int:
         """How many workers of `role` this launcher should run for the decision. The planner's `desired` counts
@@ -509,8 +514,7 @@ class Cluster:
         same etcd); the decision names the registered ones (`registered`, read with `actual`), so the others are
         those not among this launcher's processes (its draining ones included: a worker deregisters as its
         drain begins, but the decision may have been read before), and its own pool is given `desired` less
-        them. Its workers still loading are in its pool and not yet
-        registered: counted once."""
+        them. Its workers still loading are in its pool and not yet registered: counted once."""
         want = int(plan["desired"][role])
         registered = plan.get("registered")
         if not isinstance(registered, dict) or not isinstance(registered.get(role), list):
@@ -619,7 +623,7 @@ class Cluster:
         )
 
     def _planned_worker_exited(self, p: Proc) -> None:
-        role = p.name.split("-")[0]
+        role = p.role
         with self._lock:
             self.procs.remove(p)
             if p in self.pools[role]:
@@ -672,7 +676,7 @@ class Cluster:
             signal.signal(sig, kill_now)
         deadline = time.monotonic() + grace_s
         for tier in (("planner",), ("frontend",), ("decode", "prefill"), ("router",), ("etcd",)):
-            group = [p for p in self.live() if p.name.split("-")[0] in tier and p.popen.poll() is None]
+            group = [p for p in self.live() if p.role in tier and p.popen.poll() is None]
             for p in group:
                 p.popen.send_signal(signal.SIGKILL if hurry.is_set() else signal.SIGTERM)
             until = max(deadline, time.monotonic() + TIER_GRACE_S)

@@ -299,12 +299,14 @@ class Planner:
     def actual(self) -> tuple[int, int]:
         return len(self.directory.workers("prefill")), len(self.directory.workers("decode"))
 
-    def registered(self) -> dict[str, list[str]]:
-        """The worker ids `actual` counts: a launcher following the plan (`up --planner`) tells its own workers
-        from others registered in the same etcd by them."""
-        return {
+    def discovered(self) -> dict[str, Any]:
+        """What discovery shows now, from one reading of it: the workers per pool (`actual`) and the ids counted
+        (`registered`: a launcher following the plan, `up --planner`, tells its own workers from others
+        registered in the same etcd by them)."""
+        registered = {
             role: sorted(w.worker_id for w in self.directory.workers(role)) for role in ("prefill", "decode")
         }
+        return {"actual": {role: len(ids) for role, ids in registered.items()}, "registered": registered}
 
     async def _scrape(self, endpoint: str) -> tuple[float, observe.Samples] | None:
         """(when it answered, its samples): the window ends when the numbers were read, not when asked."""
@@ -625,33 +627,21 @@ class Planner:
         return self.plan()
 
     def plan(self) -> dict[str, Any]:
-        actual = self.actual()
+        live = self.discovered()
         if not self.leader:
-            return {
-                "outcome": "standby",
-                "leader": self.holder,
-                "scale_mode": self.args.scale_mode,
-                "actual": {"prefill": actual[0], "decode": actual[1]},
-                "registered": self.registered(),
-            }
+            return {"outcome": "standby", "leader": self.holder, "scale_mode": self.args.scale_mode, **live}
         if self.current is None:
             return {
                 "outcome": "starting",
                 "scale_mode": self.args.scale_mode,
-                "desired": {"prefill": actual[0], "decode": actual[1]},
-                "actual": {"prefill": actual[0], "decode": actual[1]},
-                "registered": self.registered(),
+                "desired": dict(live["actual"]),
+                **live,
                 "binding_slo": "none",
                 "candidates": [],
                 "history": [],
             }
         # actual is live; the rest is the last decision's
-        return {
-            **self.current,
-            "actual": {"prefill": actual[0], "decode": actual[1]},
-            "registered": self.registered(),
-            "history": list(self.history),
-        }
+        return {**self.current, **live, "history": list(self.history)}
 
     async def connect(self) -> aetcd.Client:
         """A client on the first etcd endpoint that answers."""

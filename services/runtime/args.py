@@ -211,8 +211,13 @@ def positive_int(text: str) -> int:
     return value
 
 
+def comma_list(text: str) -> tuple[str, ...]:
+    """A `,`-separated flag value: its items, stripped, empty ones left out."""
+    return tuple(item.strip() for item in text.split(",") if item.strip())
+
+
 def _backend_list(text: str) -> tuple[str, ...]:
-    names = tuple(b.strip() for b in text.split(",") if b.strip())
+    names = comma_list(text)
     unknown = [b for b in names if b not in KV_BACKENDS]
     if unknown or not names:
         raise argparse.ArgumentTypeError(
