@@ -20,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import importlib.metadata
+import inspect
 import json
 import logging
 import secrets
@@ -1365,7 +1366,13 @@ def create_app(
         await coordinator.channels.close()
         app.state.frontend.observer.close()
 
-    app = FastAPI(title="rackserve", summary="OpenAI-compatible frontend", lifespan=lifespan)
+    # FastAPI 0.16x traces every HTTP exchange through the global tracer provider, which --otlp-endpoint sets:
+    # each request left a trace of FastAPI's beside its own, and every probe and scrape one more. A request's
+    # trace is the one the frontend builds from its timeline (timeline.py); older FastAPIs take no such option.
+    native: dict[str, Any] = (
+        {"telemetry": {"tracing": False}} if "telemetry" in inspect.signature(FastAPI).parameters else {}
+    )
+    app = FastAPI(title="rackserve", summary="OpenAI-compatible frontend", lifespan=lifespan, **native)
     app.state.config = config
     app.state.guard = Guard(config.auth)
     app.state.frontend = Frontend(config, tokenizer, directory, coordinator, observer)

@@ -115,10 +115,13 @@ def new_traceparent(parent: str | None = None) -> str:
     return f"00-{trace_id}-{secrets.token_hex(8)}-{flags}"
 
 
-def context_of(traceparent: str | None) -> Context | None:
-    """An OpenTelemetry context whose parent is the span `traceparent` names (None when it names none)."""
+def context_of(traceparent: str | None) -> Context:
+    """An OpenTelemetry context whose parent is the span `traceparent` names; an empty one (the span starts a
+    trace) when it names none. Never the current context: the frontend's spans are made inside FastAPI's own
+    HTTP span, and a `request` span that fell back to it joined FastAPI's trace, not the one whose traceparent
+    the workers got, so a request sent without a traceparent left two traces (until 2026-12-07)."""
     span_context = parse_traceparent(traceparent)
-    return trace.set_span_in_context(NonRecordingSpan(span_context)) if span_context else None
+    return trace.set_span_in_context(NonRecordingSpan(span_context)) if span_context else Context()
 
 
 def traceparent_of(span: Span) -> str:

@@ -164,6 +164,24 @@ def test_disaggregated_request_leaves_one_connected_trace_with_every_phase(
     assert request["attributes"]["http.response.status_code"] == 200
 
 
+def test_a_request_without_a_traceparent_leaves_one_trace_and_the_frontend_no_other(rig: Rig) -> None:
+    answer = chat(rig, "Name a colour.")
+    request_id = answer.headers["x-rackserve-request-id"]
+    spans = _spans_of(rig, request_id, PHASE_SPANS)
+    trace_id = httpx.get(f"{rig.url}/v1/requests/{request_id}/timeline", timeout=10).json()["trace_id"]
+    # the frontend's spans and the workers' in the one trace the timeline names, the request span its root
+    assert {s["trace_id"] for s in spans} == {trace_id}
+    assert next(s for s in spans if s["name"] == "request")["parent_span_id"] == ""
+    # and no trace of FastAPI's own beside it (FastAPI 0.16x traces every HTTP exchange, probes included)
+    time.sleep(1.0)
+    roots = {
+        s["name"]
+        for s in rig.receiver.spans
+        if s["service"] == "rackserve-frontend" and not s["parent_span_id"]
+    }
+    assert roots == {"request"}
+
+
 def test_timeline_endpoint_serves_phases_workers_bytes_and_reason(rig: Rig, traced: httpx.Response) -> None:
     request_id = traced.headers["x-rackserve-request-id"]
     r = httpx.get(f"{rig.url}/v1/requests/{request_id}/timeline", timeout=10)
