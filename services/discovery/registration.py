@@ -67,6 +67,7 @@ class Registration:
         self._key_revision: int | None = None  # mod revision of our last put; None until the key is in etcd
         self._lease_ttl_s = float(math.ceil(ttl_s))
         self._renewed_at = 0.0  # time.monotonic() when the last successful grant/refresh was sent
+        self._held_by: int | None = None  # the other lease our key was last seen under (a namesake's), if any
         self._task: asyncio.Task[None] | None = None  # the keep-alive, on self._loop
         self._closed = False
         self._loop = asyncio.new_event_loop()  # the lease's own loop: etcd client, keep-alive, close
@@ -183,7 +184,7 @@ class Registration:
                     log.warning("etcd %s: lease of %s expired; registering again", self._url, self.key)
                     self._lease_id = self._key_revision = None
                     continue
-                elif failing:
+                else:
                     await self._ensure_key()
                 if failing:
                     log.info("etcd %s: reachable again; %s is registered", self._url, self.key)
@@ -237,17 +238,24 @@ class Registration:
         return True
 
     async def _ensure_key(self) -> None:
-        """After an outage the lease may have survived (etcd renews leases when it restarts) while the key did
-        not (deleted by hand, a restore from backup): check once, and put it back if it is missing."""
+        """Every round, after the lease is renewed: the lease may live while the key does not (deleted by hand,
+        a restore from backup, an outage that etcd renewed the lease across), and another process registered
+        under the same worker id (two `rackserve up` on one etcd both name theirs decode-0, ...) holds the key
+        under its own lease while ours renews a lease with nothing under it: it deletes the key when it stops.
+        Put the key back when it is missing; while another lease holds it, say so once and leave it. Checked
+        only after an outage until 2026-12-07: the process that lost the key to a namesake kept running, and
+        renewing, out of discovery for good once the namesake stopped."""
         assert self._client is not None and self._lease_id is not None
         current = await with_deadline(self._client.get(self.key.encode()), self.request_timeout_s)
+        held_by = current.lease if current is not None and current.lease != self._lease_id else None
+        shared, self._held_by = held_by is not None and held_by != self._held_by, held_by
         if current is None:
             put = await with_deadline(
                 self._client.put(self.key.encode(), self._value, lease=self._lease_id), self.request_timeout_s
             )
             self._key_revision = put.header.revision
-            log.info("etcd %s: key %s was missing after the outage; put it back", self._url, self.key)
-        elif current.lease != self._lease_id:
+            log.info("etcd %s: key %s was missing; put it back", self._url, self.key)
+        elif shared:
             log.warning(
                 "etcd %s: %s is held by another lease (%x): two processes share worker id %r",
                 self._url,

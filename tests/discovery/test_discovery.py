@@ -193,6 +193,37 @@ def test_closing_an_old_instance_leaves_a_newer_instance_under_the_same_worker_i
     run(body())
 
 
+def test_a_worker_whose_namesake_stops_is_listed_again_within_a_refresh(etcd_server: EtcdServer) -> None:
+    # two processes under one worker id (two `rackserve up` on one etcd both name a worker decode-0): the second
+    # takes the key; when it stops, the first, still running and renewing its lease, must not stay unlisted
+
+    async def body() -> None:
+        d = await started_directory(etcd_server.url)
+        first = await Registration.start(etcd_server.url, worker_info("d-1"), ttl_s=TTL_S)
+        await d.wait_for("decode", 1, timeout_s=5)
+
+        def epoch() -> int | None:
+            listed = d.get("d-1")
+            return listed.epoch if listed is not None else None
+
+        namesake = worker_info("d-1")
+        namesake.epoch, namesake.endpoint = namesake.epoch + 1, "10.0.0.8:50051"
+        second = await Registration.start(etcd_server.url, namesake, ttl_s=TTL_S)
+        await eventually(lambda: epoch() == namesake.epoch, 2, "second")
+        await asyncio.sleep(TTL_S)
+        # while the second runs, the first leaves it the key
+        assert epoch() == namesake.epoch
+        await second.close()
+        await eventually(
+            lambda: epoch() == namesake.epoch - 1, TTL_S, "the first listed again after the second stopped"
+        )
+        await first.close()
+        await eventually(lambda: d.get("d-1") is None, 1, "gone once both stopped")
+        await d.close()
+
+    run(body())
+
+
 def test_sigkilled_worker_process_disappears_within_ttl(etcd_server: EtcdServer) -> None:
     async def body() -> None:
         d = await started_directory(etcd_server.url)
