@@ -408,7 +408,16 @@ class Frontend:
     ) -> Response:
         """Answer with every choice in `states`, `per_prompt` consecutive ones per prompt (or, for best_of,
         the `keep` with the highest cumulative logprob, renumbered 0..keep-1)."""
-        self.admit(states)
+        try:
+            self.admit(states)
+        except ApiError as e:
+            # refused (429): counted by the error handler, and, like a request taken, one timeline, log line
+            # and trace under the ids its answer names (until 2026-12-07 a refusal left none of them)
+            for state in states:
+                state.fail(e.message)
+                self.observer.finished(endpoint, state, e.status, e.code or e.type, refused=True)
+            e.headers.update(_id_headers(states[0].client_request_id, states[0].request_id))
+            raise
         mark_counted(request)  # from here its end is counted, however it ends
         echoes: list[str | None] = (
             [None] * len(states) if echo is None else [echo[i // per_prompt] for i in range(len(states))]

@@ -171,8 +171,15 @@ class RequestObserver:
         self.log_prompts = log_prompts
 
     def finished(
-        self, endpoint: str, state: RequestState, status: int, error_type: str | None = None
+        self,
+        endpoint: str,
+        state: RequestState,
+        status: int,
+        error_type: str | None = None,
+        refused: bool = False,
     ) -> None:
+        """`refused`: turned away before it was taken (429): recorded and traced, but no phase is observed, so
+        the phase histograms describe the requests served."""
         record = timeline_record(state, endpoint, status)
         if error_type:
             record["error_type"] = error_type
@@ -180,7 +187,8 @@ class RequestObserver:
         self.request_log.write(
             {**record, "prompt_token_ids": list(state.prompt_token_ids)} if self.log_prompts else record
         )
-        _observe_phases(record)
+        if not refused:
+            _observe_phases(record)
         _emit_spans(state, record)
 
     def close(self) -> None:

@@ -813,6 +813,31 @@ def test_one_key_cannot_hold_every_slot_with_long_requests(tokenizer: Tokenizer)
         assert post("sk-team-a-1", "hi").status_code == 200  # its slots are free again
 
 
+def test_a_request_refused_under_overload_leaves_a_timeline_under_the_ids_its_429_names(
+    tokenizer: Tokenizer,
+) -> None:
+    """A 429 at admission is a request like another for whoever looks it up: its answer names its ids, and its
+    timeline (the same record as its log line and trace) says it was refused; until 2026-12-07 it had neither.
+    The phase histograms stay the served requests'."""
+    with ScriptedCluster(tokenizer, max_concurrent_requests=1) as c:
+        url = f"{c.url}/v1/chat/completions"
+        with ThreadPoolExecutor(1) as pool:
+            held = pool.submit(httpx.post, url, json=chat("[hang]"), timeout=30)
+            time.sleep(0.5)  # admitted and hanging
+            queued_before = _samples(c.url, "rackserve_request_phase_seconds_count")
+            refused = httpx.post(url, json=chat("hi"), headers={"x-request-id": "client-7"}, timeout=30)
+            assert_error(refused, 429, "rate_limit_error", code="overloaded")
+            assert refused.headers["x-request-id"] == "client-7"
+            ours = refused.headers["x-rackserve-request-id"]
+            timeline = httpx.get(f"{c.url}/v1/requests/{ours}/timeline", timeout=10)
+            assert timeline.status_code == 200
+            record = timeline.json()
+            assert (record["status"], record["phase"], record["error_type"]) == (429, "failed", "overloaded")
+            assert httpx.get(f"{c.url}/v1/requests/client-7/timeline", timeout=10).json() == record
+            assert _samples(c.url, "rackserve_request_phase_seconds_count") == queued_before
+            assert held.result().status_code == 504
+
+
 def test_a_stream_whose_client_leaves_before_the_first_write_leaves_admission(
     scripted: ScriptedCluster,
 ) -> None:
