@@ -23,6 +23,7 @@ import pytest
 import yaml
 
 from services.decode.server import add_arguments as decode_arguments
+from services.frontend.app import FrontendConfig
 from services.frontend.server import add_arguments as frontend_arguments
 from services.planner.server import add_arguments as planner_arguments
 from services.prefill.server import add_arguments as prefill_arguments
@@ -168,6 +169,17 @@ def test_grpc_services_register_their_pod_ip_and_are_probed_over_grpc_health(rol
     assert sc["readOnlyRootFilesystem"] and not sc["allowPrivilegeEscalation"]
     assert spec["securityContext"]["runAsNonRoot"] and spec["securityContext"]["runAsUser"] == 10001
     assert spec["automountServiceAccountToken"] is False
+
+
+def test_a_rolled_frontend_is_given_the_time_to_finish_its_streams(monkeypatch: pytest.MonkeyPatch) -> None:
+    """On SIGTERM the frontend lets each request in flight run to its deadline (--request-timeout-s) plus a stalled
+    client's grace, then exits; the kubelet SIGKILLs it at terminationGracePeriodSeconds, cutting every stream still
+    running (the workers' drainGraceSeconds plus the margin, 45 s by default, cut a 1,100-token CPU stream at 650)."""
+    for args in ((), ("--set", "frontend.flags.request-timeout-s=120"), ("-f", str(GPU_PROFILE))):
+        dep = find(render(*args), "Deployment", "rs-rackserve-frontend")
+        flags = _parse_with_env("frontend", env_of(container(dep, "frontend")), monkeypatch)
+        drain_s = flags.request_timeout_s + FrontendConfig.stalled_client_grace_s
+        assert dep["spec"]["template"]["spec"]["terminationGracePeriodSeconds"] > drain_s, args
 
 
 def test_gpu_rdma_profile_requests_gpus_rdma_and_pins_memory() -> None:
