@@ -303,6 +303,36 @@ def test_rendered_env_parses_with_the_services_real_flags(role: str, monkeypatch
         assert args.scale_mode == "kubernetes" and args.max_workers == 6
 
 
+EXTERNAL_ETCD = (
+    "etcd.mode=external,etcd.external.endpoints[0]=https://etcd:2379,etcd.external.tlsSecret=etcd-client"
+)
+
+
+def test_an_etcd_that_requires_client_certificates_gets_the_secrets_pair(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """etcd.external.tlsSecret's tls.crt and tls.key (values.yaml: for client-cert auth) reach every service as
+    --etcd-cert-file and --etcd-key-file, files of the Secret's mount: without them an etcd run with
+    --client-cert-auth refuses the handshake (BAD_CERTIFICATE) and no service registers."""
+    objs = render("--set", f"{EXTERNAL_ETCD},etcd.external.clientCert=true,planner.enabled=true")
+    for role in PARSERS:
+        dep = find(objs, "Deployment", f"rs-rackserve-{role}")
+        c = container(dep, role)
+        mount = next(m["mountPath"] for m in c["volumeMounts"] if m["name"] == "etcd-tls")
+        volume = next(v for v in dep["spec"]["template"]["spec"]["volumes"] if v["name"] == "etcd-tls")
+        assert volume["secret"]["secretName"] == "etcd-client"
+        args = _parse_with_env(role, env_of(c), monkeypatch)
+        assert (args.etcd_ca_file, args.etcd_cert_file, args.etcd_key_file) == (
+            f"{mount}/ca.crt",
+            f"{mount}/tls.crt",
+            f"{mount}/tls.key",
+        ), role
+    # a Secret with ca.crt alone (etcd's server CA, no client certificate) stays the default
+    c = container(find(render("--set", EXTERNAL_ETCD), "Deployment", "rs-rackserve-decode"), "decode")
+    args = _parse_with_env("decode", env_of(c), monkeypatch)
+    assert args.etcd_ca_file and not args.etcd_cert_file and not args.etcd_key_file
+
+
 # where each pod serves /metrics: the env variable holding that port (the frontend and planner: their HTTP port)
 METRICS_PORT_ENV = {
     "frontend": "RACKSERVE_PORT",
@@ -452,6 +482,13 @@ def test_engine_values_carry_the_cli_flag_names() -> None:
         (["--set", "decode.flags.kv-backends=rdma"], "/decode/flags/kv-backends"),
         (["--set", "tls.enabled=true"], "/tls/secretName"),
         (["--set", "etcd.mode=external"], "/etcd/external/endpoints"),
+        (
+            [
+                "--set",
+                "etcd.mode=external,etcd.external.endpoints[0]=https://e:2379,etcd.external.clientCert=true",
+            ],
+            "/etcd/external/tlsSecret",
+        ),
         (["--set", "prefil.replicas=2"], "prefil"),
         (["--set", "frontend.flags.api-key=sk-123"], "/frontend/flags/api-key"),
         (["--set", "model.source=s3"], "/model/source"),

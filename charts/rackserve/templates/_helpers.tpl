@@ -99,6 +99,12 @@ numbers arrive as float64 and would otherwise print as 1.073741824e+09); null va
 {{- if .tlsSecret }}
 - name: RACKSERVE_ETCD_CA_FILE
   value: /etc/rackserve/etcd-tls/ca.crt
+{{- if .clientCert }}
+- name: RACKSERVE_ETCD_CERT_FILE
+  value: /etc/rackserve/etcd-tls/tls.crt
+- name: RACKSERVE_ETCD_KEY_FILE
+  value: /etc/rackserve/etcd-tls/tls.key
+{{- end }}
 {{- end }}
 {{- if .username }}
 - name: RACKSERVE_ETCD_USERNAME
