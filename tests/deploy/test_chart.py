@@ -179,7 +179,27 @@ def test_a_rolled_frontend_is_given_the_time_to_finish_its_streams(monkeypatch: 
         dep = find(render(*args), "Deployment", "rs-rackserve-frontend")
         flags = _parse_with_env("frontend", env_of(container(dep, "frontend")), monkeypatch)
         drain_s = flags.request_timeout_s + FrontendConfig.stalled_client_grace_s
-        assert dep["spec"]["template"]["spec"]["terminationGracePeriodSeconds"] > drain_s, args
+        assert dep["spec"]["template"]["spec"]["terminationGracePeriodSeconds"] > prestop_s(dep) + drain_s, (
+            args
+        )
+
+
+def prestop_s(dep: dict[str, Any]) -> int:
+    """How long the frontend's preStop hook sleeps before the kubelet sends it SIGTERM."""
+    command = (
+        container(dep, "frontend").get("lifecycle", {}).get("preStop", {}).get("exec", {}).get("command")
+    )
+    return int(command[1]) if command and command[0] == "sleep" else 0
+
+
+def test_a_deleted_frontend_serves_until_the_service_has_dropped_it() -> None:
+    """A SIGTERMed frontend closes its port at once (connection refused 0.1 s later in a real run), while the
+    Service's endpoints, kube-proxy and load balancers go on sending it requests for some seconds: a preStop sleep
+    keeps it serving that long before the SIGTERM, within its grace; 0 turns it off."""
+    dep = find(render(), "Deployment", "rs-rackserve-frontend")
+    assert prestop_s(dep) >= 5
+    dep = find(render("--set", "frontend.preStopSleepSeconds=0"), "Deployment", "rs-rackserve-frontend")
+    assert "lifecycle" not in container(dep, "frontend")
 
 
 def test_gpu_rdma_profile_requests_gpus_rdma_and_pins_memory() -> None:

@@ -222,10 +222,11 @@ numbers arrive as float64 and would otherwise print as 1.073741824e+09); null va
 {{- add (int .Values.drainGraceSeconds) (int .Values.terminationMarginSeconds) -}}
 {{- end -}}
 
-{{/* the frontend's drain: its requests' deadline (--request-timeout-s, 600 s unset) plus a stalled client's 10 s */}}
+{{/* the frontend's preStop sleep, then its drain: its requests' deadline (--request-timeout-s, 600 s unset) plus a
+stalled client's 10 s */}}
 {{- define "rackserve.frontendTerminationGracePeriod" -}}
 {{- $timeout := index .Values.frontend.flags "request-timeout-s" | default 600 | float64 | ceil | int -}}
-{{- add $timeout 10 (int .Values.terminationMarginSeconds) -}}
+{{- add (int .Values.frontend.preStopSleepSeconds) $timeout 10 (int .Values.terminationMarginSeconds) -}}
 {{- end -}}
 
 {{/* gRPC probes on the health port: (dict "root" $ "startup" .startupProbe) */}}
