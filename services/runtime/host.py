@@ -80,6 +80,11 @@ class ServiceHost:
         self.endpoint = f"{advertised_host(args)}:{self.port}"
         self.registration: Registration | None = None
         self._signalled = asyncio.Event()
+        # from here, not from start(): a worker is PID 1 in its container, and Linux ignores a signal PID 1 has no
+        # handler for, so a pod deleted while its model loads held its GPU until the kubelet's SIGKILL
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, self._signalled.set)
         metrics.process_role = role
         tracing.configure(role, self.worker_id, args.otlp_endpoint, args.otlp_batch_delay_ms)
         self.metrics_server: MetricsServer | None = start_metrics_server(args.host, args.metrics_port)
@@ -107,9 +112,6 @@ class ServiceHost:
         await self.server.start()
         if self.health_server is not None:
             await self.health_server.start()
-        loop = asyncio.get_running_loop()
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            loop.add_signal_handler(sig, self._signalled.set)
         log.info("%s %s listening on %s", self.role, self.worker_id, self.endpoint)
 
     async def serve(self, info: pb.WorkerInfo) -> None:
@@ -123,6 +125,7 @@ class ServiceHost:
         log.info("%s %s serving on %s", self.role, self.worker_id, self.endpoint)
 
     async def wait_for_signal(self) -> None:
+        """Until SIGTERM or SIGINT (at once when one came before: while the model loaded, say)."""
         await self._signalled.wait()
 
     async def drain(

@@ -159,7 +159,20 @@ async def run_engine_worker(
     configure_logging()
     host = ServiceHost(args, role, [service_name], gated_methods)
     config, path = engine_config(args), model_path(args)
-    engine = await AsyncEngine.start(lambda: LLMEngine(path, config))
+    loading = asyncio.ensure_future(AsyncEngine.start(lambda: LLMEngine(path, config)))
+    signalled = asyncio.ensure_future(host.wait_for_signal())
+    try:
+        await asyncio.wait((loading, signalled), return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        signalled.cancel()
+    if not loading.done():
+        # stopped before it served anything (a pod deleted or scaled down while its model loads): nothing to
+        # drain, and no reason to hold the GPU until the load ends. The loading thread is a daemon, gone at exit
+        log.info("%s %s stopped while loading its model", role, host.worker_id)
+        loading.cancel()
+        await host.close()
+        return
+    engine = loading.result()
     try:
         servicer = make_servicer(host, engine)
         add_to_server(servicer, host.server)
