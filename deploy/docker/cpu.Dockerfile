@@ -1,5 +1,5 @@
 # syntax=docker/dockerfile:1.7
-# rackserve CPU image: the frontend and the router (no torch, no CUDA). Build from the repository root:
+# rackserve CPU image: the frontend and the router (CPU torch, no CUDA). Build from the repository root:
 #   docker build -f deploy/docker/cpu.Dockerfile -t rackserve:0.1.0 .
 # Runs as an unprivileged user and writes only to /tmp, so a read-only root filesystem works.
 
@@ -10,7 +10,10 @@ FROM ${PYTHON_IMAGE} AS build
 ENV PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1
 WORKDIR /src
 COPY deploy/docker/constraints.txt /tmp/constraints.txt
+# torch first, the CPU build from PyTorch's CPU index: xgrammar (the frontend's grammars) requires torch, and
+# PyPI's Linux torch is the CUDA build, several GB of CUDA libraries this image never uses
 RUN python -m venv /opt/venv \
+ && /opt/venv/bin/pip install --index-url https://download.pytorch.org/whl/cpu torch==2.13.0 \
  && /opt/venv/bin/pip install -c /tmp/constraints.txt grpcio-tools==1.85.1
 COPY pyproject.toml README.md ./
 COPY proto ./proto

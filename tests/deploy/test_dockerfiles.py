@@ -6,6 +6,7 @@ a real gRPC health server."""
 from __future__ import annotations
 
 import http.server
+import importlib.metadata
 import os
 import re
 import shutil
@@ -146,7 +147,23 @@ def test_worker_image_has_cuda_torch_nixl_and_rdma_userspace() -> None:
     for pkg in ("gcc", "libc6-dev", "python3-dev"):  # triton.runtime.build: a C compiler and Python.h
         assert re.search(rf"(^|\s){re.escape(pkg)}(\s|$)", final_runs), f"Triton's first launch needs {pkg}"
     cpu_runs = " ".join(i.args for i in parse(IMAGES["cpu"])[0] if i.cmd == "RUN")
-    assert "torch" not in cpu_runs and "nixl" not in cpu_runs, "the frontend/router image stays slim"
+    assert "nixl" not in cpu_runs, "the frontend/router image stays slim"
+
+
+@pytest.mark.parametrize("image", sorted(IMAGES))
+def test_image_installs_torch_from_pytorchs_index_before_the_package(image: str) -> None:
+    """The package needs torch (the engine, and xgrammar's own requirement for the frontend's grammars), and a
+    torch that pip resolves from PyPI for it is the multi-GB CUDA build: each image installs the build it means
+    (CPU or CUDA) from PyTorch's index first, so the package's install finds torch there and adds none."""
+    assert any(
+        r.split(";")[0].strip().startswith("torch") for r in importlib.metadata.requires("xgrammar") or []
+    )
+    runs = " ".join(i.args for i in parse(IMAGES[image])[0] if i.cmd == "RUN")
+    kind = "cpu" if image == "cpu" else r"cu1\d+"
+    torch = re.search(rf"--index-url https://download\.pytorch\.org/whl/{kind} torch==[\d.]+", runs)
+    package = re.search(r"pip install -c /tmp/constraints\.txt \.", runs)
+    assert torch, f"the {image} image installs no torch from PyTorch's {kind} index"
+    assert package and torch.start() < package.start(), "torch is installed before the package"
 
 
 # ---- the healthcheck script against real servers ------------------------------------------------------------
