@@ -516,7 +516,9 @@ class LLMEngine:
         req = self.requests.pop(request_id, None)
         if req is not None and not req.finished:
             self.scheduler.finish(req, "abort")
-        elif req is not None:
+        if req is not None:
+            # no longer in self.requests, so nothing could release it later: a request that holds its KV
+            # (hold_kv, a prefill worker's) aborted before it finished lets go of its blocks here too
             self.scheduler.release_kv(req)
 
     def release_kv(self, request_id: str) -> None:

@@ -305,6 +305,20 @@ def test_abort_frees_blocks():
     assert not e.has_unfinished() and e.stats().free_blocks == 32
 
 
+@pytest.mark.parametrize("steps", [0, 1, 5])  # queued, mid-prefill (4 chunks of 8), decoding
+def test_abort_frees_the_blocks_of_a_request_that_would_hold_its_kv(steps: int):
+    """A prefill worker's requests hold their KV after finishing (hold_kv); one aborted before that (its Prefill
+    call cancelled) must still give its blocks back: nothing can release it once it is gone."""
+    e = engine(num_kv_blocks=32, max_num_batched_tokens=8)
+    prompt = prompts(5)[4]  # 30 tokens
+    e.add_request("held", prompt, SamplingParams(max_tokens=4, temperature=0), hold_kv=True)
+    for _ in range(steps):
+        e.step()
+    e.abort("held")
+    assert not e.has_unfinished() and not e.id_in_use("held")
+    assert e.stats().free_blocks == 32
+
+
 def test_block_hash_is_chained_deterministic_and_ignores_partial_blocks():
     a = block_hashes(list(range(10)), 4)
     assert len(a) == 2 and a[1] == block_hash(a[0], [4, 5, 6, 7])

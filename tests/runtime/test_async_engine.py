@@ -86,12 +86,13 @@ def test_a_live_request_id_cannot_be_reused() -> None:
     run(body)
 
 
-def test_cancelling_the_consumer_aborts_the_request() -> None:
+@pytest.mark.parametrize("hold_kv", [False, True])  # True: a prefill worker's request, its call cancelled
+def test_cancelling_the_consumer_aborts_the_request(hold_kv: bool) -> None:
     async def body(engine: AsyncEngine) -> LoadStats:
         started = asyncio.Event()
 
         async def consume() -> None:
-            async for _ in engine.generate("cancel-me", [1, 2, 3], long_params(400)):
+            async for _ in engine.generate("cancel-me", [1, 2, 3], long_params(400), hold_kv=hold_kv):
                 started.set()
 
         task = asyncio.create_task(consume())
