@@ -4,7 +4,8 @@ Without them a burst herds: every request of the burst sees the same last report
 `reserve` adds the request's uncached prompt tokens to its prefilling worker, one request and its KV blocks to
 its decode worker, and remembers its block hashes as soon-to-be-cached on the prefilling worker (docs/routing.md:
 queued requests' blocks count as cached where they are queued). A reservation clears when it expires, or when
-the worker sends a load report taken after the request had time to arrive there (the report then counts it).
+the worker sends a load report taken after the request had time to arrive there (the report then counts it) —
+a report that differs from its last one: a repeat is a heartbeat from inside an engine step (RouterState.on_load).
 
 This room is plain data with the caller's clock: no I/O.
 """

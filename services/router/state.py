@@ -118,14 +118,23 @@ class RouterState:
         return sorted(w for w, t in self._heard.items() if now - t > self.silent_after_s)
 
     def on_load(self, worker_id: str, now: float, **load: float) -> None:
-        """A LoadSnapshot: fields of LOAD_FIELDS. It reflects requests reserved before it (minus a grace)."""
+        """A LoadSnapshot: fields of LOAD_FIELDS. It reflects requests reserved before it (minus a grace), unless
+        it repeats the worker's last one."""
         w = self.workers.get(worker_id)
         if w is None:
             return
+        changed = False
         for name in LOAD_FIELDS:
             if name in load:
-                setattr(w, name, type(getattr(w, name))(load[name]))
-        self.reservations.on_load(w, now)
+                value = type(getattr(w, name))(load[name])
+                changed = changed or value != getattr(w, name)
+                setattr(w, name, value)
+        # A worker repeats its last snapshot as its heartbeat while its engine is inside a step, and a request that
+        # reached it meanwhile is in no snapshot before that step ends (seconds, for a long prompt on a CPU): a
+        # repeat says the worker is alive, not that it counts what was routed to it since. Its reservations stay
+        # until a snapshot that differs, or their TTL.
+        if changed:
+            self.reservations.on_load(w, now)
         meter = self._meters[worker_id]
         meter.load(busy=w.queued_prefill_tokens > 0, now=now)
         if meter.tokens_per_s:

@@ -208,6 +208,27 @@ def test_a_load_report_replaces_the_reservations_it_already_counts() -> None:
     assert state.workers["d"].pending_requests == 1
 
 
+def test_a_heartbeat_repeating_the_last_load_report_keeps_the_reservations_it_does_not_count() -> None:
+    """A worker inside a long step (a 2000-token prompt on a CPU: seconds) repeats its last snapshot every second;
+    the request routed to it is in no snapshot until the step ends. Until 2026-12-07 that heartbeat cleared the
+    reservation, and the router sent the next requests to the busy worker as if it were idle."""
+    state = router(P("a"), P("b"), D("d"), mode="disagg")
+    idle = {"waiting": 0, "running": 0, "queued_prefill_tokens": 0, "free_blocks": 500, "step_s": 0.0}
+    for worker_id in ("a", "b", "d"):
+        state.on_load(worker_id, 0.0, **idle)
+    busy = state.route(RouteQuery("big", token_ids=prompt(2000)), 1.0).prefill
+    other = "b" if busy == "a" else "a"
+    state.on_load(busy, 1.5, **idle)  # the heartbeat: the same snapshot again
+    assert state.workers[busy].pending_prefill_tokens == 2000
+    for i in range(3):  # 1500 tokens in all: the idle worker's queue stays shorter than the busy one's
+        decision = state.route(RouteQuery(f"next-{i}", token_ids=prompt(500, seed=i + 1)), 1.6 + i / 100)
+        assert decision.prefill == other, decision
+        assert decision.reason == "least_queue" and decision.runner_up.terms["queue_s"] == 2000 / 4000
+    # the step ended: a new snapshot counts the request
+    state.on_load(busy, 4.0, **{**idle, "free_blocks": 375})
+    assert state.workers[busy].pending_prefill_tokens == 0
+
+
 # ------------------------------------------------------------------------------------ who may be chosen
 
 
