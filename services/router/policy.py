@@ -869,8 +869,8 @@ class TtftEstimate(Policy[TtftSettings]):
         """Per decode worker, the prefill workers whose plan could be near-best for it, scored.
 
         A remote plan's score is side(p) + transfer(link class of p and d) + admission(d), so for a decode
-        worker only the best few prefill workers of each topology group (same node, rack, zone, any) matter:
-        P·D pairs become at most 4 groups × 3 per decode worker, picked once per distinct decode-worker label
+        worker only the best few prefill workers of each topology group (same node, rack, zone, unlabeled, any)
+        matter: P·D pairs become at most 5 groups × 3 per decode worker, picked once per distinct decode-worker label
         set, which keeps a decision well under a millisecond at 64 workers."""
         est = self.estimator
         side: dict[str, float] = {}
@@ -881,6 +881,10 @@ class TtftEstimate(Policy[TtftSettings]):
             for label, value in (("node", p.node), ("rack", p.rack), ("zone", p.zone)):
                 if value:
                     groups.setdefault((label, value), []).append(p)
+            # an unlabeled worker's link to anyone is --unlabeled-link, nearer than the labeled workers in "any"
+            # but the decode worker's own groups can be: the best few of "any" would hide it
+            if not (p.node or p.rack or p.zone):
+                groups.setdefault(("unlabeled", ""), []).append(p)
             groups.setdefault(("any", ""), []).append(p)
         keep = 3  # best few of each group: the near-best set of a burst spreads over more than one
         # decode workers with the same labels and KV format see the same prefill candidates: pick them once
@@ -912,8 +916,8 @@ class TtftEstimate(Policy[TtftSettings]):
         """The best `keep` compatible prefill workers of each topology group d belongs to, nearest first."""
         seen: set[str] = set()
         picked: list[WorkerState] = []
-        for key in (("node", d.node), ("rack", d.rack), ("zone", d.zone), ("any", "")):
-            if key[0] != "any" and not key[1]:
+        for key in (("node", d.node), ("rack", d.rack), ("zone", d.zone), ("unlabeled", ""), ("any", "")):
+            if key[0] in ("node", "rack", "zone") and not key[1]:
                 continue
             for p in groups.get(key, [])[:keep]:
                 if p.worker_id not in seen and compatible(p, d):

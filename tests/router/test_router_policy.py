@@ -101,6 +101,20 @@ def test_same_prefix_on_two_workers_goes_to_the_one_in_the_decode_workers_rack()
     assert decision.chosen.terms["transfer_s"] < decision.runner_up.terms["transfer_s"]
 
 
+def test_an_unlabeled_prefill_worker_is_priced_beside_labeled_ones_across_a_zone() -> None:
+    """Three prefill workers in another zone than the decode worker, and one without labels (priced at
+    --unlabeled-link, same_rack by default). Until 2026-12-07 the candidate pruning kept only the best three of
+    "any" for a decode worker whose own groups were empty, so the unlabeled worker was never priced and every
+    plan crossed the zone."""
+    far = [P(f"far{i}", zone="z2", rack="r9", node=f"n{i}") for i in range(3)]
+    state = router(*far, P("unlabeled", queued_prefill_tokens=40), D("d", zone="z1", rack="r1", node="n0x"),
+                   mode="disagg")  # fmt: skip
+    decision = state.route(RouteQuery("q", token_ids=prompt(4000)), 0.0)
+    assert decision.prefill == "unlabeled", decision
+    assert decision.chosen.terms["transfer_s"] < decision.runner_up.terms["transfer_s"]
+    assert decision.estimated_ttft_s < decision.runner_up.estimated_ttft_s
+
+
 def test_short_prompt_with_an_idle_decode_worker_is_prefilled_locally() -> None:
     state = router(P("p", rack="r1"), D("d", rack="r1"))
     decision = state.route(RouteQuery("short", token_ids=prompt(40)), 0.0)
