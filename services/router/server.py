@@ -144,7 +144,11 @@ class WorkerViews:
                         pb.SubscribeRequest(subscriber_id=self.subscriber_id, snapshot=True),
                         timeout=SUBSCRIBE_DEADLINE_S,
                     )
-                    self.state.forget_blocks(worker_id)  # the snapshot that opens the stream rebuilds them
+                    # the snapshot that opens the stream rebuilds the worker's blocks: the old ones are forgotten when
+                    # it comes, not before. A worker takes it between two engine steps (seconds apart on a CPU, under
+                    # a long prompt), and this stream reopens every SUBSCRIBE_DEADLINE_S: forgetting them at once
+                    # hid a busy worker's whole cache from routing for that long each time
+                    fresh = True
                     loaded = False  # block events before the first load report are the snapshot, not new work
                     # a worker reports its load every second; RouterState.silent() excludes one that stops (a
                     # frozen, dead or stuck process) from its last event's time. The stream itself is not cut
@@ -155,6 +159,9 @@ class WorkerViews:
                             backoff.reset()
                         if event.epoch != info.epoch:
                             continue  # another process behind the same endpoint; etcd will tell us about it
+                        if fresh:
+                            self.state.forget_blocks(worker_id)
+                            fresh = False
                         self.state.heard(worker_id, time.monotonic())
                         loaded = self._apply(worker_id, event, loaded)
                 except asyncio.CancelledError:
@@ -165,6 +172,7 @@ class WorkerViews:
                     # DEADLINE_EXCEEDED is our own deadline: the stream is reopened at once, nothing is lost
                     if e.code() is not grpc.StatusCode.DEADLINE_EXCEEDED:
                         self.state.lost(worker_id)
+                        self.state.forget_blocks(worker_id)
                         log.log(level, "subscription to %s: %s %s", worker_id, e.code().name, e.details())
                 if worker_id in self.connected:
                     self.connected[worker_id] = False
