@@ -140,7 +140,8 @@ class ClusterView:
     pending_overlaps: Callable[[RouteQuery], dict[str, int]] | None = None
 
     def eligible(self, role: str, query: RouteQuery) -> list[WorkerState]:
-        """Workers of `role` that may be chosen for query, ordered by worker id."""
+        """Workers of `role` that may be chosen for query, ordered by worker id: a worker whose context cannot hold
+        the prompt (it refuses one of max_model_len tokens or more) is not."""
         found = [
             w
             for w in self.workers.values()
@@ -148,6 +149,7 @@ class ClusterView:
             and w.healthy
             and w.worker_id not in query.exclude
             and (not query.fingerprint or w.fingerprint == query.fingerprint)
+            and (not w.max_model_len or query.num_tokens < w.max_model_len)
         ]
         return sorted(found, key=lambda w: w.worker_id)
 

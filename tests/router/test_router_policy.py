@@ -294,6 +294,25 @@ def test_a_late_failure_report_about_a_replaced_process_does_not_exclude_its_suc
     assert {state.route(RouteQuery(f"b{i}"), 1.0).decode for i in range(6)} == {"d1"}
 
 
+@pytest.mark.parametrize("policy", POLICIES)
+def test_a_worker_whose_context_cannot_hold_the_prompt_is_never_chosen(policy: str) -> None:
+    """A prefill worker with less KV memory than the decode workers has a shorter context (544 tokens for 34
+    blocks). The frontend limits prompts by the decode workers' context only, and until 2026-12-07 the router sent
+    a longer prompt to that prefill worker anyway: the client got a 400 for a prompt the cluster could serve."""
+    state = router(
+        P("p-small", max_model_len=544), D("d-big", max_model_len=5824), policy=policy, mode="disagg"
+    )
+    for n in (544, 1000):
+        decision = state.route(RouteQuery(f"long-{n}", token_ids=prompt(n)), 0.0)
+        assert decision.prefill is None and decision.decode == "d-big", decision
+        assert "no eligible prefill worker" in decision.detail
+    assert state.route(RouteQuery("short", token_ids=prompt(300)), 0.0).prefill == "p-small"
+    state.add_worker(D("d-small", max_model_len=544))
+    assert {state.route(RouteQuery(f"d{i}", token_ids=prompt(1000)), 0.0).decode for i in range(8)} == {
+        "d-big"
+    }
+
+
 def test_unhealthy_mismatched_and_excluded_workers_are_never_chosen() -> None:
     tokens = prompt(2048)
     state = router(
