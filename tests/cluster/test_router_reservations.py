@@ -19,7 +19,6 @@ import pytest
 from services.rpc import pb, pb_grpc
 from tests.support.cluster import (
     RPC_TIMEOUT_S,
-    WORKER_FLAGS,
     LocalCluster,
     Proc,
     greedy,
@@ -33,6 +32,8 @@ LONG = [(i * 37) % 4000 + 10 for i in range(2000)]
 # the whole prompt in one step, with room for its KV
 PREFILL_FLAGS = ["--dtype", "float32", "--kv-cache-bytes", str(160 << 20), "--threads", "1",
                  "--max-num-batched-tokens", "2048"]  # fmt: skip
+# a decode worker whose context holds the long prompt too: the router chooses no worker that cannot
+DECODE_FLAGS = ["--dtype", "float32", "--kv-cache-bytes", str(160 << 20), "--threads", "1"]
 PROBE_S = 2.5  # longer than a heartbeat's period (1 s), shorter than the long prompt's step on a CPU
 
 
@@ -45,7 +46,7 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalCluster]:
         return [
             start_process("services.prefill.server", "prefill-a", etcd_url, log_dir, *PREFILL_FLAGS),
             start_process("services.prefill.server", "prefill-b", etcd_url, log_dir, *PREFILL_FLAGS),
-            start_process("services.decode.server", "decode-a", etcd_url, log_dir, *WORKER_FLAGS),
+            start_process("services.decode.server", "decode-a", etcd_url, log_dir, *DECODE_FLAGS),
             start_process("services.router.server", "router", etcd_url, log_dir, "--mode", "disagg"),
         ]
 
