@@ -288,12 +288,13 @@ class Router(pb_grpc.RouterServicer):
             raise ValueError("token_ids is empty: there is no prompt to prefill")
         if tokens and min(tokens) < 0:
             raise ValueError(f"token_ids holds a negative token id ({min(tokens)})")
-        # the longest context among the workers: a prompt as long fits none (a worker refuses one of max_model_len
-        # tokens or more, and the policies choose no such worker), and would only cost hashing time
-        longest = max((w.max_model_len for w in self.state.workers.values()), default=0)
+        # the longest context among the decode workers: every plan has one, a worker refuses a prompt of
+        # max_model_len tokens or more and the policies choose no such worker, so a prompt as long fits no plan
+        # (however long a prefill worker's context) and would only cost hashing time
+        longest = max((w.max_model_len for w in self.state.workers.values() if w.role == "decode"), default=0)
         if longest and len(tokens) >= longest:
             raise ValueError(
-                f"{len(tokens)} token ids: no shorter than any worker's context ({longest} tokens)"
+                f"{len(tokens)} token ids: no shorter than any decode worker's context ({longest} tokens)"
             )
         query = RouteQuery(
             request_id=request.request_id or f"route-{uuid.uuid4().hex}",

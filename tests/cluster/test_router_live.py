@@ -93,7 +93,7 @@ def test_malformed_routes_get_invalid_argument_and_the_next_good_one_routes(clus
     got = run(calls)
     assert [code for code, _ in got] == [grpc.StatusCode.INVALID_ARGUMENT] * 4, got
     assert "negative token id (-1)" in got[0][1]
-    assert f"no shorter than any worker's context ({max_len} tokens)" in got[1][1]
+    assert f"no shorter than any decode worker's context ({max_len} tokens)" in got[1][1]
     assert "no prompt to prefill" in got[2][1]
     assert "not a /rackserve.v1.Router/Route request" in got[3][1]
 

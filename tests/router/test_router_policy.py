@@ -24,8 +24,9 @@ from services.router.policy import (
     setting_flag,
 )
 from services.router.prefix_index import PrefixIndex
-from services.router.server import add_arguments, policy_from_args, route_plan
+from services.router.server import Router, add_arguments, policy_from_args, route_plan
 from services.router.state import RouterState
+from services.rpc import pb
 from services.runtime.args import env_name
 
 BS = 16
@@ -311,6 +312,16 @@ def test_a_worker_whose_context_cannot_hold_the_prompt_is_never_chosen(policy: s
     assert {state.route(RouteQuery(f"d{i}", token_ids=prompt(1000)), 0.0).decode for i in range(8)} == {
         "d-big"
     }
+
+
+def test_a_prompt_no_decode_worker_can_hold_is_refused_as_too_long() -> None:
+    """Every plan needs a decode worker, and none is chosen whose context cannot hold the prompt: a prompt that fits
+    only a prefill worker's longer context fits no plan, and is the caller's error (INVALID_ARGUMENT naming the
+    limit), not UNAVAILABLE "no decode workers", a status that says to retry."""
+    servicer = Router(router(P("p-big", max_model_len=5824), D("d-small", max_model_len=544), mode="disagg"))
+    with pytest.raises(ValueError, match=r"1000 token ids: .*\(544 tokens\)"):
+        servicer._route(pb.RouteRequest(request_id="long", token_ids=prompt(1000), need_prefill=True))
+    assert servicer._route(pb.RouteRequest(request_id="short", token_ids=prompt(300), need_prefill=True))
 
 
 def test_unhealthy_mismatched_and_excluded_workers_are_never_chosen() -> None:
