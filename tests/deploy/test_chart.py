@@ -175,7 +175,9 @@ def test_a_rolled_frontend_is_given_the_time_to_finish_its_streams(monkeypatch: 
     """On SIGTERM the frontend lets each request in flight run to its deadline (--request-timeout-s) plus a stalled
     client's grace, then exits; the kubelet SIGKILLs it at terminationGracePeriodSeconds, cutting every stream still
     running (the workers' drainGraceSeconds plus the margin, 45 s by default, cut a 1,100-token CPU stream at 650)."""
-    for args in ((), ("--set", "frontend.flags.request-timeout-s=120"), ("-f", str(GPU_PROFILE))):
+    # a preStop sleep longer than terminationMarginSeconds: the grace must count the sleep, not the margin for it
+    long_sleep = ("--set", "frontend.preStopSleepSeconds=30")
+    for args in ((), ("--set", "frontend.flags.request-timeout-s=120"), ("-f", str(GPU_PROFILE)), long_sleep):
         dep = find(render(*args), "Deployment", "rs-rackserve-frontend")
         flags = _parse_with_env("frontend", env_of(container(dep, "frontend")), monkeypatch)
         drain_s = flags.request_timeout_s + FrontendConfig.stalled_client_grace_s
