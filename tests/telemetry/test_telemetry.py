@@ -294,3 +294,41 @@ def test_a_migrated_request_gets_a_migration_span_with_its_cause_and_path() -> N
     assert attributes["rackserve.migration.path"] == "re-transfer"
     assert "decode-b" in attributes["rackserve.migration.record"]
     assert "'migrating'" in run.stdout
+
+
+# A request sent without a traceparent, ended inside a span that an HTTP layer made current (FastAPI's native
+# tracing, an ASGI instrumentation): its request span must start the trace whose id the workers were sent.
+UNPARENTED_REQUEST = r"""
+import sys, time
+from services.frontend.request_state import Phase, RequestState
+from services.frontend.timeline import RequestObserver
+from services.rpc import pb
+from services.telemetry import tracing
+
+tracing.configure("frontend", "test", sys.argv[1], batch_delay_ms=50)
+state = RequestState("req-unparented", [1, 2, 3], pb.SamplingParams(seed=1), traceparent=sys.argv[2],
+                     deadline_s=time.monotonic() + 60)
+for phase in (Phase.ROUTED, Phase.PREFILLING, Phase.DECODING):
+    state.advance(phase)
+state.emitted = []
+state.finish("stop")
+with tracing.tracer().start_as_current_span("POST /v1/chat/completions"):
+    RequestObserver(history=10).finished("chat_completions", state, 200)
+tracing.shutdown()
+"""
+
+
+@pytest.mark.cluster
+def test_a_request_without_a_client_traceparent_starts_the_trace_the_workers_were_sent() -> None:
+    trace_id, span_id = "5b8aa5a2d2c872e8321cf37308d69df2", "051581bf3cb55c13"
+    with trace_receiver() as (receiver, endpoint):
+        run = subprocess.run(
+            [sys.executable, "-c", UNPARENTED_REQUEST, endpoint, f"00-{trace_id}-{span_id}-01"],
+            cwd=REPO, capture_output=True, text=True, timeout=60, env={**os.environ, "PYTHONPATH": str(REPO)},
+        )  # fmt: skip
+        assert run.returncode == 0, run.stderr
+        spans = receiver.of_request("req-unparented")
+    request = next(s for s in spans if s["name"] == "request")
+    # not a child of the HTTP span around it, in that span's own trace
+    assert (request["trace_id"], request["span_id"], request["parent_span_id"]) == (trace_id, span_id, "")
+    assert {s["trace_id"] for s in spans} == {trace_id}
