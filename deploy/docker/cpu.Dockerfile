@@ -14,7 +14,7 @@ COPY deploy/docker/constraints.txt /tmp/constraints.txt
 # PyPI's Linux torch is the CUDA build, several GB of CUDA libraries this image never uses
 RUN python -m venv /opt/venv \
  && /opt/venv/bin/pip install --index-url https://download.pytorch.org/whl/cpu torch==2.13.0 \
- && /opt/venv/bin/pip install -c /tmp/constraints.txt grpcio-tools==1.85.1
+ && /opt/venv/bin/pip install -c /tmp/constraints.txt grpcio-tools==1.85.4
 COPY pyproject.toml README.md ./
 COPY proto ./proto
 COPY services ./services

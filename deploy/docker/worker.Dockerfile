@@ -24,7 +24,7 @@ COPY deploy/docker/constraints.txt /tmp/constraints.txt
 RUN python3 -m venv /opt/venv \
  && /opt/venv/bin/pip install --index-url https://download.pytorch.org/whl/cu128 torch==2.13.0 \
  && /opt/venv/bin/pip install --no-deps nixl-cu12==1.5.1 \
- && /opt/venv/bin/pip install -c /tmp/constraints.txt grpcio-tools==1.85.1
+ && /opt/venv/bin/pip install -c /tmp/constraints.txt grpcio-tools==1.85.4
 COPY pyproject.toml README.md ./
 COPY proto ./proto
 COPY services ./services

