@@ -214,6 +214,7 @@ class PrefillWorker(EngineWorker, pb_grpc.PrefillWorkerServicer):
         except BaseException:
             await self._release(request_id)  # nothing will be pulled; free the blocks now, not at the TTL
             raise
+        self._unless_held(request_id)
         layout = self.facts.kv_layout
         kv = wire.kv_handle(
             layout,
@@ -280,6 +281,7 @@ class PrefillWorker(EngineWorker, pb_grpc.PrefillWorkerServicer):
             except BaseException:
                 await self._release(hold_id)
                 raise
+            self._unless_held(hold_id)
             layout = self.facts.kv_layout
             n = len(export.block_ids)
             kv = wire.kv_handle(
@@ -385,6 +387,13 @@ class PrefillWorker(EngineWorker, pb_grpc.PrefillWorkerServicer):
             if copied.room is not None:  # a publication that took it has given it back already: no-op
                 copied.room.give()
             raise
+
+    def _unless_held(self, request_id: str) -> None:
+        """Retract what was just published if its hold ended meanwhile (its TTL passed while the blocks were
+        copied out): that expiry found nothing to retract yet, and with the hold gone no Release or expiry ever
+        would, so the bytes stayed published (and in /dev/shm) until the source's backstop, --kv-max-hold-s."""
+        if request_id not in self._expiry:
+            self.source.retract(request_id)
 
     async def _release(self, request_id: str) -> None:
         self._held_since.pop(request_id, None)
