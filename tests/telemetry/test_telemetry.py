@@ -273,16 +273,22 @@ tracing.shutdown()
 """
 
 
-@pytest.mark.cluster
-def test_a_migrated_request_gets_a_migration_span_with_its_cause_and_path() -> None:
-    trace_id, span_id = "0af7651916cd43dd8448eb211c80319c", "b7ad6b7169203331"
+def _spans_of(script: str, request_id: str, traceparent: str) -> tuple[str, list[dict[str, Any]]]:
+    """Run `script` (a frontend's end of one request) in a process of its own, exporting to a receiver here:
+    its stdout and the spans the receiver got for `request_id`."""
     with trace_receiver() as (receiver, endpoint):
         run = subprocess.run(
-            [sys.executable, "-c", MIGRATED_REQUEST, endpoint, f"00-{trace_id}-{span_id}-01"],
+            [sys.executable, "-c", script, endpoint, traceparent],
             cwd=REPO, capture_output=True, text=True, timeout=60, env={**os.environ, "PYTHONPATH": str(REPO)},
         )  # fmt: skip
         assert run.returncode == 0, run.stderr
-        spans = receiver.of_request("req-migrated")
+        return run.stdout, receiver.of_request(request_id)
+
+
+@pytest.mark.cluster
+def test_a_migrated_request_gets_a_migration_span_with_its_cause_and_path() -> None:
+    trace_id, span_id = "0af7651916cd43dd8448eb211c80319c", "b7ad6b7169203331"
+    stdout, spans = _spans_of(MIGRATED_REQUEST, "req-migrated", f"00-{trace_id}-{span_id}-01")
     by_name = {s["name"]: s for s in spans}
     assert set(by_name) == {"request", "queue", "decode", "migration"}
     assert [s["name"] for s in spans].count("decode") == 2
@@ -293,7 +299,7 @@ def test_a_migrated_request_gets_a_migration_span_with_its_cause_and_path() -> N
     assert attributes["rackserve.migration.cause"] == "decode_failed"
     assert attributes["rackserve.migration.path"] == "re-transfer"
     assert "decode-b" in attributes["rackserve.migration.record"]
-    assert "'migrating'" in run.stdout
+    assert "'migrating'" in stdout
 
 
 # A request sent without a traceparent, ended inside a span that an HTTP layer made current (FastAPI's native
@@ -321,13 +327,7 @@ tracing.shutdown()
 @pytest.mark.cluster
 def test_a_request_without_a_client_traceparent_starts_the_trace_the_workers_were_sent() -> None:
     trace_id, span_id = "5b8aa5a2d2c872e8321cf37308d69df2", "051581bf3cb55c13"
-    with trace_receiver() as (receiver, endpoint):
-        run = subprocess.run(
-            [sys.executable, "-c", UNPARENTED_REQUEST, endpoint, f"00-{trace_id}-{span_id}-01"],
-            cwd=REPO, capture_output=True, text=True, timeout=60, env={**os.environ, "PYTHONPATH": str(REPO)},
-        )  # fmt: skip
-        assert run.returncode == 0, run.stderr
-        spans = receiver.of_request("req-unparented")
+    _, spans = _spans_of(UNPARENTED_REQUEST, "req-unparented", f"00-{trace_id}-{span_id}-01")
     request = next(s for s in spans if s["name"] == "request")
     # not a child of the HTTP span around it, in that span's own trace
     assert (request["trace_id"], request["span_id"], request["parent_span_id"]) == (trace_id, span_id, "")
