@@ -13,6 +13,7 @@ import concurrent.futures
 import json
 import re
 import threading
+from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -26,6 +27,10 @@ KINDS = ("json_schema", "json_object", "regex", "choice", "grammar")
 # it on a thread of its own, at most COMPILE_THREADS at once.
 COMPILE_TIMEOUT_S = 10.0
 COMPILE_THREADS = 2
+# Compiled grammars kept for later requests, least recently used dropped first past this many bytes together.
+# xgrammar's own cache has no bound: every distinct grammar a client sent stayed in memory for good (a 40 KB
+# regex such as '(a|b)' * 8000 compiles to 127 MB; until 2026-12-07 a few requests grew a frontend by gigabytes).
+CACHE_LIMIT_BYTES = 256 << 20
 
 
 # xgrammar's messages start with its log prefix: "[14:43:36] /project/cpp/regex_converter.cc:94: " — the time and
@@ -53,7 +58,7 @@ class _Compile:
 
 
 class Grammars:
-    """Compiles grammars for one tokenizer (compilations are cached by xgrammar) and opens matchers."""
+    """Compiles grammars for one tokenizer (the last ones used kept, up to CACHE_LIMIT_BYTES) and opens matchers."""
 
     def __init__(self, tokenizer: Any, vocab_size: int, stop_token_ids: Iterable[int]) -> None:
         self._tokenizer = tokenizer
@@ -63,12 +68,14 @@ class Grammars:
         # the compiler is built once, whichever thread asks; guards what follows
         self._lock = threading.Lock()
         self._pool: concurrent.futures.ThreadPoolExecutor | None = None
-        self._ready: set[tuple[str, str]] = set()  # compiled: xgrammar's cache holds them
+        # compiled, least recently used first, with their sizes (under _lock)
+        self._ready: OrderedDict[tuple[str, str], tuple[Any, int]] = OrderedDict()
+        self._ready_bytes = 0
         # the compiles asked for and not ended (loop thread)
         self._running: dict[tuple[str, str], _Compile] = {}
 
     async def compile_within(self, kind: str, spec: str, timeout_s: float | None = None) -> None:
-        """Compile (kind, spec) off the calling thread, so that `matcher` then finds it in xgrammar's cache;
+        """Compile (kind, spec) off the calling thread, so that `matcher` then finds it kept;
         GrammarError if it does not compile, or not within `timeout_s` (the compile goes on in its thread, and
         holds one of COMPILE_THREADS until it ends; a request waiting for a thread waits within the same
         deadline). A grammar compiled before needs no thread (costly compiles running cannot hold it up); a
@@ -77,6 +84,7 @@ class Grammars:
         key = (kind, spec)
         with self._lock:
             if key in self._ready:
+                self._ready.move_to_end(key)
                 return
             if self._pool is None:
                 self._pool = concurrent.futures.ThreadPoolExecutor(COMPILE_THREADS, "grammar-compile")
@@ -109,9 +117,19 @@ class Grammars:
             if c.abandoned:  # queued behind costly compiles until every request for it gave up
                 raise GrammarError(f"the {key[0]} grammar waited for a compile thread past its deadline")
             c.started = True
-        self._compiled(*key)
+        self._keep(key, self._compiled(*key))
+
+    def _keep(self, key: tuple[str, str], compiled: Any) -> None:
+        """Keep a compiled grammar, dropping the least recently used past CACHE_LIMIT_BYTES (never the newest:
+        its request opens a matcher from it next; a matcher holds its grammar however long it runs)."""
+        size = compiled.memory_size_bytes
         with self._lock:
-            self._ready.add(key)
+            old = self._ready.pop(key, None)
+            self._ready_bytes += size - (old[1] if old else 0)
+            self._ready[key] = (compiled, size)
+            while self._ready_bytes > CACHE_LIMIT_BYTES and len(self._ready) > 1:
+                _, (_, dropped) = self._ready.popitem(last=False)
+                self._ready_bytes -= dropped
 
     def _compiled(self, kind: str, spec: str) -> Any:
         try:
@@ -151,13 +169,23 @@ class Grammars:
             vocab_size=self._vocab_size,
             stop_token_ids=self._stop_token_ids or None,
         )
-        return xgr.GrammarCompiler(info, max_threads=1)
+        # no cache of its own: ours is bounded (Grammars._keep)
+        return xgr.GrammarCompiler(info, max_threads=1, cache_enabled=False)
 
     def matcher(self, kind: str, spec: str, emitted: Sequence[int] = ()) -> Matcher:
         """A matcher positioned after `emitted` (a resumed request's tokens so far)."""
         import xgrammar as xgr
 
-        compiled = self._compiled(kind, spec)
+        key = (kind, spec)
+        with self._lock:
+            kept = self._ready.get(key)
+            if kept is not None:
+                self._ready.move_to_end(key)
+        if kept is not None:
+            compiled = kept[0]
+        else:  # dropped since compile_within (or never asked for): compiled here, on the caller's thread
+            compiled = self._compiled(kind, spec)
+            self._keep(key, compiled)
         m = Matcher(xgr.GrammarMatcher(compiled), self._vocab_size)
         for t in emitted:
             if not m.accept(t):

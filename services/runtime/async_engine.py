@@ -220,7 +220,7 @@ class AsyncEngine:
 
     async def compile_grammar(self, params: SamplingParams) -> None:
         """Compile a request's grammar off the engine thread before `generate`, within COMPILE_TIMEOUT_S
-        (services/engine/structured.py): `add_request` then finds it in xgrammar's cache. Compiled on the engine
+        (services/engine/structured.py): `add_request` then finds it compiled. Compiled on the engine
         thread, one costly grammar froze every request on the worker. GrammarError (INVALID_ARGUMENT) if it
         does not compile in time."""
         assert self.engine is not None, "AsyncEngine.start() has not finished"

@@ -9,6 +9,7 @@ from typing import Any
 
 import pytest
 
+from services.engine import structured
 from services.engine.structured import GrammarError, Grammars
 from services.engine.tokenizer import Tokenizer
 
@@ -74,3 +75,30 @@ def test_a_grammar_that_does_not_compile_says_why_without_the_librarys_source_pa
     with pytest.raises(GrammarError) as e:
         asyncio.run(g.compile_within(kind, spec, 30.0))
     assert str(e.value) == f"the {kind} grammar does not compile: {says}"
+
+
+def test_compiled_grammars_kept_for_later_requests_stay_within_the_cache_limit(
+    gguf_path: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Every distinct grammar a client sent stayed compiled in xgrammar's unbounded cache: a 40 KB regex holds
+    127 MB, so a handful of requests grew a frontend (and every worker they reached) by gigabytes for good (the
+    security audit, until 2026-12-07). Now the grammars kept are the last used, within CACHE_LIMIT_BYTES; one
+    dropped still opens a matcher (compiled again) and the newest is always kept."""
+    monkeypatch.setattr(structured, "CACHE_LIMIT_BYTES", 20 << 20, raising=False)
+    tok = Tokenizer.from_gguf(gguf_path)
+    g = Grammars(tok, tok.vocab_size, tok.stop_token_ids)
+    # each about 8 MB compiled: 6 of them twice the limit
+    specs = [f"x{i}" + "(a|b)" * 2000 for i in range(6)]
+
+    async def body() -> None:
+        for spec in specs:
+            await g.compile_within("regex", spec, 60.0)
+
+    asyncio.run(body())
+    # what xgrammar's cache holds and what Grammars keeps itself
+    kept = sum(size for _, size in g._ready.values()) if isinstance(g._ready, dict) else 0
+    held = g._compiler.get_cache_size_bytes() + kept
+    assert held <= 20 << 20, f"{held >> 20} MB of compiled grammars held"
+    assert ("regex", specs[-1]) in g._ready
+    m = g.matcher("regex", specs[0])  # dropped: compiled again for its matcher
+    assert all(m.accept(t) for t in tok.encode("x0ab"))
