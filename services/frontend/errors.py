@@ -72,9 +72,11 @@ def bad_request(message: str, param: str | None = None, code: str | None = None)
 def model_not_found(model: str, served: str | None) -> ApiError:
     """404 for a model not served; `served` None: the caller may not know which is (its key may not use it)."""
     why = f"; this server serves {served!r}" if served is not None else " or this key may not use it"
+    # a name is echoed whole only when short: a 3 MB `model` came back as a 3 MB error (until 2026-12-07)
+    shown = repr(model) if len(model) <= 200 else f"{model[:100]!r}... ({len(model)} characters)"
     return ApiError(
         404,
-        f"The model {model!r} does not exist{why}",
+        f"The model {shown} does not exist{why}",
         INVALID_REQUEST,
         "model",
         "model_not_found",

@@ -1161,6 +1161,14 @@ def test_no_router_is_503_with_retry_after(lonely: tuple[str, str]) -> None:
             "8192 tokens, but the prompt has 90",
         ),
         (chat("hi", model="gpt-4"), 404, "model", "model_not_found", "'gpt-4'"),
+        # a long name is not echoed whole (a 3 MB name made a 3 MB error until 2026-12-07)
+        (
+            chat("hi", model="m" * 5000),
+            404,
+            "model",
+            "model_not_found",
+            "m'... (5000 characters) does not exist",
+        ),
         # a 500 until 2026-12-07 (Python refuses int() of over 4,300 digits)
         (chat("hi", logit_bias={"1" * 5000: 1}), 400, "logit_bias", "invalid_value", "decimal strings"),
         (chat("hi", top_logprobs=3), 400, "top_logprobs", "invalid_value", "logprobs: true"),
@@ -1271,6 +1279,7 @@ def test_no_router_is_503_with_retry_after(lonely: tuple[str, str]) -> None:
         "prompt-plus-max_tokens-too-long",
         "prompt-too-long",
         "model-unknown",
+        "model-unknown-of-5000-characters",
         "logit_bias-key-of-5000-digits",
         "top_logprobs-without-logprobs",
         "stream_options-without-stream",
