@@ -119,7 +119,9 @@ class BlockManager:
         are read and checked now, so a corrupt one is a miss."""
         if self.disk is None or not self.enable_prefix_caching:
             return 0
-        return self.disk.lookup(hashes)
+        n = self.disk.lookup(hashes)
+        self._report_disk_lost()
+        return n
 
     def count_tier2_misses(self, num_blocks: int) -> None:
         """Prompt blocks past the pool's prefix found in no tier (each tier on counts them as its misses)."""
@@ -193,7 +195,10 @@ class BlockManager:
     def take_disk(self, hashes: list[int]) -> list[TierEntry]:
         """The same for the disk tier (lookup_disk has read and checked these files)."""
         assert self.disk is not None
-        return [self.disk.take(h) for h in hashes]
+        try:
+            return [self.disk.take(h) for h in hashes]
+        finally:
+            self._report_disk_lost()
 
     def commit_restored(
         self, block_ids: list[int], hashes: list[int], parents: list[int], tier: KvTierName = "host"
@@ -213,6 +218,13 @@ class BlockManager:
         """Blocks taken from a tier to be restored whose restore failed: they are in no tier now (dropped)."""
         for h, parent in zip(hashes, parents, strict=True):
             self._events.append(KvEvent("dropped", h, parent, -1, tier))
+
+    def _report_disk_lost(self) -> None:
+        """Blocks the disk tier forgot when their files read unsound (a miss, deleted): dropped, so the router's
+        index stops counting them as this worker's."""
+        assert self.disk is not None
+        for h, parent in self.disk.take_lost():
+            self._events.append(KvEvent("dropped", h, parent, -1, "disk"))
 
     def _evict(self, b: int) -> None:
         st = self.blocks[b]

@@ -141,6 +141,9 @@ class DiskKvTier:
         self._taken_read_s = 0.0
         self.used_bytes = 0
         self.hits = self.misses = self.restores = self.corrupt = self.overlapped = 0
+        # (hash, parent) of blocks forgotten because their files were unsound when read: the caller reports them
+        # dropped (take_lost), or the router would go on counting them as this worker's
+        self.lost: list[tuple[int, int]] = []
         self.restore_s = 0.0
         self.restore_observer: Callable[[float], None] | None = None
         try:
@@ -326,6 +329,11 @@ class DiskKvTier:
         self._unlink(self._name(block_hash))
         return block_hash, entry[0]
 
+    def take_lost(self) -> list[tuple[int, int]]:
+        """The (hash, parent) of blocks forgotten since the last call because their files were unsound."""
+        lost, self.lost = self.lost, []
+        return lost
+
     def observe_restore(self, num_blocks: int, seconds: float, overlapped: bool = False) -> None:
         """One request's restore: `seconds` of decode + write, plus the reads of its files (at admission)."""
         seconds += self._taken_read_s
@@ -417,7 +425,9 @@ class DiskKvTier:
         except (OSError, ValueError, KeyError, TypeError, RuntimeError) as exc:
             log.warning("KV disk tier %s: block %016x is a miss: %s", self.path, block_hash, exc)
             self.corrupt += 1
-            self.discard(block_hash)
+            gone = self.discard(block_hash)
+            if gone is not None:
+                self.lost.append(gone)
             return None
         return TierEntry(header["parent"], _HEAD.size + len(payload), data, tier="disk")
 

@@ -446,3 +446,58 @@ def test_a_disk_that_refuses_deletions_costs_the_engine_no_request_and_no_pool_b
     assert not e.disk.writable
     assert e.blocks.num_free == POOL  # nothing running: every pool block is free again
     e.disk.close()
+
+
+def test_a_block_file_found_damaged_when_read_is_reported_dropped_to_the_router(
+    smollm2: LoadedModel, prompts: tuple[list[int], list[int]], cold: list[int], tmp_path: Path
+) -> None:
+    """A file damaged under a running worker is a miss when a prompt's lookup reads it, and deleted: until
+    2026-12-08 without an event, so the router went on counting the block as this worker's disk block. Here the
+    prompt that read it waits for pool blocks and is cancelled, so nothing recomputes the block: the router's view
+    and the worker's tier must still agree."""
+    from services.router.prefix_index import DISK, PrefixIndex
+
+    a, b = prompts
+    e = make(smollm2, kv_disk_path=str(tmp_path), kv_disk_bytes=64 << 20)
+    assert e.disk is not None
+    index = PrefixIndex()
+
+    def follow() -> None:
+        for ev in e.drain_kv_events():
+            if ev.kind == "stored":
+                index.stored("w", [ev.block_hash])
+            elif ev.kind == "evicted":
+                index.evicted("w", [ev.block_hash])
+            elif ev.kind == "offloaded":
+                index.offloaded("w", [ev.block_hash], ev.tier)
+            elif ev.kind == "restored":
+                index.restored("w", [ev.block_hash], ev.tier)
+            else:
+                index.tier2_dropped("w", [ev.block_hash], ev.tier)
+
+    e.generate([a], GREEDY)
+    e.generate([b], GREEDY)  # a on disk, b in the whole pool
+    follow()
+    hashes = block_hashes(a[: len(a) - 1], BS)
+    assert all(h in e.disk for h in hashes) and index.tier2_blocks_of("w", DISK) == len(e.disk)
+    path = tmp_path / "blocks" / f"{hashes[0]:016x}.kv"
+    data = bytearray(path.read_bytes())
+    data[-100] ^= 0xFF  # one payload byte
+    path.write_bytes(bytes(data))
+
+    e.add_request("b2", b, GREEDY)  # takes every pool block
+    e.add_request("a2", a, GREEDY)  # looked up (its first file read and found damaged), then waits for blocks
+    e.step()
+    assert hashes[0] not in e.disk and not path.exists()
+    e.abort("a2")  # the client gave up
+    while e.has_unfinished():
+        e.step()
+    follow()
+    assert index.tier2_blocks_of("w", DISK) == len(e.disk)
+    assert index.tiered_overlaps(hashes).get("w", (0, 0)) == (
+        0,
+        0,
+    )  # nothing of a's chain restorable from block 0
+    out, cached = again(e, a)
+    assert cached == 0 and out == cold  # recomputed, never served
+    e.disk.close()
