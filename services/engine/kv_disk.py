@@ -364,13 +364,17 @@ class DiskKvTier:
 
     def _unlink(self, name: str) -> None:
         """Delete a block file the index no longer counts. A deletion the directory refuses never fails the
-        caller (an engine step): the file stays, unindexed, and the tier stops writing."""
+        caller (an engine step): the file stays, unindexed, and the tier stops writing (any other failure is
+        logged and the tier goes on)."""
         try:
             (self.blocks_dir / name).unlink()
         except FileNotFoundError:
             pass
         except OSError as exc:
-            self._stop_writing(exc)
+            if exc.errno in REFUSED:
+                self._stop_writing(exc)
+            else:  # e.g. a directory under a block's name: only that name is lost to the tier, not every write
+                log.warning("KV disk tier %s: cannot delete %s: %s", self.path, name, exc)
 
     def _stop_writing(self, exc: OSError) -> None:
         if self.writable:

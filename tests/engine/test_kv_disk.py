@@ -227,6 +227,27 @@ def test_the_blocks_directory_removed_under_a_running_tier_is_made_again(tmp_pat
     assert t.lookup([1]) == 0 and 1 not in t  # its file went with the directory: a miss, forgotten
 
 
+def test_a_directory_under_a_block_name_is_a_miss_and_the_tier_keeps_writing(tmp_path: Path) -> None:
+    """A directory where a block file should be cannot be deleted like a file: until 2026-12-08 that failed
+    deletion turned the tier's writes off, when read and at every start-up after, so no block reached the disk
+    again on that worker."""
+    t = tier(tmp_path)
+    t.put(1, 0, block(1))
+    t.put(2, 1, block(2))
+    name = tmp_path / "blocks" / f"{1:016x}.kv"
+    name.unlink()
+    name.mkdir()
+    assert t.lookup([1, 2]) == 0 and 1 not in t  # a miss, forgotten
+    t.put(3, 2, block(3))
+    assert t.writable and 3 in t and t.lookup([2, 3]) == 2
+    t.close()
+    t = tier(tmp_path)  # a restart on the same directory: dropped at start-up, the tier still writes
+    assert 1 not in t and 2 in t and 3 in t
+    t.put(4, 3, block(4))
+    assert t.writable and 4 in t and t.lookup([4]) == 1
+    t.close()
+
+
 def test_a_restart_with_the_same_manifest_keeps_the_blocks(tmp_path: Path) -> None:
     t = tier(tmp_path)
     for h in (1, 2, 3):
