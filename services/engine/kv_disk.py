@@ -276,33 +276,44 @@ class DiskKvTier:
         ).encode()
         size = _HEAD.size + len(header) + len(payload)
         while self._entries and self.used_bytes + size > self.capacity_bytes:
-            h, (parent, n) = self._entries.popitem(last=False)
-            self.used_bytes -= n
-            self._staged.pop(h, None)
-            self._unlink(self._name(h))
-            dropped.append((h, parent))
+            dropped.append(self._drop_oldest())
         # (not writable: an eviction above may have found out)
         if self.used_bytes + size > self.capacity_bytes or not self.writable:
             return dropped + [(block_hash, parent_hash)] * was_here
         name = self._name(block_hash)
         tmp = self.blocks_dir / f".{name[:16]}.{os.getpid()}.tmp"
-        try:
+        while True:
             try:
-                self._write(tmp, header, payload)
-            except FileNotFoundError:  # blocks/ removed under us: make it again, once
-                self.blocks_dir.mkdir(parents=True, exist_ok=True)
-                self._write(tmp, header, payload)
-            os.replace(tmp, self.blocks_dir / name)
-        except OSError as exc:
-            if exc.errno in REFUSED:  # the directory refuses writes for good: stop (logged once)
-                self._stop_writing(exc)
-            else:  # a full disk, say, may pass: this block is lost, the next one is tried
-                log.warning("KV disk tier %s: cannot write block %016x: %s", self.path, block_hash, exc)
-            self._unlink(tmp.name)
-            return dropped + [(block_hash, parent_hash)] * was_here
+                try:
+                    self._write(tmp, header, payload)
+                except FileNotFoundError:  # blocks/ removed under us: make it again, once
+                    self.blocks_dir.mkdir(parents=True, exist_ok=True)
+                    self._write(tmp, header, payload)
+                os.replace(tmp, self.blocks_dir / name)
+                break
+            except OSError as exc:
+                self._unlink(tmp.name)
+                if exc.errno in (errno.ENOSPC, errno.EDQUOT) and self._entries and self.writable:
+                    # the filesystem is full before the bound (a volume smaller than it, other files on it): the
+                    # oldest blocks make room, as for the bound, or it would keep them and refuse every newer one
+                    dropped.append(self._drop_oldest())
+                    continue
+                if exc.errno in REFUSED:  # the directory refuses writes for good: stop (logged once)
+                    self._stop_writing(exc)
+                else:  # a full disk, say, may pass: this block is lost, the next one is tried
+                    log.warning("KV disk tier %s: cannot write block %016x: %s", self.path, block_hash, exc)
+                return dropped + [(block_hash, parent_hash)] * was_here
         self._entries[block_hash] = (parent_hash, size)
         self.used_bytes += size
         return dropped
+
+    def _drop_oldest(self) -> tuple[int, int]:
+        """Push out the oldest written block; its (hash, parent)."""
+        h, (parent, n) = self._entries.popitem(last=False)
+        self.used_bytes -= n
+        self._staged.pop(h, None)
+        self._unlink(self._name(h))
+        return h, parent
 
     def take(self, block_hash: int) -> TierEntry:
         """Remove a block to restore it (lookup() read and checked it); KeyError if it cannot be restored."""

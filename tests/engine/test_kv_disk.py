@@ -218,6 +218,30 @@ def test_a_directory_that_refuses_writes_stops_the_writes_and_says_so_once(
     assert torch.equal(t.take(1).data, block(1))  # type: ignore[arg-type]  # what it holds still restores
 
 
+def test_a_volume_smaller_than_the_bound_keeps_the_newest_blocks(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A filesystem that fills up before `--kv-disk-bytes` does (a smaller volume, other files on it): until
+    2026-12-08 the tier kept the blocks it wrote first and lost every newer one (ENOSPC, logged), for good; now
+    the oldest make room, as for the bound, and every block ends up in a file."""
+    real = DiskKvTier._write
+
+    def small_volume(path: Path, header: bytes, payload: bytes) -> None:
+        if len(files(tmp_path)) >= 2:  # room for two block files
+            raise OSError(errno.ENOSPC, "No space left on device", str(path))
+        real(path, header, payload)
+
+    monkeypatch.setattr(DiskKvTier, "_write", staticmethod(small_volume))
+    t = tier(tmp_path)
+    dropped = []
+    for h in (1, 2, 3, 4, 5):
+        dropped += t.put(h, h - 1, block(h))
+    assert t.writable and t.hashes() == [4, 5] and dropped == [(1, 0), (2, 1), (3, 2)]
+    assert files(tmp_path) == [f"{4:016x}.kv", f"{5:016x}.kv"]
+    assert t.used_bytes == sum(p.stat().st_size for p in (tmp_path / "blocks").iterdir())
+    assert torch.equal(t.take(5).data, block(5))  # type: ignore[arg-type]
+
+
 def test_the_blocks_directory_removed_under_a_running_tier_is_made_again(tmp_path: Path) -> None:
     t = tier(tmp_path)
     t.put(1, 0, block(1))
