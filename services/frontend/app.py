@@ -839,8 +839,13 @@ class ChatFormat:
         )
 
     def opening(self, choices: int) -> Sequence[BaseModel]:
+        # a required or named tool_choice answers with calls only (content null, whole or streamed): its opening
+        # delta carries no "" content, which a client's accumulated message kept (until 2026-12-07, the SDK's
+        # stream helper gave content "" where the whole answer gives null)
+        constrained = self.tool_mode is not None and self.tool_mode != "auto"
+        content = None if constrained else ""
         return [
-            self._chunk([ChatChunkChoice(index=i, delta=ChatDelta(role="assistant", content=""))])
+            self._chunk([ChatChunkChoice(index=i, delta=ChatDelta(role="assistant", content=content))])
             for i in range(choices)
         ]
 

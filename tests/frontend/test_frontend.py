@@ -704,6 +704,26 @@ def test_a_required_or_named_tool_choice_never_streams_its_call_as_content(scrip
         assert json.loads(call.function.arguments) == {"city": "Oslo"}
 
 
+def test_a_required_or_named_tool_choice_streams_a_null_content_as_it_answers_whole(
+    scripted: ScriptedCluster,
+) -> None:
+    """The SDK's stream helper accumulates the deltas into the message the whole answer gives: a call and no
+    content (null), not content "" from the opening chunk (until 2026-12-07)."""
+    client = openai.OpenAI(base_url=f"{scripted.url}/v1", api_key="none", max_retries=0)
+    named = {"type": "function", "function": {"name": "get_weather"}}
+    for choice, said in (("required", '[{"name": "get_weather", "parameters": {"city": "Oslo"}}]'),
+                         (named, '{"city": "Oslo"}')):  # fmt: skip
+        kw: dict[str, Any] = {"model": MODEL, "messages": [{"role": "user", "content": f"[say]{said}[/say]"}],
+                              "tools": [WEATHER], "tool_choice": choice}  # fmt: skip
+        whole = client.chat.completions.create(**kw).choices[0].message
+        with client.chat.completions.stream(**kw) as stream:
+            streamed = stream.get_final_completion().choices[0].message
+        assert whole.content is None and streamed.content is None, (choice, streamed.content)
+        assert [c.function.arguments for c in streamed.tool_calls or []] == [
+            c.function.arguments for c in whole.tool_calls or []
+        ]
+
+
 def test_a_grammar_too_costly_to_compile_is_refused_and_stalls_nobody(
     scripted: ScriptedCluster, monkeypatch: pytest.MonkeyPatch
 ) -> None:
