@@ -143,7 +143,7 @@ class DiskKvTier:
         self.hits = self.misses = self.restores = self.corrupt = self.overlapped = 0
         # (hash, parent) of blocks forgotten because their files were unsound when read: the caller reports them
         # dropped (take_lost), or the router would go on counting them as this worker's
-        self.lost: list[tuple[int, int]] = []
+        self._lost: list[tuple[int, int]] = []
         self.restore_s = 0.0
         self.restore_observer: Callable[[float], None] | None = None
         try:
@@ -342,7 +342,7 @@ class DiskKvTier:
 
     def take_lost(self) -> list[tuple[int, int]]:
         """The (hash, parent) of blocks forgotten since the last call because their files were unsound."""
-        lost, self.lost = self.lost, []
+        lost, self._lost = self._lost, []
         return lost
 
     def observe_restore(self, num_blocks: int, seconds: float, overlapped: bool = False) -> None:
@@ -442,7 +442,7 @@ class DiskKvTier:
             self.corrupt += 1
             gone = self.discard(block_hash)
             if gone is not None:
-                self.lost.append(gone)
+                self._lost.append(gone)
             return None
         return TierEntry(header["parent"], _HEAD.size + len(payload), data, tier="disk")
 

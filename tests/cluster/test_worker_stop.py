@@ -26,13 +26,17 @@ pytestmark = [
 ]
 
 
+def _children(pid: int) -> list[int]:
+    return [int(child) for child in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
+
+
 def _child(pid: int, deadline_s: float = 30.0) -> int:
     """The one child of `pid` (unshare's: the worker, PID 1 of its namespace)."""
     end = time.monotonic() + deadline_s
     while time.monotonic() < end:
-        children = Path(f"/proc/{pid}/task/{pid}/children").read_text().split()
+        children = _children(pid)
         if children:
-            return int(children[0])
+            return children[0]
         time.sleep(0.05)
     raise AssertionError("unshare started no worker")
 
@@ -70,8 +74,7 @@ def test_a_worker_stopped_while_its_model_loads_exits_even_as_pid_1(tmp_path: Pa
         assert "listening on" not in said  # it never served
     finally:
         if proc.poll() is None:
-            with open(f"/proc/{proc.pid}/task/{proc.pid}/children") as f:
-                for pid in f.read().split():
-                    os.kill(int(pid), signal.SIGKILL)
+            for pid in _children(proc.pid):
+                os.kill(pid, signal.SIGKILL)
             proc.kill()
             proc.wait()
