@@ -4,7 +4,8 @@ One merge-patch of each Deployment's `scale` subresource (`PATCH .../deployments
 service-account token (re-read from its file every minute, as client-go does: the kubelet rotates a projected
 token, and one read at start is refused once it expires, about an hour on); the chart's Role grants exactly `get`
 and `patch` on `deployments/scale` for those two names, nothing else. A patch is sent only when the count changes
-from what this planner last set (or read).
+from what this planner last set or read; the planner reads both every decision (its base is what the Deployments
+are set to), so a PATCH that failed, or a count set by hand since, is set again by the next step.
 """
 
 from __future__ import annotations
@@ -99,16 +100,18 @@ class KubeScaler:
         return f"/apis/apps/v1/namespaces/{self.namespace}/deployments/{self.deployments[pool]}/scale"
 
     async def replicas(self, pool: str) -> int:
-        """The Deployment's replicas; httpx.HTTPError or ValueError when they cannot be read."""
+        """The Deployment's replicas, also what the next `apply` compares with; httpx.HTTPError or ValueError
+        when they cannot be read."""
         r = await self.client.get(self._path(pool))
         r.raise_for_status()
-        return int(r.json().get("spec", {}).get("replicas", 0))
+        self.last[pool] = int(r.json().get("spec", {}).get("replicas", 0))
+        return self.last[pool]
 
     async def apply(self, desired: tuple[int, int]) -> None:
         for pool, n in zip(("prefill", "decode"), desired, strict=True):
             try:
                 if pool not in self.last:
-                    self.last[pool] = await self.replicas(pool)
+                    await self.replicas(pool)
                 if self.last[pool] == n:
                     continue
                 r = await self.client.patch(

@@ -450,6 +450,13 @@ class Planner:
         # what the last step asked for is the base of the next (workers take a while to appear); until the
         # first sized decision, and in recommend mode, it is what runs
         base = self.desired if self.desired is not None and self.args.scale_mode != "recommend" else actual
+        deployments = await self._deployments()
+        if deployments is not None:
+            # kubernetes mode: what the Deployments are set to is what was last asked for — by this planner, by a
+            # `helm upgrade` or a `kubectl scale` since, or not at all where its PATCH failed. Stepping from its
+            # own memory instead, it held at a size the Deployments did not have: a PATCH refused once (a 500)
+            # or replicas reset by hand were never set again (until 2026-12-07)
+            base = deployments
         preds: list[Any] = []
         floor = floor_at(self.floors, wall, self.floor_tz, self.floor_skip)
         limits = with_floor(self.limits, floor)
@@ -492,7 +499,7 @@ class Planner:
         if not sized and floor is not None:
             # a floor in force lifts the pools without traffic to size on (pre-warming before the hours it
             # covers), from what was last asked for: never from the 0 + 0 of workers not yet registered
-            asked = await self._asked(actual)
+            asked = await self._asked(actual, deployments)
             if asked is not None and (asked[0] < limits.min_prefill or asked[1] < limits.min_decode):
                 sized, outcome, base, target = True, "", asked, asked
         desired = damp(base, target, limits, self.damper, now, self.args.router_mode) if sized else base
@@ -570,19 +577,32 @@ class Planner:
             self.correction.update(obs, ran)
         return self.correction.target(self.slo)
 
-    async def _asked(self, actual: tuple[int, int]) -> tuple[int, int] | None:
-        """What the pools were last asked to be: the last decision's desired; before any, the Deployments'
-        replicas (kubernetes mode), or the registered workers where there are any. None: not known."""
+    async def _deployments(self) -> tuple[int, int] | None:
+        """kubernetes mode: the Deployments' replicas now. None in the other modes, or when they cannot be read."""
         from services.planner.kube import KubeScaler
 
+        if not isinstance(self.scaler, KubeScaler):
+            return None
+        try:
+            return await self.scaler.replicas("prefill"), await self.scaler.replicas("decode")
+        except (httpx.HTTPError, ValueError) as e:
+            log.warning("planner: reading the Deployments' replicas failed: %s", e)
+            return None
+
+    async def _asked(
+        self, actual: tuple[int, int], deployments: tuple[int, int] | None
+    ) -> tuple[int, int] | None:
+        """What the pools were last asked to be: the Deployments' replicas (kubernetes mode), else the last
+        decision's desired; before any, the registered workers where there are any (not in kubernetes mode,
+        whose pods may still be loading). None: not known."""
+        from services.planner.kube import KubeScaler
+
+        if deployments is not None:
+            return deployments
         if self.desired is not None:
             return self.desired
         if isinstance(self.scaler, KubeScaler):
-            try:
-                return await self.scaler.replicas("prefill"), await self.scaler.replicas("decode")
-            except (httpx.HTTPError, ValueError) as e:
-                log.warning("planner: reading the Deployments' replicas failed: %s", e)
-                return None
+            return None
         return actual if sum(actual) > 0 else None
 
     def _publish(self, decision: dict[str, Any], chosen: Any) -> None:

@@ -145,6 +145,8 @@ class _FakeApiServer(ThreadingHTTPServer):
     def __init__(self) -> None:
         self.calls: list[tuple[str, str, str, dict | None]] = []
         self.replicas = {"rackserve-prefill": 2, "rackserve-decode": 1}
+        # statuses the next PATCHes are answered with, unapplied (an API server's 500)
+        self.refuse: list[int] = []
         outer = self
 
         class Handler(BaseHTTPRequestHandler):
@@ -158,6 +160,9 @@ class _FakeApiServer(ThreadingHTTPServer):
             def do_PATCH(self) -> None:  # noqa: N802
                 body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
                 outer.calls.append(("PATCH", self.path, self.headers["Content-Type"], body))
+                if outer.refuse:
+                    self.send_error(outer.refuse.pop(0))
+                    return
                 outer.replicas[self._name()] = body["spec"]["replicas"]
                 self._send({"spec": body["spec"]})
 
@@ -557,6 +562,64 @@ def _local_planner(flags: list[str], registered: tuple[int, int]) -> Any:
 
     planner.measure = measure  # type: ignore[method-assign]
     return planner
+
+
+def test_kubernetes_mode_steps_from_the_deployments_replicas_so_a_refused_or_undone_patch_is_set_again(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Kubernetes mode, every replay wanting 2 prefill + 1 decode where the Deployments run 1 + 1: the API server
+    answers the first PATCH with a 500, and after the planner has set prefill to 2 a `helm upgrade` sets it back
+    to 1. Each time the next decision PATCHes 2 again (until 2026-12-08 the planner took its own last desired for
+    what was set: it held at 2, and the Deployment stayed at 1 for good)."""
+    from types import SimpleNamespace
+
+    import services.planner.server as server
+
+    monkeypatch.setattr(server, "choose", lambda *a: (SimpleNamespace(prefill=2, decode=1), "ttft"))
+    monkeypatch.setattr(server, "attainable", lambda preds, goal, *a: goal)
+    api = _FakeApiServer()
+    api.replicas = {"rackserve-prefill": 1, "rackserve-decode": 1}
+    api.refuse = [500]
+    threading.Thread(target=api.serve_forever, daemon=True).start()
+    planner = _local_planner(["--max-prefill", "2", "--max-decode", "1"], (1, 1))
+    planner.args.scale_mode = "kubernetes"
+    deployments = {"prefill": "rackserve-prefill", "decode": "rackserve-decode"}
+    planner.scaler = KubeScaler(
+        f"http://127.0.0.1:{api.server_address[1]}", "prod", deployments, "tok", True, 2.0
+    )
+
+    async def replay(fn: Any) -> list[Prediction]:
+        return []
+
+    planner.replay = replay
+    before = _scale_errors("prefill")
+
+    async def go() -> list[tuple[str, dict, dict]]:
+        seen = []
+        for t in (0.0, 30.0, 60.0, 90.0, 120.0):
+            if t == 90.0:
+                api.replicas["rackserve-prefill"] = 1  # a `helm upgrade` resets the chart's starting size
+            d = await planner.tick(now=t)
+            seen.append((d["outcome"], d["desired"], dict(api.replicas)))
+        await planner.scaler.close()
+        await planner.close()
+        return seen
+
+    try:
+        seen = asyncio.run(go())
+    finally:
+        api.shutdown()
+    two, at_1 = {"prefill": 2, "decode": 1}, {"rackserve-prefill": 1, "rackserve-decode": 1}
+    at_2 = {"rackserve-prefill": 2, "rackserve-decode": 1}
+    assert seen == [
+        ("scale_up", two, at_1),  # refused
+        ("scale_up", two, at_2),
+        ("hold", two, at_2),
+        ("scale_up", two, at_2),  # undone by hand, set again
+        ("hold", two, at_2),
+    ]
+    assert [c[3] for c in api.calls if c[0] == "PATCH"] == [{"spec": {"replicas": 2}}] * 3
+    assert _scale_errors("prefill") == before + 1
 
 
 def test_the_plan_names_the_registered_workers_it_counts() -> None:
