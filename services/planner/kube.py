@@ -108,24 +108,46 @@ class KubeScaler:
         return self.last[pool]
 
     async def apply(self, desired: tuple[int, int]) -> None:
-        for pool, n in zip(("prefill", "decode"), desired, strict=True):
-            try:
-                if pool not in self.last:
+        """Set both Deployments' replicas. Steps down go first, and a step down that fails holds back the steps
+        up: a rebalance (one pool down, the other up) never leaves more pods than the budget, whichever PATCH
+        the API server refuses. The next decision, stepping from the Deployments' replicas, sends them again."""
+        wanted = dict(zip(("prefill", "decode"), desired, strict=True))
+        for pool in wanted:
+            if pool not in self.last:
+                try:
                     await self.replicas(pool)
-                if self.last[pool] == n:
-                    continue
-                r = await self.client.patch(
-                    self._path(pool),
-                    content=f'{{"spec":{{"replicas":{int(n)}}}}}',
-                    headers={"Content-Type": "application/merge-patch+json"},
+                except (httpx.HTTPError, ValueError) as e:
+                    metrics.PLANNER_SCALE_ERRORS.labels(pool).inc()
+                    log.warning("planner: reading %s's replicas failed: %s", pool, e)
+        if any(pool not in self.last for pool in wanted):
+            return
+        down = [p for p, n in wanted.items() if n < self.last[p]]
+        up = [p for p, n in wanted.items() if n > self.last[p]]
+        for pool in down:
+            if not await self._patch(pool, wanted[pool]) and up:
+                log.warning(
+                    "planner: not scaling %s up while %s's step down is not set", " and ".join(up), pool
                 )
-                r.raise_for_status()
-                log.info("planner: %s %s replicas %d -> %d", pool, self.deployments[pool], self.last[pool], n)
-                self.last[pool] = n
-            except (httpx.HTTPError, ValueError) as e:
-                metrics.PLANNER_SCALE_ERRORS.labels(pool).inc()
-                self.last.pop(pool, None)
-                log.warning("planner: scaling %s to %d failed: %s", pool, n, e)
+                return
+        for pool in up:
+            await self._patch(pool, wanted[pool])
+
+    async def _patch(self, pool: str, n: int) -> bool:
+        try:
+            r = await self.client.patch(
+                self._path(pool),
+                content=f'{{"spec":{{"replicas":{int(n)}}}}}',
+                headers={"Content-Type": "application/merge-patch+json"},
+            )
+            r.raise_for_status()
+        except (httpx.HTTPError, ValueError) as e:
+            metrics.PLANNER_SCALE_ERRORS.labels(pool).inc()
+            self.last.pop(pool, None)
+            log.warning("planner: scaling %s to %d failed: %s", pool, n, e)
+            return False
+        log.info("planner: %s %s replicas %d -> %d", pool, self.deployments[pool], self.last[pool], n)
+        self.last[pool] = n
+        return True
 
     async def close(self) -> None:
         await self.client.aclose()

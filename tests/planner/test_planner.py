@@ -569,7 +569,7 @@ def test_kubernetes_mode_steps_from_the_deployments_replicas_so_a_refused_or_und
 ) -> None:
     """Kubernetes mode, every replay wanting 2 prefill + 1 decode where the Deployments run 1 + 1: the API server
     answers the first PATCH with a 500, and after the planner has set prefill to 2 a `helm upgrade` sets it back
-    to 1. Each time the next decision PATCHes 2 again (until 2026-12-08 the planner took its own last desired for
+    to 1. Each time the next decision PATCHes 2 again (until 2026-12-07 the planner took its own last desired for
     what was set: it held at 2, and the Deployment stayed at 1 for good)."""
     from types import SimpleNamespace
 
@@ -620,6 +620,49 @@ def test_kubernetes_mode_steps_from_the_deployments_replicas_so_a_refused_or_und
     ]
     assert [c[3] for c in api.calls if c[0] == "PATCH"] == [{"spec": {"replicas": 2}}] * 3
     assert _scale_errors("prefill") == before + 1
+
+
+def test_kubernetes_rebalance_steps_down_first_and_never_exceeds_the_budget_when_a_patch_is_refused() -> None:
+    """A budget of 3 at 2 prefill + 1 decode, the decision 1 + 2. The step down is sent first; when the API server
+    refuses it, the step up is not sent, so the pods never number 4 (until 2026-12-07 prefill went first
+    whichever way it stepped, and a refused step down beside a step up that went through left 2 + 2 for a
+    hold-down). The next apply sets both, down first; the other way round, decode steps down first."""
+    api = _FakeApiServer()
+    api.replicas = {"rackserve-prefill": 2, "rackserve-decode": 1}
+    api.refuse = [500]
+    threading.Thread(target=api.serve_forever, daemon=True).start()
+    deployments = {"prefill": "rackserve-prefill", "decode": "rackserve-decode"}
+    scaler = KubeScaler(f"http://127.0.0.1:{api.server_address[1]}", "prod", deployments, "tok", True, 2.0)
+
+    async def go() -> list[dict[str, int]]:
+        seen = []
+        for desired in ((1, 2), (1, 2), (2, 1)):
+            await scaler.apply(desired)
+            seen.append(dict(api.replicas))
+        await scaler.close()
+        return seen
+
+    try:
+        seen = asyncio.run(go())
+    finally:
+        api.shutdown()
+    assert seen == [
+        {"rackserve-prefill": 2, "rackserve-decode": 1},  # the step down refused: no step up either
+        {"rackserve-prefill": 1, "rackserve-decode": 2},
+        {"rackserve-prefill": 2, "rackserve-decode": 1},
+    ]
+    patches = [
+        (c[1].split("/deployments/")[1].split("/")[0], c[3]["spec"]["replicas"])
+        for c in api.calls
+        if c[0] == "PATCH"
+    ]
+    assert patches == [
+        ("rackserve-prefill", 1),  # refused
+        ("rackserve-prefill", 1),
+        ("rackserve-decode", 2),
+        ("rackserve-decode", 1),
+        ("rackserve-prefill", 2),
+    ]
 
 
 def test_the_plan_names_the_registered_workers_it_counts() -> None:
