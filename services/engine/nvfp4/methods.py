@@ -93,7 +93,8 @@ def _blocks(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, tuple[int, ...
         xf = F.pad(xf, (0, kp - shape[-1]))
     amax = abs_max(xf)
     if not bool(torch.isfinite(amax)):
-        check_finite(xf)
+        # the caller's elements, not the zero padding: the message counts what was passed in
+        check_finite(xf[..., : shape[-1]])
     return xf.reshape(*shape[:-1], kp // BLOCK_SIZE, BLOCK_SIZE), global_scale_for_amax(amax), shape
 
 

@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from services.engine.nvfp4 import QUANT_RECIPE_ID, NVFP4Tensor, dequantize, quantize
+from services.engine.nvfp4.methods import quantize_with
 
 ANCHOR = [2688.0] + [0.0] * 15  # amax 2688 -> g_e = 1; scale byte 0x7E (448), codes [7, 0, ...]
 ANCHOR_PACKED = [0x07, 0, 0, 0, 0, 0, 0, 0]
@@ -231,6 +232,15 @@ def test_non_finite_input_is_rejected(bad, dtype):
     x[5] = bad
     with pytest.raises(ValueError, match="non-finite"):
         quantize(x)
+
+
+@pytest.mark.parametrize("method", ["rtn", "four_over_six", "mse"])
+def test_non_finite_refusal_counts_the_callers_elements_not_the_padding(method):
+    # 2 x 20 elements pad to 2 x 32: the message names the 40 passed in
+    x = torch.ones(2, 20)
+    x[1, 3] = math.nan
+    with pytest.raises(ValueError, match=r"has 1 non-finite value\(s\) \(NaN or Inf\) out of 40;"):
+        quantize_with(x, method)
 
 
 def test_dequantize_is_code_times_scale_over_global_scale():
