@@ -40,6 +40,18 @@ async def recv_exactly(sock: socket.socket, view: memoryview) -> None:
         got += n
 
 
+def peek(sock: socket.socket) -> bytes | None:
+    """What waits to be read on a non-blocking socket, left unread: None when nothing does, b"" when the peer
+    has closed (or reset) it, else its first unread byte. Between exchanges a producer sends nothing, so a
+    kept connection with either is not clean."""
+    try:
+        return sock.recv(1, socket.MSG_PEEK)
+    except BlockingIOError:
+        return None
+    except OSError:
+        return b""
+
+
 def encode(msg: ControlMessage) -> bytes:
     """The bytes `msg` travels as: its length, then its JSON object, compact."""
     body = json.dumps(msg.to_wire(), separators=(",", ":")).encode()

@@ -383,6 +383,14 @@ class KvSink:
         async def move(sock: socket.socket, reply: Grant) -> bool:
             if backend == TCP:
                 await protocol.recv_exactly(sock, view)
+                # A byte past the size the grant announced is neither this payload's nor a reply to the next open
+                # on this connection (which read it as its own until 2026-12-07): the pull fails and the
+                # connection closes.
+                if protocol.peek(sock):
+                    raise TransferIntegrityError(
+                        f"producer {ticket.endpoint} sent more than the {ticket.size} bytes it granted for "
+                        f"{ticket.key}"
+                    )
             elif backend == SHM:
                 if reply.shm is None:
                     raise TransferUnavailable(f"producer granted shm for {ticket.key!r} without a segment")
@@ -530,7 +538,8 @@ class KvSink:
         idle = self._idle.get(ticket.endpoint, [])
         while idle:
             sock, since = idle.pop()
-            if time.monotonic() - since > self.config.control_idle_s / 2:  # the producer may be closing it
+            # the producer may be closing it; or it closed it, or sent bytes after an exchange had ended
+            if time.monotonic() - since > self.config.control_idle_s / 2 or protocol.peek(sock) is not None:
                 sock.close()
                 continue
             try:

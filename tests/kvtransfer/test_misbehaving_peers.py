@@ -21,14 +21,16 @@ from services.kvtransfer import (
     KvSink,
     KvSource,
     TransferConfig,
+    TransferError,
     TransferIntegrityError,
     TransferPeerGone,
     TransferTicket,
+    TransferTimeout,
     protocol,
     shm,
 )
 from services.kvtransfer.control import Done, Open
-from services.kvtransfer.ticket import node_id
+from services.kvtransfer.ticket import checksum_of, node_id
 
 
 def frame(obj: Any) -> bytes:
@@ -238,3 +240,81 @@ def test_a_sink_out_of_file_descriptors_fails_the_pull_as_a_transfer_error(
 
     error = asyncio.run(go())
     assert isinstance(error, TransferPeerGone) and "Too many open files" in str(error), repr(error)
+
+
+@pytest.mark.parametrize("sends", ["more", "more_after_the_pull", "fewer_then_waits", "fewer_then_closes"])
+def test_a_producer_that_sends_another_size_than_it_granted_never_feeds_the_next_pull(sends: str) -> None:
+    """A producer's grant announces the payload's size; it sends more, or fewer. The extra bytes stayed in the
+    connection the sink then kept for its next pull, which took them for its reply and payload (a whole other
+    request's pull failed, or read bytes that were not its own) until 2026-12-07. Now a pull that sees more or
+    fewer bytes than granted fails as a TransferError (the request rebuilds), and a connection with bytes nobody
+    asked for is closed, never reused: the next pull gets its own bytes over a new one."""
+    first, second, stale = os.urandom(4096), os.urandom(4096), os.urandom(4096)
+    sums = {"k1": checksum_of(first, "xxh3"), "k2": checksum_of(second, "xxh3")}
+    payloads = {"k1": first, "k2": second}
+    connections: list[int] = []
+
+    def grant(key: str, size: int) -> bytes:
+        return frame(
+            {"ok": True, "size": size, "checksum": sums[key], "encoding": "raw", "serial": f"s-{key}"}
+        )
+
+    async def producer(r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
+        connections.append(1)
+        try:
+            while True:
+                (n,) = struct.unpack("!I", await r.readexactly(4))
+                key = json.loads(await r.readexactly(n))["key"]
+                payload = payloads[key]
+                w.write(grant(key, len(payload)))
+                if key == "k2":
+                    w.write(payload)
+                elif sends.startswith("more"):
+                    # the payload, then what reads as a reply to the next open: a grant of k2 and bytes of no one
+                    w.write(payload)
+                    if sends == "more_after_the_pull":
+                        await w.drain()
+                        await asyncio.sleep(0.2)
+                    w.write(grant("k2", len(stale)) + stale)
+                else:
+                    w.write(payload[:1000])
+                    if sends == "fewer_then_closes":
+                        await w.drain()
+                        w.close()
+                        return
+                await w.drain()
+        except (asyncio.IncompleteReadError, ConnectionError):
+            w.close()
+
+    async def go() -> tuple[BaseException | bytes, bytes]:
+        server = await asyncio.start_server(producer, "127.0.0.1", 0)
+        endpoint = f"127.0.0.1:{server.sockets[0].getsockname()[1]}"
+        tickets = [
+            TransferTicket(key=k, size=4096, checksum=sums[k], endpoint=endpoint, backends={TCP: endpoint},
+                           serial=f"s-{k}", raw_size=4096)
+            for k in ("k1", "k2")
+        ]  # fmt: skip
+        sink = await KvSink.start(TransferConfig(backends=(TCP,)))
+        try:
+            try:
+                got: BaseException | bytes = bytes((await sink.pull(tickets[0], 1.0)).data)
+            except TransferError as exc:
+                got = exc
+            await asyncio.sleep(0.4)  # whatever the producer sends late has arrived
+            return got, bytes((await sink.pull(tickets[1], 3.0)).data)
+        finally:
+            await sink.close()
+            server.close()
+
+    got, after = asyncio.run(go())
+    expected = {
+        "more": TransferIntegrityError,
+        "fewer_then_waits": TransferTimeout,
+        "fewer_then_closes": TransferPeerGone,
+    }
+    if sends == "more_after_the_pull":
+        assert got == first  # it had every byte granted, verified, before the extra ones came
+    else:
+        assert isinstance(got, expected[sends]), repr(got)
+    assert after == second
+    assert len(connections) == 2  # the first connection was not used again
