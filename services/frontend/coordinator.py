@@ -456,6 +456,7 @@ class Coordinator:
                 from_role=lost.role,
                 at_token=len(state.emitted),
                 start_unix_s=now,
+                transfer=state.take_transfer(),
             )
         )
         state.advance(Phase.MIGRATING)

@@ -84,6 +84,9 @@ class Migration:
     to_worker_id: str = ""
     end_unix_s: float | None = None  # when the first token (or chunk) of the new attempt arrived
     outcome: str = ""  # resumed | failed
+    # the KV pull of the attempt this migration left (RequestState.transfer_record), None where it made none;
+    # the attempt that answered has its own in the request's `transfer`
+    transfer: dict[str, object] | None = None
 
     @property
     def recovery_s(self) -> float | None:
@@ -98,6 +101,7 @@ class Migration:
             "at_token": self.at_token,
             "outcome": self.outcome,
             "recovery_s": None if self.recovery_s is None else round(self.recovery_s, 6),
+            "transfer": self.transfer,
         }
 
 
@@ -127,7 +131,8 @@ class RequestState:
     client_request_id: str | None = None  # the client's x-request-id, for finding its log line
     api_key_name: str = ANONYMOUS_KEY_NAME  # the API key that sent it (auth.Principal): whose timeline it is
     first_token_unix_s: float | None = None  # when the first token reached the coordinator
-    transfer_bytes: int = 0  # the KV transfer of a disaggregated request, as the decode worker reported it
+    # the current attempt's KV transfer, as its decode worker reported it (a migration moves it to its record)
+    transfer_bytes: int = 0
     transfer_s: float = 0.0
     transfer_backend: str | None = None
     parent_traceparent: str | None = None  # the client's traceparent, the parent of our `request` span
@@ -199,6 +204,26 @@ class RequestState:
         if outcome == "resumed" and m.recovery_s is not None:
             metrics.MIGRATION_RECOVERY_S.labels(m.path).observe(m.recovery_s)
 
+    def transfer_record(self) -> dict[str, object] | None:
+        """The current attempt's KV transfer as the log line and timeline show it; None where it pulled none."""
+        if not self.transfer_backend:
+            return None
+        return {
+            "bytes": self.transfer_bytes,
+            "s": round(self.transfer_s, 6),
+            "backend": self.transfer_backend,
+            "gb_per_s": round(self.transfer_bytes / self.transfer_s / 1e9, 6)
+            if self.transfer_s > 0
+            else None,
+        }
+
+    def take_transfer(self) -> dict[str, object] | None:
+        """The attempt's transfer_record, cleared for the next attempt (a migration keeps it in its record): the
+        request's own figures are those of the attempt that answered, not of one that broke."""
+        record = self.transfer_record()
+        self.transfer_bytes, self.transfer_s, self.transfer_backend = 0, 0.0, None
+        return record
+
     def summary(self) -> dict[str, object]:
         """The one log line per finished request (docs/design.md, "Observability")."""
         start = self.timeline[0][1]
@@ -217,15 +242,7 @@ class RequestState:
             "decode_worker": self.plan.decode.worker_id if self.plan is not None else None,
             "prefill_worker": self.prefill_worker,
             "ttft_s": None if self.ttft_s is None else round(self.ttft_s, 6),
-            "transfer": (
-                {
-                    "bytes": self.transfer_bytes,
-                    "s": round(self.transfer_s, 6),
-                    "backend": self.transfer_backend,
-                }
-                if self.transfer_backend
-                else None
-            ),
+            "transfer": self.transfer_record(),
             "route_reason": self.placement.reason if self.placement is not None else None,
             "decode_queue_s": round(self.decode_queue_s, 6),
             "migrations": self.migrations,

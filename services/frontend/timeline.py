@@ -3,8 +3,8 @@
 The coordinator timestamps every phase transition of a `RequestState` (docs/design.md); when a request ends,
 `RequestObserver.finished` turns that timeline into
 - a timeline record (phase start/end/duration, workers, route reason and score terms, transfer bytes, seconds
-  and GB/s, migrations), kept for the last `--timeline-history` requests and served by
-  `GET /v1/requests/{id}/timeline`;
+  and GB/s of the attempt that answered, migrations with the transfer of each attempt they left), kept for the
+  last `--timeline-history` requests and served by `GET /v1/requests/{id}/timeline`;
 - one JSON line in the request log (`--request-log PATH`; by default the `rackserve.requests` logger on
   stderr). Prompts are never logged unless `--log-prompts` says so, and then only as token ids;
 - the frontend's spans: `request` (its span id is the one the workers saw in `traceparent`, so their
@@ -70,15 +70,6 @@ def timeline_record(
             },
         }
     )
-    if state.transfer_backend:
-        record["transfer"] = {
-            "bytes": state.transfer_bytes,
-            "s": round(state.transfer_s, 6),
-            "backend": state.transfer_backend,
-            "gb_per_s": round(state.transfer_bytes / state.transfer_s / 1e9, 6)
-            if state.transfer_s > 0
-            else None,
-        }
     if plan is not None and plan.HasField("prefix_pull"):
         pull = plan.prefix_pull
         record["prefix_pull"] = {  # the plan's pull and what came of it (pulled_tokens 0: recomputed)

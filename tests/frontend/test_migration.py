@@ -28,10 +28,12 @@ ANSWER = [101, 102, 103, 104, 105, 106, 107, 108]
 
 class ScriptedDecode(pb_grpc.DecodeWorkerServicer):
     """Streams ANSWER from index len(emitted); `mode` breaks it: "repeat" re-sends the last emitted index first
-    and then dies after 2 tokens, "skip" jumps an index, "die" resets after 2 tokens, "ok" finishes."""
+    and then dies after 2 tokens, "skip" jumps an index, "die" resets after 2 tokens, "ok" finishes. Given a
+    KvHandle, its first chunk reports a pull of `pull_bytes`, as a real worker reports the one it made."""
 
-    def __init__(self, mode: str) -> None:
+    def __init__(self, mode: str, pull_bytes: int = 1000) -> None:
         self.mode = mode
+        self.pull_bytes = pull_bytes
         self.calls: list[pb.DecodeRequest] = []
 
     async def Decode(  # noqa: N802
@@ -57,6 +59,11 @@ class ScriptedDecode(pb_grpc.DecodeWorkerServicer):
                 # real engine does
                 cached_tokens=(0 if start else 2) if sent == 0 else 0,
                 pulled_tokens=(0 if start else 2) if sent == 0 else 0,
+                **(
+                    {"transfer_bytes": self.pull_bytes, "transfer_s": 0.001, "transfer_backend": "tcp"}
+                    if sent == 0 and request.HasField("kv")
+                    else {}
+                ),
             )
             sent += 1
             i += 1
@@ -191,10 +198,12 @@ def test_with_every_router_down_a_local_fallback_plan_serves_the_request() -> No
 
 
 class ScriptedPrefill(pb_grpc.PrefillWorkerServicer):
-    """Answers ANSWER[0] and a KvHandle naming itself as the producer; records the Releases it gets."""
+    """Answers ANSWER[0] and a KvHandle naming itself as the producer, held for `hold_s`; records the Releases
+    it gets."""
 
-    def __init__(self) -> None:
+    def __init__(self, hold_s: float = 30.0) -> None:
         self.endpoint = ""
+        self.hold_s = hold_s
         self.released: list[str] = []
 
     async def Prefill(
@@ -202,7 +211,8 @@ class ScriptedPrefill(pb_grpc.PrefillWorkerServicer):
     ) -> pb.PrefillResponse:  # noqa: N802
         kv = pb.KvHandle(
             request_id=request.request_id, producer_worker_id="p1", producer_endpoint=self.endpoint,
-            producer_epoch=7, num_tokens=len(request.token_ids), expires_unix_ms=int((time.time() + 30) * 1000),
+            producer_epoch=7, num_tokens=len(request.token_ids),
+            expires_unix_ms=int((time.time() + self.hold_s) * 1000),
         )  # fmt: skip
         return pb.PrefillResponse(first_token=pb.Token(token_id=ANSWER[0], index=0), kv=kv)
 
@@ -249,13 +259,16 @@ class DisaggRouter(pb_grpc.RouterServicer):
         return pb.Empty()
 
 
-async def disaggregated(first_decode: pb_grpc.DecodeWorkerServicer) -> tuple[RequestState, ScriptedPrefill]:
-    """One request: prefill on p1, decode on `first_decode` (d1), whose failure moves it to a decode worker d2
-    that finishes; returns the state once the request is over and the prefill worker's Releases have landed."""
-    prefill = ScriptedPrefill()
+async def disaggregated(
+    first_decode: pb_grpc.DecodeWorkerServicer, hold_s: float = 30.0
+) -> tuple[RequestState, ScriptedPrefill]:
+    """One request: prefill on p1 (its KV held for `hold_s`), decode on `first_decode` (d1), whose failure moves
+    it to a decode worker d2 that finishes (a pull there reports 2000 bytes); returns the state once the request
+    is over and the prefill worker's Releases have landed."""
+    prefill = ScriptedPrefill(hold_s)
     sp, prefill.endpoint = await serve(prefill, pb_grpc.add_PrefillWorkerServicer_to_server)
     s1, d1 = await serve(first_decode, pb_grpc.add_DecodeWorkerServicer_to_server)
-    s2, d2 = await serve(ScriptedDecode("ok"), pb_grpc.add_DecodeWorkerServicer_to_server)
+    s2, d2 = await serve(ScriptedDecode("ok", pull_bytes=2000), pb_grpc.add_DecodeWorkerServicer_to_server)
     sr, router = await serve(DisaggRouter(prefill.endpoint, d1, d2), pb_grpc.add_RouterServicer_to_server)
     infos = [
         pb.WorkerInfo(worker_id="router-s", role="router", endpoint=router),
@@ -298,3 +311,23 @@ def test_a_migrated_requests_record_names_the_prefill_worker_and_the_placement()
     timeline = timeline_record(state, "/v1/completions", 200)
     assert timeline["workers"] == {"prefill": "p1", "decode": "d2"}
     assert timeline["route"]["reason"] == "disagg: scripted"
+
+
+@pytest.mark.parametrize(("hold_s", "path"), [(30.0, "re-transfer"), (1.5, "rebuild")])
+def test_a_migrated_requests_timeline_has_the_transfer_of_the_attempt_that_answered(
+    hold_s: float, path: str
+) -> None:
+    """d1 pulls the prompt's KV (1000 bytes) and dies; d2 either pulls it again (2000 bytes) or, the prefill
+    copy about to expire, rebuilds it without a pull. The request's transfer is the attempt that answered's and
+    the migration names the one it left: until 2026-12-07 a rebuilt request kept d1's pull as its own."""
+    state, _ = run(lambda: disaggregated(ScriptedDecode("die", pull_bytes=1000), hold_s), 30)
+    assert [m.path for m in state.migration_log] == [path]
+    timeline = timeline_record(state, "/v1/completions", 200)
+    assert timeline["workers"]["decode"] == "d2"
+    if path == "re-transfer":
+        assert timeline["transfer"] is not None and timeline["transfer"]["bytes"] == 2000
+    else:
+        assert timeline["transfer"] is None
+    [left] = timeline["migration_log"]
+    assert (left["from"], left["transfer"]["bytes"], left["transfer"]["backend"]) == ("d1", 1000, "tcp")
+    assert state.summary()["transfer"] == timeline["transfer"]  # the log line says the same
