@@ -193,10 +193,15 @@ class Coordinator:
                 state.finish(response.finish_reason or "stop", str(first.token_id))
                 yield TokenBatch([first], state.finish_reason)
                 return
-            self.holds.hold(state, response.kv)
+            # no handle: the prefill worker's hold ended before its KV was published, and the decode worker
+            # prefills the prompt and the first token itself
+            held = response.kv if response.HasField("kv") else None
+            if held is not None:
+                self.holds.hold(state, held)
             yield TokenBatch([first])  # TTFT: the client has its first token before any KV moves
-            state.advance(Phase.TRANSFERRING)
-            decode = self._decode(state, state.plan.decode, response.kv)
+            if held is not None:
+                state.advance(Phase.TRANSFERRING)
+            decode = self._decode(state, state.plan.decode, held)
         elif kv is not None:
             state.advance(Phase.TRANSFERRING)  # the new decode worker pulls the prefill worker's copy
             decode = self._decode(state, state.plan.decode, kv)

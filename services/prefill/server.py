@@ -6,7 +6,9 @@ publishes them on its KvSource (services.kvtransfer: TCP, same-host shm, NIXL â€
 compressed for the wire with `--kv-compress`); the KvHandle it returns carries the transfer ticket. The blocks
 and the publication stay until `Release` (the decode side's acknowledgement) or until the handle's
 `expires_unix_ms` (`--kv-ttl-s`) passes â€” whichever comes first frees both; released blocks stay in the prefix
-cache until evicted.
+cache until evicted. The TTL runs from the moment the prompt has run, and a hold that ends before its KV is
+published (a copy out of the pool slower than the TTL) hands out no handle: the response has the first token
+only, and the decode worker prefills the prompt and that token itself.
 
 The decode side acknowledges only when its request has finished, so the copy stays for a migration to
 re-transfer from while the stream runs; the frontend keeps it alive past the TTL with `ExtendHold` while the
@@ -181,32 +183,34 @@ class PrefillWorker(EngineWorker, pb_grpc.PrefillWorkerServicer):
         await self.engine.compile_grammar(first_only)
         async with self.engine.generate(request_id, prompt, first_only, hold_kv=True) as stream:
             outs = [o async for o in stream]
-        out = outs[-1]
-        timing = stream.timing
-        if out.finish_reason == "abort":  # drained before it ran; nothing is held
-            raise WorkerUnavailableError(
-                f"worker {self.host.worker_id} drained before prefilling {request_id!r}"
-            )
-        self.observe_prompt(span, request_id, timing, len(prompt), out.num_cached_tokens)
-        finished = (
-            out.finish_reason == "stop"
-            or params.max_tokens == 1
-            or len(prompt) + 1 >= self.facts.max_model_len
-        )
-        response = pb.PrefillResponse(
-            first_token=wire.tokens(out, 0)[0],
-            cached_tokens=out.num_cached_tokens,
-            queue_s=timing.queue_s,
-            compute_s=timing.compute_s,
-            finished=finished,
-            finish_reason=(out.finish_reason or "") if finished else "",
-        )
-        if finished:  # nobody will pull this KV
-            await self.engine.release(request_id)
-            return response
-        # the deadline starts before any await, so the blocks are freed even if this call dies from here on
+        # The engine holds the blocks from here: the deadline starts before anything else can fail, so they are
+        # freed whatever ends this call (until 2026-12-07 it started once the response was built, and an error
+        # before that left them held with no timer for the life of the process).
         expires_unix_ms = self._hold(request_id)
         try:
+            out = outs[-1]
+            timing = stream.timing
+            if out.finish_reason == "abort":  # drained before it ran; nothing is held
+                raise WorkerUnavailableError(
+                    f"worker {self.host.worker_id} drained before prefilling {request_id!r}"
+                )
+            self.observe_prompt(span, request_id, timing, len(prompt), out.num_cached_tokens)
+            finished = (
+                out.finish_reason == "stop"
+                or params.max_tokens == 1
+                or len(prompt) + 1 >= self.facts.max_model_len
+            )
+            response = pb.PrefillResponse(
+                first_token=wire.tokens(out, 0)[0],
+                cached_tokens=out.num_cached_tokens,
+                queue_s=timing.queue_s,
+                compute_s=timing.compute_s,
+                finished=finished,
+                finish_reason=(out.finish_reason or "") if finished else "",
+            )
+            if finished:  # nobody will pull this KV
+                await self._release(request_id)
+                return response
             copied = await self._copy_out(lambda e, pin: e.begin_export(pin, request_id))
             assert copied is not None  # a live request always has blocks
             job = copied.job
@@ -214,7 +218,10 @@ class PrefillWorker(EngineWorker, pb_grpc.PrefillWorkerServicer):
         except BaseException:
             await self._release(request_id)  # nothing will be pulled; free the blocks now, not at the TTL
             raise
-        self._unless_held(request_id)
+        if not self._still_held(request_id):
+            # A handle would send the decode worker to a pull it refuses, a migration the request may not have
+            # left (--migration-limit): without one it prefills the prompt and the first token itself.
+            return response
         layout = self.facts.kv_layout
         kv = wire.kv_handle(
             layout,
@@ -281,7 +288,9 @@ class PrefillWorker(EngineWorker, pb_grpc.PrefillWorkerServicer):
             except BaseException:
                 await self._release(hold_id)
                 raise
-            self._unless_held(hold_id)
+            if not self._still_held(hold_id):  # its handle would be refused: the peer recomputes, as for none
+                metrics.PREFIX_EXPORTS.labels("empty").inc()
+                return pb.ExportPrefixResponse()
             layout = self.facts.kv_layout
             n = len(export.block_ids)
             kv = wire.kv_handle(
@@ -388,12 +397,16 @@ class PrefillWorker(EngineWorker, pb_grpc.PrefillWorkerServicer):
                 copied.room.give()
             raise
 
-    def _unless_held(self, request_id: str) -> None:
-        """Retract what was just published if its hold ended meanwhile (its TTL passed while the blocks were
-        copied out): that expiry found nothing to retract yet, and with the hold gone no Release or expiry ever
-        would, so the bytes stayed published (and in /dev/shm) until the source's backstop, --kv-max-hold-s."""
-        if request_id not in self._expiry:
-            self.source.retract(request_id)
+    def _still_held(self, request_id: str) -> bool:
+        """Whether the hold outlived the copy and publication; if not (its TTL passed while the blocks were copied
+        out), retract what was just published: that expiry found nothing to retract yet, and with the hold gone
+        no Release or expiry ever would, so the bytes stayed published (and in /dev/shm) until the source's
+        backstop, --kv-max-hold-s. The caller then hands out no handle (until 2026-12-07 it handed out the
+        expired one)."""
+        if request_id in self._expiry:
+            return True
+        self.source.retract(request_id)
+        return False
 
     async def _release(self, request_id: str) -> None:
         self._held_since.pop(request_id, None)

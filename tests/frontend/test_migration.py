@@ -198,10 +198,10 @@ def test_with_every_router_down_a_local_fallback_plan_serves_the_request() -> No
 
 
 class ScriptedPrefill(pb_grpc.PrefillWorkerServicer):
-    """Answers ANSWER[0] and a KvHandle naming itself as the producer, held for `hold_s`; records the Releases
-    it gets."""
+    """Answers ANSWER[0] and a KvHandle naming itself as the producer, held for `hold_s` (None: no handle, as
+    a real one answers when the hold ended before its KV was published); records the Releases it gets."""
 
-    def __init__(self, hold_s: float = 30.0) -> None:
+    def __init__(self, hold_s: float | None = 30.0) -> None:
         self.endpoint = ""
         self.hold_s = hold_s
         self.released: list[str] = []
@@ -212,8 +212,10 @@ class ScriptedPrefill(pb_grpc.PrefillWorkerServicer):
         kv = pb.KvHandle(
             request_id=request.request_id, producer_worker_id="p1", producer_endpoint=self.endpoint,
             producer_epoch=7, num_tokens=len(request.token_ids),
-            expires_unix_ms=int((time.time() + self.hold_s) * 1000),
+            expires_unix_ms=int((time.time() + (self.hold_s or 0)) * 1000),
         )  # fmt: skip
+        if self.hold_s is None:
+            return pb.PrefillResponse(first_token=pb.Token(token_id=ANSWER[0], index=0))
         return pb.PrefillResponse(first_token=pb.Token(token_id=ANSWER[0], index=0), kv=kv)
 
     async def Release(self, request: pb.ReleaseRequest, context: grpc.aio.ServicerContext) -> pb.Empty:  # noqa: N802
@@ -260,7 +262,7 @@ class DisaggRouter(pb_grpc.RouterServicer):
 
 
 async def disaggregated(
-    first_decode: pb_grpc.DecodeWorkerServicer, hold_s: float = 30.0
+    first_decode: pb_grpc.DecodeWorkerServicer, hold_s: float | None = 30.0
 ) -> tuple[RequestState, ScriptedPrefill]:
     """One request: prefill on p1 (its KV held for `hold_s`), decode on `first_decode` (d1), whose failure moves
     it to a decode worker d2 that finishes (a pull there reports 2000 bytes); returns the state once the request
@@ -331,3 +333,17 @@ def test_a_migrated_requests_timeline_has_the_transfer_of_the_attempt_that_answe
     [left] = timeline["migration_log"]
     assert (left["from"], left["transfer"]["bytes"], left["transfer"]["backend"]) == ("d1", 1000, "tcp")
     assert state.summary()["transfer"] == timeline["transfer"]  # the log line says the same
+
+
+def test_a_prefill_answer_without_a_handle_is_decoded_by_a_rebuild_without_a_migration() -> None:
+    """A prefill worker whose hold ended before its KV was published answers the first token and no handle. The
+    coordinator passed the absent handle on as an empty one; now the decode worker gets none and prefills the
+    prompt and the first token itself, at once: no refused pull, no migration (which --migration-limit 0 would
+    have turned into a 503)."""
+    first = ScriptedDecode("ok")
+    state, prefill = run(lambda: disaggregated(first, hold_s=None), 30)
+    assert state.migration_log == []
+    [call] = first.calls
+    assert not call.HasField("kv") and list(call.emitted_token_ids) == ANSWER[:1]
+    assert Phase.TRANSFERRING not in [p for p, _ in state.timeline]
+    assert state.held_kv is None and prefill.released == []
