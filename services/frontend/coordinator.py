@@ -241,9 +241,11 @@ class Coordinator:
                 if e.code() == grpc.StatusCode.DEADLINE_EXCEEDED and state.deadline_s > time.monotonic():
                     # The router is stuck, not the request out of time: skip it for a while, ask another.
                     self.directory.suppress(router.worker_id, STUCK_ROUTER_SUPPRESS_S)
-                elif e.code() != grpc.StatusCode.UNAVAILABLE:
+                elif e.code() not in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED):
                     raise last from e
-                # Unreachable, or it knows no decode worker: another router may see the cluster differently.
+                # Unreachable, or it knows no decode worker: another router may see the cluster differently. A
+                # router whose server stops (a rolling restart) answers CANCELLED to the calls it had in flight:
+                # it holds no request state, so the next router is asked (until 2026-12-07 the client got 503).
         fallback = self._fallback_plan(state)
         if fallback is not None:
             return fallback

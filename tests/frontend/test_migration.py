@@ -21,6 +21,7 @@ from services.frontend.request_state import Phase, RequestState
 from services.frontend.timeline import timeline_record
 from services.rpc import pb, pb_grpc
 from services.runtime.channels import ChannelPool
+from services.telemetry import metrics
 from tests.support.cluster import greedy, run
 
 ANSWER = [101, 102, 103, 104, 105, 106, 107, 108]
@@ -192,6 +193,83 @@ def test_with_every_router_down_a_local_fallback_plan_serves_the_request() -> No
     assert isinstance(state, RequestState) and state.phase is Phase.DONE
     assert [t for b in batches for t in b] == ANSWER
     assert state.plan is not None and "fallback" in state.plan.reason
+
+
+ROUTER_RESTARTS = 40
+
+
+class OneToken(pb_grpc.DecodeWorkerServicer):
+    async def Decode(  # noqa: N802
+        self, request: pb.DecodeRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[pb.DecodeChunk]:
+        yield pb.DecodeChunk(
+            tokens=[pb.Token(token_id=ANSWER[0], index=0)], finished=True, finish_reason="length"
+        )
+
+
+def test_requests_whose_router_stops_under_them_are_routed_by_the_next_router() -> None:
+    """A router's gRPC server that stops (SIGTERM, a rolling restart) answers CANCELLED to the calls it had
+    received and not yet run. It holds no request state: the next router plans them. Until 2026-12-07 each such
+    request failed with 503 ("router … cancelled the request") with another router up; a real router did it
+    under load on SIGTERM (2 of 658 requests over 4 restarts of one of two routers)."""
+
+    async def body() -> tuple[list[RequestState | ApiError], float]:
+        cancelled = metrics.WORKER_FAILURES.labels("router", "CANCELLED")
+        before = cancelled._value.get()
+        decode_server, decode_endpoint = await serve(
+            ScriptedDecode("ok"), pb_grpc.add_DecodeWorkerServicer_to_server
+        )
+        workers = {"d1": decode_endpoint}
+        servers = [
+            await serve(ScriptedRouter(workers), pb_grpc.add_RouterServicer_to_server) for _ in range(2)
+        ]
+        infos = [
+            pb.WorkerInfo(worker_id=f"router-{i}", role="router", endpoint=e)
+            for i, (_, e) in enumerate(servers)
+        ]
+        infos.append(pb.WorkerInfo(worker_id="d1", role="decode", endpoint=decode_endpoint))
+        channels = ChannelPool()
+        coordinator = Coordinator(Workers(infos), channels, stall_timeout_s=5.0)
+        outcomes: list[RequestState | ApiError] = []
+        stopped = asyncio.Event()
+
+        async def client(k: int) -> None:
+            n = 0
+            while not stopped.is_set():
+                state = coordinator.new_request(f"r{k}-{n}", [1, 2, 3], greedy(2), timeout_s=20.0)
+                try:
+                    async for _ in coordinator.generate(state):
+                        pass
+                    outcomes.append(state)
+                except ApiError as e:
+                    outcomes.append(e)
+                n += 1
+
+        clients = [asyncio.ensure_future(client(k)) for k in range(64)]
+        try:
+            # router-0 restarts until it has answered CANCELLED (a race: the calls it had received
+            # and not yet run when its server stopped); this frontend's discovery never sees it leave
+            for _ in range(ROUTER_RESTARTS):
+                await asyncio.sleep(0.3)
+                await servers[0][0].stop(1.0)
+                if cancelled._value.get() > before:
+                    break
+                servers[0] = await serve(ScriptedRouter(workers), pb_grpc.add_RouterServicer_to_server)
+                infos[0] = pb.WorkerInfo(worker_id="router-0", role="router", endpoint=servers[0][1])
+            stopped.set()
+            await asyncio.gather(*clients)
+        finally:
+            await coordinator.close()
+            await channels.close()
+            for s in (decode_server, servers[0][0], servers[1][0]):
+                await s.stop(0)
+        return outcomes, cancelled._value.get() - before
+
+    outcomes, cancelled = run(body)
+    assert cancelled > 0  # router-0 did answer CANCELLED (this test exercises that path)
+    failed = [o.message for o in outcomes if isinstance(o, ApiError)]
+    assert not failed, failed[:3]
+    assert all(o.phase is Phase.DONE for o in outcomes if isinstance(o, RequestState))
 
 
 # ---- a disaggregated request: a scripted prefill worker that holds the prompt's KV ----------------------------
