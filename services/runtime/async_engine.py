@@ -350,11 +350,13 @@ class AsyncEngine:
             except queue.Empty:
                 cmd = None
             items: list[tuple[str, RequestOutput | BaseException]] = []
+            added = False
             while cmd is not None:
                 if isinstance(cmd, _Stop):
                     self._shutdown(engine)
                     return
                 self._apply(engine, cmd, items, waiting)
+                added = added or isinstance(cmd, _Add)
                 stalled = False
                 try:
                     cmd = self._commands.get_nowait()
@@ -362,6 +364,11 @@ class AsyncEngine:
                     cmd = None
             scheduled: dict[str, float] = {}
             if engine.has_unfinished():
+                # requests that arrived during the last step are in no snapshot yet, and the worker repeats its last
+                # one as a heartbeat for the whole next step (seconds, for a long prompt on a CPU): a router would
+                # take them for gone, clear their reservations and see the worker less loaded than it is
+                if added:
+                    self._loop.call_soon_threadsafe(self._publish_stats, load_stats(engine))
                 t0 = time.monotonic()
                 self._step_since = t0
                 try:
@@ -402,6 +409,10 @@ class AsyncEngine:
         self._dispatch(items, scheduled)
         if events:
             self._publish(events)
+        self._stats = stats
+        self._publish(stats)
+
+    def _publish_stats(self, stats: LoadStats) -> None:
         self._stats = stats
         self._publish(stats)
 

@@ -214,3 +214,41 @@ def test_a_hung_step_ages_the_engine_and_an_idle_engine_never_looks_stuck(hang_a
 
 async def _collect(stream: AsyncIterator[RequestOutput]) -> list[int]:
     return [t async for o in stream for t in o.new_token_ids]
+
+
+def test_a_request_that_arrives_during_a_step_is_in_the_load_published_before_the_next_step() -> None:
+    """A router clears a request's reservation with the first load report that differs from the last: a request
+    that reached the worker during a step must be in the report published before the step that runs it. Until
+    2026-12-07 it was in none until that step ended (seconds for a long prompt on a CPU), and the router saw the
+    worker idle meanwhile."""
+
+    async def body(engine: AsyncEngine) -> LoadStats:
+        inner = engine.engine
+        assert inner is not None
+        step = inner.step
+        with_late = threading.Event()
+
+        def slow_step() -> list[RequestOutput]:
+            if "late" in inner.requests:
+                with_late.set()
+            threading.Event().wait(0.3)  # a long step
+            return step()
+
+        inner.step = slow_step  # type: ignore[method-assign]
+        first = asyncio.ensure_future(consume(engine.generate("first", [1, 2, 3], long_params(3))))
+        await load_matching(engine, lambda s: s.running == 1)
+        await asyncio.sleep(0.1)  # inside first's step
+        late = asyncio.ensure_future(consume(engine.generate("late", [4, 5, 6], long_params(2))))
+        await asyncio.to_thread(with_late.wait, 5.0)
+        await asyncio.sleep(0.1)  # inside the step that runs "late"
+        stats = engine.stats()
+        await asyncio.gather(first, late)
+        return stats
+
+    stats = run(body)
+    assert stats.waiting + stats.running == 2
+
+
+async def consume(stream: AsyncIterator[RequestOutput]) -> None:
+    async for _ in stream:
+        pass
