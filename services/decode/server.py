@@ -322,7 +322,9 @@ class DecodeWorker(EngineWorker, pb_grpc.DecodeWorkerServicer):
 
         async def release() -> None:
             try:
-                await pb_grpc.PrefillWorkerStub(self._producers.get(handle.producer_endpoint)).Release(
+                await pb_grpc.PrefillWorkerStub(
+                    self._producers.get(handle.producer_endpoint, handle.producer_epoch)
+                ).Release(
                     pb.ReleaseRequest(request_id=handle.request_id),
                     metadata=(("x-request-id", handle.request_id),),
                     timeout=self.release_timeout_s,

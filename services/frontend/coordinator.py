@@ -223,7 +223,7 @@ class Coordinator:
         last: ApiError | None = None
         first = next(self._router_turn) % len(routers) if routers else 0
         for router in routers[first:] + routers[:first]:
-            stub = pb_grpc.RouterStub(self.channels.get(router.endpoint))
+            stub = pb_grpc.RouterStub(self.channels.get(router.endpoint, router.epoch))
             try:
                 plan: pb.RoutePlan = await stub.Route(
                     request,
@@ -279,7 +279,7 @@ class Coordinator:
         )
         if state.plan is not None and state.plan.HasField("prefix_pull"):  # copy the prefix from a peer first
             request.prefix_pull.CopyFrom(state.plan.prefix_pull)
-        stub = pb_grpc.PrefillWorkerStub(self.channels.get(worker.endpoint))
+        stub = pb_grpc.PrefillWorkerStub(self.channels.get(worker.endpoint, worker.epoch))
         peer = f"prefill worker {worker.worker_id}"
         # A unary call sends nothing until the prompt is done, and a long prompt queued behind others on a busy
         # worker can take longer than the stall timeout: busy is not failed. So the call runs to the request's
@@ -331,7 +331,7 @@ class Coordinator:
             request.prefix_pull.CopyFrom(
                 state.plan.prefix_pull
             )  # a local prefill: its prefix from a peer first
-        stub = pb_grpc.DecodeWorkerStub(self.channels.get(worker.endpoint))
+        stub = pb_grpc.DecodeWorkerStub(self.channels.get(worker.endpoint, worker.epoch))
         call = stub.Decode(request, metadata=state.metadata(), timeout=state.remaining_s())
         peer = f"decode worker {worker.worker_id}"
         last_arrival = time.monotonic()
@@ -475,7 +475,7 @@ class Coordinator:
         )
 
         async def tell(router: pb.WorkerInfo) -> None:
-            stub = pb_grpc.RouterStub(self.channels.get(router.endpoint))
+            stub = pb_grpc.RouterStub(self.channels.get(router.endpoint, router.epoch))
             try:
                 await stub.ReportFailure(report, metadata=state.metadata(), timeout=REPORT_FAILURE_TIMEOUT_S)
             except grpc.aio.AioRpcError as e:

@@ -67,7 +67,7 @@ class KvHolds:
             return
 
         async def extend() -> None:
-            stub = pb_grpc.PrefillWorkerStub(self.channels.get(kv.producer_endpoint))
+            stub = pb_grpc.PrefillWorkerStub(self.channels.get(kv.producer_endpoint, kv.producer_epoch))
             try:
                 reply = await stub.ExtendHold(
                     pb.ExtendHoldRequest(request_id=kv.request_id, ttl_s=state.hold_ttl_s),
@@ -95,7 +95,7 @@ class KvHolds:
             return
 
         async def release() -> None:
-            stub = pb_grpc.PrefillWorkerStub(self.channels.get(kv.producer_endpoint))
+            stub = pb_grpc.PrefillWorkerStub(self.channels.get(kv.producer_endpoint, kv.producer_epoch))
             try:
                 await stub.Release(
                     pb.ReleaseRequest(request_id=kv.request_id),
