@@ -225,7 +225,7 @@ class PrefixPuller:
     async def _export(
         self, source: pb.WorkerRef, hold_id: str, hashes: list[int], deadline_s: float
     ) -> pb.ExportPrefixResponse | None:
-        stub = pb_grpc.PrefillWorkerStub(self.channels.get(source.endpoint))
+        stub = pb_grpc.PrefillWorkerStub(self.channels.get(source.endpoint, source.epoch))
         request = pb.ExportPrefixRequest(request_id=hold_id, block_hashes=hashes, ttl_s=self.hold_ttl_s)
         try:
             response: pb.ExportPrefixResponse = await stub.ExportPrefix(
@@ -274,7 +274,7 @@ class PrefixPuller:
 
         async def release() -> None:
             try:
-                await pb_grpc.PrefillWorkerStub(self.channels.get(source.endpoint)).Release(
+                await pb_grpc.PrefillWorkerStub(self.channels.get(source.endpoint, source.epoch)).Release(
                     pb.ReleaseRequest(request_id=hold_id),
                     metadata=(("x-request-id", hold_id),),
                     timeout=self.release_timeout_s,
