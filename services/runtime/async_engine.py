@@ -409,8 +409,7 @@ class AsyncEngine:
         self._dispatch(items, scheduled)
         if events:
             self._publish(events)
-        self._stats = stats
-        self._publish(stats)
+        self._publish_stats(stats)
 
     def _publish_stats(self, stats: LoadStats) -> None:
         self._stats = stats
