@@ -133,12 +133,22 @@ def write_outputs(report: dict[str, Any], a: argparse.Namespace, name: str) -> N
         print(f"wrote {os.path.join(a.out, 'report.json')}", file=sys.stderr)
 
 
-def _default_model(url: str) -> str:
+def _default_model(url: str, api_key: str | None = None) -> str:
+    """The first model the endpoint lists: asked with the run's key (a frontend with keys refuses /v1/* without
+    one), and an endpoint not answering is this command's error, one line, not a traceback."""
     import httpx
 
-    r = httpx.get(url.rstrip("/") + "/v1/models", timeout=10.0)
-    r.raise_for_status()
-    return str(r.json()["data"][0]["id"])
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    try:
+        r = httpx.get(url.rstrip("/") + "/v1/models", headers=headers, timeout=10.0)
+        r.raise_for_status()
+        return str(r.json()["data"][0]["id"])
+    except httpx.HTTPStatusError as e:
+        raise ValueError(f"{url}/v1/models: HTTP {e.response.status_code}: {e.response.text[:300]}") from e
+    except httpx.HTTPError as e:
+        raise ValueError(f"{url}: {type(e).__name__}: {e} (is the server running? --url)") from e
+    except (KeyError, IndexError, TypeError, ValueError) as e:
+        raise ValueError(f"{url}/v1/models lists no model ({type(e).__name__}); name one with --model") from e
 
 
 def cmd_run(a: argparse.Namespace) -> int:
@@ -147,7 +157,7 @@ def cmd_run(a: argparse.Namespace) -> int:
     specs = build_workload(a)
     cfg = RunConfig(
         url=a.url,
-        model=a.model or _default_model(a.url),
+        model=a.model or _default_model(a.url, a.api_key),
         mode=a.arrival,
         concurrency=a.concurrency,
         max_requests=a.num_requests,
