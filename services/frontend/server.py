@@ -241,6 +241,17 @@ class _DrainingServer(uvicorn.Server):
     def capture_signals(self) -> Iterator[None]:
         yield
 
+    async def startup(self, sockets: list[socket.socket] | None = None) -> None:
+        # uvicorn logs a bind's OSError and exits the process from inside the event loop (SystemExit 3, printed
+        # as a task's traceback); the OSError itself is this service's error: `rackserve frontend` says it in
+        # one line and `up` shows it as the frontend's last line
+        try:
+            await super().startup(sockets)
+        except SystemExit as e:
+            if isinstance(e.__context__, OSError):
+                raise e.__context__ from None
+            raise
+
 
 async def _until_started(server: uvicorn.Server, serving: asyncio.Task[None]) -> None:
     deadline = time.monotonic() + STARTUP_TIMEOUT_S

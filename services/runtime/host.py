@@ -76,7 +76,7 @@ class ServiceHost:
         if getattr(args, "health_port", 0):
             self.health_server = grpc.aio.server(options=NO_SHARED_PORT)
             health_pb2_grpc.add_HealthServicer_to_server(self.health, self.health_server)
-            self.health_server.add_insecure_port(f"{args.host}:{args.health_port}")
+            add_port(self.health_server, f"{args.host}:{args.health_port}", None)
         self.endpoint = f"{advertised_host(args)}:{self.port}"
         self.registration: Registration | None = None
         self._signalled = asyncio.Event()

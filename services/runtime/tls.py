@@ -79,10 +79,15 @@ class GrpcTls:
 
 
 def add_port(server: grpc.aio.Server, address: str, tls: GrpcTls | None) -> int:
-    """Bind `server` to `address`, with mutual TLS when `tls` is set; the bound port."""
-    if tls is None:
-        return server.add_insecure_port(address)
-    return server.add_secure_port(address, tls.server_credentials())
+    """Bind `server` to `address`, with mutual TLS when `tls` is set; the bound port. A port that cannot be bound
+    (in use, a host not of this machine) is an OSError naming the address: grpc's RuntimeError would be a traceback
+    from the service's command."""
+    try:
+        if tls is None:
+            return server.add_insecure_port(address)
+        return server.add_secure_port(address, tls.server_credentials())
+    except RuntimeError as e:
+        raise OSError(f"cannot bind {address} (in use, or not an address of this host)") from e
 
 
 def open_channel(

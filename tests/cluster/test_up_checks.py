@@ -198,3 +198,27 @@ def test_a_child_asked_for_by_another_thread_outlives_that_thread() -> None:
     finally:
         made["p"].popen.kill()
         made["p"].popen.wait(5)
+
+
+@pytest.mark.parametrize(
+    ("service", "flag"),
+    [("router", "--port"), ("decode", "--health-port"), ("frontend", "--port")],
+)
+def test_a_service_on_a_port_in_use_says_so_in_one_line(etcd_server: Any, service: str, flag: str) -> None:
+    """A port another process holds (a second `up` started at the same moment, a pod's hostPort) was a traceback:
+    grpc's RuntimeError for the gRPC services, uvicorn's SystemExit(3) inside the event loop for the frontend,
+    whose 20 last lines under `up` then held no word of the port."""
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        done = subprocess.run(
+            [sys.executable, "-m", "services.cli", service, "--etcd", etcd_server.url, flag, str(port)],
+            capture_output=True, text=True, timeout=120, cwd=REPO,
+        )  # fmt: skip
+    last = done.stderr.strip().splitlines()[-1]
+    assert done.returncode == 1, done.stderr[-2000:]
+    assert last.startswith(f"rackserve {service}: error: OSError: ") and str(port) in last, done.stderr[
+        -2000:
+    ]
+    assert "Traceback" not in done.stderr, done.stderr[-2000:]
