@@ -222,6 +222,10 @@ def main(argv: list[str] | None = None) -> int:
     except (OSError, ValueError, RuntimeError) as e:
         print(f"rackserve: error: {e}", file=sys.stderr)
         return 2
+    # Ctrl-C (generate, bench, quantize): the user stopped it, no traceback; the shell's status for SIGINT
+    except KeyboardInterrupt:
+        print(file=sys.stderr)
+        return 130
 
 
 if __name__ == "__main__":

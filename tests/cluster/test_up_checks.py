@@ -222,3 +222,22 @@ def test_a_service_on_a_port_in_use_says_so_in_one_line(etcd_server: Any, servic
         -2000:
     ]
     assert "Traceback" not in done.stderr, done.stderr[-2000:]
+
+
+def test_ctrl_c_in_generate_stops_it_without_a_traceback() -> None:
+    """`rackserve generate` interrupted while it streams its answer printed a KeyboardInterrupt traceback."""
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "services.cli", "generate", "--prompt", "Write a long story", "--max-tokens", "400"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=REPO,
+        # as a terminal runs it: SIGINT at its default (a background child of a shell inherits it ignored)
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
+    )  # fmt: skip
+    try:
+        assert proc.stdout is not None
+        proc.stdout.read(20)  # the answer has begun
+        proc.send_signal(signal.SIGINT)
+        _, err = proc.communicate(timeout=60)
+    finally:
+        proc.kill()
+    assert proc.returncode == 130, err.decode()[-2000:]
+    assert b"Traceback" not in err and b"KeyboardInterrupt" not in err, err.decode()[-2000:]
