@@ -17,13 +17,13 @@ from typing import Any
 
 from loadgen import report as rep
 from loadgen.workload import Lengths, RequestSpec, poisson_arrivals, synthetic, text_sessions
-from services.runtime.args import client_api_key
+from services.runtime.args import client_api_key, positive_int
 
 
 def add_workload_arguments(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("workload")
     g.add_argument("--workload", choices=("synthetic", "text", "mooncake"), default="synthetic")
-    g.add_argument("--num-requests", type=int, default=None, help="stop after this many requests")
+    g.add_argument("--num-requests", type=positive_int, default=None, help="stop after this many requests")
     g.add_argument("--seed", type=int, default=0)
     g.add_argument(
         "--input-len", default="uniform:32:256", help="synthetic prompt tokens: fixed:N | uniform:LO:HI"

@@ -64,3 +64,12 @@ def test_an_endpoint_not_answering_is_one_line_not_a_traceback(capsys: pytest.Ca
     assert rc == 2
     assert err.startswith(f"loadgen: error: http://127.0.0.1:{port}: ConnectError")
     assert "Traceback" not in err and len(err.strip().splitlines()) == 1
+
+
+@pytest.mark.parametrize("n", ["0", "-1"])
+def test_a_request_count_below_one_is_refused_by_name(n: str, capsys: pytest.CaptureFixture[str]) -> None:
+    """`--num-requests 0` or -1 sent nothing and ended in "cannot convert float NaN to integer" (an empty report)."""
+    with pytest.raises(SystemExit) as exited:
+        cli.main(["run", "--model", "m", "--workload", "synthetic", "--num-requests", n])
+    assert exited.value.code == 2
+    assert "argument --num-requests" in capsys.readouterr().err
