@@ -27,10 +27,11 @@ import uvicorn
 from services.discovery import EtcdSecurity, Registration, WorkerDirectory
 from services.engine.tokenizer import Tokenizer
 from services.frontend.app import DEFAULT_MAX_MODEL_LEN, FrontendConfig, create_app
-from services.frontend.auth import AuthConfig, load_api_keys
+from services.frontend.auth import AuthConfig
 from services.frontend.coordinator import DEFAULT_MIGRATION_LIMIT, DEFAULT_STALL_TIMEOUT_S, Coordinator
 from services.frontend.timeline import DEFAULT_TIMELINE_HISTORY, RequestObserver
 from services.rpc import pb
+from services.runtime.api_keys import load_api_keys
 from services.runtime.args import (
     add_advertise_host,
     add_flag,

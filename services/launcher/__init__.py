@@ -30,6 +30,7 @@ from typing import Any
 from services.engine import config as engine_cfg
 from services.engine.config import EngineConfig, parse_device_spec
 from services.router.policy import DEFAULT_MODE, MODES
+from services.runtime.api_keys import load_api_keys
 from services.runtime.args import non_negative_int, port_number, positive_int
 from services.runtime.ports import free_port
 
@@ -740,6 +741,12 @@ def check_args(a: argparse.Namespace) -> None:
         )
     except (TypeError, ValueError) as e:
         raise SystemExit(f"rackserve up: {e}") from e
+    try:
+        load_api_keys(
+            a.api_key or ""
+        )  # the frontend's rules: refused by it only after everything had started
+    except ValueError as e:
+        raise SystemExit(f"rackserve up: --api-key: {e}") from e
     # the port must be ours: a frontend already there (another `up`) would answer the readiness checks
     family = socket.AF_INET6 if ":" in a.host else socket.AF_INET
     with socket.socket(family) as s:

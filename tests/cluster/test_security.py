@@ -21,11 +21,12 @@ import pytest
 from services.cli import main as cli_main
 from services.discovery import EtcdSecurity, Registration, WorkerDirectory
 from services.discovery.etcd import EtcdUnavailableError
-from services.frontend.auth import AuthConfig, Guard, load_api_keys
+from services.frontend.auth import AuthConfig, Guard
 from services.frontend.errors import ApiError
 from services.launcher import Cluster, Proc
 from services.launcher import add_arguments as launcher_arguments
 from services.rpc import pb
+from services.runtime.api_keys import load_api_keys
 from services.runtime.tls import GrpcTls, TlsConfigError
 from tests.support.certs import make_ca_and_leaf
 from tests.support.cluster import local_cluster, start_process

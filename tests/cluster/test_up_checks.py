@@ -43,6 +43,8 @@ def up(
         (["--model", "/no/such/model.gguf"], "--model /no/such/model.gguf: no such file"),
         (["--prefill", "0", "--mode", "disagg"], "--mode disagg needs prefill workers"),
         (["--kv-disk-path", "/tmp/x"], "kv_disk_path needs kv_disk_bytes"),
+        # the frontend's own rule, which refused it only once etcd and every worker had started (until 2026-12-07)
+        (["--api-key", "sk-1"], "--api-key: API key 'key-0': shorter than 8 characters"),
     ],
 )
 def test_settings_that_cannot_work_are_refused_before_anything_starts(flags: list[str], said: str) -> None:

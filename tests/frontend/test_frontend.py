@@ -812,7 +812,8 @@ def test_a_body_that_does_not_arrive_in_time_is_a_408(
 def test_one_key_cannot_hold_every_slot_with_long_requests(tokenizer: Tokenizer) -> None:
     """--max-concurrent-per-key: a key within its rate held all of --max-concurrent-requests with requests that
     run long (here ones that hang to their 2 s deadline), and every other key got 429 (the security audit)."""
-    from services.frontend.auth import AuthConfig, load_api_keys
+    from services.frontend.auth import AuthConfig
+    from services.runtime.api_keys import load_api_keys
 
     keys = AuthConfig(load_api_keys("sk-team-a-1,sk-team-b-2"))  # named key-0 and key-1
     with ScriptedCluster(tokenizer, auth=keys, max_concurrent_requests=8, max_concurrent_per_key=2) as c:
@@ -1651,7 +1652,8 @@ def test_the_sdk_retrieves_the_served_model_and_a_missing_one_is_a_404(tokenizer
     models (the list leaves it out for that key too)."""
     import openai
 
-    from services.frontend.auth import ApiKey, AuthConfig
+    from services.frontend.auth import AuthConfig
+    from services.runtime.api_keys import ApiKey
 
     keys = AuthConfig((ApiKey.from_secret("sk-all-models-1", "all"), ApiKey.from_secret(
         "sk-other-model-2", "other", frozenset({"another-model"}))))  # fmt: skip
@@ -1676,7 +1678,8 @@ def test_cors_is_off_by_default_and_allowed_origins_answer_a_browsers_preflight(
     """--allowed-origins: a browser on an allowed origin gets its preflight (OPTIONS, no key) answered and can read
     the answer and its x-request-id; another origin gets no allow header. Without the flag, no CORS headers (a
     preflight is a 405, as before)."""
-    from services.frontend.auth import AuthConfig, load_api_keys
+    from services.frontend.auth import AuthConfig
+    from services.runtime.api_keys import load_api_keys
 
     preflight = {
         "Origin": "https://app.example",
