@@ -21,6 +21,8 @@ import grpc
 
 from services.runtime.tls import GrpcTls, open_channel
 
+LOCAL_SUBCHANNELS: list[tuple[str, object]] = [("grpc.use_local_subchannel_pool", 1)]
+
 
 class ChannelPool:
     """One gRPC channel per endpoint, reused by every call to it."""
@@ -42,7 +44,9 @@ class ChannelPool:
             task.add_done_callback(self._closing.discard)
             channel = None
         if channel is None:
-            channel = self._channels[endpoint] = open_channel(endpoint, self.tls)
+            # its own subchannels: gRPC shares one connection per address among a process's channels by
+            # default, and a fresh channel would take over the old one's, still backing off its reconnects
+            channel = self._channels[endpoint] = open_channel(endpoint, self.tls, LOCAL_SUBCHANNELS)
         self._epochs[endpoint] = max(epoch, self._epochs.get(endpoint, 0))
         return channel
 

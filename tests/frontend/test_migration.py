@@ -23,6 +23,7 @@ from services.rpc import pb, pb_grpc
 from services.runtime.channels import ChannelPool
 from services.telemetry import metrics
 from tests.support.cluster import greedy, run
+from tests.support.etcd import free_port
 
 ANSWER = [101, 102, 103, 104, 105, 106, 107, 108]
 
@@ -193,6 +194,66 @@ def test_with_every_router_down_a_local_fallback_plan_serves_the_request() -> No
     assert isinstance(state, RequestState) and state.phase is Phase.DONE
     assert [t for b in batches for t in b] == ANSWER
     assert state.plan is not None and "fallback" in state.plan.reason
+
+
+class RestartedRouter(ScriptedRouter):
+    """Plans d1 at whatever epoch its process has now (a restart makes a new one)."""
+
+    epoch = 1
+
+    async def Route(self, request: pb.RouteRequest, context: grpc.aio.ServicerContext) -> pb.RoutePlan:  # noqa: N802
+        ref = pb.WorkerRef(worker_id="d1", endpoint=self.workers["d1"], role="decode", epoch=self.epoch)
+        return pb.RoutePlan(decode=ref, reason="scripted")
+
+
+def test_a_decode_worker_restarted_on_its_address_is_served_at_once() -> None:
+    """A worker restarted on its own address (a container restarted in its pod keeps the pod's IP and the chart's
+    port) is a new process, a new epoch. The coordinator's channel to the dead one had lost its connection, and
+    gRPC backs off its reconnects (toward two minutes), failing every call on it at once meanwhile: until
+    2026-12-07 the new, healthy process got "failed to connect" until that backoff ran out (31 s of 503s after a
+    40 s outage on a real cluster). A newer epoch gets a fresh channel: the first request after the restart is
+    served, with no migration."""
+    endpoint = f"127.0.0.1:{free_port()}"
+
+    async def start() -> grpc.aio.Server:
+        server = grpc.aio.server()
+        pb_grpc.add_DecodeWorkerServicer_to_server(ScriptedDecode("ok"), server)
+        server.add_insecure_port(endpoint)
+        await server.start()
+        return server
+
+    async def go() -> tuple[list[list[int]], RequestState | ApiError, list[str]]:
+        router = RestartedRouter({"d1": endpoint})
+        router_server, router_endpoint = await serve(router, pb_grpc.add_RouterServicer_to_server)
+        infos = [pb.WorkerInfo(worker_id="router-s", role="router", endpoint=router_endpoint)]
+        infos.append(pb.WorkerInfo(worker_id="d1", role="decode", endpoint=endpoint, epoch=1))
+        channels = ChannelPool()
+        coordinator = Coordinator(Workers(infos), channels, stall_timeout_s=5.0)
+        worker = await start()
+        first = coordinator.new_request("r1", [1, 2, 3], greedy(len(ANSWER)), timeout_s=20.0)
+        async for _ in coordinator.generate(first):
+            pass
+        await worker.stop(0)
+        # calls while it is gone drive the old channel's reconnect backoff up (1 s, 1.6 s, 2.6 s, 4.1 s, ...)
+        refused = []
+        stub = pb_grpc.DecodeWorkerStub(channels.get(endpoint, 1))
+        end = time.monotonic() + 8.0
+        while time.monotonic() < end:
+            try:
+                await stub.Decode(pb.DecodeRequest(request_id="probe"), timeout=1.0).read()
+            except grpc.aio.AioRpcError as e:
+                refused.append(e.code().name)
+            await asyncio.sleep(0.2)
+        worker = await start()
+        router.epoch = 2
+        state = coordinator.new_request("r2", [1, 2, 3], greedy(len(ANSWER)), timeout_s=20.0)
+        batches, outcome = await drive(coordinator, state, channels, [worker, router_server])
+        return batches, outcome, refused
+
+    batches, outcome, refused = run(go)
+    assert refused and set(refused) == {"UNAVAILABLE"}  # the outage was seen on the old channel
+    assert isinstance(outcome, RequestState), outcome
+    assert [t for b in batches for t in b] == ANSWER and outcome.migration_log == []
 
 
 ROUTER_RESTARTS = 40
