@@ -873,14 +873,24 @@ def damp(
     now: float,
     mode: str = "disagg",
 ) -> tuple[int, int]:
+    before = dict(damper.last_change)
     p = damper.step("prefill", actual[0], target[0], least_prefill(limits, mode), limits.max_prefill, now)
     d = damper.step("decode", actual[1], target[1], limits.min_decode, limits.max_decode, now)
+
+    def undo(pool: str) -> None:
+        # the step was not taken: the pool's last change is the one before it (forgetting that one, as until
+        # 2026-12-07, let a step down follow a real change without its hold-down)
+        if pool in before:
+            damper.last_change[pool] = before[pool]
+        else:
+            damper.last_change.pop(pool, None)
+
     if limits.max_workers and p + d > limits.max_workers:
         # a step up that the budget cannot hold yet waits for the other pool's step down to land
         if p > actual[0]:
             p = actual[0]
-            damper.last_change.pop("prefill", None)
+            undo("prefill")
         if d > actual[1] and p + d > limits.max_workers:
             d = actual[1]
-            damper.last_change.pop("decode", None)
+            undo("decode")
     return p, d

@@ -91,6 +91,12 @@ def test_scaling_is_damped_one_step_per_pool_held_down_and_bounded() -> None:
     budget = Limits(1, 2, 1, 2, max_workers=3)
     assert damp((2, 1), (1, 2), budget, Damper(0.0), now=0.0) == (1, 2)
     assert damp((2, 1), (2, 2), budget, Damper(0.0), now=0.0) == (2, 1)
+    # a step up the budget cancels keeps the pool's last real change: its hold-down still holds a step down
+    roomy, held = Limits(1, 4, 1, 2, max_workers=3), Damper(hold_down_s=30.0)
+    assert damp((1, 1), (2, 1), roomy, held, now=0.0) == (2, 1)  # a change at 0
+    assert damp((2, 1), (3, 1), roomy, held, now=10.0) == (2, 1)  # no room: not taken
+    assert damp((2, 1), (1, 1), roomy, held, now=20.0) == (2, 1)  # 20 s after the change at 0: held
+    assert damp((2, 1), (1, 1), roomy, held, now=31.0) == (1, 1)
     with pytest.raises(ValueError, match="max-workers"):
         Limits(2, 4, 2, 4, max_workers=3)
     assert all(p + d <= 3 for p, d in candidates(budget)) and (2, 1) in candidates(budget)
