@@ -284,7 +284,9 @@ class PrefillWorker(EngineWorker, pb_grpc.PrefillWorkerServicer):
                 return pb.ExportPrefixResponse()
             export = copied.job
             try:
-                ticket = await self._publish(hold_id, copied)
+                # never with the lossy wire encoding (--kv-compress): the puller commits these bytes to its prefix
+                # cache under the exact blocks' hashes, so every later hit there would answer other tokens
+                ticket = await self._publish(hold_id, copied, exact=True)
             except BaseException:
                 await self._release(hold_id)
                 raise
@@ -379,14 +381,15 @@ class PrefillWorker(EngineWorker, pb_grpc.PrefillWorkerServicer):
             task.add_done_callback(_give_room)
             raise
 
-    async def _publish(self, key: str, copied: _Copied) -> Published:
+    async def _publish(self, key: str, copied: _Copied, exact: bool = False) -> Published:
+        """Publish copied KV under `key`: encoded as --kv-compress says, unless `exact` (the bytes as they are)."""
         layout = self.facts.kv_layout
         try:
             return await self.source.publish(
                 key,
                 copied.host,
                 self.kv_max_hold_s,  # our own timer (_hold) retracts it first; this is the backstop
-                compress=self.kv_compress,
+                compress=None if exact else self.kv_compress,
                 kv_dtype=wire.KV_DTYPE_NAMES[layout.dtype],
                 head_dim=layout.head_dim,
                 device_payload=copied.device,  # GPU caches: offered to device-direct readers (cuda_ipc, NIXL)

@@ -259,6 +259,10 @@ class PrefixPuller:
             )
         try:
             ticket = TransferTicket.from_json(handle.transfer_endpoint, handle.agent_metadata)
+            if ticket.encoding != "raw":
+                # lossy (--kv-compress on a peer that encodes its exports): committed under the exact blocks'
+                # hashes, these bytes would change every later answer that hits them here
+                raise PullFailed("layout", f"the peer's blocks come {ticket.encoding}-encoded, not exact")
             backend = self.sink.choose(ticket, self.preference)
             pulled = await self.sink.pull(ticket, deadline_s, backend=backend, device=self.engine.device)
         except TransferIntegrityError as e:

@@ -319,6 +319,10 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalCluster]:
                 "--debug-die-in",
                 "transfer",
             ),
+            # its decode workers' KV goes over the wire fp8-encoded (lossy); the prefixes it exports must not
+            start_process(
+                "services.prefill.server", "prefill-z", etcd_url, log_dir, *flags, "--kv-compress", "fp8"
+            ),
             # a decode worker that prefills locally (agg) and keeps a prefix cache: it pulls too
             start_process("services.decode.server", "decode-p", etcd_url, log_dir, *flags),
             # no prefix cache: every reference it computes is a cold run, whatever it saw before
@@ -327,7 +331,7 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalCluster]:
             ),
         ]
 
-    with local_cluster(log_dir, start, {"prefill": 3, "decode": 2}) as c:
+    with local_cluster(log_dir, start, {"prefill": 4, "decode": 2}) as c:
         yield c
 
 
@@ -535,6 +539,32 @@ def test_a_local_prefill_on_a_decode_worker_pulls_the_prefix_and_streams_the_col
     assert metric(ep, "rackserve_peer_pulls_total", role="decode", outcome="pulled") == 1
     assert metric(ep, "rackserve_peer_pull_blocks_total", role="decode") == usable
     run(lambda: wait_for_load(cluster.endpoints["decode-p"], pb_grpc.DecodeWorkerStub, all_free), 20)
+
+
+def test_a_prefix_pulled_from_a_peer_that_compresses_its_wire_kv_is_exact(
+    cluster: LocalCluster, prompts: dict[str, list[int]]
+) -> None:
+    """`--kv-compress fp8` is lossy and meant for the transfer only, but pulled blocks are committed to the
+    puller's prefix cache under the exact blocks' hashes: an encoded export answered other tokens than the cold
+    run (this prompt from its first token on, until 2026-12-07), on the pull and on every later hit of those
+    blocks. The peer exports the exact bytes whatever its wire encoding."""
+    a = prompts["a"]
+    want = cold(cluster, "z-cold", a)
+    prefill(cluster, "prefill-z", "z-warm", a)
+    release(cluster, "prefill-z", "z-warm")
+    pull = pb.PrefixPull(source=ref(cluster, "prefill-z"), start_block=0, block_hashes=block_hashes(a, BS))
+    req = pb.DecodeRequest(
+        request_id="z-pulled", prompt_token_ids=a, params=greedy(12, ignore_eos=True), prefix_pull=pull
+    )
+    chunks = run(lambda: decode(cluster.endpoints["decode-p"], req), 120)
+    usable = (len(a) - 1) // BS
+    assert chunks[0].pulled_tokens == usable * BS
+    assert token_ids(chunks) == want
+    # a later request of the prompt hits the pulled blocks, with no pull: the same tokens
+    again = pb.DecodeRequest(request_id="z-again", prompt_token_ids=a, params=greedy(12, ignore_eos=True))
+    chunks = run(lambda: decode(cluster.endpoints["decode-p"], again), 120)
+    assert chunks[0].cached_tokens == usable * BS
+    assert token_ids(chunks) == want
 
 
 class PlanRouter(pb_grpc.RouterServicer):
