@@ -173,10 +173,12 @@ class PrefixPuller:
         result = PullResult("local", hold_id=hold_id if local else None)
         if local >= usable:
             return result  # everything is here already (a stale plan, or a second request of the prompt)
-        if local < start:
-            raise PullFailed(
-                "prefix_gone", f"this pool holds {local} of the {start} blocks before the pulled ones"
-            )
+        # Fewer than the plan's start_block: the router counted blocks as this worker's that its pool lacks (in
+        # its host or disk tier, or still to be computed by a request queued here). Pulled blocks behind that gap
+        # would never be hit (the admission restores a tier's run after the pool's, never the pool after a
+        # tier's), so ask from the first block this pool lacks: the source's run covers them too (the router's
+        # index counts a run from the prompt's first block). Until 2026-12-07 such a pull was refused
+        # (fallback_prefix_gone) and every block it planned to copy was recomputed.
         deadline_s = plan.deadline_s if plan.deadline_s > 0 else self.default_deadline_s
         want = own[local:usable]
         try:
