@@ -75,6 +75,8 @@ class WorkerState:
     rack: str = ""
     zone: str = ""
     kv_bytes_per_token: int = 0  # 0: use CostSettings.kv_bytes_per_token
+    # its KV cache's dtype (fp32, bf16, …; "": not said): the model fingerprint does not include it
+    kv_dtype: str = ""
     max_model_len: int = 0  # its context length in tokens (0: not said)
     healthy: bool = True  # False: draining, reported failed, or otherwise not to be chosen
     # load, from the worker's last LoadSnapshot
@@ -335,8 +337,9 @@ class Estimator:
     ) -> Pull | None:
         """The peer pull that saves worker `a` the most time over computing the same tokens, or None. `have`:
         the prompt's leading blocks a holds (pool, tiers, pending). Sources are prefill workers other than a,
-        of a's model fingerprint and block size, holding at least `min_blocks` blocks more than a does. Runs
-        for every candidate of a decision: one tight loop, one Pull built."""
+        of a's model fingerprint, block size and KV dtype (a puller refuses blocks of another dtype), holding at
+        least `min_blocks` blocks more than a does. Runs for every candidate of a decision: one tight loop, one
+        Pull built."""
         runs = sources.runs
         need = max(1, sources.min_blocks)
         if not runs or runs[0][0] - have < need:
@@ -351,7 +354,7 @@ class Estimator:
             extra = run - have
             if extra < need:
                 break
-            if b is a or b.fingerprint != a.fingerprint or b.block_size != bs:
+            if b is a or b.fingerprint != a.fingerprint or b.block_size != bs or b.kv_dtype != a.kv_dtype:
                 continue
             tokens = min(run * bs, top) - have_tokens
             if tokens <= 0:

@@ -89,6 +89,7 @@ def worker_state(info: pb.WorkerInfo) -> WorkerState:
         rack=topo.get("rack", ""),
         zone=topo.get("zone", ""),
         kv_bytes_per_token=info.kv_bytes_per_token,
+        kv_dtype=info.kv_dtype,
         max_model_len=info.max_model_len,
     )
 

@@ -72,6 +72,7 @@ class RouterState:
                 "rack",
                 "zone",
                 "kv_bytes_per_token",
+                "kv_dtype",
             ):
                 setattr(old, name, getattr(worker, name))
             return

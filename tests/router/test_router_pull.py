@@ -15,7 +15,7 @@ from services.engine.block_hash import block_hashes
 from services.router.cost_model import CostSettings
 from services.router.policy import RouteQuery, WorkerState, make_policy
 from services.router.prefix_index import DISK, HOST
-from services.router.server import add_arguments, apply_kv_event, policy_from_args, route_plan
+from services.router.server import add_arguments, apply_kv_event, policy_from_args, route_plan, worker_state
 from services.router.state import RouterState
 from services.rpc import pb
 
@@ -186,6 +186,35 @@ def test_a_decode_worker_another_model_or_a_draining_worker_is_never_a_pull_sour
     state.workers["E"].healthy = True
     decision = state.route(RouteQuery("src2", token_ids=tokens, fingerprint="m1"), 1.0)
     assert decision.chosen.pull is not None and decision.chosen.pull.source == "E"
+
+
+def test_a_prefill_worker_whose_kv_has_another_dtype_is_never_a_pull_source() -> None:
+    """The model fingerprint hashes the weights as float32, so a bfloat16 worker of the model has a float32
+    one's: the puller refuses its blocks (fallback_layout, after the source copied and published them), and the
+    blocks the plan priced as copied were recomputed. The dtype comes from the worker's registration."""
+    tokens = prompt(2048)
+
+    def info(worker_id: str, role: str, dtype: str) -> pb.WorkerInfo:
+        return pb.WorkerInfo(
+            worker_id=worker_id, role=role, endpoint=f"{worker_id}:1", epoch=3, model_fingerprint="m1",
+            block_size=BS, kv_dtype=dtype, kv_bytes_per_token=46080 if dtype == "fp32" else 23040,
+        )  # fmt: skip
+
+    for source_dtype, pulls in (("bf16", False), ("fp32", True)):
+        state = RouterState(make_policy("ttft", "disagg"))
+        for w in (
+            info("A", "prefill", "fp32"),
+            info("B", "prefill", source_dtype),
+            info("d", "decode", "fp32"),
+        ):
+            state.add_worker(worker_state(w))
+        cache(state, "B", tokens[:1600])
+        state.on_load("B", 0.0, queued_prefill_tokens=4000, running=1)
+        query = RouteQuery("x", token_ids=tokens)
+        decision = state.route(query, 1.0)
+        plan = route_plan(decision, state.workers, query)
+        assert plan.HasField("prefix_pull") is pulls, source_dtype
+        assert (decision.chosen.terms["pulled_tokens"] > 0) is pulls
 
 
 def test_a_pull_starts_after_what_the_worker_holds_in_its_pool_and_tier_and_too_short_a_run_is_not_pulled() -> (
