@@ -454,8 +454,10 @@ Candidate = tuple[float, "WorkerState | None", WorkerState]
 
 
 def compatible(p: WorkerState, d: WorkerState) -> bool:
-    """A prefill worker's KV is readable by the decode worker: same model fingerprint and block size."""
-    return p.fingerprint == d.fingerprint and p.block_size == d.block_size
+    """A prefill worker's KV is readable by the decode worker: same model fingerprint, block size and KV dtype
+    (the fingerprint hashes the weights as float32, so a bfloat16 and a float32 worker of one model share it; the
+    decode worker refuses the other dtype's KV, after the prefill and its copy)."""
+    return p.fingerprint == d.fingerprint and p.block_size == d.block_size and p.kv_dtype == d.kv_dtype
 
 
 def shape_rule(mode: str, query: RouteQuery, prefills: list[WorkerState]) -> tuple[bool | None, str]:

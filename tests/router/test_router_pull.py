@@ -217,6 +217,29 @@ def test_a_prefill_worker_whose_kv_has_another_dtype_is_never_a_pull_source() ->
         assert (decision.chosen.terms["pulled_tokens"] > 0) is pulls
 
 
+def test_a_prefill_worker_whose_kv_has_another_dtype_never_prefills_for_the_decode_worker() -> None:
+    """The same rule for the prefill -> decode pair: a decode worker refuses another dtype's KV (KvMismatchError)
+    after the prefill ran and its copy was made, and the request rebuilds. Such a pair is not planned: the
+    prefill worker of the decode worker's dtype is, and with none the decode worker prefills itself."""
+    tokens = prompt(256)
+
+    def info(worker_id: str, role: str, dtype: str) -> pb.WorkerInfo:
+        return pb.WorkerInfo(
+            worker_id=worker_id, role=role, endpoint=f"{worker_id}:1", epoch=3, model_fingerprint="m1",
+            block_size=BS, kv_dtype=dtype, kv_bytes_per_token=46080 if dtype == "fp32" else 23040,
+        )  # fmt: skip
+
+    for prefills, chosen in ((("bf16", "fp32"), "P1"), (("bf16",), "d")):
+        state = RouterState(make_policy("ttft", "disagg"))
+        for i, dtype in enumerate(prefills):
+            state.add_worker(worker_state(info(f"P{i}", "prefill", dtype)))
+        state.add_worker(worker_state(info("d", "decode", "fp32")))
+        state.on_load("P1" if len(prefills) > 1 else "P0", 0.0, queued_prefill_tokens=0, running=0)
+        state.on_load("P0", 0.0, queued_prefill_tokens=0, running=0)
+        decision = state.route(RouteQuery("x", token_ids=tokens), 1.0)
+        assert decision.chosen.prefilling_worker == chosen, (prefills, decision.chosen)
+
+
 def test_a_pull_starts_after_what_the_worker_holds_in_its_pool_and_tier_and_too_short_a_run_is_not_pulled() -> (
     None
 ):
