@@ -23,12 +23,14 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import uvicorn
+from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from services.discovery import EtcdSecurity, Registration, WorkerDirectory
 from services.engine.tokenizer import Tokenizer
 from services.frontend.app import DEFAULT_MAX_MODEL_LEN, FrontendConfig, create_app
 from services.frontend.auth import AuthConfig
 from services.frontend.coordinator import DEFAULT_MIGRATION_LIMIT, DEFAULT_STALL_TIMEOUT_S, Coordinator
+from services.frontend.errors import unavailable
 from services.frontend.timeline import DEFAULT_TIMELINE_HISTORY, RequestObserver
 from services.rpc import pb
 from services.runtime.api_keys import load_api_keys
@@ -162,7 +164,7 @@ async def serve(args: argparse.Namespace) -> None:
         uvicorn.Config(
             app, host=args.host, port=args.port, log_level=args.log_level, access_log=False,
             timeout_graceful_shutdown=graceful_s,
-            limit_concurrency=args.max_connections or None,
+            limit_concurrency=args.max_connections or None, http=HttpProtocol,
             # the connection's own peer, not X-Forwarded-For's: nothing here reads a client's address but
             # connection_aborter, which must find the connection (a local proxy would otherwise hide it)
             proxy_headers=False,
@@ -231,6 +233,41 @@ def connection_aborter(server: uvicorn.Server) -> Callable[[Any], bool]:
         return False
 
     return abort
+
+
+class HttpProtocol(H11Protocol):
+    """uvicorn's HTTP protocol, whose refusal past --max-connections (its limit_concurrency) is a 503 in OpenAI's
+    error shape with Retry-After, as every other refusal here, not uvicorn's text/plain "Service Unavailable".
+
+    uvicorn makes its test when a request's headers are complete, and runs `self.app` when under the limit: its
+    own test is turned off here and the same one made where `app` is read, so the limit counts as before."""
+
+    _limit: int | None = None
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._limit, self.limit_concurrency = self.limit_concurrency, None
+
+    @property  # type: ignore[override]
+    def app(self) -> Any:
+        limit = self._limit
+        if limit is not None and (len(self.connections) >= limit or len(self.tasks) >= limit):
+            return self._refuse
+        return self._app
+
+    @app.setter
+    def app(self, app: Any) -> None:
+        self._app = app
+
+    async def _refuse(self, scope: Any, receive: Any, send: Any) -> None:
+        log.warning("refused a request: %d connections and requests open (--max-connections)", self._limit)
+        error = unavailable(
+            f"the frontend has its limit of {self._limit} connections and requests open", code="overloaded"
+        )
+        response = error.response()
+        # the connection goes, so that its slot does
+        response.headers["connection"] = "close"
+        await response(scope, receive, send)
 
 
 class _DrainingServer(uvicorn.Server):

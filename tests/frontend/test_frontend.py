@@ -1144,6 +1144,35 @@ def assert_error(
     return str(error["message"])
 
 
+@pytest.mark.cluster
+def test_past_max_connections_the_refusal_is_an_openai_error_with_retry_after(tmp_path: Path) -> None:
+    """uvicorn's own refusal was text/plain "Service Unavailable" without Retry-After (until 2026-12-07)."""
+    with EtcdServer(data_dir=str(tmp_path / "etcd")) as etcd:
+        port = free_port()
+        frontend = spawn(
+            "services.frontend.server", "--etcd", etcd.url, "--port", str(port), "--max-connections", "2",
+            log_dir=tmp_path,
+        )  # fmt: skip
+        url = f"http://127.0.0.1:{port}"
+        try:
+            wait_healthy(url, [frontend], tmp_path)
+            idle = [socket.create_connection(("127.0.0.1", port)) for _ in range(2)]
+            time.sleep(0.3)
+            for path in ("/v1/chat/completions", "/livez"):
+                r = httpx.request(
+                    "POST" if path.startswith("/v1") else "GET", f"{url}{path}", json=chat("hi")
+                )
+                assert_error(r, 503, "service_unavailable_error", code="overloaded")
+                assert int(r.headers["retry-after"]) >= 1
+                assert r.headers["connection"] == "close"
+            for s in idle:
+                s.close()
+            time.sleep(0.3)
+            assert httpx.get(f"{url}/livez").status_code == 200  # the slots are free again
+        finally:
+            stop_all([frontend])
+
+
 def test_no_router_is_503_with_retry_after(lonely: tuple[str, str]) -> None:
     url = lonely[0]
     for stream in (False, True):
