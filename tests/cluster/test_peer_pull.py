@@ -528,18 +528,29 @@ def test_a_pull_behind_blocks_this_worker_lacks_pulls_those_blocks_too(
     run(lambda: wait_for_load(a, pb_grpc.PrefillWorkerStub, lambda s: s.free_blocks >= free), 20)
 
 
+def pulled_on_decode(
+    cluster: LocalCluster, source: str, tag: str, tokens: list[int]
+) -> tuple[list[int], list[pb.DecodeChunk]]:
+    """The cold run's tokens, and the chunks of decode-p prefilling `tokens` locally with their prefix pulled from
+    `source` (which computed and released it first)."""
+    want = cold(cluster, f"{tag}-cold", tokens)
+    prefill(cluster, source, f"{tag}-warm", tokens)
+    release(cluster, source, f"{tag}-warm")
+    pull = pb.PrefixPull(source=ref(cluster, source), start_block=0, block_hashes=block_hashes(tokens, BS))
+    req = pb.DecodeRequest(
+        request_id=f"{tag}-pulled",
+        prompt_token_ids=tokens,
+        params=greedy(12, ignore_eos=True),
+        prefix_pull=pull,
+    )
+    return want, run(lambda: decode(cluster.endpoints["decode-p"], req), 120)
+
+
 def test_a_local_prefill_on_a_decode_worker_pulls_the_prefix_and_streams_the_cold_runs_tokens(
     cluster: LocalCluster, prompts: dict[str, list[int]]
 ) -> None:
     h = prompts["a"][::-1]  # new to every worker
-    want = cold(cluster, "h-cold", h)
-    prefill(cluster, "prefill-b", "h-warm", h)
-    release(cluster, "prefill-b", "h-warm")
-    pull = pb.PrefixPull(source=ref(cluster, "prefill-b"), start_block=0, block_hashes=block_hashes(h, BS))
-    req = pb.DecodeRequest(
-        request_id="h-pulled", prompt_token_ids=h, params=greedy(12, ignore_eos=True), prefix_pull=pull
-    )
-    chunks = run(lambda: decode(cluster.endpoints["decode-p"], req), 120)
+    want, chunks = pulled_on_decode(cluster, "prefill-b", "h", h)
     usable = (len(h) - 1) // BS
     assert chunks[0].pulled_tokens == usable * BS and chunks[0].cached_tokens == usable * BS
     assert token_ids(chunks) == want
@@ -557,14 +568,7 @@ def test_a_prefix_pulled_from_a_peer_that_compresses_its_wire_kv_is_exact(
     run (this prompt from its first token on, until 2026-12-07), on the pull and on every later hit of those
     blocks. The peer exports the exact bytes whatever its wire encoding."""
     a = prompts["a"]
-    want = cold(cluster, "z-cold", a)
-    prefill(cluster, "prefill-z", "z-warm", a)
-    release(cluster, "prefill-z", "z-warm")
-    pull = pb.PrefixPull(source=ref(cluster, "prefill-z"), start_block=0, block_hashes=block_hashes(a, BS))
-    req = pb.DecodeRequest(
-        request_id="z-pulled", prompt_token_ids=a, params=greedy(12, ignore_eos=True), prefix_pull=pull
-    )
-    chunks = run(lambda: decode(cluster.endpoints["decode-p"], req), 120)
+    want, chunks = pulled_on_decode(cluster, "prefill-z", "z", a)
     usable = (len(a) - 1) // BS
     assert chunks[0].pulled_tokens == usable * BS
     assert token_ids(chunks) == want

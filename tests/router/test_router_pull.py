@@ -188,24 +188,26 @@ def test_a_decode_worker_another_model_or_a_draining_worker_is_never_a_pull_sour
     assert decision.chosen.pull is not None and decision.chosen.pull.source == "E"
 
 
+def _info(worker_id: str, role: str, dtype: str) -> pb.WorkerInfo:
+    """A registration of model m1 with KV of `dtype` (fp32 or bf16)."""
+    return pb.WorkerInfo(
+        worker_id=worker_id, role=role, endpoint=f"{worker_id}:1", epoch=3, model_fingerprint="m1",
+        block_size=BS, kv_dtype=dtype, kv_bytes_per_token=46080 if dtype == "fp32" else 23040,
+    )  # fmt: skip
+
+
 def test_a_prefill_worker_whose_kv_has_another_dtype_is_never_a_pull_source() -> None:
     """The model fingerprint hashes the weights as float32, so a bfloat16 worker of the model has a float32
     one's: the puller refuses its blocks (fallback_layout, after the source copied and published them), and the
     blocks the plan priced as copied were recomputed. The dtype comes from the worker's registration."""
     tokens = prompt(2048)
 
-    def info(worker_id: str, role: str, dtype: str) -> pb.WorkerInfo:
-        return pb.WorkerInfo(
-            worker_id=worker_id, role=role, endpoint=f"{worker_id}:1", epoch=3, model_fingerprint="m1",
-            block_size=BS, kv_dtype=dtype, kv_bytes_per_token=46080 if dtype == "fp32" else 23040,
-        )  # fmt: skip
-
     for source_dtype, pulls in (("bf16", False), ("fp32", True)):
         state = RouterState(make_policy("ttft", "disagg"))
         for w in (
-            info("A", "prefill", "fp32"),
-            info("B", "prefill", source_dtype),
-            info("d", "decode", "fp32"),
+            _info("A", "prefill", "fp32"),
+            _info("B", "prefill", source_dtype),
+            _info("d", "decode", "fp32"),
         ):
             state.add_worker(worker_state(w))
         cache(state, "B", tokens[:1600])
@@ -223,17 +225,11 @@ def test_a_prefill_worker_whose_kv_has_another_dtype_never_prefills_for_the_deco
     prefill worker of the decode worker's dtype is, and with none the decode worker prefills itself."""
     tokens = prompt(256)
 
-    def info(worker_id: str, role: str, dtype: str) -> pb.WorkerInfo:
-        return pb.WorkerInfo(
-            worker_id=worker_id, role=role, endpoint=f"{worker_id}:1", epoch=3, model_fingerprint="m1",
-            block_size=BS, kv_dtype=dtype, kv_bytes_per_token=46080 if dtype == "fp32" else 23040,
-        )  # fmt: skip
-
     for prefills, chosen in ((("bf16", "fp32"), "P1"), (("bf16",), "d")):
         state = RouterState(make_policy("ttft", "disagg"))
         for i, dtype in enumerate(prefills):
-            state.add_worker(worker_state(info(f"P{i}", "prefill", dtype)))
-        state.add_worker(worker_state(info("d", "decode", "fp32")))
+            state.add_worker(worker_state(_info(f"P{i}", "prefill", dtype)))
+        state.add_worker(worker_state(_info("d", "decode", "fp32")))
         state.on_load("P1" if len(prefills) > 1 else "P0", 0.0, queued_prefill_tokens=0, running=0)
         state.on_load("P0", 0.0, queued_prefill_tokens=0, running=0)
         decision = state.route(RouteQuery("x", token_ids=tokens), 1.0)
