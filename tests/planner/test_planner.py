@@ -97,6 +97,12 @@ def test_scaling_is_damped_one_step_per_pool_held_down_and_bounded() -> None:
     assert damp((2, 1), (3, 1), roomy, held, now=10.0) == (2, 1)  # no room: not taken
     assert damp((2, 1), (1, 1), roomy, held, now=20.0) == (2, 1)  # 20 s after the change at 0: held
     assert damp((2, 1), (1, 1), roomy, held, now=31.0) == (1, 1)
+    # the same for decode: its step up cancelled for want of room, its step down still waits out the hold-down
+    roomy, held = Limits(1, 2, 1, 4, max_workers=3), Damper(hold_down_s=30.0)
+    assert damp((1, 1), (1, 2), roomy, held, now=0.0) == (1, 2)
+    assert damp((1, 2), (1, 3), roomy, held, now=10.0) == (1, 2)
+    assert damp((1, 2), (1, 1), roomy, held, now=20.0) == (1, 2)
+    assert damp((1, 2), (1, 1), roomy, held, now=31.0) == (1, 1)
     with pytest.raises(ValueError, match="max-workers"):
         Limits(2, 4, 2, 4, max_workers=3)
     assert all(p + d <= 3 for p, d in candidates(budget)) and (2, 1) in candidates(budget)
