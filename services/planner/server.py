@@ -583,11 +583,17 @@ class Planner:
 
         if not isinstance(self.scaler, KubeScaler):
             return None
-        try:
-            return await self.scaler.replicas("prefill"), await self.scaler.replicas("decode")
-        except (httpx.HTTPError, ValueError) as e:
-            log.warning("planner: reading the Deployments' replicas failed: %s", e)
-            return None
+        replicas = []
+        for pool in ("prefill", "decode"):
+            try:
+                replicas.append(await self.scaler.replicas(pool))
+            except (httpx.HTTPError, ValueError) as e:
+                # a failed call like a refused PATCH: counted, so an API server the planner cannot read shows on
+                # the scale-errors alert even in intervals with nothing to scale
+                metrics.PLANNER_SCALE_ERRORS.labels(pool).inc()
+                log.warning("planner: reading %s's replicas failed: %s", pool, e)
+                return None
+        return replicas[0], replicas[1]
 
     async def _asked(
         self, actual: tuple[int, int], deployments: tuple[int, int] | None

@@ -634,6 +634,32 @@ def test_kubernetes_mode_steps_from_the_deployments_replicas_so_a_refused_or_und
     assert _scale_errors("prefill") == before + 1
 
 
+def test_kubernetes_mode_counts_a_failed_read_of_the_deployments_as_a_scale_error() -> None:
+    """Each decision reads both Deployments' replicas first; an API server that does not answer that read is a
+    failed call like a refused PATCH, counted in rackserve_planner_scale_errors_total (until 2026-12-07 it was
+    only logged, and in an interval with nothing to size the scale-errors alert never saw it)."""
+    planner = _local_planner([], (1, 1))
+    planner.args.scale_mode = "kubernetes"
+    deployments = {"prefill": "rackserve-prefill", "decode": "rackserve-decode"}
+    planner.scaler = KubeScaler(f"http://127.0.0.1:{free_port()}", "prod", deployments, "tok", True, 2.0)
+
+    async def measure() -> None:
+        return None
+
+    planner.measure = measure
+    before = _scale_errors("prefill")
+
+    async def go() -> dict:
+        try:
+            return await planner.tick(now=0.0)
+        finally:
+            await planner.scaler.close()
+            await planner.close()
+
+    assert asyncio.run(go())["outcome"] == "no_data"
+    assert _scale_errors("prefill") == before + 1
+
+
 def test_kubernetes_rebalance_steps_down_first_and_never_exceeds_the_budget_when_a_patch_is_refused() -> None:
     """A budget of 3 at 2 prefill + 1 decode, the decision 1 + 2. The step down is sent first; when the API server
     refuses it, the step up is not sent, so the pods never number 4 (until 2026-12-07 prefill went first
