@@ -1,5 +1,6 @@
 """ChannelPool over real gRPC servers in this process: workers that come and go on new addresses (pods get new
-IPs on every restart) leave no channel behind once idle, and no channel is closed under a call in flight."""
+IPs on every restart) leave no channel behind once idle, no channel is closed under a call in flight, and a
+pool's channel has a connection of its own."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import grpc
 
 from services.rpc import pb, pb_grpc
 from services.runtime.channels import ChannelPool
+from services.runtime.tls import open_channel
 from tests.support.cluster import run
 
 IDLE_S = 0.5
@@ -112,3 +114,45 @@ def test_a_stream_outlives_the_idle_time_on_a_draining_worker() -> None:
         await pool.close()
 
     run(body, 60)
+
+
+class Peers(pb_grpc.PrefillWorkerServicer):
+    """Answers each Release with nothing, noting the client address the call came from."""
+
+    def __init__(self) -> None:
+        self.peers: list[str] = []
+
+    async def Release(  # noqa: N802
+        self, request: pb.ReleaseRequest, context: grpc.aio.ServicerContext
+    ) -> pb.Empty:
+        self.peers.append(context.peer())
+        return pb.Empty()
+
+
+def test_a_pools_channel_has_a_connection_of_its_own() -> None:
+    """gRPC shares one connection per address among a process's channels of the same settings. A fresh channel
+    for a worker restarted on its address (a newer epoch) must not take over one still backing off its reconnects
+    to the dead process (the restarted worker was failed at once, in 2 of 5 runs, until 2026-12-07), so a pool's
+    channels connect on their own: another channel to the same address never lends them its connection."""
+
+    async def go() -> list[str]:
+        peers = Peers()
+        server = grpc.aio.server()
+        pb_grpc.add_PrefillWorkerServicer_to_server(peers, server)
+        endpoint = f"127.0.0.1:{server.add_insecure_port('127.0.0.1:0')}"
+        await server.start()
+        other = open_channel(endpoint, None)
+        pool = ChannelPool()
+        try:
+            await pb_grpc.PrefillWorkerStub(other).Release(pb.ReleaseRequest(request_id="a"), timeout=5)
+            for epoch in (1, 2):
+                stub = pb_grpc.PrefillWorkerStub(pool.get(endpoint, epoch))
+                await stub.Release(pb.ReleaseRequest(request_id="b"), timeout=5)
+        finally:
+            await other.close()
+            await pool.close()
+            await server.stop(0)
+        return peers.peers
+
+    peers = asyncio.run(go())
+    assert len(peers) == 3 and len(set(peers)) == 3, peers
