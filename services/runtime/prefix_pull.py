@@ -178,8 +178,19 @@ class PrefixPuller:
         # would never be hit (the admission restores a tier's run after the pool's, never the pool after a
         # tier's), so ask from the first block this pool lacks: the source's run covers them too (the router's
         # index counts a run from the prompt's first block). Until 2026-12-07 such a pull was refused
-        # (fallback_prefix_gone) and every block it planned to copy was recomputed.
+        # (fallback_prefix_gone) and every block it planned to copy was recomputed. The router priced and timed
+        # the blocks from start_block on: a gap up to as many blocks at most doubles the copy (and its deadline
+        # with it); a longer one is refused as before (restoring it from the tier and computing the planned
+        # blocks costs less than copying them all, and a copy many times the planned one would miss its deadline).
+        planned = usable - start
+        gap = max(start - local, 0)
+        if gap > planned:
+            raise PullFailed(
+                "prefix_gone",
+                f"this pool holds {local} of the {start} blocks before the {planned} pulled ones: too long a gap",
+            )
         deadline_s = plan.deadline_s if plan.deadline_s > 0 else self.default_deadline_s
+        deadline_s *= (gap + planned) / planned
         want = own[local:usable]
         try:
             async with asyncio.timeout(deadline_s):

@@ -501,28 +501,34 @@ def test_a_peer_that_holds_nothing_means_a_recompute(
     assert pulls(cluster, "local") == before_local + 1
 
 
-def test_a_pull_behind_blocks_this_worker_lacks_pulls_those_blocks_too(
-    cluster: LocalCluster, prompts: dict[str, list[int]]
+@pytest.mark.parametrize(("start", "pulled"), [(2, True), (3, False)])
+def test_a_pull_behind_blocks_this_worker_lacks_pulls_those_blocks_too_unless_they_outnumber_the_plans(
+    cluster: LocalCluster, prompts: dict[str, list[int]], start: int, pulled: bool
 ) -> None:
     """The router starts a pull after the blocks it counts as the puller's: its pool's, but also its host and
     disk tiers' and those a request queued there will compute. The pool lacks those when the pull runs, and
     pulled blocks behind that gap could never be hit, so the puller asks from its first missing block (until
-    2026-12-07 it refused, `fallback_prefix_gone`, and recomputed every block the router planned to copy)."""
-    g = prompts["b"][::-1][: 5 * BS]  # new to everyone
-    want = cold(cluster, "g-cold", g)
-    warm = prefill(cluster, "prefill-b", "g-warm", g)
-    release(cluster, "prefill-b", "g-warm")
+    2026-12-07 it refused, `fallback_prefix_gone`, and recomputed every block the router planned to copy) —
+    unless the gap is longer than the planned blocks (3 before 1 here): that copy would be many times the one
+    the router priced and timed, so it is refused and the answer computed, the cold run's tokens either way."""
+    g = prompts["b" if pulled else "d"][::-1][: 5 * BS]  # new to everyone
+    want = cold(cluster, f"g{start}-cold", g)
+    warm = prefill(cluster, "prefill-b", f"g{start}-warm", g)
+    release(cluster, "prefill-b", f"g{start}-warm")
     assert warm.first_token.token_id == want[0]
-    before = pulls(cluster, "pulled")
+    before = pulls(cluster, "pulled"), pulls(cluster, "fallback_prefix_gone")
     a = cluster.endpoints["prefill-a"]
     free = run(lambda: wait_for_load(a, pb_grpc.PrefillWorkerStub, lambda s: True)).free_blocks
     h = block_hashes(g, BS)
-    pull = pb.PrefixPull(source=ref(cluster, "prefill-b"), start_block=2, block_hashes=h[2:])
-    got = prefill(cluster, "prefill-a", "g-pulled", g, pull)  # A lacks blocks 0 and 1 too
+    pull = pb.PrefixPull(source=ref(cluster, "prefill-b"), start_block=start, block_hashes=h[start:])
+    got = prefill(cluster, "prefill-a", f"g{start}-pulled", g, pull)  # A lacks the blocks before start too
     usable = (len(g) - 1) // BS
-    assert got.pulled_tokens == usable * BS and got.cached_tokens == usable * BS
-    assert continuation(cluster, "g-pulled", g, got) == want
-    assert pulls(cluster, "pulled") == before + 1
+    assert got.pulled_tokens == usable * BS * pulled and got.cached_tokens == usable * BS * pulled
+    assert continuation(cluster, f"g{start}-pulled", g, got) == want
+    assert (pulls(cluster, "pulled"), pulls(cluster, "fallback_prefix_gone")) == (
+        before[0] + pulled,
+        before[1] + (not pulled),
+    )
     # nothing of the pull stays pinned (A may hold an earlier test's unreleased prefill until its TTL)
     run(lambda: wait_for_load(cluster.endpoints["prefill-b"], pb_grpc.PrefillWorkerStub, all_free), 20)
     run(lambda: wait_for_load(a, pb_grpc.PrefillWorkerStub, lambda s: s.free_blocks >= free), 20)
