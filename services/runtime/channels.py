@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Callable
 from typing import Any
 
 import grpc
@@ -58,8 +59,10 @@ class ChannelPool:
         channel = self._channels.get(endpoint)
         if channel is not None and epoch > self._epochs.get(endpoint, 0):
             # Only a newer epoch replaces it: a call naming an older one (a stale handle) goes to the same
-            # address, and closing the channel would cancel the new process's calls on it.
-            self._close_later(channel)
+            # address, and closing the channel would cancel the new process's calls on it. The replaced one
+            # closes once its calls in flight are done: one may run on it (it reconnected to the new process
+            # before a router had heard of it), and closing it under that call cancelled it (until 2026-12-07).
+            channel.retire(self._close_later)
             channel = None
         if channel is None:
             # its own subchannels: gRPC shares one connection per address among a process's channels by
@@ -93,6 +96,7 @@ class _CountedChannel(grpc.aio.Channel):
     def __init__(self, channel: grpc.aio.Channel) -> None:
         self._channel = channel
         self.calls = 0
+        self._retired: Callable[[grpc.aio.Channel], None] | None = None  # replaced: how to close it once idle
 
     def _counted(self, multicallable: Any) -> Any:
         def call(*args: Any, **kwargs: Any) -> Any:
@@ -105,6 +109,15 @@ class _CountedChannel(grpc.aio.Channel):
 
     def _done(self, _call: Any) -> None:
         self.calls -= 1
+        if self.calls == 0 and self._retired is not None:
+            self._retired(self)
+
+    def retire(self, close: Callable[[grpc.aio.Channel], None]) -> None:
+        """Close it with `close` now, or once its last call in flight is done."""
+        if self.calls == 0:
+            close(self)
+        else:
+            self._retired = close
 
     def unary_unary(self, *args: Any, **kwargs: Any) -> Any:
         return self._counted(self._channel.unary_unary(*args, **kwargs))

@@ -116,6 +116,32 @@ def test_a_stream_outlives_the_idle_time_on_a_draining_worker() -> None:
     run(body, 60)
 
 
+def test_a_stream_on_a_channel_a_newer_epoch_replaces_runs_to_its_end() -> None:
+    """A channel may carry a live call when a newer epoch of its address is asked for (it reconnected to the
+    restarted process before a router had heard of it, and a stale plan used it): the replaced channel closes
+    once that call is done, not under it."""
+
+    async def body() -> None:
+        pool = ChannelPool()
+        server, endpoint = await start_worker()
+        old = pool.get(endpoint, 1)
+        call = pb_grpc.DecodeWorkerStub(old).Decode(pb.DecodeRequest(), timeout=30)
+        chunks = [await call.read()]
+        fresh = pool.get(endpoint, 2)
+        assert fresh is not old
+        assert await release(pool, endpoint) == grpc.StatusCode.OK  # on the fresh channel
+        while (chunk := await call.read()) is not grpc.aio.EOF:
+            chunks.append(chunk)
+        assert await call.code() == grpc.StatusCode.OK
+        assert [c.tokens[0].index for c in chunks] == list(range(6))
+        await asyncio.sleep(0.2)
+        assert old.get_state() == grpc.ChannelConnectivity.SHUTDOWN  # closed once the call was done
+        await server.stop(0)
+        await pool.close()
+
+    run(body, 60)
+
+
 class Peers(pb_grpc.PrefillWorkerServicer):
     """Answers each Release with nothing, noting the client address the call came from."""
 
