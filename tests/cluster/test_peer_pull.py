@@ -511,7 +511,8 @@ def test_a_pull_behind_blocks_this_worker_lacks_pulls_those_blocks_too_unless_th
     2026-12-07 it refused, `fallback_prefix_gone`, and recomputed every block the router planned to copy) —
     unless the gap is longer than the planned blocks (3 before 1 here): that copy would be many times the one
     the router priced and timed, so it is refused and the answer computed, the cold run's tokens either way."""
-    g = prompts["b" if pulled else "d"][::-1][: 5 * BS]  # new to everyone
+    # new to everyone (another test computes d reversed: shifted by a token, every block hash differs)
+    g = (prompts["b"][::-1] if pulled else prompts["d"][::-1][1:])[: 5 * BS]
     want = cold(cluster, f"g{start}-cold", g)
     warm = prefill(cluster, "prefill-b", f"g{start}-warm", g)
     release(cluster, "prefill-b", f"g{start}-warm")
