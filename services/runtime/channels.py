@@ -14,8 +14,8 @@ A channel nobody asked for in `idle_close_s` (5 minutes) and with no call in fli
 opening a new one. Until 2026-12-07 a worker that restarted on a new address (a Kubernetes pod gets a new IP)
 left its channel in the pool for the life of the process: about 12 KiB each, and one that had failed a call
 (its worker crashed) redialled the dead address, backing off up to two minutes, until gRPC idled it 30 minutes
-later. The pool counts each channel's calls itself: the
-channel's connectivity state cannot tell, a worker draining after GOAWAY shows IDLE while its streams run on.
+later. The pool counts each channel's calls itself: the channel's connectivity state cannot tell, a worker
+draining after GOAWAY shows IDLE while its streams run on.
 
 This room holds channels only: no request state, no retries, no knowledge of what is called over them.
 """
@@ -42,10 +42,6 @@ class ChannelPool:
 
     def __init__(self, tls: GrpcTls | None = None) -> None:
         self._channels: dict[str, _CountedChannel] = {}
-        self._epochs: dict[str, int] = {}  # endpoint -> the newest epoch of the process it was asked for
-        self._asked: dict[
-            str, float
-        ] = {}  # endpoint -> when its channel was last asked for (time.monotonic())
         self._closing: set[asyncio.Task[None]] = set()  # superseded and idle channels being closed
         self._swept = time.monotonic()
         self.idle_close_s = IDLE_CLOSE_S
@@ -57,7 +53,7 @@ class ChannelPool:
         if now - self._swept >= self.idle_close_s:
             self._close_idle(now)
         channel = self._channels.get(endpoint)
-        if channel is not None and epoch > self._epochs.get(endpoint, 0):
+        if channel is not None and epoch > channel.epoch:
             # Only a newer epoch replaces it: a call naming an older one (a stale handle) goes to the same
             # address, and closing the channel would cancel the new process's calls on it. The replaced one
             # closes once its calls in flight are done: one may run on it (it reconnected to the new process
@@ -69,15 +65,15 @@ class ChannelPool:
             # default, and a fresh channel would take over the old one's, still backing off its reconnects
             channel = _CountedChannel(open_channel(endpoint, self.tls, LOCAL_SUBCHANNELS))
             self._channels[endpoint] = channel
-        self._epochs[endpoint] = max(epoch, self._epochs.get(endpoint, 0))
-        self._asked[endpoint] = now
+        channel.epoch = max(epoch, channel.epoch)
+        channel.asked = now
         return channel
 
     def _close_idle(self, now: float) -> None:
         self._swept = now
         for endpoint, channel in list(self._channels.items()):
-            if channel.calls == 0 and now - self._asked[endpoint] >= self.idle_close_s:
-                del self._channels[endpoint], self._epochs[endpoint], self._asked[endpoint]
+            if channel.calls == 0 and now - channel.asked >= self.idle_close_s:
+                del self._channels[endpoint]
                 self._close_later(channel)
 
     def _close_later(self, channel: grpc.aio.Channel) -> None:
@@ -96,6 +92,8 @@ class _CountedChannel(grpc.aio.Channel):
     def __init__(self, channel: grpc.aio.Channel) -> None:
         self._channel = channel
         self.calls = 0
+        self.epoch = 0  # the newest epoch of the process it was asked for (0: unknown)
+        self.asked = 0.0  # when the pool last handed it out (time.monotonic())
         self._retired: Callable[[grpc.aio.Channel], None] | None = None  # replaced: how to close it once idle
 
     def _counted(self, multicallable: Any) -> Any:
