@@ -107,6 +107,15 @@ class KubeScaler:
         self.last[pool] = int(r.json().get("spec", {}).get("replicas", 0))
         return self.last[pool]
 
+    async def read(self, pool: str) -> int | None:
+        """`replicas`, with a failed read logged and counted as a failed call (a scale error); None then."""
+        try:
+            return await self.replicas(pool)
+        except (httpx.HTTPError, ValueError) as e:
+            metrics.PLANNER_SCALE_ERRORS.labels(pool).inc()
+            log.warning("planner: reading %s's replicas failed: %s", pool, e)
+            return None
+
     async def apply(self, desired: tuple[int, int]) -> None:
         """Set both Deployments' replicas. Steps down go first, and a step down that fails holds back the steps
         up: a rebalance (one pool down, the other up) never leaves more pods than the budget, whichever PATCH
@@ -114,11 +123,7 @@ class KubeScaler:
         wanted = dict(zip(("prefill", "decode"), desired, strict=True))
         for pool in wanted:
             if pool not in self.last:
-                try:
-                    await self.replicas(pool)
-                except (httpx.HTTPError, ValueError) as e:
-                    metrics.PLANNER_SCALE_ERRORS.labels(pool).inc()
-                    log.warning("planner: reading %s's replicas failed: %s", pool, e)
+                await self.read(pool)
         if any(pool not in self.last for pool in wanted):
             return
         down = [p for p, n in wanted.items() if n < self.last[p]]

@@ -583,17 +583,13 @@ class Planner:
 
         if not isinstance(self.scaler, KubeScaler):
             return None
-        replicas = []
-        for pool in ("prefill", "decode"):
-            try:
-                replicas.append(await self.scaler.replicas(pool))
-            except (httpx.HTTPError, ValueError) as e:
-                # a failed call like a refused PATCH: counted, so an API server the planner cannot read shows on
-                # the scale-errors alert even in intervals with nothing to scale
-                metrics.PLANNER_SCALE_ERRORS.labels(pool).inc()
-                log.warning("planner: reading %s's replicas failed: %s", pool, e)
-                return None
-        return replicas[0], replicas[1]
+        # a failed read is counted like a refused PATCH, so an API server the planner cannot read shows on the
+        # scale-errors alert even in intervals with nothing to scale
+        prefill = await self.scaler.read("prefill")
+        if prefill is None:
+            return None
+        decode = await self.scaler.read("decode")
+        return None if decode is None else (prefill, decode)
 
     async def _asked(
         self, actual: tuple[int, int], deployments: tuple[int, int] | None
